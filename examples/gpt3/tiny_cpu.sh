@@ -1,0 +1,62 @@
+#!/bin/bash
+# A tiny GPT on CPU processes (gloo). Every size and path can be overridden from the environment:
+#   NPROC=2 RUN_DIR=runs/tiny DATA_PATH=<prefix> ITERS=200 bash examples/gpt3/tiny_cpu.sh
+#   MOCK=1 bash examples/gpt3/tiny_cpu.sh          # generated data instead of a corpus
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+NPROC=${NPROC:-2}
+RUN_DIR=${RUN_DIR:-runs/tiny_cpu}
+ITERS=${ITERS:-100}
+NUM_LAYERS=${NUM_LAYERS:-4}
+HIDDEN=${HIDDEN:-128}
+HEADS=${HEADS:-4}
+SEQ=${SEQ:-128}
+MBS=${MBS:-4}
+GBS=${GBS:-16}
+VOCAB_FILE=${VOCAB_FILE:-tests/data/gpt2-vocab.json}
+MERGE_FILE=${MERGE_FILE:-tests/data/gpt2-merges.txt}
+
+MODEL_ARGS=(
+    --num-layers "$NUM_LAYERS"
+    --hidden-size "$HIDDEN"
+    --num-attention-heads "$HEADS"
+    --seq-length "$SEQ"
+    --max-position-embeddings "$SEQ"
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+)
+TRAINING_ARGS=(
+    --micro-batch-size "$MBS"
+    --global-batch-size "$GBS"
+    --train-iters "$ITERS"
+    --lr 1e-3
+    --min-lr 1e-4
+    --lr-decay-style cosine
+    --lr-warmup-iters 10
+    --weight-decay 0.1
+    --clip-grad 1.0
+    --num-workers 0
+)
+if [[ "${MOCK:-0}" == "1" ]]; then
+    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 1024)
+else
+    DATA_ARGS=(
+        --data-path "${DATA_PATH:?set DATA_PATH to a preprocessed prefix, or MOCK=1}"
+        --split 98,1,1
+        --tokenizer-type GPT2BPETokenizer
+        --vocab-file "$VOCAB_FILE"
+        --merge-file "$MERGE_FILE"
+    )
+fi
+OUTPUT_ARGS=(
+    --log-interval 10
+    --eval-interval 50
+    --eval-iters 5
+    --save "$RUN_DIR/checkpoints"
+    --save-interval "$ITERS"
+    --ckpt-format torch
+    --tensorboard-dir "$RUN_DIR/tensorboard"
+)
+exec torchrun --nproc-per-node "$NPROC" pretrain_gpt.py \
+    "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

@@ -1,0 +1,1 @@
+from .distributed_data_parallel import DistributedDataParallel, DistributedDataParallelConfig  # noqa: F401

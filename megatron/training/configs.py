@@ -1,0 +1,67 @@
+"""The one place where the global args become the config dataclasses of megatron.core."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+def _from_args(cls, args, **overrides):
+    """Fill every field of ``cls`` that has an arg of the same name, then apply ``overrides``."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+        elif hasattr(args, f.name):
+            kwargs[f.name] = getattr(args, f.name)
+    return cls(**kwargs)
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.pow(F.relu(x), 2)
+
+
+def core_transformer_config_from_args(args, config_class=TransformerConfig) -> TransformerConfig:
+    """TransformerConfig for the model, with the flag names that differ from field names mapped."""
+    overrides = {
+        "layernorm_epsilon": args.norm_epsilon,
+        "layernorm_zero_centered_gamma": args.apply_layernorm_1p,
+        "gated_linear_unit": bool(args.swiglu),
+        "num_moe_experts": getattr(args, "num_experts", None),
+        "deallocate_pipeline_outputs": True,
+        "pipeline_dtype": args.params_dtype,
+        "params_dtype": args.params_dtype,
+        "bias_activation_fusion": bool(args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion),
+    }
+    if args.swiglu:
+        overrides["activation_func"] = F.silu
+    elif args.squared_relu:
+        overrides["activation_func"] = squared_relu
+    else:
+        overrides["activation_func"] = F.gelu
+    names = {f.name for f in dataclasses.fields(config_class)}
+    overrides = {k: v for k, v in overrides.items() if k in names}
+    return _from_args(config_class, args, **overrides)
+
+
+def optimizer_config_from_args(args, timers=None) -> OptimizerConfig:
+    return _from_args(OptimizerConfig, args, timers=timers,
+                      min_lr=args.min_lr if args.min_lr is not None else 0.0)
+
+
+def ddp_config_from_args(args) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
+        average_in_collective=bool(getattr(args, "ddp_average_in_collective", False)),
+        overlap_grad_reduce=bool(args.overlap_grad_reduce),
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        bucket_size=getattr(args, "ddp_bucket_size", None),
+        check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)) and not args.fp16,
+    )

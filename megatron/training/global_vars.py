@@ -1,0 +1,109 @@
+"""The training side's globals: args, timers, tokenizer, writers, micro-batch calculator.
+
+Megatron users reach these through ``get_args()`` and friends; ``megatron.core`` never does.
+"""
+from typing import Any, Optional
+
+_GLOBALS = {}
+
+
+def _get(name: str, required: bool = True):
+    value = _GLOBALS.get(name)
+    if required and value is None:
+        raise RuntimeError(f"{name} is not initialized; call initialize_megatron() or pretrain() first")
+    return value
+
+
+def _set(name: str, value: Any, allow_reset: bool = True):
+    if not allow_reset and _GLOBALS.get(name) is not None:
+        raise RuntimeError(f"{name} is already initialized")
+    _GLOBALS[name] = value
+
+
+def get_args():
+    return _get("args")
+
+
+def set_args(args):
+    _set("args", args)
+
+
+def get_timers():
+    return _get("timers")
+
+
+def set_timers(timers):
+    _set("timers", timers)
+
+
+def get_tokenizer():
+    return _get("tokenizer")
+
+
+def set_tokenizer(tokenizer):
+    _set("tokenizer", tokenizer)
+
+
+def get_tensorboard_writer():
+    return _get("tensorboard_writer", required=False)
+
+
+def set_tensorboard_writer(writer):
+    _set("tensorboard_writer", writer)
+
+
+def get_wandb_writer():
+    return _get("wandb_writer", required=False)
+
+
+def set_wandb_writer(writer):
+    _set("wandb_writer", writer)
+
+
+def get_num_microbatches_calculator():
+    return _get("num_microbatches_calculator")
+
+
+def set_num_microbatches_calculator(calculator):
+    _set("num_microbatches_calculator", calculator)
+
+
+def get_num_microbatches() -> int:
+    return get_num_microbatches_calculator().get()
+
+
+def get_current_global_batch_size() -> int:
+    return get_num_microbatches_calculator().get_current_global_batch_size()
+
+
+def update_num_microbatches(consumed_samples: int, consistency_check: bool = True) -> None:
+    get_num_microbatches_calculator().update(consumed_samples, consistency_check)
+
+
+def get_parallel_state():
+    return _get("parallel_state")
+
+
+def set_parallel_state(state):
+    _set("parallel_state", state)
+
+
+def get_rng_tracker():
+    return _get("rng_tracker", required=False)
+
+
+def set_rng_tracker(tracker):
+    _set("rng_tracker", tracker)
+
+
+def get_signal_handler() -> Optional[Any]:
+    return _get("signal_handler", required=False)
+
+
+def set_signal_handler(handler):
+    _set("signal_handler", handler)
+
+
+def reset_globals():
+    """Forget every global (tests run several trainings in one process)."""
+    _GLOBALS.clear()

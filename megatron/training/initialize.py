@@ -1,0 +1,144 @@
+"""Start-up: arguments, torch.distributed, process groups, seeds, and the training globals."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
+from megatron.core.parallel_state import initialize_model_parallel
+from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seeds
+from megatron.core.timers import Timers
+
+from . import global_vars
+from .utils import get_device, print_rank_0
+
+
+def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False, argv=None,
+                        parsed_args=None):
+    """Parse and validate flags, start torch.distributed, build groups, seed RNGs, set globals.
+
+    Bad flags end the process with one ``error: ...`` line and exit code 2.
+    """
+    from .arguments import parse_and_validate_args, print_args
+    args = parsed_args if parsed_args is not None else parse_and_validate_args(
+        extra_args_provider=extra_args_provider, args_defaults=args_defaults or {},
+        ignore_unknown_args=ignore_unknown_args, argv=argv)
+    global_vars.set_args(args)
+    print_args("arguments", args)
+    note = getattr(args, "transformer_impl_note", None)
+    if note:
+        print_rank_0(f" > {note}")
+
+    _initialize_distributed(args)
+    state = initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+        use_tp_pp_dp_mapping=getattr(args, "use_tp_pp_dp_mapping", False),
+    )
+    global_vars.set_parallel_state(state)
+    _set_random_seed(args, state)
+
+    global_vars.set_timers(Timers(args.timing_log_level, args.timing_log_option))
+    from .tokenizer import build_tokenizer
+    global_vars.set_tokenizer(build_tokenizer(args))
+    global_vars.set_num_microbatches_calculator(build_num_microbatches_calculator(
+        rank=args.rank, rampup_batch_size=args.rampup_batch_size, global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
+        decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False)))
+    _update_train_iters(args)
+    from .writers import build_tensorboard_writer, build_wandb_writer
+    global_vars.set_tensorboard_writer(build_tensorboard_writer(args))
+    global_vars.set_wandb_writer(build_wandb_writer(args))
+    if args.exit_signal_handler:
+        global_vars.set_signal_handler(DistributedSignalHandler(getattr(args, "exit_signal", signal.SIGTERM)))
+    return args
+
+
+def _initialize_distributed(args):
+    """Join the torchrun world: NCCL on GPUs, gloo on CPUs (chosen automatically without a GPU)."""
+    use_cuda = torch.cuda.is_available()
+    backend = args.distributed_backend
+    if backend == "nccl" and not use_cuda:
+        backend = "gloo"
+    args.distributed_backend = backend
+    if use_cuda:
+        local_rank = int(os.getenv("LOCAL_RANK", args.local_rank or 0))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if dist.is_initialized():
+        return
+    if args.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return  # plain `python pretrain_gpt.py`: a single process needs no process group
+    dist.init_process_group(backend=backend, world_size=args.world_size, rank=args.rank,
+                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def _set_random_seed(args, state):
+    """Seeds of Megatron: seed + 100*pp_rank (+ 10*dp_rank with --data-parallel-random-init)."""
+    seed = args.seed + 100 * state.get_pipeline_model_parallel_rank()
+    if getattr(args, "data_parallel_random_init", False):
+        seed += 10 * state.get_data_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed(seed)
+    tracker = RNGStatesTracker()
+    for name, region_seed in model_parallel_seeds(
+            seed, tp_rank=state.get_tensor_model_parallel_rank(),
+            ep_rank=state.get_expert_model_parallel_rank(),
+            etp_rank=state.get_expert_tensor_parallel_rank()).items():
+        tracker.add(name, region_seed)
+    global_vars.set_rng_tracker(tracker)
+
+
+def _update_train_iters(args):
+    """Derive --train-iters in sample-based training (simulating a batch-size ramp-up if any)."""
+    if args.train_iters is not None or args.train_samples is None:
+        return
+    if args.rampup_batch_size is None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    else:
+        from megatron.core.num_microbatches_calculator import simulate_rampup_train_iters
+        args.train_iters = simulate_rampup_train_iters(
+            train_samples=args.train_samples, global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
+            rampup_batch_size=args.rampup_batch_size)
+    print_rank_0(f"setting training iterations to {args.train_iters}")
+
+
+class DistributedSignalHandler:
+    """Records a signal (SIGTERM by default) so the loop can save and exit cleanly.
+
+    ``signals_received()`` is a collective: every rank learns whether any rank got the signal.
+    """
+
+    def __init__(self, sig=signal.SIGTERM):
+        if isinstance(sig, str):
+            sig = getattr(signal, sig)
+        self.sig = sig
+        self._received = False
+        self._previous = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self._received = True
+
+    def signals_received(self) -> bool:
+        flag = torch.tensor([1 if self._received else 0], dtype=torch.int32, device=get_device())
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self):
+        signal.signal(self.sig, self._previous)

@@ -1,0 +1,441 @@
+"""The training loop: ``pretrain()`` and the steps of MEGATRON_FACTS §2."""
+from __future__ import annotations
+
+import enum
+import sys
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.float16_module import Float16Module
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
+
+from . import global_vars
+from .checkpointing import load_checkpoint, save_checkpoint
+from .configs import ddp_config_from_args, optimizer_config_from_args
+from .data_samplers import build_pretraining_data_loader
+from .initialize import initialize_megatron
+from .training_log import print_evaluation, training_log
+from .utils import get_device, print_rank_0
+
+_TRAIN_START_TIME = None
+
+
+class ModelType(enum.Enum):
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2
+
+
+def print_datetime(message: str) -> None:
+    from datetime import datetime
+    if dist.is_initialized():
+        dist.barrier()
+    print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
+def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: ModelType,
+             forward_step_func: Callable, process_non_loss_data_func=None, extra_args_provider=None,
+             args_defaults=None, argv=None, **kwargs):
+    """Initialize, build model/optimizer/data, train, evaluate; the steps of §2.
+
+    ``argv`` (default ``sys.argv[1:]``) lets tests run a training in-process.
+    """
+    global _TRAIN_START_TIME
+    start = torch.tensor([time.time()], dtype=torch.double)
+    initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv)
+    args = global_vars.get_args()
+    timers = global_vars.get_timers()
+    if dist.is_initialized():
+        start = start.to(get_device())
+        dist.all_reduce(start, op=dist.ReduceOp.MIN)
+    _TRAIN_START_TIME = start.item()
+    print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME))
+    print_datetime("after megatron is initialized")
+
+    timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
+    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    timers("model-and-optimizer-setup").stop()
+    print_datetime("after model, optimizer, and learning rate scheduler are built")
+    config = get_model_config(model[0])
+
+    timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
+    train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
+    timers("train/valid/test-data-iterators-setup").stop()
+    print_datetime("after dataloaders are built")
+    print_rank_0("done with setup ...")
+    timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
+
+    iteration = args.iteration
+    flops = args.num_floating_point_operations_so_far
+    exit_code = None
+    if not args.skip_train and args.train_iters > 0:
+        print_rank_0("training ...")
+        iteration, flops, exit_code = train(forward_step_func, model, optimizer, opt_param_scheduler, train_iter,
+                                            valid_iter, process_non_loss_data_func, config)
+        print_datetime("after training is done")
+        if exit_code is None and args.save and iteration != 0 and iteration != args.last_saved_iteration:
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
+            args.last_saved_iteration = iteration
+    else:
+        print_rank_0("skipping training (--skip-train is on) ...")
+
+    if exit_code is None:
+        if args.do_valid:
+            evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_iter,
+                                       model, iteration, config, verbose=True)
+        if args.do_test:
+            evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_iter,
+                                       model, iteration, config, verbose=True, test=True)
+    _finish_writers()
+    if exit_code is not None:
+        sys.exit(exit_code)
+    return model
+
+
+def _finish_writers():
+    writer = global_vars.get_tensorboard_writer()
+    if writer is not None:
+        writer.flush()
+        writer.close()
+    wandb_writer = global_vars.get_wandb_writer()
+    if wandb_writer is not None:
+        wandb_writer.finish()
+
+
+def get_model(model_provider: Callable, model_type: ModelType = ModelType.encoder_or_decoder,
+              wrap_with_ddp: bool = True) -> List[torch.nn.Module]:
+    """Build this rank's model chunk(s), move them to the device, cast and wrap in DDP."""
+    args = global_vars.get_args()
+    state = global_vars.get_parallel_state()
+    pre_process = state.is_pipeline_first_stage()
+    post_process = state.is_pipeline_last_stage()
+    model = model_provider(pre_process=pre_process, post_process=post_process)
+    chunks = model if isinstance(model, list) else [model]
+    for chunk in chunks:
+        chunk.model_type = model_type
+
+    if state.get_data_parallel_rank() == 0 and state.get_context_parallel_rank() == 0:
+        num_params = sum(sum(p.nelement() for p in chunk.parameters()) for chunk in chunks)
+        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
+            state.get_tensor_model_parallel_rank(), state.get_pipeline_model_parallel_rank(), num_params), flush=True)
+
+    device = get_device()
+    chunks = [chunk.to(device) for chunk in chunks]
+    if args.fp16 or args.bf16:
+        dtype = torch.float16 if args.fp16 else torch.bfloat16
+        chunks = [Float16Module(chunk, dtype, pre_process, post_process) for chunk in chunks]
+    if not wrap_with_ddp:
+        return chunks
+    ddp_config = ddp_config_from_args(args)
+    wrapped = []
+    for chunk in chunks:
+        ddp = DistributedDataParallel(ddp_config, chunk, state.get_data_parallel_group(with_context_parallel=True))
+        if getattr(args, "data_parallel_random_init", False) is False:
+            pass  # replicas are seeded identically, so their weights already agree
+        else:
+            ddp.broadcast_params()
+        wrapped.append(ddp)
+    return wrapped
+
+
+def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
+    """The LR/WD scheduler of §11; steps count samples."""
+    args = global_vars.get_args()
+    if args.train_iters is not None and args.train_samples is None:
+        lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
+        wd_incr_steps = args.train_iters * args.global_batch_size
+        wsd_decay_steps = (args.lr_wsd_decay_iters * args.global_batch_size
+                           if getattr(args, "lr_wsd_decay_iters", None) else None)
+        warmup_steps = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
+                        else args.lr_warmup_iters * args.global_batch_size)
+    else:
+        lr_decay_steps = args.lr_decay_samples or args.train_samples
+        wd_incr_steps = args.train_samples
+        wsd_decay_steps = getattr(args, "lr_wsd_decay_samples", None)
+        warmup_steps = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
+                        else args.lr_warmup_samples)
+    start_wd = args.start_weight_decay if args.start_weight_decay is not None else args.weight_decay
+    end_wd = args.end_weight_decay if args.end_weight_decay is not None else args.weight_decay
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=lr_decay_steps, lr_decay_style=args.lr_decay_style,
+        start_wd=start_wd, end_wd=end_wd, wd_incr_steps=wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler, wsd_decay_steps=wsd_decay_steps,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
+    args = global_vars.get_args()
+    state = global_vars.get_parallel_state()
+    timers = global_vars.get_timers()
+    model = get_model(model_provider, model_type)
+    inner = [chunk.module for chunk in model]
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args, timers), inner,
+                                       model_parallel_group=state.get_model_parallel_group()
+                                       if state.size("mp") > 1 else None,
+                                       tp_rank=state.get_tensor_model_parallel_rank())
+    opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss if args.fp16 else None
+    config.timers = timers
+    config.calculate_per_token_loss = getattr(args, "calculate_per_token_loss", False)
+
+    args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
+    if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
+        timers("load-checkpoint", log_level=0).start(barrier=True)
+        args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
+            model, optimizer, opt_param_scheduler, load_arg="load" if args.load is not None else "pretrained_checkpoint")
+        timers("load-checkpoint").stop(barrier=True)
+        timers.log(["load-checkpoint"])
+    args.last_saved_iteration = args.iteration if args.iteration > 0 else None
+    return model, optimizer, opt_param_scheduler
+
+
+def get_train_valid_test_num_samples():
+    """Target sample counts of §6: train, valid, test."""
+    args = global_vars.get_args()
+    train_samples = args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
+    eval_iters = args.eval_iters
+    eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    if getattr(args, "full_validation", False):
+        valid = None
+    elif args.eval_interval:
+        valid = (args.train_iters // args.eval_interval + 1) * eval_iters * eval_gbs
+    else:
+        valid = eval_iters * eval_gbs
+    test = eval_iters * eval_gbs
+    return train_samples, valid, test
+
+
+def build_train_valid_test_data_iterators(provider: Callable):
+    """Datasets (once), samplers from the consumed-sample counts, loaders, iterators."""
+    args = global_vars.get_args()
+    state = global_vars.get_parallel_state()
+    if args.iteration > 0 and args.consumed_train_samples == 0:
+        args.consumed_train_samples = args.iteration * args.global_batch_size
+    if args.iteration > 0 and args.consumed_valid_samples == 0 and args.eval_interval:
+        args.consumed_valid_samples = ((args.iteration // args.eval_interval) * args.eval_iters
+                                       * args.global_batch_size)
+    train_n, valid_n, test_n = get_train_valid_test_num_samples()
+    print_rank_0(" > datasets target sizes (minimum size):")
+    print_rank_0("    train:      {}".format(train_n))
+    print_rank_0("    validation: {}".format(valid_n))
+    print_rank_0("    test:       {}".format(test_n))
+    train_ds, valid_ds, test_ds = provider([train_n, valid_n, test_n])
+    dp_rank = state.get_data_parallel_rank()
+    dp_size = state.get_data_parallel_world_size()
+    train_loader = build_pretraining_data_loader(train_ds, args.consumed_train_samples, args, dp_rank, dp_size)
+    valid_loader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples, args, dp_rank, dp_size) \
+        if valid_ds is not None and len(valid_ds) > args.consumed_valid_samples else None
+    test_loader = build_pretraining_data_loader(test_ds, 0, args, dp_rank, dp_size) if test_ds is not None else None
+    args.do_train = train_loader is not None and args.train_iters > 0
+    args.do_valid = valid_loader is not None and args.eval_iters > 0
+    args.do_test = test_loader is not None and args.eval_iters > 0
+
+    def as_iter(loader):
+        if loader is None:
+            return None
+        return iter(loader) if args.dataloader_type == "single" else _cyclic(loader)
+    return as_iter(train_loader), as_iter(valid_loader), as_iter(test_loader)
+
+
+def _cyclic(loader):
+    while True:
+        for batch in loader:
+            yield batch
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
+    """One iteration: all micro-batches, gradient sync, optimizer and scheduler step."""
+    args = global_vars.get_args()
+    state = global_vars.get_parallel_state()
+    timers = global_vars.get_timers()
+    optimizer.zero_grad()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    forward_backward_func = get_forward_backward_func(args.pipeline_model_parallel_size,
+                                                      getattr(args, "virtual_pipeline_model_parallel_size", None))
+    num_microbatches = global_vars.get_num_microbatches()
+    timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
+    losses_reduced = forward_backward_func(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+        forward_only=False)
+    timers("forward-backward").stop()
+
+    timers("all-grads-sync", log_level=1).start(barrier=args.barrier_with_L1_time)
+    for chunk in model:
+        chunk.finish_grad_sync()
+    if config.calculate_per_token_loss:
+        num_tokens = config.last_num_tokens.to(get_device())
+        if dist.is_initialized():
+            dist.all_reduce(num_tokens, group=state.get_data_parallel_group(with_context_parallel=True))
+        for chunk in model:
+            for buffer in chunk.buffers:
+                buffer.data.mul_(1.0 / max(1, num_tokens.item()))
+    timers("all-grads-sync").stop()
+
+    timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    timers("optimizer").stop()
+    if update_successful:
+        increment = num_microbatches * args.micro_batch_size * args.data_parallel_size
+        opt_param_scheduler.step(increment=increment)
+        skipped_iter = 0
+    else:
+        skipped_iter = 1
+
+    loss_reduced = {}
+    if state.is_pipeline_last_stage():
+        loss_reduced = _reduce_losses(losses_reduced, state)
+    return loss_reduced, skipped_iter, grad_norm, num_zeros
+
+
+def _reduce_losses(losses_reduced, state):
+    """Per-token average over micro-batches and DP×CP for [sum, count] entries; mean otherwise."""
+    result = {}
+    if not losses_reduced:
+        return result
+    for key in losses_reduced[0]:
+        values = [x[key] for x in losses_reduced]
+        first = values[0]
+        if torch.is_tensor(first) and first.numel() == 2:
+            total = torch.vstack([v.detach().float().view(2) for v in values]).sum(0).to(get_device())
+            if dist.is_initialized():
+                dist.all_reduce(total, group=state.get_data_parallel_group(with_context_parallel=True))
+            result[key] = (total[0] / total[1]).item()
+        else:
+            stacked = torch.stack([torch.as_tensor(v).float().view(()) for v in values]).mean().to(get_device())
+            if dist.is_initialized():
+                dist.all_reduce(stacked, group=state.get_data_parallel_group(with_context_parallel=True))
+                stacked = stacked / state.get_data_parallel_world_size(with_context_parallel=True)
+            result[key] = stacked.item()
+    return result
+
+
+def _params_norm(model) -> float:
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in model:
+        for p in chunk.parameters():
+            total += p.detach().double().pow(2).sum().cpu()
+    return total.sqrt().item()
+
+
+def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
+          process_non_loss_data_func, config):
+    """The loop; returns (iteration, flops so far, exit code or None)."""
+    args = global_vars.get_args()
+    timers = global_vars.get_timers()
+    for chunk in model:
+        chunk.train()
+    iteration = args.iteration
+    flops = args.num_floating_point_operations_so_far
+    total_loss_dict = {}
+    report_memory_flag = True
+    timers("interval-time", log_level=0).start(barrier=True)
+    exit_code = None
+    while iteration < args.train_iters:
+        global_vars.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+        loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
+        iteration += 1
+        args.iteration = iteration
+        batch_size = args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
+        args.consumed_train_samples += batch_size
+        if skipped_iter:
+            args.skipped_train_samples = getattr(args, "skipped_train_samples", 0) + batch_size
+        loss_scale = optimizer.get_loss_scale().item()
+        params_norm = _params_norm(model) if args.log_params_norm else None
+        learning_rate = optimizer.param_groups[0]["lr"]
+        report_memory_flag = training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
+                                          report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros)
+
+        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
+                                       iteration, config, verbose=False)
+        exit_code = _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops)
+        if exit_code is not None:
+            break
+    return iteration, flops, exit_code
+
+
+def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops) -> Optional[int]:
+    """Save on the interval; on a signal, --exit-interval or --exit-duration-in-mins save and stop."""
+    args = global_vars.get_args()
+    handler = global_vars.get_signal_handler()
+
+    def save():
+        if args.save and args.last_saved_iteration != iteration:
+            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
+            args.last_saved_iteration = iteration
+
+    if handler is not None and handler.signals_received():
+        save()
+        print_datetime(f"exiting program after receiving {handler.sig.name if hasattr(handler.sig, 'name') else 'a signal'}")
+        return 0
+    if args.save and args.save_interval and iteration % args.save_interval == 0:
+        save()
+    if args.exit_duration_in_mins:
+        elapsed = torch.tensor([(time.time() - _TRAIN_START_TIME) / 60.0], device=get_device())
+        if dist.is_initialized():
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if elapsed.item() > args.exit_duration_in_mins:
+            save()
+            print_datetime(f"exiting program after {elapsed.item():.2f} minutes")
+            return 0
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        save()
+        print_datetime(f"exiting program at iteration {iteration}")
+        return 0
+    return None
+
+
+def evaluate(forward_step_func, data_iterator, model, config, verbose: bool = False, eval_iters: int = None):
+    """Forward-only over --eval-iters batches; Σ loss / Σ tokens, reduced over DP×CP."""
+    args = global_vars.get_args()
+    state = global_vars.get_parallel_state()
+    for chunk in model:
+        chunk.eval()
+    eval_iters = eval_iters if eval_iters is not None else args.eval_iters
+    forward_backward_func = get_forward_backward_func(args.pipeline_model_parallel_size,
+                                                      getattr(args, "virtual_pipeline_model_parallel_size", None))
+    totals = {}
+    eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    eval_mbs = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
+    num_microbatches = eval_gbs // (eval_mbs * args.data_parallel_size)
+    with torch.no_grad():
+        for step in range(eval_iters):
+            if verbose:
+                print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
+            losses = forward_backward_func(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                           model=model, num_microbatches=num_microbatches,
+                                           seq_length=args.seq_length, micro_batch_size=eval_mbs, forward_only=True)
+            if state.is_pipeline_last_stage():
+                for loss in losses:
+                    for key, value in loss.items():
+                        value = value.detach().float().view(-1).to(get_device())
+                        if value.numel() != 2:
+                            value = torch.stack([value.sum(), torch.ones((), device=value.device)])
+                        totals[key] = totals.get(key, torch.zeros(2, device=value.device)) + value
+            args.consumed_valid_samples += eval_gbs
+    for chunk in model:
+        chunk.train()
+    result = {}
+    for key, total in totals.items():
+        if dist.is_initialized():
+            dist.all_reduce(total, group=state.get_data_parallel_group(with_context_parallel=True))
+        result[key] = (total[0] / total[1]).item()
+    return result
+
+
+def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, config,
+                               verbose=False, test=False):
+    args = global_vars.get_args()
+    totals = evaluate(forward_step_func, data_iterator, model, config, verbose)
+    return print_evaluation(prefix, totals, iteration, args.consumed_train_samples, test=test)

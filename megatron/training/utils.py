@@ -1,0 +1,34 @@
+"""Small helpers of the training side: rank-aware printing and environment facts."""
+import torch
+import torch.distributed as dist
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_last_rank() -> bool:
+    return get_rank() == get_world_size() - 1
+
+
+def print_rank_0(message: str) -> None:
+    """Print on global rank 0 only."""
+    if get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message: str) -> None:
+    """Print on the last global rank only (it holds the last pipeline stage and the loss)."""
+    if is_last_rank():
+        print(message, flush=True)
+
+
+def get_device() -> torch.device:
+    """The device this process computes on: its local GPU, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

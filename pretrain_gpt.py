@@ -1,0 +1,113 @@
+"""Pretrain a GPT (or Llama-style) decoder: ``torchrun --nproc-per-node N pretrain_gpt.py <flags>``."""
+from functools import partial
+
+import torch
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.models.gpt import GPTModel
+from megatron.training import get_args, get_timers, get_tokenizer, print_rank_0
+from megatron.training.configs import core_transformer_config_from_args
+from megatron.training.training import ModelType, pretrain
+from megatron.training.utils import get_device
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None):
+    """Build the GPT model of this pipeline stage from the flags (local PyTorch implementation)."""
+    args = get_args()
+    print_rank_0("building GPT model ...")
+    config = core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+    )
+
+
+def get_batch(data_iterator):
+    """The next micro-batch on this rank's device. The causal mask is implicit unless documents
+    must not attend to each other (--reset-attention-mask), which keeps the fast SDPA path."""
+    args = get_args()
+    batch = next(data_iterator)
+    device = get_device()
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    attention_mask = None
+    if args.reset_attention_mask and "attention_mask" in batch:
+        attention_mask = batch["attention_mask"].to(device, non_blocking=True)
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Sum of masked per-token losses, token count, and the [sum, count] pair reported as 'lm loss'."""
+    args = get_args()
+    losses = output_tensor.float().view(-1)
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
+        raise RuntimeError(f"NaN or Inf loss on rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0} "
+                           f"at iteration {args.iteration + 1}")
+    reported = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": reported}
+
+
+def forward_step(data_iterator, model):
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    return output_tensor, partial(loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """GPT datasets from --data-path / per-split paths, or mock data."""
+    args = get_args()
+    tokenizer = get_tokenizer()
+    blend = get_blend_from_list(args.data_path) if args.data_path else None
+    per_split = None
+    if args.train_data_path or args.valid_data_path or args.test_data_path:
+        per_split = [get_blend_from_list(p) if p else None
+                     for p in (args.train_data_path, args.valid_data_path, args.test_data_path)]
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=per_split,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.reset_attention_mask,
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+    )
+    dataset_type = MockGPTDataset if config.mock else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_type, train_val_test_num_samples, lambda: True, config).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return train_ds, valid_ds, test_ds
+
+
+if __name__ == "__main__":
+    train_valid_test_datasets_provider.is_distributed = True
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})

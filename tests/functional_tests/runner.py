@@ -1,0 +1,84 @@
+"""Launch pretrain_gpt.py (through torchrun or a plain process) and read back its results."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The per-interval line of MEGATRON_FACTS §4, written from its description (not from our code).
+LOG_LINE = re.compile(
+    r"^ \[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d+)?\]"
+    r" iteration +(?P<iteration>\d+)/ +(?P<train_iters>\d+) \|"
+    r" consumed samples: +(?P<consumed>\d+) \|"
+    r"(?: skipped samples: +\d+ \|)?"
+    r" elapsed time per iteration \(ms\): (?P<elapsed>\d+\.\d) \|"
+    r"(?: throughput per GPU \(TFLOP/s/GPU\): \d+\.\d \|)?"
+    r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d{2}) \|"
+    r" global batch size: +(?P<gbs>\d+) \|"
+    r"(?P<losses>(?: [a-z][a-z _-]*: \d\.\d{6}E[+-]\d{2} \|)*)"
+    r" loss scale: (?P<loss_scale>\d+\.\d) \|"
+    r"(?: grad norm: (?P<grad_norm>\d+\.\d{3}) \|)?"
+    r"(?: num zeros: \d+ \|)?"
+    r"(?: params norm: \d+\.\d{3} \|)?"
+    r" number of skipped iterations: +(?P<skipped>\d+) \|"
+    r" number of nan iterations: +(?P<nan>\d+) \|$")
+
+TINY_MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
+    "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", "--ckpt-format", "torch",
+    "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--seed", "1234",
+]
+
+
+def env_for_tests():
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["WANDB_MODE"] = "offline"
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_env=None):
+    """Run training; ``nproc=None`` runs a plain single process (no torchrun)."""
+    if nproc is None:
+        cmd = [sys.executable, str(REPO / script)] + list(args)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), str(REPO / script)] + list(args)
+    env = env_for_tests()
+    env.update(extra_env or {})
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_log_lines(stdout):
+    """{iteration: match groupdict + 'losses' dict} for every log line."""
+    result = {}
+    for line in stdout.splitlines():
+        m = LOG_LINE.match(line)
+        if m:
+            d = m.groupdict()
+            d["losses"] = {k.strip(): float(v) for k, v in re.findall(r" ([a-z][a-z _-]*): (\S+) \|", d["losses"])}
+            result[int(d["iteration"])] = d
+    return result
+
+
+def read_tensorboard_scalars(logdir, tag):
+    """{step: value} of one scalar tag from TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
