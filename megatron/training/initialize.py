@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.core.parallel_state import initialize_model_parallel
-from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_seeds
+from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from megatron.core.timers import Timers
 
 from . import global_vars
@@ -95,11 +95,9 @@ def _set_random_seed(args, state):
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
     tracker = RNGStatesTracker()
-    for name, region_seed in model_parallel_seeds(
-            seed, tp_rank=state.get_tensor_model_parallel_rank(),
-            ep_rank=state.get_expert_model_parallel_rank(),
-            etp_rank=state.get_expert_tensor_parallel_rank()).items():
-        tracker.add(name, region_seed)
+    model_parallel_manual_seed(tracker, seed, tp_rank=state.get_tensor_model_parallel_rank(),
+                               ep_rank=state.get_expert_model_parallel_rank(),
+                               etp_rank=state.get_expert_tensor_parallel_rank())
     global_vars.set_rng_tracker(tracker)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel
-from megatron.core.float16_module import Float16Module
+from megatron.core.transformer.module import Float16Module
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
@@ -127,8 +127,7 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
     device = get_device()
     chunks = [chunk.to(device) for chunk in chunks]
     if args.fp16 or args.bf16:
-        dtype = torch.float16 if args.fp16 else torch.bfloat16
-        chunks = [Float16Module(chunk, dtype, pre_process, post_process) for chunk in chunks]
+        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     if not wrap_with_ddp:
         return chunks
     ddp_config = ddp_config_from_args(args)

@@ -1,13 +1,17 @@
-"""Small helpers of the training side: rank-aware printing and environment facts."""
-import torch
-import torch.distributed as dist
+"""Small helpers of the training side: rank-aware printing and environment facts.
+
+torch is imported inside the functions so that ``import megatron.training`` stays cheap for
+tools that do not train (tools/preprocess_data.py reads the tokenizer flags from here).
+"""
 
 
 def get_rank() -> int:
+    import torch.distributed as dist
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def get_world_size() -> int:
+    import torch.distributed as dist
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -27,7 +31,8 @@ def print_rank_last(message: str) -> None:
         print(message, flush=True)
 
 
-def get_device() -> torch.device:
+def get_device():
+    import torch
     """The device this process computes on: its local GPU, or the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

@@ -37,7 +37,7 @@ def test_unknown_flag_is_an_error():
 
 def test_load_from_missing_directory_warns_and_exit_on_missing_fails(tmp_path):
     missing = tmp_path / "nothing_here"
-    result = run_pretrain(TINY_MODEL + ["--train-iters", "1", "--load", str(missing),
+    result = run_pretrain(TINY_MODEL + ["--train-iters", "3", "--load", str(missing),
                                         "--exit-on-missing-checkpoint"], timeout=120)
     assert result.returncode != 0
     assert str(missing) in result.stdout + result.stderr

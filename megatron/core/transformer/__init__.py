@@ -1,0 +1,3 @@
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = ["TransformerConfig"]

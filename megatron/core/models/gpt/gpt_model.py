@@ -1,0 +1,183 @@
+"""GPT decoder-only language model with Megatron Core's module names (local layer spec)."""
+
+from typing import Optional
+
+import torch
+
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.transformer.parallel_layers import ColumnParallelLinear
+from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+
+
+class GPTModel(LanguageModule):
+    """embedding -> decoder (TransformerBlock) -> output_layer [-> per-token cross entropy].
+
+    State dict names follow Megatron Core's local spec: ``embedding.word_embeddings.weight``,
+    ``embedding.position_embeddings.weight``, ``decoder.layers.N.{input_layernorm,
+    self_attention.{linear_qkv,q_layernorm,k_layernorm,linear_proj}, pre_mlp_layernorm,
+    mlp.{linear_fc1,linear_fc2}}.*``, ``decoder.final_layernorm.*``, ``output_layer.weight``
+    (absent when the output layer reuses the word embedding).
+
+    A pipeline stage builds its slice with ``pre_process``/``post_process`` and
+    ``num_layers``/``layer_number_offset``; ``set_input_tensor`` feeds a stage without the embedding.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        pre_process: bool = True,
+        post_process: bool = True,
+        fp16_lm_cross_entropy: bool = False,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool = False,
+        position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        rotary_base: int = 10000,
+        rope_scaling: bool = False,
+        rope_scaling_factor: float = 8.0,
+        seq_len_interpolation_factor: Optional[float] = None,
+        *,
+        num_layers: Optional[int] = None,
+        layer_number_offset: int = 0,
+    ):
+        super().__init__(config)
+        if config.num_moe_experts is not None:
+            raise ValueError("mixture of experts (--num-experts) is not supported yet")
+        if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
+            raise ValueError(
+                f"position_embedding_type {position_embedding_type!r} is not supported "
+                f"(--position-embedding-type); choose one of {_POSITION_EMBEDDING_TYPES}"
+            )
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.max_sequence_length = max_sequence_length
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.fp16_lm_cross_entropy = fp16_lm_cross_entropy
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
+        self.position_embedding_type = position_embedding_type
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                    position_embedding_type=position_embedding_type)
+        if position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                rotary_base=rotary_base,
+                rope_scaling=rope_scaling,
+                rope_scaling_factor=rope_scaling_factor,
+                use_cpu_initialization=config.use_cpu_initialization,
+            )
+        else:
+            self.rotary_pos_emb = None
+        self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process,
+                                        num_layers=num_layers, layer_number_offset=layer_number_offset)
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                vocab_size,
+                config=config,
+                init_method=config.init_method,
+                bias=False,
+                gather_output=not parallel_output,
+                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+            )
+        self.setup_embeddings_and_output_layer()
+        self._causal_masks = {}
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Activation [s, b, h] from the previous pipeline stage (a list of one is accepted)."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"GPTModel.set_input_tensor expects one tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.decoder.set_input_tensor(input_tensor)
+
+    def _drop_causal_mask(self, attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Return None when the mask is exactly the causal mask, so attention takes SDPA's faster
+        is_causal path; checked once per forward (O(b * s^2) compares, far below attention's cost)."""
+        if attention_mask is None:
+            return None
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}")
+        s = attention_mask.shape[-1]
+        if attention_mask.dim() != 4 or attention_mask.shape[-2] != s or attention_mask.shape[1] != 1:
+            raise ValueError(f"attention_mask must have shape [b, 1, s, s], got {tuple(attention_mask.shape)}")
+        key = (s, attention_mask.device)
+        causal = self._causal_masks.get(key)
+        if causal is None:
+            causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).triu_(1)
+            if len(self._causal_masks) >= 4:
+                self._causal_masks.clear()
+            self._causal_masks[key] = causal
+        if torch.equal(attention_mask, causal.expand_as(attention_mask)):
+            return None
+        return attention_mask
+
+    def _activation_dtype(self) -> torch.dtype:
+        # The dtype the attention sees is the parameters' (a Float16Module may have cast them).
+        if len(self.decoder.layers):
+            return self.decoder.layers[0].self_attention.linear_qkv.weight.dtype
+        return self.config.params_dtype
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor],
+        position_ids: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor],
+        decoder_input: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """input_ids, position_ids [b, s]; attention_mask bool [b, 1, s, s] (True = masked) or None
+        for causal.
+
+        Returns logits [b, s, V] when ``labels`` is None, else per-token losses [b, s] (fp32 unless
+        ``fp16_lm_cross_entropy``). Stages without ``post_process`` return hidden states [s, b, h].
+        Argument order is Megatron's: pass ``labels`` by keyword. ``loss_mask`` is accepted for
+        call compatibility and not used (the caller applies it to the returned losses).
+        """
+        if kwargs:
+            unsupported = sorted(k for k, v in kwargs.items() if v is not None)
+            if unsupported:
+                raise ValueError(f"GPTModel.forward: unsupported arguments {unsupported}")
+        if decoder_input is not None and not torch.is_floating_point(decoder_input):
+            raise ValueError(
+                "GPTModel.forward: decoder_input (4th argument) must be float hidden states [s, b, h]; "
+                "pass labels by keyword (labels=...)"
+            )
+        if decoder_input is None and self.pre_process:
+            decoder_input = self.embedding(input_ids, position_ids)
+        attention_mask = self._drop_causal_mask(attention_mask)
+
+        rotary = None
+        if self.rotary_pos_emb is not None:
+            source = decoder_input if decoder_input is not None else self.decoder.input_tensor
+            if source is None:
+                raise ValueError("GPTModel without pre_process needs set_input_tensor() before forward")
+            rotary = self.rotary_pos_emb.get_cos_sin(source.shape[0], self._activation_dtype(), source.device)
+
+        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary)
+        if not self.post_process:
+            return hidden_states
+
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        # Transposing the [s, b, h] hidden states (not the [s, b, V] logits) gives [b, s, V]
+        # logits with the cheaper copy.
+        logits, _ = self.output_layer(hidden_states.transpose(0, 1), weight=weight)
+        if labels is None:
+            return logits
+        return self.compute_language_model_loss(labels, logits)

@@ -1,0 +1,109 @@
+"""Global gradient norm, clipping by that norm, and counting zero gradient entries.
+
+The norm is computed over the *model-parallel* group only: after the data-parallel reduction
+every DP rank holds the same gradients, while TP/PP ranks hold different slices of the model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Union
+
+import torch
+import torch.distributed as dist
+
+
+def param_is_counted_once(param: torch.Tensor, tp_rank: int = 0) -> bool:
+    """True if this rank owns `param` for norm/zero statistics.
+
+    A param marked ``shared`` is a copy of a param owned elsewhere (the tied output embedding on
+    the last pipeline stage); a param that is not tensor-parallel is replicated on every TP rank
+    and so counted on TP rank 0 only.
+    """
+    if getattr(param, "shared", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def _reduction_device(tensors: List[torch.Tensor], group) -> torch.device:
+    if tensors:
+        return tensors[0].device
+    # A rank can hold no counted grads; pick the device the backend can reduce on.
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_reduce(tensor: torch.Tensor, op, group) -> None:
+    if group is not None and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def get_grad_norm_fp32(
+    grads_for_norm: Union[torch.Tensor, Iterable[torch.Tensor]],
+    norm_type: Union[int, float] = 2,
+    model_parallel_group=None,
+) -> float:
+    """Norm of the concatenation of `grads_for_norm`, over all ranks of `model_parallel_group`.
+
+    Each rank passes only the gradients it owns (see param_is_counted_once). L2: the per-rank
+    sums of squares are added (in float64) across the group; inf: the max is taken.
+    """
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    grads = [g.detach() for g in grads_for_norm if g is not None]
+    norm_type = float(norm_type)
+    device = _reduction_device(grads, model_parallel_group)
+
+    if norm_type == math.inf:
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads:
+            if g.numel() > 0:
+                total = torch.maximum(total, g.abs().max().to(device=device, dtype=torch.float64))
+        _all_reduce(total, dist.ReduceOp.MAX, model_parallel_group)
+        return float(total.item())
+
+    if norm_type <= 0.0:
+        raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+    if grads:
+        # Per-tensor norms in the grad dtype, combined in float64: matches
+        # torch.nn.utils.clip_grad_norm_ to float32 rounding.
+        per_tensor = torch._foreach_norm(grads, norm_type)
+        powered = torch.stack([n.to(device=device, dtype=torch.float64) for n in per_tensor]) ** norm_type
+        total = powered.sum().reshape(1)
+    else:
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+    _all_reduce(total, dist.ReduceOp.SUM, model_parallel_group)
+    return float(total.item()) ** (1.0 / norm_type)
+
+
+def clip_grad_by_total_norm_fp32(
+    parameters: Union[torch.Tensor, Iterable[torch.Tensor]],
+    max_norm: Union[int, float],
+    total_norm: float,
+) -> None:
+    """Scale the ``.grad`` of `parameters` in place so that the global norm is at most max_norm."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    clip_coeff = float(max_norm) / (float(total_norm) + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
+def count_zeros_fp32(
+    parameters: Iterable[torch.Tensor],
+    grad_stats_parallel_group=None,
+    tp_rank: int = 0,
+) -> int:
+    """Number of zero entries in the ``.grad`` of the params this rank owns, summed over the group."""
+    parameters = list(parameters)
+    grads = [p.grad.detach() for p in parameters
+             if p.grad is not None and param_is_counted_once(p, tp_rank)]
+    device = _reduction_device(grads, grad_stats_parallel_group)
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.numel() - torch.count_nonzero(g).to(device)
+    _all_reduce(total, dist.ReduceOp.SUM, grad_stats_parallel_group)
+    return int(total.item())

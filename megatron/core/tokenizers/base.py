@@ -1,0 +1,103 @@
+"""The interface every tokenizer of the framework implements.
+
+Datasets and tools only talk to this interface: ``tokenize`` / ``detokenize``, the vocabulary
+(``vocab``, ``inv_vocab``, ``vocab_size``) and the special ids (``eod``, ``pad``, ``bos``, ``eos``,
+``cls``, ``sep``, ``mask``, ``additional_special_tokens_ids``). A special token that a family does
+not have raises ``NotImplementedError`` naming the tokenizer, so a wrong tokenizer for a dataset
+fails loudly instead of writing ``-1`` into token streams. Families that Megatron defines with a
+``-1`` placeholder (GPT sentencepiece, Llama 2, null) return ``-1`` like Megatron does.
+
+``unique_identifiers`` is a JSON-serialisable dict that identifies the tokenizer (class, files,
+options); dataset index caches hash it, so two tokenizers that give different ids never share a
+cache entry.
+"""
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import Dict, Iterable, List, Optional
+
+
+class MegatronTokenizer(ABC):
+    """Abstract tokenizer.
+
+    Args:
+        tokenizer_paths: the files or directories the tokenizer was built from.
+        tokenizer_options: the options that change its ids (e.g. ``vocab_extra_ids``).
+    """
+
+    def __init__(self, *tokenizer_paths: str, **tokenizer_options):
+        self.unique_identifiers: Dict[str, object] = OrderedDict()
+        self.unique_identifiers["class"] = f"{type(self).__module__}.{type(self).__qualname__}"
+        self.unique_identifiers["tokenizer_path"] = [str(p) for p in tokenizer_paths]
+        for name, value in tokenizer_options.items():
+            plain = isinstance(value, (bool, int, float, str, type(None)))
+            self.unique_identifiers[name] = value if plain else str(value)
+
+    # ----------------------------------------------------------------------------------- text
+    @abstractmethod
+    def tokenize(self, text: str) -> List[int]:
+        """Convert text to token ids."""
+
+    def tokenize_batch(self, texts: Iterable[str]) -> List[List[int]]:
+        """Token ids of several texts; families with a batched fast path override this."""
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids: List[int]) -> str:
+        """Convert token ids back to text."""
+        raise NotImplementedError(f"{type(self).__name__} has no method 'detokenize'")
+
+    # ----------------------------------------------------------------------------- vocabulary
+    @property
+    @abstractmethod
+    def vocab(self) -> Dict[str, int]:
+        """Token string -> id."""
+
+    @property
+    @abstractmethod
+    def inv_vocab(self) -> Dict[int, str]:
+        """Id -> token string."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce (before padding for the embedding)."""
+
+    # --------------------------------------------------------------------------- special ids
+    def _missing(self, name: str):
+        raise NotImplementedError(f"{type(self).__name__} has no '{name}' token")
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id, appended by ``preprocess_data.py --append-eod``."""
+        return self._missing("eod")
+
+    @property
+    def pad(self) -> int:
+        return self._missing("pad")
+
+    @property
+    def bos(self) -> int:
+        return self._missing("bos")
+
+    @property
+    def eos(self) -> int:
+        return self._missing("eos")
+
+    @property
+    def cls(self) -> int:
+        return self._missing("cls")
+
+    @property
+    def sep(self) -> int:
+        return self._missing("sep")
+
+    @property
+    def mask(self) -> int:
+        return self._missing("mask")
+
+    @property
+    def additional_special_tokens_ids(self) -> Optional[List[int]]:
+        """Sentinel ids (``<extra_id_i>``) used by T5 span masking; None where there are none."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"

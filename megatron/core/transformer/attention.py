@@ -1,0 +1,101 @@
+"""Self attention with one fused QKV projection (Megatron's grouped QKV layout).
+
+``linear_qkv`` maps h -> ng * (np/ng + 2) * d. Its output rows are grouped per query group g:
+[the np/ng query heads of g, the key head of g, the value head of g], each d wide. This is the
+order of Megatron's checkpoints, and tensor parallelism later shards whole groups.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb
+
+
+class SelfAttention(MegatronModule):
+    """linear_qkv -> [q_layernorm / k_layernorm] -> RoPE -> core_attention -> linear_proj."""
+
+    def __init__(self, config, layer_number: int = 1, attn_mask_type: AttnMaskType = AttnMaskType.causal):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.hidden_size_per_attention_head = config.kv_channels
+        tp = config.tensor_model_parallel_size
+        self.num_attention_heads_per_partition = config.num_attention_heads // tp
+        self.num_query_groups_per_partition = config.num_query_groups // tp
+        self.query_projection_size = config.kv_channels * config.num_attention_heads
+        self.kv_projection_size = config.kv_channels * config.num_query_groups
+
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            self.query_projection_size + 2 * self.kv_projection_size,
+            config=config,
+            init_method=config.init_method,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            gather_output=False,
+            tp_comm_buffer_name="qkv",
+        )
+        if config.qk_layernorm:
+            self.q_layernorm = build_norm(config, self.hidden_size_per_attention_head)
+            self.k_layernorm = build_norm(config, self.hidden_size_per_attention_head)
+        else:
+            self.q_layernorm = None
+            self.k_layernorm = None
+        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type)
+        self.linear_proj = RowParallelLinear(
+            self.query_projection_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            tp_comm_buffer_name="proj",
+        )
+        self.recompute_core_attention = config.recompute_granularity == "selective" and "core_attn" in (
+            config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
+        )
+
+    def get_query_key_value_tensors(self, hidden_states: torch.Tensor):
+        """Split the fused projection into q [s, b, ng, np/ng, d], k and v [s, b, ng, d] (views)."""
+        s, b, _ = hidden_states.shape
+        mixed, _ = self.linear_qkv(hidden_states)
+        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        mixed = mixed.view(s, b, self.num_query_groups_per_partition, heads_per_group + 2,
+                           self.hidden_size_per_attention_head)
+        # One split (its backward is a single cat) instead of three slices (each of whose
+        # backward would zero-fill and copy a full-size gradient).
+        query, key, value = torch.split(mixed, [heads_per_group, 1, 1], dim=3)
+        key = key.squeeze(3)
+        value = value.squeeze(3)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+            key = self.k_layernorm(key)
+        return query, key, value
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """hidden_states [s, b, h] -> (output [s, b, h], bias or None).
+
+        ``rotary_pos_emb``: None, a (cos, sin) pair from ``RotaryEmbedding.get_cos_sin`` or a
+        Megatron angle table [s, 1, 1, rot].
+        """
+        s, b, _ = hidden_states.shape
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        if rotary_pos_emb is not None:
+            interleaved = self.config.rotary_interleaved
+            # Rotating the 5-d query view writes a fresh contiguous tensor, so the head merge
+            # below is a view.
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
+        query = query.reshape(s, b, self.num_attention_heads_per_partition, self.hidden_size_per_attention_head)
+        if self.recompute_core_attention and self.training:
+            context = checkpoint(self.core_attention, query, key, value, attention_mask, use_reentrant=False)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)
+        return self.linear_proj(context)

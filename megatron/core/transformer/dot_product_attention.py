@@ -1,0 +1,74 @@
+"""Core attention softmax(q k^T * scale + mask) v through ``F.scaled_dot_product_attention``.
+
+Inputs are in Megatron's [s, b, heads, d] layout; they are handed to SDPA as strided
+[b, heads, s, d] views (no copies). SDPA's CPU and CUDA kernels return the output in the
+query's memory order, so the final [s, b, heads * d] reshape is normally a view.
+
+Masks follow Megatron: a boolean ``attention_mask`` broadcastable to [b, 1, s, s] where True
+means "masked out". With ``attention_mask=None`` the mask type decides: causal masks use SDPA's
+``is_causal`` path (which skips the masked blocks), ``no_mask`` attends everywhere. Grouped-query
+attention uses SDPA's ``enable_gqa`` (query head j reads key/value group j // (heads / groups),
+Megatron's grouping), without repeating keys and values.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class DotProductAttention(MegatronModule):
+    """Scaled dot-product attention with dropout on the probabilities (no parameters)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None):
+        super().__init__(config)
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding,
+                                  AttnMaskType.arbitrary):
+            raise ValueError(f"attention mask type {attn_mask_type} is not supported")
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if softmax_scale is None:
+            softmax_scale = config.softmax_scale
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        # apply_query_key_layer_scaling divides by layer_number before an fp32 softmax and
+        # multiplies back inside it: the same function, so nothing to do with SDPA.
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None
+                ) -> torch.Tensor:
+        """query [sq, b, np, d], key/value [sk, b, ng, d] -> context [sq, b, np * d]."""
+        sq, b, np_, d = query.shape
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        sdpa_mask = None
+        is_causal = False
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool:
+                raise ValueError(
+                    f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}"
+                )
+            sdpa_mask = ~attention_mask  # SDPA's boolean masks mean "may attend"
+        elif mask_type == AttnMaskType.causal:
+            if key.shape[0] != sq:
+                raise ValueError(
+                    f"causal attention without an explicit mask needs equal query and key lengths, "
+                    f"got {sq} and {key.shape[0]}"
+                )
+            is_causal = True
+        dropout_p = self.attention_dropout if self.training else 0.0
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=self.softmax_scale, enable_gqa=k.shape[1] != np_,
+        )
+        # [b, np, sq, d] -> [sq, b, np * d]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * d)

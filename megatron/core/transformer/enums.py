@@ -1,0 +1,28 @@
+"""Enums of the transformer (Megatron Core names and values)."""
+
+import enum
+
+
+class ModelType(enum.Enum):
+    """Kind of model a pretrain script builds; GPT is ``encoder_or_decoder``."""
+
+    encoder_or_decoder = 1
+    encoder_and_decoder = 2  # T5-style, no longer used by Megatron Core's schedules
+
+
+class AttnType(enum.Enum):
+    self_attn = 1
+    cross_attn = 2
+
+
+class AttnMaskType(enum.Enum):
+    padding = 1
+    causal = 2
+    no_mask = 3
+    padding_causal = 4
+    arbitrary = 5
+
+
+class LayerType(enum.Enum):
+    encoder = 1
+    decoder = 2

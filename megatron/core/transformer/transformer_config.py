@@ -1,0 +1,281 @@
+"""``TransformerConfig``: the architecture of a transformer stack (Megatron Core field names).
+
+Field names equal Megatron's, which equal the argparse ``dest`` names of the matching flags where
+Megatron has a flag (``--norm-epsilon`` is the exception: its field is ``layernorm_epsilon``,
+as in Megatron). Fusion flags are stored for compatibility; the plain PyTorch path computes the
+same math whether they are on or off (one deliberate exception: see ``bias_activation_fusion``).
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch.nn.functional as F
+
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
+
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_RECOMPUTE_GRANULARITIES = ("full", "selective")
+_RECOMPUTE_METHODS = ("uniform", "block")
+# Submodules that selective recompute can checkpoint in this implementation.
+SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp")
+
+
+@dataclass
+class TransformerConfig(ModelParallelConfig):
+    """Configuration of a transformer stack (layers, attention, MLP, norms, init)."""
+
+    # ---------------------------------------------------------------- sizes
+    num_layers: int = 0
+    """Number of transformer layers (``--num-layers``)."""
+
+    hidden_size: int = 0
+    """Width of the residual stream (``--hidden-size``)."""
+
+    num_attention_heads: int = 0
+    """Number of query heads (``--num-attention-heads``)."""
+
+    num_query_groups: Optional[int] = None
+    """Number of key/value heads for grouped-query attention (``--num-query-groups``, used with
+    ``--group-query-attention``); None means num_attention_heads (plain multi-head attention)."""
+
+    ffn_hidden_size: Optional[int] = None
+    """Width of the MLP's hidden layer (``--ffn-hidden-size``); None means 4 * hidden_size. (With
+    ``--swiglu`` the argument parser, not this class, picks int(4h * 2/3 / 64) * 64.)"""
+
+    kv_channels: Optional[int] = None
+    """Size of one attention head (``--kv-channels``); None means hidden_size // num_attention_heads."""
+
+    softmax_scale: Optional[float] = None
+    """Scale applied to q.k before the softmax; None means 1 / sqrt(kv_channels)."""
+
+    # ---------------------------------------------------------------- regularization
+    hidden_dropout: float = 0.1
+    """Dropout on the embedding output and on each sublayer output before the residual add
+    (``--hidden-dropout``)."""
+
+    attention_dropout: float = 0.1
+    """Dropout on the attention probabilities (``--attention-dropout``)."""
+
+    # ---------------------------------------------------------------- residual / norms
+    fp32_residual_connection: bool = False
+    """Keep the residual stream in fp32 when parameters are fp16/bf16 (``--fp32-residual-connection``)."""
+
+    apply_residual_connection_post_layernorm: bool = False
+    """Take the residual from the norm's output instead of its input
+    (``--apply-residual-connection-post-layernorm``)."""
+
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every norm (flag ``--norm-epsilon``; Megatron keeps this field name)."""
+
+    layernorm_zero_centered_gamma: bool = False
+    """Store norm weights centred on zero and scale by (1 + weight) (``--apply-layernorm-1p``)."""
+
+    normalization: str = "LayerNorm"
+    """Norm type: 'LayerNorm' or 'RMSNorm' (``--normalization``)."""
+
+    qk_layernorm: bool = False
+    """Normalize each query and key head (over the head dim) before RoPE (``--qk-layernorm``)."""
+
+    # ---------------------------------------------------------------- linear layers / MLP
+    add_bias_linear: bool = True
+    """Biases in all linear layers of attention and MLP (``--disable-bias-linear`` turns it off)."""
+
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection even when add_bias_linear is off (``--add-qkv-bias``)."""
+
+    gated_linear_unit: bool = False
+    """Gated MLP: linear_fc1 produces [gate; up] and the MLP computes act(gate) * up (``--swiglu``
+    together with activation_func=F.silu)."""
+
+    activation_func: Callable = F.gelu
+    """Activation of the MLP: F.gelu (default), F.silu for SwiGLU, squared_relu for ``--squared-relu``."""
+
+    num_moe_experts: Optional[int] = None
+    """Number of MoE experts (``--num-experts``); None means dense MLPs. MoE is not implemented
+    yet: models reject a config that sets it."""
+
+    # ---------------------------------------------------------------- attention
+    rotary_interleaved: bool = False
+    """RoPE rotates interleaved pairs (x[2i], x[2i+1]) instead of halves (x[i], x[i + d/2])
+    (``--rotary-interleaved``)."""
+
+    apply_query_key_layer_scaling: bool = False
+    """Scale q.k by 1/layer_number and undo it in an fp32 softmax (an fp16 overflow guard,
+    ``--apply-query-key-layer-scaling``). Mathematically a no-op; implies attention_softmax_in_fp32."""
+
+    attention_softmax_in_fp32: bool = True
+    """Compute the attention softmax in fp32 (``--attention-softmax-in-fp32``). SDPA already
+    accumulates the softmax in fp32 for half inputs, so this is stored only."""
+
+    # ---------------------------------------------------------------- initialization
+    init_method_std: float = 0.02
+    """Std of the normal init of every weight matrix and embedding (``--init-method-std``)."""
+
+    init_method: Optional[Callable] = None
+    """Init of weight matrices (QKV, fc1, embeddings, output layer); None means N(0, init_method_std)."""
+
+    output_layer_init_method: Optional[Callable] = None
+    """Init of the projections into the residual stream (linear_proj, linear_fc2); None means
+    N(0, init_method_std / sqrt(2 * num_layers))."""
+
+    init_model_with_meta_device: bool = False
+    """Create parameters on the meta device, without initializing them (``--init-model-with-meta-device``)."""
+
+    # ---------------------------------------------------------------- fusions (stored)
+    bias_activation_fusion: bool = False
+    """Fuse the bias add with the MLP activation (``--no-bias-gelu-fusion``/``--no-bias-swiglu-fusion``
+    turn it off). Megatron's fused bias-GeLU kernel (and Transformer Engine's GeLU) is the tanh
+    approximation, so with this flag on, add_bias_linear on and activation_func F.gelu, the MLP
+    uses F.gelu(approximate='tanh') to reproduce Megatron's numerics. Other activations are exact."""
+
+    masked_softmax_fusion: bool = False
+    """Fused scale-mask-softmax kernel (``--no-masked-softmax-fusion``). Stored only (SDPA is used)."""
+
+    persist_layer_norm: bool = False
+    """Apex persistent LayerNorm kernel (``--no-persist-layer-norm``). Stored only."""
+
+    memory_efficient_layer_norm: bool = False
+    """Apex memory-efficient LayerNorm. Stored only."""
+
+    bias_dropout_fusion: bool = False
+    """Fused bias + dropout + residual add (``--no-bias-dropout-fusion``). Stored only: the
+    unfused ops compute the same result."""
+
+    apply_rope_fusion: bool = False
+    """Fused RoPE kernel (``--no-rope-fusion``). Stored only: the plain RoPE is identical math."""
+
+    cross_entropy_loss_fusion: bool = False
+    """Fused cross entropy (``--cross-entropy-loss-fusion``). Stored only: the model's loss is
+    always computed by one fused fp32 path."""
+
+    cross_entropy_fusion_impl: str = "native"
+    """Which fused cross entropy to use: 'native' or 'te' (``--cross-entropy-fusion-impl``). Stored only."""
+
+    calculate_per_token_loss: bool = False
+    """Divide the summed loss by the number of tokens of the whole global batch instead of per
+    micro-batch (``--calculate-per-token-loss``). Read by the training loop / schedules."""
+
+    # ---------------------------------------------------------------- activation recompute
+    recompute_granularity: Optional[str] = None
+    """None, 'full' (recompute whole layers) or 'selective' (recompute only recompute_modules)
+    (``--recompute-granularity``)."""
+
+    recompute_method: Optional[str] = None
+    """With 'full': 'uniform' (checkpoint chunks of recompute_num_layers layers) or 'block'
+    (checkpoint the first recompute_num_layers layers of the stage) (``--recompute-method``)."""
+
+    recompute_num_layers: Optional[int] = None
+    """Layers per recompute chunk ('uniform') or recomputed layers per stage ('block')
+    (``--recompute-num-layers``)."""
+
+    distribute_saved_activations: Optional[bool] = None
+    """Shard checkpointed layer inputs across the tensor parallel ranks (``--distribute-saved-activations``)."""
+
+    recompute_modules: Optional[List[str]] = None
+    """Submodules recomputed by selective recompute (``--recompute-modules``); None means
+    ['core_attn']. This implementation supports 'core_attn' and 'mlp'."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} must be a positive integer ({flag}), got {value!r}")
+        if self.num_attention_heads % self.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size})"
+            )
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups}) (--num-query-groups)"
+            )
+        if self.num_query_groups % self.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"num_query_groups ({self.num_query_groups}) must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size})"
+            )
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.ffn_hidden_size <= 0:
+            raise ValueError(f"ffn_hidden_size must be positive (--ffn-hidden-size), got {self.ffn_hidden_size}")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}) unless kv_channels (--kv-channels) is given"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.kv_channels <= 0:
+            raise ValueError(f"kv_channels must be positive (--kv-channels), got {self.kv_channels}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} must be in [0, 1) (--{name.replace('_', '-')}), got {p}")
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon must be positive (--norm-epsilon), got {self.layernorm_epsilon}")
+        if self.normalization not in _NORMALIZATIONS:
+            raise ValueError(
+                f"normalization must be one of {_NORMALIZATIONS} (--normalization), got {self.normalization!r}"
+            )
+        if not callable(self.activation_func):
+            raise ValueError(f"activation_func must be callable, got {self.activation_func!r}")
+        if self.init_method_std <= 0:
+            raise ValueError(f"init_method_std must be positive (--init-method-std), got {self.init_method_std}")
+        if self.apply_query_key_layer_scaling:
+            self.attention_softmax_in_fp32 = True
+        self._validate_recompute()
+        if self.init_method is None:
+            self.init_method = init_method_normal(self.init_method_std)
+        if self.output_layer_init_method is None:
+            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+
+    def _validate_recompute(self):
+        granularity = self.recompute_granularity
+        if granularity is None:
+            return
+        if granularity not in _RECOMPUTE_GRANULARITIES:
+            raise ValueError(
+                f"recompute_granularity must be one of {_RECOMPUTE_GRANULARITIES} "
+                f"(--recompute-granularity), got {granularity!r}"
+            )
+        if granularity == "full":
+            if self.recompute_method not in _RECOMPUTE_METHODS:
+                raise ValueError(
+                    "recompute_granularity 'full' needs recompute_method in "
+                    f"{_RECOMPUTE_METHODS} (--recompute-method), got {self.recompute_method!r}"
+                )
+            if self.recompute_num_layers is None or self.recompute_num_layers < 0:
+                raise ValueError(
+                    "recompute_granularity 'full' needs recompute_num_layers >= 0 "
+                    f"(--recompute-num-layers), got {self.recompute_num_layers!r}"
+                )
+            if self.recompute_method == "uniform" and self.recompute_num_layers == 0:
+                raise ValueError("recompute_method 'uniform' needs recompute_num_layers >= 1 (--recompute-num-layers)")
+        else:
+            if self.recompute_method is not None:
+                raise ValueError(
+                    "recompute_method (--recompute-method) must not be set with recompute_granularity 'selective'"
+                )
+            if self.recompute_num_layers is not None:
+                raise ValueError(
+                    "recompute_num_layers (--recompute-num-layers) must not be set with "
+                    "recompute_granularity 'selective'"
+                )
+            modules = self.recompute_modules if self.recompute_modules is not None else ["core_attn"]
+            unsupported = [m for m in modules if m not in SUPPORTED_RECOMPUTE_MODULES]
+            if unsupported:
+                raise ValueError(
+                    f"recompute_modules {unsupported} are not supported (--recompute-modules); "
+                    f"supported: {list(SUPPORTED_RECOMPUTE_MODULES)}"
+                )
+        if self.distribute_saved_activations and self.sequence_parallel:
+            raise ValueError(
+                "distribute_saved_activations (--distribute-saved-activations) cannot be used "
+                "with sequence_parallel (--sequence-parallel)"
+            )

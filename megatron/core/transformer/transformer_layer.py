@@ -1,0 +1,64 @@
+"""One pre-norm transformer layer: x + Attn(LN(x)), then x + MLP(LN(x)), in [s, b, h]."""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.norms import build_norm
+
+
+class TransformerLayer(MegatronModule):
+    """input_layernorm -> self_attention -> bias-dropout-add -> pre_mlp_layernorm -> mlp ->
+    bias-dropout-add. With ``apply_residual_connection_post_layernorm`` the residual branch
+    starts from the norm's output instead of its input.
+
+    ``layer_number`` is 1-based and global (pipeline stages pass their offset).
+    """
+
+    def __init__(self, config, layer_number: int = 1, hidden_dropout: Optional[float] = None,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
+        self.input_layernorm = build_norm(config, config.hidden_size)
+        self.self_attention = SelfAttention(config, layer_number, attn_mask_type)
+        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.residual_from_norm = config.apply_residual_connection_post_layernorm
+        self.fp32_residual = config.fp32_residual_connection
+        modules = config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
+        self.recompute_mlp = config.recompute_granularity == "selective" and "mlp" in modules
+
+    def _bias_dropout_add(self, output_with_bias, residual: torch.Tensor) -> torch.Tensor:
+        output, bias = output_with_bias
+        if bias is not None:
+            output = output + bias
+        if self.training and self.hidden_dropout > 0.0:
+            output = F.dropout(output, p=self.hidden_dropout, training=True)
+        if self.fp32_residual and residual.dtype != torch.float32:
+            residual = residual.float()
+        return residual + output
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                rotary_pos_emb=None, **kwargs) -> Tuple[torch.Tensor, None]:
+        """hidden_states [s, b, h] -> (hidden_states [s, b, h], context=None) as in Megatron."""
+        normed = self.input_layernorm(hidden_states)
+        residual = normed if self.residual_from_norm else hidden_states
+        attention_output = self.self_attention(normed, attention_mask=attention_mask,
+                                               rotary_pos_emb=rotary_pos_emb)
+        hidden_states = self._bias_dropout_add(attention_output, residual)
+
+        normed = self.pre_mlp_layernorm(hidden_states)
+        residual = normed if self.residual_from_norm else hidden_states
+        if self.recompute_mlp and self.training:
+            mlp_output = checkpoint(self.mlp, normed, use_reentrant=False)
+        else:
+            mlp_output = self.mlp(normed)
+        hidden_states = self._bias_dropout_add(mlp_output, residual)
+        return hidden_states, None
