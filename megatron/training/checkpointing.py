@@ -12,6 +12,7 @@ numpy's RNG state is stored as tensors and plain values.
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import random
 import sys
@@ -52,8 +53,10 @@ def checkpoint_name(checkpoints_path: str, iteration, release: bool = False, tp_
 
 
 def _plain(value):
-    if isinstance(value, _PLAIN) or isinstance(value, torch.dtype):
+    if type(value) in _PLAIN or isinstance(value, torch.dtype):
         return value, True
+    if isinstance(value, enum.Enum):  # e.g. signal.Signals: store the plain value
+        return _plain(value.value)
     if isinstance(value, (list, tuple)):
         items = [_plain(v) for v in value]
         if all(ok for _, ok in items):
@@ -218,8 +221,9 @@ def _load_file(path: str) -> dict:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+        reason = next((l for l in lines if "Unpickler error" in l), lines[0] if lines else "")
+        raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {reason}") from None
 
 
 def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:

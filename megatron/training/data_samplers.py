@@ -93,7 +93,7 @@ class MegatronPretrainingRandomSampler:
 def build_pretraining_data_loader(dataset, consumed_samples: int, args, data_parallel_rank: int,
                                   data_parallel_size: int):
     """A DataLoader over ``dataset`` that starts after ``consumed_samples`` samples."""
-    if dataset is None:
+    if dataset is None or len(dataset) == 0:
         return None
     if args.dataloader_type == "single":
         sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,

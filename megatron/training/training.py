@@ -16,7 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
 
 from . import global_vars
-from .checkpointing import load_checkpoint, save_checkpoint
+from .checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
 from .initialize import initialize_megatron
@@ -38,6 +38,11 @@ def print_datetime(message: str) -> None:
     print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
 
 
+# Errors caused by what the user gave us (files, flags): one line on stderr, exit code 1, no
+# traceback. Anything else is a bug and keeps its traceback.
+USER_INPUT_ERRORS = (CheckpointError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
 def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: ModelType,
              forward_step_func: Callable, process_non_loss_data_func=None, extra_args_provider=None,
              args_defaults=None, argv=None, **kwargs):
@@ -45,6 +50,16 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 
     ``argv`` (default ``sys.argv[1:]``) lets tests run a training in-process.
     """
+    try:
+        return _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                         process_non_loss_data_func, extra_args_provider, args_defaults, argv)
+    except USER_INPUT_ERRORS as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+              process_non_loss_data_func, extra_args_provider, args_defaults, argv):
     global _TRAIN_START_TIME
     start = torch.tensor([time.time()], dtype=torch.double)
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv)

@@ -29,7 +29,7 @@ TINY_MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32",
     "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--lr", "5e-3", "--min-lr", "5e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
     "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", "--ckpt-format", "torch",
     "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--seed", "1234",

@@ -2,7 +2,9 @@
 
 ``linear_qkv`` maps h -> ng * (np/ng + 2) * d. Its output rows are grouped per query group g:
 [the np/ng query heads of g, the key head of g, the value head of g], each d wide. This is the
-order of Megatron's checkpoints, and tensor parallelism later shards whole groups.
+order of Megatron's checkpoints, and tensor parallelism shards whole groups: with TP ranks, rank
+t holds groups [t * ng/TP, (t + 1) * ng/TP), i.e. a contiguous block of rows, and its np/TP query
+heads. ``linear_proj`` is row-parallel over the same heads.
 """
 
 from typing import Optional, Tuple
@@ -10,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -21,8 +24,11 @@ from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb
 class SelfAttention(MegatronModule):
     """linear_qkv -> [q_layernorm / k_layernorm] -> RoPE -> core_attention -> linear_proj."""
 
-    def __init__(self, config, layer_number: int = 1, attn_mask_type: AttnMaskType = AttnMaskType.causal):
+    def __init__(self, config, layer_number: int = 1, attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 pg_collection=None):
         super().__init__(config)
+        pg_collection = resolve_pg_collection(config, pg_collection)
+        tp_group = pg_collection.tp
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         self.hidden_size_per_attention_head = config.kv_channels
@@ -40,6 +46,7 @@ class SelfAttention(MegatronModule):
             bias=config.add_bias_linear or config.add_qkv_bias,
             gather_output=False,
             tp_comm_buffer_name="qkv",
+            tp_group=tp_group,
         )
         if config.qk_layernorm:
             self.q_layernorm = build_norm(config, self.hidden_size_per_attention_head)
@@ -47,7 +54,8 @@ class SelfAttention(MegatronModule):
         else:
             self.q_layernorm = None
             self.k_layernorm = None
-        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type)
+        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type,
+                                                  pg_collection=pg_collection)
         self.linear_proj = RowParallelLinear(
             self.query_projection_size,
             config.hidden_size,
@@ -56,15 +64,20 @@ class SelfAttention(MegatronModule):
             bias=config.add_bias_linear,
             input_is_parallel=True,
             tp_comm_buffer_name="proj",
+            tp_group=tp_group,
         )
         self.recompute_core_attention = config.recompute_granularity == "selective" and "core_attn" in (
             config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
         )
 
     def get_query_key_value_tensors(self, hidden_states: torch.Tensor):
-        """Split the fused projection into q [s, b, ng, np/ng, d], k and v [s, b, ng, d] (views)."""
-        s, b, _ = hidden_states.shape
+        """Split the fused projection into q [s, b, ng, np/ng, d], k and v [s, b, ng, d] (views).
+
+        With sequence parallelism the input is [s/TP, b, h] and linear_qkv gathers it, so the
+        sizes are read from its output.
+        """
         mixed, _ = self.linear_qkv(hidden_states)
+        s, b, _ = mixed.shape
         heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         mixed = mixed.view(s, b, self.num_query_groups_per_partition, heads_per_group + 2,
                            self.hidden_size_per_attention_head)
@@ -85,8 +98,8 @@ class SelfAttention(MegatronModule):
         ``rotary_pos_emb``: None, a (cos, sin) pair from ``RotaryEmbedding.get_cos_sin`` or a
         Megatron angle table [s, 1, 1, rot].
         """
-        s, b, _ = hidden_states.shape
         query, key, value = self.get_query_key_value_tensors(hidden_states)
+        s, b = key.shape[0], key.shape[1]
         if rotary_pos_emb is not None:
             interleaved = self.config.rotary_interleaved
             # Rotating the 5-d query view writes a fresh contiguous tensor, so the head merge

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
+from megatron.core.transformer.context_parallel import ring_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -25,8 +27,20 @@ class DotProductAttention(MegatronModule):
     """Scaled dot-product attention with dropout on the probabilities (no parameters)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None):
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 pg_collection=None):
         super().__init__(config)
+        self.pg_collection = resolve_pg_collection(config, pg_collection)
+        self.cp_group = self.pg_collection.cp
+        self.cp_size = self.pg_collection.cp_size
+        if self.cp_size > 1:
+            cp_comm_type = getattr(config, "cp_comm_type", None) or "p2p"
+            types = {cp_comm_type} if isinstance(cp_comm_type, str) else set(cp_comm_type)
+            if not types <= {"p2p"}:
+                raise ValueError(f"cp_comm_type {sorted(types)} is not supported (--cp-comm-type); "
+                                 "this implementation has 'p2p' (ring attention)")
+            if attn_mask_type != AttnMaskType.causal:
+                raise ValueError(f"context parallelism supports causal attention only, got {attn_mask_type}")
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding,
                                   AttnMaskType.arbitrary):
             raise ValueError(f"attention mask type {attn_mask_type} is not supported")
@@ -46,6 +60,12 @@ class DotProductAttention(MegatronModule):
                 ) -> torch.Tensor:
         """query [sq, b, np, d], key/value [sk, b, ng, d] -> context [sq, b, np * d]."""
         sq, b, np_, d = query.shape
+        if self.cp_size > 1:
+            if attention_mask is not None:
+                raise ValueError("explicit attention masks (--reset-attention-mask) are not supported with "
+                                 "context parallelism (--context-parallel-size > 1)")
+            dropout_p = self.attention_dropout if self.training else 0.0
+            return ring_attention(query, key, value, self.cp_group, self.softmax_scale, dropout_p, self.training)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)

@@ -5,17 +5,22 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(MegatronModule):
     """h -> ffn -> h. With ``gated_linear_unit`` linear_fc1 is 2 * ffn wide and its output rows
-    are [gate; up] (Megatron's SwiGLU layout); the MLP computes act(gate) * up."""
+    are [gate; up] (Megatron's SwiGLU layout); the MLP computes act(gate) * up.
+
+    Under tensor parallelism fc1 is column-parallel with stride 2, so each shard holds
+    [gate_shard; up_shard] (Megatron's per-shard layout), and fc2 is row-parallel."""
 
     def __init__(self, config, input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None,
-                 is_expert: bool = False):
+                 is_expert: bool = False, pg_collection=None):
         super().__init__(config)
+        tp_group = resolve_pg_collection(config, pg_collection).tp
         self.input_size = config.hidden_size if input_size is None else input_size
         ffn = config.ffn_hidden_size if ffn_hidden_size is None else ffn_hidden_size
         self.gated = config.gated_linear_unit
@@ -28,6 +33,8 @@ class MLP(MegatronModule):
             gather_output=False,
             is_expert=is_expert,
             tp_comm_buffer_name="fc1",
+            stride=2 if self.gated else 1,
+            tp_group=tp_group,
         )
         self.activation_func = config.activation_func
         if (config.bias_activation_fusion and config.add_bias_linear
@@ -43,6 +50,7 @@ class MLP(MegatronModule):
             input_is_parallel=True,
             is_expert=is_expert,
             tp_comm_buffer_name="fc2",
+            tp_group=tp_group,
         )
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -22,7 +22,8 @@ class TransformerBlock(MegatronModule):
 
     def __init__(self, config, post_layer_norm: bool = True, pre_process: bool = True,
                  post_process: bool = True, num_layers: Optional[int] = None,
-                 layer_number_offset: int = 0, attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 layer_number_offset: int = 0, attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 pg_collection=None):
         super().__init__(config)
         num_layers = config.num_layers if num_layers is None else num_layers
         if num_layers < 0 or layer_number_offset < 0:
@@ -34,7 +35,8 @@ class TransformerBlock(MegatronModule):
         self.num_layers_per_pipeline_rank = num_layers
         self.layer_number_offset = layer_number_offset
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, layer_number=layer_number_offset + i + 1, attn_mask_type=attn_mask_type)
+            TransformerLayer(config, layer_number=layer_number_offset + i + 1, attn_mask_type=attn_mask_type,
+                             pg_collection=pg_collection)
             for i in range(num_layers)
         )
         if post_process and post_layer_norm:

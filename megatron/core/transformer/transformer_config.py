@@ -7,7 +7,7 @@ same math whether they are on or off (one deliberate exception: see ``bias_activ
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch.nn.functional as F
 
@@ -108,6 +108,12 @@ class TransformerConfig(ModelParallelConfig):
     """Compute the attention softmax in fp32 (``--attention-softmax-in-fp32``). SDPA already
     accumulates the softmax in fp32 for half inputs, so this is stored only."""
 
+    # ---------------------------------------------------------------- context parallelism
+    cp_comm_type: Optional[Union[str, List[str]]] = None
+    """How attention exchanges keys/values across context-parallel ranks (``--cp-comm-type``):
+    'p2p' (ring attention; the only one implemented here), 'a2a', 'allgather', 'a2a+p2p'; one
+    value or one per layer. None means 'p2p'."""
+
     # ---------------------------------------------------------------- initialization
     init_method_std: float = 0.02
     """Std of the normal init of every weight matrix and embedding (``--init-method-std``)."""
@@ -185,8 +191,8 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(f"{name} must be a positive integer ({flag}), got {value!r}")
         if self.num_attention_heads % self.tensor_model_parallel_size != 0:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"tensor_model_parallel_size ({self.tensor_model_parallel_size})"
+                f"num_attention_heads ({self.num_attention_heads}, --num-attention-heads) must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, --tensor-model-parallel-size)"
             )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
@@ -197,13 +203,26 @@ class TransformerConfig(ModelParallelConfig):
             )
         if self.num_query_groups % self.tensor_model_parallel_size != 0:
             raise ValueError(
-                f"num_query_groups ({self.num_query_groups}) must be a multiple of "
-                f"tensor_model_parallel_size ({self.tensor_model_parallel_size})"
+                f"num_query_groups ({self.num_query_groups}, --num-query-groups) must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, --tensor-model-parallel-size)"
             )
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.ffn_hidden_size <= 0:
             raise ValueError(f"ffn_hidden_size must be positive (--ffn-hidden-size), got {self.ffn_hidden_size}")
+        if self.ffn_hidden_size % self.tensor_model_parallel_size != 0:
+            raise ValueError(
+                f"ffn_hidden_size ({self.ffn_hidden_size}, --ffn-hidden-size) must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, --tensor-model-parallel-size)"
+            )
+        if self.cp_comm_type is not None:
+            types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+            unknown = [t for t in types if t not in ("p2p", "a2a", "allgather", "a2a+p2p")]
+            if unknown:
+                raise ValueError(f"cp_comm_type {unknown} unknown (--cp-comm-type: p2p, a2a, allgather, a2a+p2p)")
+            if not isinstance(self.cp_comm_type, str) and len(types) not in (1, self.num_layers):
+                raise ValueError(f"cp_comm_type takes one value or one per layer ({self.num_layers}), "
+                                 f"got {len(types)} (--cp-comm-type)")
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(

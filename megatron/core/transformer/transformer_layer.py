@@ -18,18 +18,19 @@ class TransformerLayer(MegatronModule):
     bias-dropout-add. With ``apply_residual_connection_post_layernorm`` the residual branch
     starts from the norm's output instead of its input.
 
-    ``layer_number`` is 1-based and global (pipeline stages pass their offset).
+    ``layer_number`` is 1-based and global (pipeline stages pass their offset). With sequence
+    parallelism the norms, dropout and residual adds run on this rank's [s/TP, b, h] slice.
     """
 
     def __init__(self, config, layer_number: int = 1, hidden_dropout: Optional[float] = None,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, pg_collection=None):
         super().__init__(config)
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, layer_number, attn_mask_type)
+        self.self_attention = SelfAttention(config, layer_number, attn_mask_type, pg_collection=pg_collection)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, pg_collection=pg_collection)
         self.residual_from_norm = config.apply_residual_connection_post_layernorm
         self.fp32_residual = config.fp32_residual_connection
         modules = config.recompute_modules if config.recompute_modules is not None else ["core_attn"]

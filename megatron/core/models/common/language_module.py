@@ -2,6 +2,8 @@
 
 import torch
 
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.collectives import group_size
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -44,12 +46,17 @@ class LanguageModule(MegatronModule):
     """Shared pieces of GPT-like models (subclasses set ``embedding`` / ``output_layer``)."""
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Per-token loss [b, s] from labels [b, s] and logits [b, s, V].
+        """Per-token loss [b, s] from labels [b, s] and logits [b, s, V] (or this tensor-parallel
+        rank's vocab slice [b, s, V/TP], the model's ``tp_group`` set).
 
         Computed in fp32 unless ``fp16_lm_cross_entropy`` (then in the logits' dtype).
         """
         if not getattr(self, "fp16_lm_cross_entropy", False):
             logits = logits.float()
+        tp_group = getattr(self, "tp_group", None)
+        vocab_size = getattr(self, "vocab_size", None)
+        if group_size(tp_group) > 1 and logits.shape[-1] != vocab_size:
+            return vocab_parallel_cross_entropy(logits, labels, tp_group=tp_group)
         return language_model_cross_entropy(logits, labels)
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:

@@ -6,6 +6,8 @@ import torch
 
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
+from megatron.core.transformer.context_parallel import cp_chunk_indices
 from megatron.core.transformer.parallel_layers import ColumnParallelLinear
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -25,6 +27,14 @@ class GPTModel(LanguageModule):
 
     A pipeline stage builds its slice with ``pre_process``/``post_process`` and
     ``num_layers``/``layer_number_offset``; ``set_input_tensor`` feeds a stage without the embedding.
+
+    Model parallelism: ``pg_collection`` (a ``ProcessGroupCollection`` or the ``ParallelState`` of
+    ``initialize_model_parallel``) gives the tensor- and context-parallel groups; None means one
+    process (TP = CP = 1). Under TP every projection, the embedding and the output layer are
+    sharded (the tied output layer uses the embedding's vocab shard), and with ``parallel_output``
+    the logits are this rank's vocab slice [b, s, V/TP]; the loss is the vocab-parallel cross
+    entropy. Under CP the inputs are this rank's two load-balanced sequence chunks
+    (``get_batch_on_this_cp_rank``) and the per-token losses are for those tokens.
     """
 
     def __init__(
@@ -46,8 +56,12 @@ class GPTModel(LanguageModule):
         *,
         num_layers: Optional[int] = None,
         layer_number_offset: int = 0,
+        pg_collection=None,
     ):
         super().__init__(config)
+        self.pg_collection = resolve_pg_collection(config, pg_collection)
+        self.tp_group = self.pg_collection.tp
+        self.cp_group = self.pg_collection.cp
         if config.num_moe_experts is not None:
             raise ValueError("mixture of experts (--num-experts) is not supported yet")
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
@@ -68,7 +82,8 @@ class GPTModel(LanguageModule):
 
         if pre_process:
             self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                    position_embedding_type=position_embedding_type)
+                                                    position_embedding_type=position_embedding_type,
+                                                    pg_collection=self.pg_collection)
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
@@ -83,7 +98,8 @@ class GPTModel(LanguageModule):
         else:
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process,
-                                        num_layers=num_layers, layer_number_offset=layer_number_offset)
+                                        num_layers=num_layers, layer_number_offset=layer_number_offset,
+                                        pg_collection=self.pg_collection)
         if post_process:
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
@@ -93,6 +109,7 @@ class GPTModel(LanguageModule):
                 bias=False,
                 gather_output=not parallel_output,
                 skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+                tp_group=self.tp_group,
             )
         self.setup_embeddings_and_output_layer()
         self._causal_masks = {}
@@ -125,6 +142,19 @@ class GPTModel(LanguageModule):
         if torch.equal(attention_mask, causal.expand_as(attention_mask)):
             return None
         return attention_mask
+
+    def _rotary_tables(self, source: torch.Tensor):
+        """RoPE tables for the sequence attention sees: the whole local sequence (gathered over TP
+        with sequence parallelism), and with CP this rank's chunks of the full sequence."""
+        seq_len = source.shape[0]
+        if self.config.sequence_parallel and self.pg_collection.tp_size > 1:
+            seq_len *= self.pg_collection.tp_size
+        cp_size = self.pg_collection.cp_size
+        if cp_size == 1:
+            return self.rotary_pos_emb.get_cos_sin(seq_len, self._activation_dtype(), source.device)
+        cos, sin = self.rotary_pos_emb.get_cos_sin(seq_len * cp_size, self._activation_dtype(), source.device)
+        index = cp_chunk_indices(seq_len, cp_size, self.pg_collection.cp_rank, cos.device)
+        return cos.index_select(0, index), sin.index_select(0, index)
 
     def _activation_dtype(self) -> torch.dtype:
         # The dtype the attention sees is the parameters' (a Float16Module may have cast them).
@@ -159,6 +189,14 @@ class GPTModel(LanguageModule):
                 "GPTModel.forward: decoder_input (4th argument) must be float hidden states [s, b, h]; "
                 "pass labels by keyword (labels=...)"
             )
+        cp_size, cp_rank = self.pg_collection.cp_size, self.pg_collection.cp_rank
+        if cp_size > 1:
+            if attention_mask is not None:
+                raise ValueError("explicit attention masks (--reset-attention-mask) are not supported with "
+                                 "context parallelism (--context-parallel-size > 1)")
+            if position_ids is None and input_ids is not None:
+                position_ids = cp_chunk_indices(input_ids.shape[1], cp_size, cp_rank,
+                                                input_ids.device).unsqueeze(0)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids, position_ids)
         attention_mask = self._drop_causal_mask(attention_mask)
@@ -168,16 +206,21 @@ class GPTModel(LanguageModule):
             source = decoder_input if decoder_input is not None else self.decoder.input_tensor
             if source is None:
                 raise ValueError("GPTModel without pre_process needs set_input_tensor() before forward")
-            rotary = self.rotary_pos_emb.get_cos_sin(source.shape[0], self._activation_dtype(), source.device)
+            rotary = self._rotary_tables(source)
 
         hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary)
         if not self.post_process:
             return hidden_states
 
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        # Transposing the [s, b, h] hidden states (not the [s, b, V] logits) gives [b, s, V]
-        # logits with the cheaper copy.
-        logits, _ = self.output_layer(hidden_states.transpose(0, 1), weight=weight)
+        if self.output_layer.sequence_parallel:
+            # The output layer gathers the [s/TP, b, h] slices along the sequence (dim 0).
+            logits, _ = self.output_layer(hidden_states, weight=weight)
+            logits = logits.transpose(0, 1)
+        else:
+            # Transposing the [s, b, h] hidden states (not the [s, b, V] logits) gives [b, s, V]
+            # logits with the cheaper copy.
+            logits, _ = self.output_layer(hidden_states.transpose(0, 1), weight=weight)
         if labels is None:
             return logits
         return self.compute_language_model_loss(labels, logits)

@@ -5,6 +5,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_layers import VocabParallelEmbedding
 from megatron.core.transformer.utils import new_weight
@@ -22,8 +24,10 @@ class LanguageModelEmbedding(MegatronModule):
 
     def __init__(self, config, vocab_size: int, max_sequence_length: int,
                  position_embedding_type: str = "learned_absolute", num_tokentypes: int = 0,
-                 scatter_to_sequence_parallel: bool = True):
+                 scatter_to_sequence_parallel: bool = True, pg_collection=None):
         super().__init__(config)
+        pgs = resolve_pg_collection(config, pg_collection)
+        self.tp_group = pgs.tp
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type {position_embedding_type!r} is not supported "
@@ -36,8 +40,12 @@ class LanguageModelEmbedding(MegatronModule):
         self.position_embedding_type = position_embedding_type
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         self.num_tokentypes = num_tokentypes
+        self.sequence_parallel = bool(config.sequence_parallel) and pgs.tp_size > 1 and scatter_to_sequence_parallel
+        self.reduce_scatter_embeddings = (self.sequence_parallel and not self.add_position_embedding
+                                          and num_tokentypes <= 0)
         self.word_embeddings = VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.init_method, config=config
+            vocab_size, config.hidden_size, init_method=config.init_method, config=config,
+            reduce_scatter_embeddings=self.reduce_scatter_embeddings, tp_group=self.tp_group,
         )
         if self.add_position_embedding:
             if max_sequence_length <= 0:
@@ -69,6 +77,8 @@ class LanguageModelEmbedding(MegatronModule):
             if tokentype_ids is None:
                 raise ValueError("tokentype_ids are required when num_tokentypes > 0")
             embeddings = embeddings + self.tokentype_embeddings(tokentype_ids.t())
+        if self.sequence_parallel and not self.reduce_scatter_embeddings:
+            embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
         if self.fp32_residual:
             embeddings = embeddings.float()
         if self.training and self.embedding_dropout > 0.0:

@@ -1,0 +1,58 @@
+"""The process groups a model needs, passed explicitly (there is no global parallel state in core)."""
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron.core.tensor_parallel.collectives import check_group_size, group_rank, group_size
+
+
+@dataclass
+class ProcessGroupCollection:
+    """Groups used inside a model chunk. None means that dimension is not split (size 1)."""
+
+    tp: Any = None
+    """Tensor-parallel group: ranks that hold shards of the same layers."""
+
+    cp: Any = None
+    """Context-parallel group: ranks that hold chunks of the same sequences."""
+
+    @classmethod
+    def from_parallel_state(cls, state) -> "ProcessGroupCollection":
+        """From a :class:`megatron.core.parallel_state.ParallelState` (its tp and cp groups)."""
+        return cls(tp=state.get_tensor_model_parallel_group(), cp=state.get_context_parallel_group())
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        return group_rank(self.tp)
+
+    @property
+    def cp_size(self) -> int:
+        return group_size(self.cp)
+
+    @property
+    def cp_rank(self) -> int:
+        return group_rank(self.cp)
+
+
+def resolve_pg_collection(config, pg_collection: Optional[Any] = None) -> ProcessGroupCollection:
+    """Normalize what a model was given (None, a ProcessGroupCollection or a ParallelState) and
+    check it against the config's parallel sizes, so a TP=2 config never silently runs unsplit."""
+    if pg_collection is None:
+        pgs = ProcessGroupCollection()
+    elif isinstance(pg_collection, ProcessGroupCollection):
+        pgs = pg_collection
+    elif hasattr(pg_collection, "get_tensor_model_parallel_group"):
+        pgs = ProcessGroupCollection.from_parallel_state(pg_collection)
+    else:
+        raise ValueError(f"pg_collection must be a ProcessGroupCollection or a ParallelState, "
+                         f"got {type(pg_collection).__name__}")
+    if config is not None:
+        check_group_size(config.tensor_model_parallel_size, pgs.tp, "tensor_model_parallel_size",
+                         "--tensor-model-parallel-size")
+        check_group_size(config.context_parallel_size, pgs.cp, "context_parallel_size",
+                         "--context-parallel-size")
+    return pgs
