@@ -5,9 +5,10 @@ import torch
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.datasets.utils import get_blend_and_blend_per_split
 from megatron.core.models.gpt import GPTModel
-from megatron.training import get_args, get_timers, get_tokenizer, print_rank_0
+from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
+from megatron.training import get_args, get_parallel_state, get_timers, get_tokenizer, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
 from megatron.training.training import ModelType, pretrain
 from megatron.training.utils import get_device
@@ -32,12 +33,16 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        pg_collection=get_parallel_state(),
     )
 
 
 def get_batch(data_iterator):
-    """The next micro-batch on this rank's device. The causal mask is implicit unless documents
-    must not attend to each other (--reset-attention-mask), which keeps the fast SDPA path."""
+    """The next micro-batch on this rank's device, cut to this rank's context-parallel chunks.
+
+    Every tensor-parallel rank reads the same data-parallel batch from its own loader, so no
+    broadcast over TP is needed. The causal mask is implicit unless documents must not attend
+    to each other (--reset-attention-mask), which keeps the fast SDPA path."""
     args = get_args()
     batch = next(data_iterator)
     device = get_device()
@@ -48,6 +53,13 @@ def get_batch(data_iterator):
     attention_mask = None
     if args.reset_attention_mask and "attention_mask" in batch:
         attention_mask = batch["attention_mask"].to(device, non_blocking=True)
+    state = get_parallel_state()
+    if state.get_context_parallel_world_size() > 1:
+        cut = get_batch_on_this_cp_rank(
+            {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "attention_mask": attention_mask,
+             "position_ids": position_ids},
+            state.get_context_parallel_world_size(), state.get_context_parallel_rank())
+        return cut["tokens"], cut["labels"], cut["loss_mask"], cut["attention_mask"], cut["position_ids"]
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
@@ -78,11 +90,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     """GPT datasets from --data-path / per-split paths, or mock data."""
     args = get_args()
     tokenizer = get_tokenizer()
-    blend = get_blend_from_list(args.data_path) if args.data_path else None
-    per_split = None
-    if args.train_data_path or args.valid_data_path or args.test_data_path:
-        per_split = [get_blend_from_list(p) if p else None
-                     for p in (args.train_data_path, args.valid_data_path, args.test_data_path)]
+    blend, per_split = get_blend_and_blend_per_split(
+        args.data_path, args.data_args_path, args.per_split_data_args_path,
+        args.train_data_path, args.valid_data_path, args.test_data_path)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -98,6 +108,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.reset_attention_mask,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        mock=args.mock_data or (blend is None and per_split is None),
     )
     dataset_type = MockGPTDataset if config.mock else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")

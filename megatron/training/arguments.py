@@ -70,17 +70,13 @@ _TE = 'needs Transformer Engine, which this code base does not use'
 _NYI = 'is not implemented yet'
 
 NOT_SUPPORTED_YET = {
-    # Parallelism: only plain data parallelism runs today.
-    'tensor_model_parallel_size': (_above(1), '--tensor-model-parallel-size',
-                                   f'tensor parallelism {_NYI}'),
+    # Parallelism: data, tensor (+sequence) and context parallelism run today.
     'pipeline_model_parallel_size': (_above(1), '--pipeline-model-parallel-size',
                                      f'pipeline parallelism {_NYI}'),
-    'context_parallel_size': (_above(1), '--context-parallel-size', f'context parallelism {_NYI}'),
     'hierarchical_context_parallel_sizes': (_given, '--hierarchical-context-parallel-sizes',
                                             f'context parallelism {_NYI}'),
     'expert_model_parallel_size': (_above(1), '--expert-model-parallel-size',
                                    f'expert parallelism {_NYI}'),
-    'sequence_parallel': (_on, '--sequence-parallel', f'sequence parallelism {_NYI}'),
     'num_layers_per_virtual_pipeline_stage': (_given, '--num-layers-per-virtual-pipeline-stage',
                                               f'virtual pipeline stages {_NYI}'),
     'num_virtual_stages_per_pipeline_rank': (_given, '--num-virtual-stages-per-pipeline-rank',
@@ -128,8 +124,6 @@ NOT_SUPPORTED_YET = {
     'no_rope_freq': (_given, '--no-rope-freq', f'skipping RoPE per layer {_NYI}'),
     'openai_gelu': (_on, '--openai-gelu', f'the OpenAI GeLU variant {_NYI}'),
     'onnx_safe': (_on, '--onnx-safe', f'ONNX export workarounds {_NYI}'),
-    'apply_residual_connection_post_layernorm': (
-        _on, '--apply-residual-connection-post-layernorm', f'post-norm residuals {_NYI}'),
     'fp32_residual_connection': (_on, '--fp32-residual-connection', f'fp32 residuals {_NYI}'),
     'apply_query_key_layer_scaling': (_on, '--apply-query-key-layer-scaling',
                                       f'query-key layer scaling {_NYI}'),
@@ -199,9 +193,6 @@ NOT_SUPPORTED_YET = {
     'enable_experimental': (_on, '--enable-experimental', f'experimental features {_NYI}'),
     'yaml_cfg': (_given, '--yaml-cfg', f'YAML configuration {_NYI}; pass flags'),
     # Data and tokenizers.
-    'data_args_path': (_given, '--data-args-path', f'reading --data-path from a file {_NYI}'),
-    'per_split_data_args_path': (_given, '--per-split-data-args-path',
-                                 f'reading per-split data paths from a file {_NYI}'),
     'full_validation': (_on, '--full-validation', f'full validation {_NYI}'),
     'multiple_validation_sets': (_on, '--multiple-validation-sets',
                                  f'multiple validation sets {_NYI}'),

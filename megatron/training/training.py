@@ -13,6 +13,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.transformer.module import Float16Module
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel import allreduce_sequence_parallel_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
 
 from . import global_vars
@@ -286,13 +287,19 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     timers("all-grads-sync", log_level=1).start(barrier=args.barrier_with_L1_time)
     for chunk in model:
         chunk.finish_grad_sync()
+    if args.sequence_parallel:
+        timers("layernorm-grads-all-reduce", log_level=1).start()
+        allreduce_sequence_parallel_grads(model, state.get_tensor_model_parallel_group())
+        timers("layernorm-grads-all-reduce").stop()
     if config.calculate_per_token_loss:
         num_tokens = config.last_num_tokens.to(get_device())
         if dist.is_initialized():
             dist.all_reduce(num_tokens, group=state.get_data_parallel_group(with_context_parallel=True))
+        # DDP averaged over DP x CP; per-token loss wants the plain sum divided by all tokens.
+        scale = state.get_data_parallel_world_size(with_context_parallel=True) / max(1, num_tokens.item())
         for chunk in model:
             for buffer in chunk.buffers:
-                buffer.data.mul_(1.0 / max(1, num_tokens.item()))
+                buffer.data.mul_(scale)
     timers("all-grads-sync").stop()
 
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)

@@ -603,9 +603,9 @@ def test_rampup_accepted_with_train_samples():
 
 
 # ------------------------------------------------------------------ not supported yet
-def test_not_supported_tensor_parallel():
-    assert error_of('--tensor-model-parallel-size', 2, world_size=2) == (
-        'not supported yet: --tensor-model-parallel-size 2 (tensor parallelism is not '
+def test_not_supported_pipeline_parallel():
+    assert error_of('--pipeline-model-parallel-size', 2, world_size=2) == (
+        'not supported yet: --pipeline-model-parallel-size 2 (pipeline parallelism is not '
         'implemented yet)')
 
 

@@ -213,3 +213,26 @@ def test_distributed_cache_and_failure(tmp_path):
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [50, 5, 0], lambda: True, config).build()
     np.save(tmp_path / "expected_sample_index.npy", np.asarray(train.sample_index))
     run_distributed(_distributed_body, 2, str(tmp_path))
+
+
+def test_blend_from_flags_and_files(tmp_path):
+    from megatron.core.datasets.utils import get_blend_and_blend_per_split
+
+    assert get_blend_and_blend_per_split(data_path=["0.3", "a", "0.7", "b"]) == ((["a", "b"], [0.3, 0.7]), None)
+    args_file = tmp_path / "data_args.txt"
+    args_file.write_text("0.3 a\n0.7 b\n")
+    assert get_blend_and_blend_per_split(data_args_path=str(args_file)) == ((["a", "b"], [0.3, 0.7]), None)
+    assert get_blend_and_blend_per_split(train_data_path=["t"], test_data_path=["x", "y"]) == (
+        None, [(["t"], None), None, (["x", "y"], None)]
+    )
+    per_split = tmp_path / "per_split.json"
+    per_split.write_text('{"train": "1 t1 2 t2", "valid": ["v"], "test": null}')
+    assert get_blend_and_blend_per_split(per_split_data_args_path=str(per_split)) == (
+        None, [(["t1", "t2"], [1.0, 2.0]), (["v"], None), None]
+    )
+    assert get_blend_and_blend_per_split() == (None, None)
+    per_split.write_text("{not json")
+    with pytest.raises(ValueError, match="per_split.json:1"):
+        get_blend_and_blend_per_split(per_split_data_args_path=str(per_split))
+    with pytest.raises(ValueError, match="incompatible"):
+        get_blend_and_blend_per_split(data_path=["a"], train_data_path=["b"])

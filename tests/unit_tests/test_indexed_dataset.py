@@ -217,3 +217,20 @@ def test_missing_files(tmp_path):
     os.remove(prefix + ".bin")
     with pytest.raises(FileNotFoundError, match=r"d\.bin"):
         IndexedDataset(prefix)
+
+
+def test_multimodal_modes_round_trip(tmp_path):
+    prefix = str(tmp_path / "mm")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32, multimodal=True)
+    builder.add_item([1, 2, 3], mode=1)
+    builder.add_item([4], mode=0)
+    builder.end_document()
+    builder.add_document([5, 6, 7], [2, 1], modes=[2, 3])
+    builder.finalize(prefix + ".idx")
+    ds = IndexedDataset(prefix, multimodal=True)
+    assert ds.sequence_modes.tolist() == [1, 0, 2, 3]
+    data, mode = ds[2]
+    assert data.tolist() == [5, 6] and mode == 2
+    assert os.path.getsize(prefix + ".idx") == 34 + 4 * (4 + 8 + 1) + 3 * 8
+    with pytest.raises(IndexedDatasetError, match="multimodal=True"):
+        IndexedDataset(prefix)

@@ -13,6 +13,10 @@ DATA = os.path.join(ROOT, "tests", "data")
 
 
 def _load(name):
+    # Reuse a copy another test file loaded: worker processes look task functions up by module
+    # name, so two copies under one name break pickling.
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

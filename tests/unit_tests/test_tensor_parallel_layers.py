@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel import collectives as C
 from megatron.core.tensor_parallel import mappings as M
+from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -170,6 +171,20 @@ def _check_mappings(tp, rank, group):
     assert all(torch.equal(t, torch.full((r + 1, 2), float(r))) for r, t in enumerate(got))
 
 
+def _check_broadcast_data(rank, group):
+    keys = ["tokens", "loss_mask", "attention_mask", "absent"]
+    data = None
+    if rank == 0:
+        data = {"tokens": torch.arange(12).view(2, 6), "loss_mask": torch.ones(2, 6),
+                "attention_mask": torch.ones(2, 1, 6, 6, dtype=torch.bool).triu(1), "absent": None}
+    got = broadcast_data(keys, data, group)
+    assert torch.equal(got["tokens"], torch.arange(12).view(2, 6))
+    assert got["loss_mask"].dtype == torch.float32 and got["loss_mask"].sum() == 12
+    assert got["attention_mask"].dtype == torch.bool
+    assert torch.equal(got["attention_mask"], torch.ones(2, 1, 6, 6, dtype=torch.bool).triu(1))
+    assert got["absent"] is None
+
+
 def _worker(rank, world_size):
     torch.set_num_threads(1)
     state = initialize_model_parallel(tensor_model_parallel_size=world_size)
@@ -184,6 +199,7 @@ def _worker(rank, world_size):
     for reduce_scatter in (False, True):
         _check_embedding(tp, rank, group, reduce_scatter)
     _check_cross_entropy(tp, rank, group)
+    _check_broadcast_data(rank, group)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -16,7 +16,6 @@ from megatron.core.datasets.index_helpers import (
     build_document_index,
     build_sample_index,
     build_shuffle_index,
-    sample_count,
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.megatron_dataset import (
@@ -87,7 +86,6 @@ def get_ltor_masks_and_position_ids(
         # segment[t] = number of EODs strictly before t
         segment = torch.cumsum(is_eod.long(), 0) - is_eod.long()
     if reset_position_ids:
-        starts = torch.zeros(seq_length, dtype=torch.long)
         eod_positions = torch.nonzero(is_eod, as_tuple=True)[0]
         segment_starts = torch.cat([torch.zeros(1, dtype=torch.long), eod_positions + 1])
         starts = segment_starts[segment]
@@ -130,7 +128,10 @@ class GPTDataset(MegatronDataset):
     def _resolve_pad_id(tokenizer: Any) -> int:
         """The tokenizer's pad id, or -1 when it has none or it doubles as another special token
         (a pad equal to EOD would hide every EOD label from the loss)."""
-        pad = getattr(tokenizer, "pad", None)
+        try:
+            pad = getattr(tokenizer, "pad", None)
+        except NotImplementedError:  # e.g. GPT-2 BPE has no pad token
+            pad = None
         if pad is None or not isinstance(pad, (int, np.integer)) or pad < 0:
             return _PAD_TOKEN_ID
         for name in ("eod", "bos", "eos", "cls", "sep", "mask"):

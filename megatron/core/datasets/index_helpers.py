@@ -1,7 +1,8 @@
-"""Index builders of GPTDataset and BlendedDataset (Megatron's helpers.cpp, in numpy).
+"""Index builders of GPTDataset and BlendedDataset (what upstream does in helpers.cpp).
 
-Each function reproduces the upstream index exactly (same values, same dtypes), so caches and
-sample orders agree with Megatron-LM for the same data and seed.
+Each function reproduces the upstream index exactly (same values, same dtypes), so sample
+orders agree with Megatron-LM for the same data and seed. The GPT indices are vectorized numpy;
+the blending index is a sequential greedy loop (see below).
 """
 
 from __future__ import annotations

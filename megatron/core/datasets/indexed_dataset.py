@@ -23,7 +23,7 @@ import os
 import shutil
 import struct
 from array import array
-from typing import List, Optional, Sequence, Tuple, Type, Union
+from typing import Optional, Sequence, Type, Union
 
 import numpy as np
 
@@ -441,7 +441,7 @@ class IndexedDatasetBuilder:
         """Append one sequence (a sentence, or a whole document)."""
         self._check_open()
         data = self._to_array(tensor)
-        self.data_file.write(data.tobytes(order="C"))
+        self.data_file.write(memoryview(data))
         self.sequence_lengths.append(data.size)
         if self.multimodal:
             self.sequence_modes.append(mode)
@@ -459,7 +459,7 @@ class IndexedDatasetBuilder:
                 f"{self.bin_path}: add_document lengths {lengths.tolist()[:8]}... sum to "
                 f"{int(lengths.sum())} but the document has {data.size} tokens"
             )
-        self.data_file.write(data.tobytes(order="C"))
+        self.data_file.write(memoryview(data))
         self.sequence_lengths.frombytes(lengths.astype(np.int32).tobytes())
         if self.multimodal:
             if modes is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import re
 from typing import List, Optional, Sequence, Tuple
@@ -82,6 +83,55 @@ def get_blend_from_list(
         except ValueError:
             return [p.strip() for p in blend], None
     return [p.strip() for p in blend[1::2]], weights
+
+
+def get_blend_and_blend_per_split(
+    data_path: Optional[List[str]] = None,
+    data_args_path: Optional[str] = None,
+    per_split_data_args_path: Optional[str] = None,
+    train_data_path: Optional[List[str]] = None,
+    valid_data_path: Optional[List[str]] = None,
+    test_data_path: Optional[List[str]] = None,
+):
+    """``(blend, blend_per_split)`` from the data flags (at most one of the two is not None).
+
+    ``--data-args-path`` is a text file holding what ``--data-path`` would; ``--per-split-data-args-path``
+    a JSON object with ``train``/``valid``/``test`` entries (a list or a whitespace-separated string).
+    """
+    if data_path and data_args_path:
+        raise ValueError("--data-path and --data-args-path are mutually exclusive")
+    per_split_flags = [train_data_path, valid_data_path, test_data_path]
+    if data_path or data_args_path:
+        if any(per_split_flags) or per_split_data_args_path:
+            raise ValueError("--data-path/--data-args-path and --train/valid/test-data-path are incompatible")
+        if data_args_path:
+            try:
+                with open(data_args_path) as stream:
+                    data_path = stream.read().split()
+            except OSError as err:
+                raise ValueError(f"--data-args-path {data_args_path}: {err.strerror}") from None
+            if not data_path:
+                raise ValueError(f"--data-args-path {data_args_path}: the file is empty")
+        return get_blend_from_list(data_path), None
+    if per_split_data_args_path:
+        if any(per_split_flags):
+            raise ValueError("--per-split-data-args-path and --train/valid/test-data-path are mutually exclusive")
+        try:
+            with open(per_split_data_args_path) as stream:
+                entries = json.load(stream)
+        except OSError as err:
+            raise ValueError(f"--per-split-data-args-path {per_split_data_args_path}: {err.strerror}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{per_split_data_args_path}:{err.lineno}: invalid JSON ({err.msg})") from None
+        if not isinstance(entries, dict):
+            raise ValueError(f"{per_split_data_args_path}: expected a JSON object with train/valid/test keys")
+        per_split_flags = []
+        for name in ("train", "valid", "test"):
+            value = entries.get(name)
+            per_split_flags.append(value.split() if isinstance(value, str) else value)
+    if any(per_split_flags):
+        return None, [get_blend_from_list(p) for p in per_split_flags]
+    return None, None
 
 
 def normalize(weights: Sequence[float]) -> List[float]:

@@ -1,30 +1,60 @@
 """Forward/backward schedules over the micro-batches of one iteration.
 
-Only the no-pipelining schedule exists so far; pipeline schedules land with the pipeline issue.
-The schedule reads its options from the model config (attributes set by the trainer):
-``grad_scale_func`` (loss scaling for fp16), ``calculate_per_token_loss`` and ``timers``.
+* :func:`forward_backward_no_pipelining` (PP = 1),
+* :func:`forward_backward_pipelining_without_interleaving` (1F1B: warm-up forwards, steady
+  one-forward-one-backward, cool-down backwards),
+* :func:`forward_backward_pipelining_with_interleaving` (several model chunks per rank),
+
+chosen by :func:`get_forward_backward_func`. The schedules read their options from the model
+config (attributes set by the trainer): ``grad_scale_func`` (loss scaling for fp16),
+``calculate_per_token_loss``, ``timers``, ``grad_sync_func``, ``microbatch_group_size_per_vp_stage``
+and, for tests, ``pipeline_event_callback`` (called with a :class:`PipelineEvent` after every
+forward and backward compute of the pipeline schedules).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
+import time
+from collections import deque
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
 
+from megatron.core.pipeline_parallel.layer_split import check_interleaved_microbatches
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, get_tensor_shape
+
 
 def get_model_config(model: torch.nn.Module):
-    """The TransformerConfig of a (possibly wrapped) model chunk."""
-    inner = model
-    while not hasattr(inner, "config") and hasattr(inner, "module"):
-        inner = inner.module
-    return inner.config
+    """The TransformerConfig of a (possibly wrapped) model chunk.
+
+    Wrappers (DDP, Float16Module) are looked through: DDP's own ``config`` is its
+    DistributedDataParallelConfig, not the model's, so the first config with ``hidden_size`` wins.
+    """
+    inner, found = model, None
+    while inner is not None:
+        config = getattr(inner, "config", None)
+        if config is not None:
+            if hasattr(config, "hidden_size"):
+                return config
+            found = found if found is not None else config
+        inner = getattr(inner, "module", None)
+    if found is None:
+        raise ValueError(f"model {type(model).__name__} has no config attribute")
+    return found
 
 
 def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None) -> Callable:
-    """The schedule for a layout; only PP=1 is implemented yet."""
-    if pipeline_model_parallel_size > 1 or virtual_pipeline_model_parallel_size:
-        raise ValueError("not supported yet: --pipeline-model-parallel-size > 1")
+    """The schedule for a layout: no pipelining, 1F1B, or interleaved 1F1B (virtual stages)."""
+    vp = virtual_pipeline_model_parallel_size
+    if pipeline_model_parallel_size > 1:
+        if vp is not None and vp > 1:
+            return forward_backward_pipelining_with_interleaving
+        return forward_backward_pipelining_without_interleaving
+    if vp is not None and vp > 1:
+        raise ValueError("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
+                         "--num-virtual-stages-per-pipeline-rank) need --pipeline-model-parallel-size > 1")
     return forward_backward_no_pipelining
 
 
@@ -33,9 +63,25 @@ def _timer(config, name):
     return timers(name, log_level=2) if timers is not None else None
 
 
+def _unwrap_set_input_tensor(model):
+    inner = model
+    while not hasattr(inner, "set_input_tensor") and hasattr(inner, "module"):
+        inner = inner.module
+    fn = getattr(inner, "set_input_tensor", None)
+    if fn is None:
+        raise ValueError(f"pipeline stage model {type(model).__name__} has no set_input_tensor()")
+    return fn
+
+
 def forward_step(forward_step_func, data_iterator, model, num_microbatches: int, config,
-                 forward_data_store: list, forward_only: bool, collect_non_loss_data: bool = False):
+                 forward_data_store: list, forward_only: bool, collect_non_loss_data: bool = False,
+                 *, input_tensor: Optional[torch.Tensor] = None, set_input_tensor: bool = False,
+                 is_last_stage: bool = True):
     """Run one micro-batch forward and turn its loss into the tensor that backward starts from.
+
+    Pipeline schedules pass ``set_input_tensor=True`` with the activation received from the
+    previous stage (None on the first stage); only the last stage (``is_last_stage``) applies the
+    loss function, other stages return their hidden states.
 
     A loss function may return ``(loss_sum, num_tokens, reported)`` (per-token averaging) or the
     legacy ``(loss, reported)``. Unless ``calculate_per_token_loss``, the loss is divided by its
@@ -45,9 +91,16 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
     timer = _timer(config, "forward-compute")
     if timer:
         timer.start()
+    cp_size = getattr(config, "context_parallel_size", 1)
+    if set_input_tensor:
+        _unwrap_set_input_tensor(model)(input_tensor)
     output_tensor, loss_func = forward_step_func(data_iterator, model)
-    outputs = loss_func(output_tensor)
     num_tokens = torch.tensor(0, dtype=torch.int)
+    if not is_last_stage:
+        if timer:
+            timer.stop()
+        return output_tensor, num_tokens
+    outputs = loss_func(output_tensor)
     if collect_non_loss_data:
         forward_data_store.append(outputs)
     elif len(outputs) == 3:
@@ -55,10 +108,13 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
         if not getattr(config, "calculate_per_token_loss", False):
             output_tensor = output_tensor / num_tokens
             output_tensor = output_tensor / num_microbatches
+            # DDP averages gradients over DP x CP; CP ranks each hold part of one sequence, so
+            # their contributions are summed, not averaged (exact for equal token counts per rank).
+            output_tensor = output_tensor * cp_size
         forward_data_store.append(reported)
     elif len(outputs) == 2:
         output_tensor, reported = outputs
-        output_tensor = output_tensor / num_microbatches
+        output_tensor = output_tensor * cp_size / num_microbatches
         forward_data_store.append(reported)
     else:
         raise ValueError(f"loss function returned {len(outputs)} values; expected 2 or 3")
@@ -67,16 +123,25 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
     return output_tensor, num_tokens
 
 
-def backward_step(output_tensor: torch.Tensor, config) -> None:
+def backward_step(output_tensor: torch.Tensor, config, input_tensor: Optional[torch.Tensor] = None,
+                  output_tensor_grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Backward from the loss (``output_tensor_grad`` None: last stage, loss scaling applies) or from
+    the gradient of this stage's output received from the next stage; returns the gradient of
+    ``input_tensor`` (the activation received from the previous stage), if any."""
     timer = _timer(config, "backward-compute")
     if timer:
         timer.start()
-    scale = getattr(config, "grad_scale_func", None)
-    if scale is not None:
-        output_tensor = scale(output_tensor)
-    torch.autograd.backward(output_tensor)
+    if output_tensor_grad is None:
+        scale = getattr(config, "grad_scale_func", None)
+        if scale is not None:
+            output_tensor = scale(output_tensor)
+        torch.autograd.backward(output_tensor)
+    else:
+        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad.to(output_tensor.dtype))
+    input_grad = input_tensor.grad if input_tensor is not None else None
     if timer:
         timer.stop()
+    return input_grad
 
 
 def forward_backward_no_pipelining(
@@ -123,3 +188,226 @@ def forward_backward_no_pipelining(
         backward_step(output, config)
     config.last_num_tokens = total_tokens
     return forward_data_store
+
+
+# ---------------------------------------------------------------------------------------- pipelines
+@dataclass
+class PipelineEvent:
+    """One forward ('F') or backward ('B') compute of a pipeline schedule, for tests and tracing."""
+
+    stage: int
+    """Pipeline rank."""
+    chunk: int
+    """Model chunk (virtual stage index on this rank); 0 without interleaving."""
+    microbatch: int
+    """Micro-batch index within the iteration."""
+    kind: str
+    """'F' or 'B'."""
+    start_ns: int
+    """time.monotonic_ns() before the compute (system-wide clock, comparable across processes)."""
+    end_ns: int
+    """time.monotonic_ns() after the compute."""
+
+
+def _resolve_communicator(config, p2p_communicator, pg_collection) -> P2PCommunicator:
+    if p2p_communicator is not None:
+        return p2p_communicator
+    if pg_collection is None or not hasattr(pg_collection, "get_pipeline_model_parallel_group"):
+        raise ValueError("pipeline schedules need the pipeline group: pass pg_collection=<ParallelState> "
+                         "(from initialize_model_parallel) or p2p_communicator=P2PCommunicator(pp_group, config)")
+    return P2PCommunicator(pg_collection.get_pipeline_model_parallel_group(), config)
+
+
+def _as_list(x, n: int, what: str) -> list:
+    if isinstance(x, (list, tuple)):
+        if len(x) != n:
+            raise ValueError(f"{what}: expected {n} entries (one per model chunk), got {len(x)}")
+        return list(x)
+    if n != 1:
+        raise ValueError(f"{what}: the interleaved schedule needs a list with one entry per model chunk ({n})")
+    return [x]
+
+
+def get_schedule_table(num_microbatches: int, num_model_chunks: int, group_size: int) -> List[tuple]:
+    """Forward order of (micro-batch, chunk): groups of ``group_size`` micro-batches run through
+    chunk 0, then chunk 1, ...; then the next group. The last group holds the remainder."""
+    table = []
+    for start in range(0, num_microbatches, group_size):
+        members = range(start, min(start + group_size, num_microbatches))
+        for chunk in range(num_model_chunks):
+            table.extend((mb, chunk) for mb in members)
+    return table
+
+
+def _run_pipeline(*, forward_step_func, data_iterators, model_chunks, num_microbatches, config,
+                  communicator: P2PCommunicator, tensor_shape, table, num_warmup, forward_only,
+                  collect_non_loss_data) -> List[Any]:
+    """Drive one rank through its forward/backward sequence.
+
+    The sequence is warm-up forwards, then (forward k + warm-up, backward k) pairs, then the
+    remaining backwards; forward k runs ``table[k]``, backward k runs the same micro-batch on the
+    mirrored chunk. Between two computes one batched p2p call carries what the first produced
+    (activation to the next stage / input gradient to the previous) and fetches what the second
+    needs, so that each rank does one exchange per step as in Megatron's schedules.
+    """
+    pp_rank, pp_size = communicator.rank, communicator.world_size
+    num_chunks = len(model_chunks)
+    total = len(table)
+    num_warmup = total if forward_only else min(num_warmup, total)
+    steps = [("F", k) for k in range(num_warmup)]
+    for i in range(total - num_warmup):
+        steps.append(("F", num_warmup + i))
+        steps.append(("B", i))
+    if not forward_only:
+        steps.extend(("B", k) for k in range(total - num_warmup, total))
+
+    def locate(kind, k):
+        mb, chunk = table[k]
+        return mb, (chunk if kind == "F" else num_chunks - 1 - chunk)
+
+    def first_vstage(chunk):
+        return pp_rank == 0 and chunk == 0
+
+    def last_vstage(chunk):
+        return pp_rank == pp_size - 1 and chunk == num_chunks - 1
+
+    callback = getattr(config, "pipeline_event_callback", None)
+    grad_sync_func = getattr(config, "grad_sync_func", None)
+    backwards_left = [num_microbatches] * num_chunks
+    input_tensors = [deque() for _ in range(num_chunks)]
+    output_tensors = [deque() for _ in range(num_chunks)]
+    forward_data_store: List[Any] = []
+    total_tokens = torch.tensor(0, dtype=torch.int)
+    send_next = send_prev = None
+
+    with ExitStack() as all_chunks:
+        # Gradients are reduced once per chunk, after its last micro-batch: until then no_sync.
+        sync_stacks = []
+        for chunk in model_chunks:
+            stack = ExitStack()
+            if not forward_only:
+                stack.enter_context(getattr(chunk, "no_sync", nullcontext)())
+            sync_stacks.append(stack)
+            all_chunks.push(stack.__exit__)
+        for kind, k in steps:
+            mb, chunk = locate(kind, k)
+            recv_prev = kind == "F" and not first_vstage(chunk)
+            recv_next = kind == "B" and not last_vstage(chunk)
+            from_prev, from_next = communicator.exchange(send_next=send_next, send_prev=send_prev,
+                                                         recv_prev=recv_prev, recv_next=recv_next,
+                                                         tensor_shape=tensor_shape)
+            send_next = send_prev = None
+            start = time.monotonic_ns()
+            if kind == "F":
+                input_tensor = from_prev
+                if input_tensor is not None and not forward_only:
+                    input_tensor.requires_grad_(True)
+                output, num_tokens = forward_step(
+                    forward_step_func, data_iterators[chunk], model_chunks[chunk], num_microbatches, config,
+                    forward_data_store, forward_only, collect_non_loss_data, input_tensor=input_tensor,
+                    set_input_tensor=True, is_last_stage=last_vstage(chunk))
+                total_tokens += num_tokens
+                if not last_vstage(chunk):
+                    send_next = output
+                if not forward_only:
+                    input_tensors[chunk].append(input_tensor)
+                    output_tensors[chunk].append(output)
+            else:
+                input_tensor = input_tensors[chunk].popleft()
+                output = output_tensors[chunk].popleft()
+                backwards_left[chunk] -= 1
+                if backwards_left[chunk] == 0:
+                    sync_stacks[chunk].close()  # leave no_sync before the chunk's last backward
+                input_grad = backward_step(output, config, input_tensor=input_tensor,
+                                           output_tensor_grad=None if last_vstage(chunk) else from_next)
+                if backwards_left[chunk] == 0 and grad_sync_func is not None:
+                    grad_sync_func(model_chunks[chunk].parameters())
+                if not first_vstage(chunk):
+                    send_prev = input_grad
+            if callback is not None:
+                callback(PipelineEvent(pp_rank, chunk, mb, kind, start, time.monotonic_ns()))
+        communicator.exchange(send_next=send_next, send_prev=send_prev, tensor_shape=tensor_shape)
+        communicator.wait_for_sends()
+    config.last_num_tokens = total_tokens
+    return forward_data_store
+
+
+def forward_backward_pipelining_without_interleaving(
+    *,
+    forward_step_func: Callable,
+    data_iterator: Union[Iterator, List[Iterator]],
+    model: Union[torch.nn.Module, List[torch.nn.Module]],
+    num_microbatches: int,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+    pg_collection=None,
+) -> List[Any]:
+    """1F1B over the pipeline group: PP - rank - 1 warm-up forwards (at most M), then alternating
+    one forward / one backward, then the remaining backwards. Returns the reported losses on the
+    last stage (an empty list elsewhere). ``pg_collection`` is the ``ParallelState``."""
+    model_chunks = _as_list(model, 1, "model")
+    data_iterators = _as_list(data_iterator, 1, "data_iterator")
+    config = get_model_config(model_chunks[0])
+    if getattr(config, "variable_seq_lengths", False):
+        raise ValueError("variable sequence lengths are not supported by the pipeline schedules yet")
+    communicator = _resolve_communicator(config, p2p_communicator, pg_collection)
+    tensor_shape = get_tensor_shape(seq_length, micro_batch_size, config)
+    num_warmup = communicator.world_size - communicator.rank - 1
+    table = [(mb, 0) for mb in range(num_microbatches)]
+    return _run_pipeline(forward_step_func=forward_step_func, data_iterators=data_iterators,
+                         model_chunks=model_chunks, num_microbatches=num_microbatches, config=config,
+                         communicator=communicator, tensor_shape=tensor_shape, table=table,
+                         num_warmup=num_warmup, forward_only=forward_only,
+                         collect_non_loss_data=collect_non_loss_data)
+
+
+def forward_backward_pipelining_with_interleaving(
+    *,
+    forward_step_func: Callable,
+    data_iterator: List[Iterator],
+    model: List[torch.nn.Module],
+    num_microbatches: int,
+    seq_length: Optional[int] = None,
+    micro_batch_size: Optional[int] = None,
+    decoder_seq_length: Optional[int] = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: Optional[bool] = None,
+    p2p_communicator: Optional[P2PCommunicator] = None,
+    pg_collection=None,
+) -> List[Any]:
+    """Interleaved 1F1B: ``model`` and ``data_iterator`` are lists with one entry per chunk
+    (virtual stage); chunk c on rank r is virtual stage c * PP + r.
+
+    Groups of G micro-batches (``config.microbatch_group_size_per_vp_stage``, default PP) run
+    through chunk 0, 1, ... in turn; warm-up = (PP - rank - 1) * 2 + (chunks - 1) * G forwards.
+    Megatron's micro-batch rules (PP <= G <= M; M mod G = 0 or >= PP) raise ValueError.
+    """
+    if not isinstance(model, (list, tuple)) or len(model) < 2:
+        raise ValueError("the interleaved schedule needs a list of at least two model chunks "
+                         "(one per virtual pipeline stage)")
+    model_chunks = list(model)
+    data_iterators = _as_list(data_iterator, len(model_chunks), "data_iterator")
+    config = get_model_config(model_chunks[0])
+    if getattr(config, "variable_seq_lengths", False):
+        raise ValueError("variable sequence lengths are not supported by the pipeline schedules yet")
+    communicator = _resolve_communicator(config, p2p_communicator, pg_collection)
+    pp, rank = communicator.world_size, communicator.rank
+    if pp < 2:
+        raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    group = check_interleaved_microbatches(num_microbatches, pp,
+                                           getattr(config, "microbatch_group_size_per_vp_stage", None))
+    tensor_shape = get_tensor_shape(seq_length, micro_batch_size, config)
+    num_chunks = len(model_chunks)
+    num_warmup = (pp - rank - 1) * 2 + (num_chunks - 1) * group
+    table = get_schedule_table(num_microbatches, num_chunks, group)
+    return _run_pipeline(forward_step_func=forward_step_func, data_iterators=data_iterators,
+                         model_chunks=model_chunks, num_microbatches=num_microbatches, config=config,
+                         communicator=communicator, tensor_shape=tensor_shape, table=table,
+                         num_warmup=num_warmup, forward_only=forward_only,
+                         collect_non_loss_data=collect_non_loss_data)

@@ -2,6 +2,7 @@
 the RNG tracker; sequence-parallel helpers. Process groups are always passed explicitly."""
 
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -25,5 +26,5 @@ __all__ = [
     "gather_from_sequence_parallel_region", "gather_from_tensor_model_parallel_region",
     "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region", "scatter_to_tensor_model_parallel_region",
-    "ProcessGroupCollection", "resolve_pg_collection",
+    "ProcessGroupCollection", "resolve_pg_collection", "broadcast_data",
 ]

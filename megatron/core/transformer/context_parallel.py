@@ -134,7 +134,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             o, lse = _block(q, k, v, softmax_scale, True, dropout_p, training)
             out_first, lse_first = o[:, :, :half], lse[:, :, :half]
             out_second, lse_second = o[:, :, half:], lse[:, :, half:]
-        elif src < cp_rank and False:
+        elif src < cp_rank:
             o, lse = _block(q, k[:, :, :half], v[:, :, :half], softmax_scale, False, dropout_p, training)
             out_first, lse_first = _merge(out_first, lse_first, o[:, :, :half], lse[:, :, :half])
             out_second, lse_second = _merge(out_second, lse_second, o[:, :, half:], lse[:, :, half:])

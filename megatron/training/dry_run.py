@@ -1,0 +1,228 @@
+"""Check a pretrain_gpt.py command line without training: parse, validate, print the layout.
+
+    WORLD_SIZE=64 python -m megatron.training.dry_run <pretrain_gpt.py flags>
+    python -m megatron.training.dry_run --dry-run-world-size 64 <pretrain_gpt.py flags>
+
+The flags go through the real parser and ``validate_args`` as if ``WORLD_SIZE`` processes were
+started (``--dry-run-world-size`` wins over the environment; default 1). The layout is printed:
+parallel sizes, micro-batches per step, tokens per step, the parameter count computed from the
+flags, and the memory the model states (weights, gradients, optimizer) need per GPU. Nothing
+is trained and torch.distributed is never initialized. Exit status: 0 when the flags are
+valid, 2 with ``error: <message>`` on stderr when they are not (the message a real run prints).
+"""
+import math
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
+
+WORLD_SIZE_FLAG = "--dry-run-world-size"
+# pretrain_gpt.py passes the same defaults to pretrain().
+PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+
+
+def split_own_flags(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
+    """(world size given by --dry-run-world-size or None, the remaining Megatron flags)."""
+    rest, world_size, index = [], None, 0
+    argv = list(argv)
+    while index < len(argv):
+        item = argv[index]
+        if item == WORLD_SIZE_FLAG or item.startswith(WORLD_SIZE_FLAG + "="):
+            if "=" in item:
+                text = item.split("=", 1)[1]
+            elif index + 1 < len(argv):
+                index += 1
+                text = argv[index]
+            else:
+                raise ArgumentValidationError(f"{WORLD_SIZE_FLAG} needs a value")
+            try:
+                world_size = int(text)
+            except ValueError:
+                raise ArgumentValidationError(f"{WORLD_SIZE_FLAG} must be an integer (got {text!r})")
+        else:
+            rest.append(item)
+        index += 1
+    return world_size, rest
+
+
+@dataclass
+class ParameterCount:
+    """Parameters of a GPT built from the flags (the local layer spec of this code base)."""
+
+    embedding: int
+    """Word embedding (padded vocab x hidden)."""
+    position_embedding: int
+    """Learned absolute position embedding (0 for rope / none)."""
+    per_layer: int
+    """One transformer layer: norms, QKV, projection, MLP, with their biases."""
+    per_layer_replicated: int
+    """The part of ``per_layer`` every tensor-parallel rank holds whole (norms, row-parallel biases)."""
+    final_norm: int
+    output_layer: int
+    """Separate output projection (0 when tied to the word embedding)."""
+    num_layers: int
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.position_embedding + self.num_layers * self.per_layer
+                + self.final_norm + self.output_layer)
+
+    def largest_rank(self, tp: int, pp: int) -> int:
+        """Parameters on the most loaded (tensor, pipeline) rank. With tied embeddings and
+        PP > 1 the last stage keeps its own copy of the word embedding (as in Megatron)."""
+        layers = math.ceil(self.num_layers / pp)
+        layer = (self.per_layer - self.per_layer_replicated) // tp + self.per_layer_replicated
+        first = self.embedding // tp + self.position_embedding + layers * layer
+        last_head = self.output_layer // tp if self.output_layer else self.embedding // tp
+        if pp == 1:
+            return first + self.final_norm + self.output_layer // tp
+        last = layers * layer + self.final_norm + last_head
+        return max(first, last)
+
+
+def _norm_size(args, width: int) -> int:
+    return width if args.normalization == "RMSNorm" else 2 * width
+
+
+def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
+    """The parameter count of the validated ``args`` (vocab part 0 when the vocab is unknown)."""
+    hidden, ffn = args.hidden_size, args.ffn_hidden_size
+    query_width = args.num_attention_heads * args.kv_channels
+    kv_width = args.num_query_groups * args.kv_channels
+    bias = bool(args.add_bias_linear)
+    qkv_bias = bool(args.add_qkv_bias) or bias
+    fc1_rows = 2 * ffn if args.swiglu else ffn
+    norms = 2 * _norm_size(args, hidden)
+    if args.qk_layernorm:
+        norms += 2 * _norm_size(args, args.kv_channels)
+    qkv = hidden * (query_width + 2 * kv_width) + (query_width + 2 * kv_width if qkv_bias else 0)
+    proj = query_width * hidden
+    fc1 = hidden * fc1_rows + (fc1_rows if bias else 0)
+    fc2 = ffn * hidden
+    row_biases = 2 * hidden if bias else 0
+    vocab = padded_vocab_size or 0
+    learned = args.position_embedding_type == "learned_absolute"
+    return ParameterCount(
+        embedding=vocab * hidden,
+        position_embedding=args.max_position_embeddings * hidden if learned else 0,
+        per_layer=norms + qkv + proj + fc1 + fc2 + row_biases,
+        per_layer_replicated=norms + row_biases,
+        final_norm=_norm_size(args, hidden),
+        output_layer=vocab * hidden if args.untie_embeddings_and_output_weights else 0,
+        num_layers=args.num_layers,
+    )
+
+
+def model_state_bytes_per_param(args) -> float:
+    """Weights + gradients + Adam/SGD state per parameter on one GPU (MEGATRON_FACTS §10)."""
+    dp = args.data_parallel_size
+    sgd = args.optimizer == "sgd"
+    if args.fp16 or args.bf16:
+        # 16-bit weights, fp32 main grads (bf16) or 16-bit grads (fp16); fp32 main params and
+        # two fp32 moments (one for SGD with momentum).
+        weights_grads = 6 if args.bf16 else 4
+        optimizer = 8 if sgd else 12
+        if args.fp16:
+            optimizer += 4  # fp32 master copy of the fp16 params
+    else:
+        weights_grads, optimizer = 8, (4 if sgd else 8)
+    if args.use_distributed_optimizer:
+        return weights_grads + optimizer / dp
+    return weights_grads + optimizer
+
+
+def _human(count: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(count) >= size:
+            return f"{count / size:.2f}{unit}"
+    return str(int(count))
+
+
+def _padded_vocab(args):
+    """Build the tokenizer like a real run does (it sets args.padded_vocab_size)."""
+    from megatron.training.tokenizer import build_tokenizer
+    try:
+        build_tokenizer(args)
+    except Exception as exc:  # a tokenizer file that only exists on the cluster
+        return None, f"{type(exc).__name__}: {exc}"
+    return args.padded_vocab_size, None
+
+
+def layout_lines(args, padded_vocab: Optional[int], vocab_problem: Optional[str]):
+    """[(name, value)] describing the validated ``args``."""
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    dp, mbs, gbs = args.data_parallel_size, args.micro_batch_size, args.global_batch_size
+    lines = [
+        ("world size", args.world_size),
+        ("tensor model parallel size (TP)", tp),
+        ("pipeline model parallel size (PP)", pp),
+        ("context parallel size (CP)", cp),
+        ("data parallel size (DP)", dp),
+        ("expert model parallel size (EP)", args.expert_model_parallel_size),
+        ("sequence parallel", "on" if args.sequence_parallel else "off"),
+        ("micro batch size", mbs),
+        ("global batch size", gbs),
+        ("micro-batches per step", gbs // (mbs * dp)),
+        ("sequence length", args.seq_length),
+        ("tokens per step", gbs * args.seq_length),
+    ]
+    if args.rampup_batch_size is not None:
+        lines.append(("batch size ramp-up", " ".join(str(v) for v in args.rampup_batch_size)))
+    if args.train_iters is not None:
+        lines.append(("training iterations", args.train_iters))
+        lines.append(("training tokens", _human(args.train_iters * gbs * args.seq_length)))
+    elif args.train_samples is not None:
+        lines.append(("training samples", args.train_samples))
+        lines.append(("training tokens", _human(args.train_samples * args.seq_length)))
+    precision = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
+    lines.append(("precision", precision))
+    count = count_parameters(args, padded_vocab)
+    if padded_vocab is None:
+        lines.append(("padded vocab size", f"unknown ({vocab_problem})"))
+        lines.append(("parameters without embeddings", f"{count.total} ({_human(count.total)})"))
+        return lines
+    lines.append(("padded vocab size", padded_vocab))
+    lines.append(("parameters", f"{count.total} ({_human(count.total)})"))
+    largest = count.largest_rank(tp, pp)
+    lines.append(("parameters on the largest model-parallel rank", f"{largest} ({_human(largest)})"))
+    per_param = model_state_bytes_per_param(args)
+    lines.append(("model-state memory per GPU (GB)",
+                  f"{largest * per_param / 2**30:.2f} ({per_param:g} bytes/param: weights, "
+                  "grads, optimizer; activations not included)"))
+    return lines
+
+
+def format_lines(lines) -> str:
+    body = [f"  {name} {'.' * max(1, 48 - len(name))} {value}" for name, value in lines]
+    return "\n".join(["------------------------ dry run: layout ------------------------", *body,
+                      "-------------------- end of dry run: layout ---------------------"])
+
+
+def main(argv=None) -> int:
+    import os
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        world_size, megatron_argv = split_own_flags(argv)
+    except ArgumentValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = parse_args(argv=megatron_argv)  # argparse exits with status 2 on unknown flags
+    args.world_size, args.rank = world_size, 0
+    try:
+        validate_args(args, dict(PRETRAIN_GPT_DEFAULTS))
+    except ArgumentValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    padded_vocab, problem = _padded_vocab(args)
+    print(format_lines(layout_lines(args, padded_vocab, problem)), flush=True)
+    print(f"dry run OK: the flags are valid for {world_size} processes "
+          "(nothing was trained; torch.distributed was not initialized)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
