@@ -209,7 +209,6 @@ NOT_SUPPORTED_YET = {
                                  f'extra special tokens {_NYI}'),
     'tokenizer_metadata': (_given, '--tokenizer-metadata', f'tokenizer metadata {_NYI}'),
     # Logging.
-    'log_throughput': (_on, '--log-throughput', 'not until its FLOP count lands'),
     'log_progress': (_on, '--log-progress', f'progress.txt {_NYI}'),
     'log_memory_interval': (_given, '--log-memory-interval', f'periodic memory reports {_NYI}'),
     'logging_level': (_given, '--logging-level', f'setting the logging level {_NYI}'),

@@ -20,6 +20,7 @@ from . import global_vars
 from .checkpointing import CheckpointError, load_checkpoint, save_checkpoint
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
+from .flops import num_floating_point_operations
 from .initialize import initialize_megatron
 from .training_log import print_evaluation, training_log
 from .utils import get_device, print_rank_0
@@ -369,6 +370,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         args.iteration = iteration
         batch_size = args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
         args.consumed_train_samples += batch_size
+        flops += num_floating_point_operations(args, batch_size)
         if skipped_iter:
             args.skipped_train_samples = getattr(args, "skipped_train_samples", 0) + batch_size
         loss_scale = optimizer.get_loss_scale().item()

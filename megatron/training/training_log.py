@@ -8,6 +8,7 @@ from typing import Dict, Optional
 import torch
 
 from . import global_vars
+from .flops import num_floating_point_operations, peak_tflops_per_device
 from .utils import print_rank_last
 
 ADVANCED_KEY = "advanced iterations"
@@ -128,14 +129,25 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         avg = value / float(advanced)
         if avg > 0.0:
             losses[key] = avg
+    throughput = None
+    if getattr(args, "log_throughput", False):
+        throughput = _log_throughput(args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer)
     line = format_log_line(
         timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S"), iteration=iteration, train_iters=args.train_iters,
         consumed_samples=args.consumed_train_samples, skipped_samples=getattr(args, "skipped_train_samples", 0),
-        elapsed_ms=elapsed_per_iteration * 1000.0, throughput=None, learning_rate=learning_rate,
+        elapsed_ms=elapsed_per_iteration * 1000.0, throughput=throughput, learning_rate=learning_rate,
         batch_size=batch_size, losses=losses, loss_scale=loss_scale, grad_norm=grad_norm,
         num_zeros=num_zeros_in_grad, params_norm=params_norm,
         skipped_iters=total_loss_dict[SKIPPED_KEY], nan_iters=total_loss_dict[NAN_KEY])
     print_rank_last(line)
+    if throughput is not None:
+        tokens_per_sec = batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12)
+        peak = peak_tflops_per_device()
+        extra = f" tokens per second: {tokens_per_sec:.1f} | tokens per second per GPU: " \
+                f"{tokens_per_sec / args.world_size:.1f} |"
+        if peak:
+            extra += f" MFU: {100.0 * throughput / peak:.1f}% of {peak:.0f} TFLOP/s |"
+        print_rank_last(extra)
     for key in list(total_loss_dict):
         total_loss_dict[key] = 0 if key in (ADVANCED_KEY, SKIPPED_KEY, NAN_KEY) else 0.0
     if report_memory_flag and torch.cuda.is_available():
@@ -143,6 +155,23 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         report_memory_flag = False
     timers.log(timers_to_log, normalizer=args.log_interval)
     return report_memory_flag
+
+
+def _log_throughput(args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer) -> float:
+    """TFLOP/s per GPU with Megatron's FLOP count; also tokens/s and MFU to TensorBoard / W&B."""
+    flops = num_floating_point_operations(args, batch_size)
+    tflops_per_gpu = flops / (max(elapsed_per_iteration, 1e-12) * 1e12 * args.world_size)
+    tokens_per_sec = batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12)
+    scalars = {"throughput": tflops_per_gpu, "tokens-per-sec": tokens_per_sec}
+    peak = peak_tflops_per_device()
+    if peak:
+        scalars["mfu"] = tflops_per_gpu / peak
+    if writer is not None:
+        for name, value in scalars.items():
+            writer.add_scalar(name, value, iteration)
+    if wandb_writer is not None:
+        wandb_writer.log(scalars, iteration)
+    return tflops_per_gpu
 
 
 def report_memory(name: str) -> None:

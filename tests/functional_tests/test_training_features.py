@@ -125,3 +125,16 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     iteration = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert iteration >= 3
     assert (ckpt / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt").is_file()
+
+
+def test_log_throughput_fields(capsys, tmp_path):
+    import re
+    out = _pretrain(TINY_MODEL + ["--train-iters", "3", "--log-interval", "1", "--log-throughput", "--tensorboard-dir", str(tmp_path)],
+                    capsys)
+    lines = parse_log_lines(out)
+    assert "throughput per GPU (TFLOP/s/GPU): " in out
+    tokens = [float(m) for m in re.findall(r"^ tokens per second: (\S+) \|", out, flags=re.M)]
+    assert len(tokens) == 3
+    elapsed_s = float(lines[2]["elapsed"]) / 1000.0
+    assert tokens[1] == pytest.approx(8 * 32 / elapsed_s, rel=0.05)
+    assert sorted(read_tensorboard_scalars(tmp_path, "tokens-per-sec")) == [1, 2, 3]

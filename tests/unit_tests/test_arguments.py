@@ -626,7 +626,6 @@ def test_not_supported_checkpoint_format():
     (['--multi-latent-attention'], '--multi-latent-attention'),
     (['--fp8-format', 'hybrid', '--bf16'], '--fp8-format hybrid'),
     (['--optimizer', 'muon', '--ckpt-format', 'torch'], '--optimizer muon'),
-    (['--log-throughput'], '--log-throughput'),
     (['--yaml-cfg', 'cfg.yaml'], '--yaml-cfg cfg.yaml'),
     (['--spec', 'local'], '--spec local'),
     (['--position-embedding-type', 'yarn'], '--position-embedding-type yarn'),
@@ -646,9 +645,9 @@ def test_not_supported_features(extra, flag):
 
 
 def test_not_supported_lists_every_offender():
-    message = error_of('--use-distributed-optimizer', '--log-throughput')
+    message = error_of('--use-distributed-optimizer', '--profile')
     assert message.count('; ') == 1
-    assert '--use-distributed-optimizer (' in message and '--log-throughput (' in message
+    assert '--use-distributed-optimizer (' in message and '--profile (' in message
 
 
 def test_not_supported_table_names_real_flags():

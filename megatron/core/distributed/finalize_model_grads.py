@@ -52,7 +52,7 @@ def allreduce_embedding_grads(model_chunks: List[torch.nn.Module], embedding_gro
         # A stage that saw no gradient still has to take part in the collective.
         grad = torch.zeros_like(weight)
         weight.grad = grad
-    pass
+    dist.all_reduce(grad, group=embedding_group)
 
 
 def finalize_model_grads(model_chunks: List[torch.nn.Module], parallel_state=None,
