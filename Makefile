@@ -32,3 +32,58 @@ quickstart-mock: install
 
 clean:
 	rm -rf runs
+
+# ---------------------------------------------------------------------------------------------
+# Data, ablations and plots (see "Launch scripts and ablations" in README.md).
+DATA_DIR ?= runs/data
+GPT2_LARGE = examples/gpt2/train_gpt2_large.sh
+
+.PHONY: train-baseline-gpt2large-1gpu train-dp2-gpt2large-2gpu train-tp2-gpt2large-2gpu \
+	train-sp2-gpt2large-2gpu train-cp2-gpt2large-2gpu train-pp2-gpt2large-2gpu \
+	plot-gpt2large ablate-cpu dry-run-examples
+
+# Tokenize tests/data/<name>.jsonl (or INPUT=<file.jsonl>) into $(DATA_DIR)/<name>_text_document
+# with the GPT-2 BPE of tests/data, e.g. `make prepare-ds-corpus`. (A pattern rule cannot be
+# .PHONY; an explicit target such as prepare-ds-sample takes precedence over it.)
+prepare-ds-%:
+	@test -f "$(or $(INPUT),tests/data/$*.jsonl)" || \
+		{ echo "error: $(or $(INPUT),tests/data/$*.jsonl) does not exist (set INPUT=<file.jsonl>)" >&2; exit 2; }
+	$(PYTHON) tools/preprocess_data.py --input $(or $(INPUT),tests/data/$*.jsonl) \
+		--output-prefix $(DATA_DIR)/$* --tokenizer-type GPT2BPETokenizer \
+		--vocab-file tests/data/gpt2-vocab.json --merge-file tests/data/gpt2-merges.txt \
+		--append-eod --workers 2
+
+$(DATA_DIR)/%_text_document.bin:
+	$(MAKE) prepare-ds-$*
+
+# GPT-2 large (774M) in each parallel layout on GPUs; logs in runs/gpt2large/<layout>.log.
+# Pass DATA_PATH=<prefix> for a corpus (mock data otherwise), ITERS=, MBS=, GBS=, PRECISION=.
+train-baseline-gpt2large-1gpu:
+	LAYOUT=baseline bash $(GPT2_LARGE)
+train-dp2-gpt2large-2gpu:
+	LAYOUT=dp2 bash $(GPT2_LARGE)
+train-tp2-gpt2large-2gpu:
+	LAYOUT=tp2 bash $(GPT2_LARGE)
+train-sp2-gpt2large-2gpu:
+	LAYOUT=sp2 bash $(GPT2_LARGE)
+train-cp2-gpt2large-2gpu:
+	LAYOUT=cp2 bash $(GPT2_LARGE)
+train-pp2-gpt2large-2gpu:
+	LAYOUT=pp2 bash $(GPT2_LARGE)
+
+# The curves of whichever GPT-2 large layouts have run, in one PNG.
+GPT2_LARGE_LOGS = $(wildcard $(addprefix runs/gpt2large/,$(addsuffix .log,baseline dp2 tp2 sp2 cp2 pp2)))
+plot-gpt2large:
+	@test -n "$(GPT2_LARGE_LOGS)" || { echo "error: no runs/gpt2large/<layout>.log yet; run a train-*-gpt2large-* target" >&2; exit 2; }
+	$(PYTHON) tools/plot_logs.py $(GPT2_LARGE_LOGS) --output runs/gpt2large/ablation.png
+
+# The same six layouts on a tiny GPT on CPU (1-2 processes, the sample corpus), logs side by side
+# in runs/ablate-cpu/<layout>.log, drawn into runs/ablate-cpu/ablation.png.
+ablate-cpu: $(DATA_DIR)/corpus_text_document.bin
+	PYTHON=$(PYTHON) DATA_PATH=$(DATA_DIR)/corpus_text_document bash examples/gpt2/ablate_cpu.sh
+
+# Validate every launch script's flags (DRY_RUN=1) and print its layout.
+dry-run-examples:
+	@for script in examples/gpt3/train_gpt3_*.sh examples/llama/train_*.sh; do \
+		echo "=== $$script"; DRY_RUN=1 PYTHON=$(PYTHON) bash $$script 2>&1 | grep -E '^  |error|dry run OK'; \
+	done

@@ -14,8 +14,9 @@ from megatron.training.training import ModelType, pretrain
 from megatron.training.utils import get_device
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None):
-    """Build the GPT model of this pipeline stage from the flags (local PyTorch implementation)."""
+def model_provider(pre_process=True, post_process=True, vp_stage=None, num_layers=None, layer_number_offset=0):
+    """Build the GPT model (or, with pipeline parallelism, this stage's chunk of ``num_layers``
+    layers starting after ``layer_number_offset``) from the flags: local PyTorch implementation."""
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
@@ -34,6 +35,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
         pg_collection=get_parallel_state(),
+        num_layers=num_layers,
+        layer_number_offset=layer_number_offset,
     )
 
 
@@ -69,11 +72,18 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float().view(-1)
     loss_mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    local_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    num_tokens = local_tokens
+    state = get_parallel_state()
+    if state.get_context_parallel_world_size() > 1 and not args.calculate_per_token_loss:
+        # Each CP rank holds part of every sequence: divide by the tokens of the whole sequence
+        # (the schedule multiplies by CP size and DDP averages over DP x CP).
+        num_tokens = local_tokens.clone()
+        torch.distributed.all_reduce(num_tokens, group=state.get_context_parallel_group())
     if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
         raise RuntimeError(f"NaN or Inf loss on rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0} "
                            f"at iteration {args.iteration + 1}")
-    reported = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])
+    reported = torch.cat([loss.clone().detach().view(1), local_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": reported}
 
 

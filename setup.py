@@ -18,5 +18,5 @@ setup(
         "tensorboard",
         "wandb",
     ],
-    extras_require={"dev": ["pytest"]},
+    extras_require={"dev": ["pytest"], "plot": ["matplotlib"]},
 )

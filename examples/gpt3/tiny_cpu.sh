@@ -2,6 +2,7 @@
 # A tiny GPT on CPU processes (gloo). Every size and path can be overridden from the environment:
 #   NPROC=2 RUN_DIR=runs/tiny DATA_PATH=<prefix> ITERS=200 bash examples/gpt3/tiny_cpu.sh
 #   MOCK=1 bash examples/gpt3/tiny_cpu.sh          # generated data instead of a corpus
+#   DRY_RUN=1 MOCK=1 bash examples/gpt3/tiny_cpu.sh  # validate the flags, print the layout
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -58,5 +59,9 @@ OUTPUT_ARGS=(
     --ckpt-format torch
     --tensorboard-dir "$RUN_DIR/tensorboard"
 )
+if [[ "${DRY_RUN:-0}" == "1" ]]; then
+    exec env WORLD_SIZE="$NPROC" RANK=0 "${PYTHON:-python}" -m megatron.training.dry_run \
+        "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
+fi
 exec torchrun --nproc-per-node "$NPROC" pretrain_gpt.py \
     "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"

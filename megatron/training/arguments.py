@@ -71,20 +71,10 @@ _NYI = 'is not implemented yet'
 
 NOT_SUPPORTED_YET = {
     # Parallelism: data, tensor (+sequence) and context parallelism run today.
-    'pipeline_model_parallel_size': (_above(1), '--pipeline-model-parallel-size',
-                                     f'pipeline parallelism {_NYI}'),
     'hierarchical_context_parallel_sizes': (_given, '--hierarchical-context-parallel-sizes',
                                             f'context parallelism {_NYI}'),
     'expert_model_parallel_size': (_above(1), '--expert-model-parallel-size',
                                    f'expert parallelism {_NYI}'),
-    'num_layers_per_virtual_pipeline_stage': (_given, '--num-layers-per-virtual-pipeline-stage',
-                                              f'virtual pipeline stages {_NYI}'),
-    'num_virtual_stages_per_pipeline_rank': (_given, '--num-virtual-stages-per-pipeline-rank',
-                                             f'virtual pipeline stages {_NYI}'),
-    'decoder_first_pipeline_num_layers': (_given, '--decoder-first-pipeline-num-layers',
-                                          f'uneven pipeline splits {_NYI}'),
-    'decoder_last_pipeline_num_layers': (_given, '--decoder-last-pipeline-num-layers',
-                                         f'uneven pipeline splits {_NYI}'),
     'pipeline_model_parallel_layout': (_given, '--pipeline-model-parallel-layout',
                                        f'custom pipeline layouts {_NYI}'),
     'use_distributed_optimizer': (_on, '--use-distributed-optimizer',

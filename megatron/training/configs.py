@@ -37,6 +37,8 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig) -> T
         "num_moe_experts": getattr(args, "num_experts", None),
         "deallocate_pipeline_outputs": True,
         "pipeline_dtype": args.params_dtype,
+        # Layout-independent init: every TP/PP/CP layout builds the one-process model's weights.
+        "init_seed": args.seed,
         "params_dtype": args.params_dtype,
         "bias_activation_fusion": bool(args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion),
     }

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 from megatron.core.transformer.module import Float16Module
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -129,10 +131,22 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
     """Build this rank's model chunk(s), move them to the device, cast and wrap in DDP."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
-    pre_process = state.is_pipeline_first_stage()
-    post_process = state.is_pipeline_last_stage()
-    model = model_provider(pre_process=pre_process, post_process=post_process)
-    chunks = model if isinstance(model, list) else [model]
+    if args.pipeline_model_parallel_size > 1:
+        # One chunk per virtual stage, each with its slice of layers (Megatron's layer split).
+        split = compute_layer_split(
+            args.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
+            args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+            args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
+        pp_rank = state.get_pipeline_model_parallel_rank()
+        chunks = []
+        for vp in range(split.num_chunks):
+            kw = split.chunk_args(pp_rank, vp)
+            chunks.append(model_provider(pre_process=kw["pre_process"], post_process=kw["post_process"],
+                                         vp_stage=vp if split.num_chunks > 1 else None,
+                                         num_layers=kw["num_layers"], layer_number_offset=kw["layer_number_offset"]))
+    else:
+        model = model_provider(pre_process=True, post_process=True)
+        chunks = model if isinstance(model, list) else [model]
     for chunk in chunks:
         chunk.model_type = model_type
 
@@ -143,6 +157,12 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
 
     device = get_device()
     chunks = [chunk.to(device) for chunk in chunks]
+    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
+        # The last stage's output weight starts as a copy of the first stage's word embedding.
+        if state.is_pipeline_first_stage():
+            chunks[0].sync_shared_embedding(state.get_embedding_group())
+        if state.is_pipeline_last_stage():
+            chunks[-1].sync_shared_embedding(state.get_embedding_group())
     if args.fp16 or args.bf16:
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     if not wrap_with_ddp:
@@ -197,10 +217,12 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
                                        if state.size("mp") > 1 else None,
                                        tp_rank=state.get_tensor_model_parallel_rank())
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
-    config = get_model_config(model[0])
-    config.grad_scale_func = optimizer.scale_loss if args.fp16 else None
-    config.timers = timers
-    config.calculate_per_token_loss = getattr(args, "calculate_per_token_loss", False)
+    for chunk in model:
+        config = get_model_config(chunk)
+        config.grad_scale_func = optimizer.scale_loss if args.fp16 else None
+        config.timers = timers
+        config.calculate_per_token_loss = getattr(args, "calculate_per_token_loss", False)
+        config.microbatch_group_size_per_vp_stage = args.microbatch_group_size_per_vp_stage
 
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
@@ -258,7 +280,18 @@ def build_train_valid_test_data_iterators(provider: Callable):
         if loader is None:
             return None
         return iter(loader) if args.dataloader_type == "single" else _cyclic(loader)
-    return as_iter(train_loader), as_iter(valid_loader), as_iter(test_loader)
+    num_chunks = args.virtual_pipeline_model_parallel_size or 1
+    if num_chunks == 1:
+        return as_iter(train_loader), as_iter(valid_loader), as_iter(test_loader)
+
+    # Interleaved schedule: every model chunk walks its own iterator over the same samples.
+    def per_chunk(dataset, consumed):
+        if dataset is None or len(dataset) <= consumed:
+            return None
+        return [as_iter(build_pretraining_data_loader(dataset, consumed, args, dp_rank, dp_size))
+                for _ in range(num_chunks)]
+    return (per_chunk(train_ds, args.consumed_train_samples), per_chunk(valid_ds, args.consumed_valid_samples),
+            per_chunk(test_ds, 0))
 
 
 def _cyclic(loader):
@@ -282,25 +315,17 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     losses_reduced = forward_backward_func(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
         num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        forward_only=False)
+        forward_only=False, **_pipeline_kwargs(args, state))
     timers("forward-backward").stop()
 
     timers("all-grads-sync", log_level=1).start(barrier=args.barrier_with_L1_time)
-    for chunk in model:
-        chunk.finish_grad_sync()
+    # DP reduction, tied-embedding sync across the first and last stage, per-token scaling.
+    num_tokens = config.last_num_tokens.to(get_device()) if config.calculate_per_token_loss else None
+    finalize_model_grads(model, state, num_tokens=num_tokens, timers=timers)
     if args.sequence_parallel:
         timers("layernorm-grads-all-reduce", log_level=1).start()
         allreduce_sequence_parallel_grads(model, state.get_tensor_model_parallel_group())
         timers("layernorm-grads-all-reduce").stop()
-    if config.calculate_per_token_loss:
-        num_tokens = config.last_num_tokens.to(get_device())
-        if dist.is_initialized():
-            dist.all_reduce(num_tokens, group=state.get_data_parallel_group(with_context_parallel=True))
-        # DDP averaged over DP x CP; per-token loss wants the plain sum divided by all tokens.
-        scale = state.get_data_parallel_world_size(with_context_parallel=True) / max(1, num_tokens.item())
-        for chunk in model:
-            for buffer in chunk.buffers:
-                buffer.data.mul_(scale)
     timers("all-grads-sync").stop()
 
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
@@ -317,6 +342,11 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     if state.is_pipeline_last_stage():
         loss_reduced = _reduce_losses(losses_reduced, state)
     return loss_reduced, skipped_iter, grad_norm, num_zeros
+
+
+def _pipeline_kwargs(args, state) -> dict:
+    """The pipeline schedules need the groups; the no-pipelining schedule takes none."""
+    return {"pg_collection": state} if args.pipeline_model_parallel_size > 1 else {}
 
 
 def _reduce_losses(losses_reduced, state):
@@ -438,7 +468,8 @@ def evaluate(forward_step_func, data_iterator, model, config, verbose: bool = Fa
                 print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
             losses = forward_backward_func(forward_step_func=forward_step_func, data_iterator=data_iterator,
                                            model=model, num_microbatches=num_microbatches,
-                                           seq_length=args.seq_length, micro_batch_size=eval_mbs, forward_only=True)
+                                           seq_length=args.seq_length, micro_batch_size=eval_mbs, forward_only=True,
+                                           **_pipeline_kwargs(args, state))
             if state.is_pipeline_last_stage():
                 for loss in losses:
                     for key, value in loss.items():

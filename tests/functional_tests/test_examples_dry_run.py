@@ -5,10 +5,12 @@ is the one the script means. Parameter counts are checked against published mode
 Pipeline parallelism is not built yet: a PP > 1 layout must either pass (once PP lands) or be
 refused with exactly one problem, "not supported yet: --pipeline-model-parallel-size <PP>",
 so everything else in those scripts is still validated."""
+import contextlib
+import io
 import os
 import re
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -20,12 +22,16 @@ SCRIPT_ENV = ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_POR
               "CP", "SP", "MBS", "GBS", "DATA_PATH", "CHECKPOINT_PATH", "TENSORBOARD_PATH",
               "VOCAB_FILE", "MERGE_FILE", "VOCAB_SIZE", "TOKENIZER_MODEL", "SEQ_LENGTH", "LAYOUT",
               "NUM_LAYERS", "HIDDEN_SIZE", "NUM_HEADS", "LOG_FILE", "WORLD_SIZE", "RANK",
-              "MAKE_VOCAB_SIZE_DIVISIBLE_BY", "PRECISION", "HIDDEN", "HEADS", "SEQ", "ITERS")
+              "MAKE_VOCAB_SIZE_DIVISIBLE_BY", "PRECISION", "HIDDEN", "HEADS", "SEQ", "ITERS",
+              "MOCK", "NPROC", "RUN_DIR")
 
 # id: (script, extra env, expected layout, expected parameters or None).
 # Layout: world size, TP, PP, CP, DP, micro-batch size, global batch size, sequence length.
 GPT2_LARGE_PARAMS = 774_030_080 + (50_304 - 50_257) * 1280  # HF gpt2-large + padded vocab rows
 CASES = {
+    "tiny_cpu_mock": ("examples/gpt3/tiny_cpu.sh", {"MOCK": "1"}, (2, 1, 1, 1, 2, 4, 16, 128), None),
+    "tiny_cpu_corpus": ("examples/gpt3/tiny_cpu.sh", {"DATA_PATH": "runs/data/x_text_document"},
+                        (2, 1, 1, 1, 2, 4, 16, 128), None),
     "gpt3_125m": ("examples/gpt3/train_gpt3_125m.sh", {}, (8, 1, 1, 1, 8, 4, 256, 2048), None),
     "gpt3_345m": ("examples/gpt3/train_gpt3_345m.sh", {}, (8, 1, 1, 1, 8, 4, 256, 2048), None),
     "gpt3_857m": ("examples/gpt3/train_gpt3_857m.sh", {}, (8, 1, 1, 1, 8, 2, 256, 2048), None),
@@ -59,19 +65,52 @@ PP_REFUSED = re.compile(r"^error: not supported yet: --pipeline-model-parallel-s
 LAYOUT_LINE = re.compile(r"^  (.+?) \.+ (.+)$", re.M)
 
 
-def _run(case):
-    script, extra_env, _, _ = CASES[case]
+def _script_env(extra_env):
     env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
     env.update({"DRY_RUN": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}, **extra_env)
-    return subprocess.run(["bash", str(REPO / script)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return env
+
+
+def _run_for_real(case):
+    """The script's DRY_RUN=1 mode as a user runs it (a fresh interpreter, ~2 s)."""
+    script, extra_env, _, _ = CASES[case]
+    return subprocess.run(["bash", str(REPO / script)], cwd=REPO, env=_script_env(extra_env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _make_stub(directory):
+    stub = directory / "record_argv.sh"
+    stub.write_text('#!/bin/bash\nprintf "%s\\0" "$WORLD_SIZE" "$@" > "$CAPTURE_FILE"\n')
+    stub.chmod(0o755)
+    return stub
+
+
+def _run_captured(script, extra_env, stub, capture):
+    """The script with PYTHON pointing at a stub that records the dry-run command line; the
+    dry run itself then runs in this process (importing torch once for all cases)."""
+    from megatron.training.dry_run import main
+    env = _script_env(extra_env)
+    env.update(PYTHON=str(stub), CAPTURE_FILE=str(capture))
+    launched = subprocess.run(["bash", str(REPO / script)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert launched.returncode == 0, launched.stderr
+    world_size, module_flag, module, *argv = capture.read_text().split("\0")[:-1]
+    assert (module_flag, module) == ("-m", "megatron.training.dry_run")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["--dry-run-world-size", world_size] + argv)
+        except SystemExit as exc:  # argparse: unknown flag or bad value
+            code = exc.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 @pytest.fixture(scope="module")
-def results():
-    # Each dry run is a fresh interpreter (~2 s, mostly importing torch): run a few at a time.
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        return dict(zip(CASES, pool.map(_run, CASES)))
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dry_run")
+    stub = _make_stub(tmp)
+    return {case: _run_captured(script, env, stub, tmp / f"{case}.argv")
+            for case, (script, env, _, _) in CASES.items()}
 
 
 def _layout(stdout):
@@ -112,12 +151,20 @@ def test_dry_run_layout(results, case):
     assert total / (tp * pp) <= largest <= total
 
 
-def test_dry_run_rejects_bad_layouts_with_the_parser_message():
+@pytest.mark.parametrize("case", ["llama2_7b", "gpt3_175b"])
+def test_dry_run_end_to_end_matches_in_process_result(results, case):
+    """The scripts' real DRY_RUN=1 path (python -m megatron.training.dry_run, WORLD_SIZE from
+    GPUS_PER_NODE x NNODES) gives the same exit status and layout as the captured run."""
+    real, captured = _run_for_real(case), results[case]
+    assert real.returncode == captured.returncode, real.stderr
+    assert _layout(real.stdout) == _layout(captured.stdout)
+    assert PP_REFUSED.findall(real.stderr) == PP_REFUSED.findall(captured.stderr)
+
+
+def test_dry_run_rejects_bad_layouts_with_the_parser_message(tmp_path):
     """A world size that does not factor is refused by validate_args, as in a real run."""
-    env = {k: v for k, v in os.environ.items() if k not in SCRIPT_ENV}
-    env.update(DRY_RUN="1", GPUS_PER_NODE="6", TP="4", OMP_NUM_THREADS="1")
-    result = subprocess.run(["bash", str(REPO / "examples/llama/train_llama2_7b.sh")], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = _run_captured("examples/llama/train_llama2_7b.sh", {"GPUS_PER_NODE": "6", "TP": "4"},
+                           _make_stub(tmp_path), tmp_path / "argv")
     assert result.returncode == 2
     assert "error: world size (6) is not divisible by tensor-model-parallel size (4)" in result.stderr
 

@@ -338,7 +338,8 @@ def test_parallel_sizes_derive_data_parallel_size(all_features_implemented, caps
 
 def test_virtual_pipeline_size(all_features_implemented):
     args = run('--num-layers', 8, '--pipeline-model-parallel-size', 2,
-               '--num-layers-per-virtual-pipeline-stage', 2, world_size=2)
+               '--num-layers-per-virtual-pipeline-stage', 2, '--micro-batch-size', 1,
+               '--global-batch-size', 2, world_size=2)
     assert args.virtual_pipeline_model_parallel_size == 2
     args = run('--num-layers', 8, '--pipeline-model-parallel-size', 2,
                '--num-layers-per-virtual-pipeline-stage', 4, world_size=2)
@@ -603,9 +604,9 @@ def test_rampup_accepted_with_train_samples():
 
 
 # ------------------------------------------------------------------ not supported yet
-def test_not_supported_pipeline_parallel():
-    assert error_of('--pipeline-model-parallel-size', 2, world_size=2) == (
-        'not supported yet: --pipeline-model-parallel-size 2 (pipeline parallelism is not '
+def test_not_supported_distributed_optimizer():
+    assert error_of('--use-distributed-optimizer') == (
+        'not supported yet: --use-distributed-optimizer (the distributed optimizer is not '
         'implemented yet)')
 
 

@@ -109,7 +109,8 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
             output_tensor = output_tensor / num_tokens
             output_tensor = output_tensor / num_microbatches
             # DDP averages gradients over DP x CP; CP ranks each hold part of one sequence, so
-            # their contributions are summed, not averaged (exact for equal token counts per rank).
+            # their contributions must add up: the loss function divides by the token count of the
+            # whole sequence (all CP ranks), and the factor cp_size undoes DDP's averaging over CP.
             output_tensor = output_tensor * cp_size
         forward_data_store.append(reported)
     elif len(outputs) == 2:

@@ -9,6 +9,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import init_rng_scope
 
 
 class TransformerBlock(MegatronModule):
@@ -34,11 +35,13 @@ class TransformerBlock(MegatronModule):
         self.post_layer_norm = post_layer_norm
         self.num_layers_per_pipeline_rank = num_layers
         self.layer_number_offset = layer_number_offset
-        self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, layer_number=layer_number_offset + i + 1, attn_mask_type=attn_mask_type,
-                             pg_collection=pg_collection)
-            for i in range(num_layers)
-        )
+        layers = []
+        for i in range(num_layers):
+            number = layer_number_offset + i + 1
+            with init_rng_scope(config.init_seed, number):
+                layers.append(TransformerLayer(config, layer_number=number, attn_mask_type=attn_mask_type,
+                                               pg_collection=pg_collection))
+        self.layers = torch.nn.ModuleList(layers)
         if post_process and post_layer_norm:
             self.final_layernorm = build_norm(config, config.hidden_size)
         else:

@@ -128,6 +128,12 @@ class TransformerConfig(ModelParallelConfig):
     init_model_with_meta_device: bool = False
     """Create parameters on the meta device, without initializing them (``--init-model-with-meta-device``)."""
 
+    init_seed: Optional[int] = None
+    """Seed of the layout-independent initialization. When set, the embedding, each transformer
+    layer (by its global layer number) and the output layer draw their weights from a CPU generator
+    of their own seeded from this value, so every pipeline layout builds exactly the weights of the
+    one-process model. None draws everything from the global CPU generator in build order."""
+
     # ---------------------------------------------------------------- fusions (stored)
     bias_activation_fusion: bool = False
     """Fuse the bias add with the MLP activation (``--no-bias-gelu-fusion``/``--no-bias-swiglu-fusion``

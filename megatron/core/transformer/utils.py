@@ -1,7 +1,8 @@
 """Small helpers of the transformer: weight init methods and activation functions."""
 
 import math
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -82,3 +83,24 @@ def new_constant_param(shape, config, value: float) -> torch.nn.Parameter:
     param = torch.nn.Parameter(tensor)
     set_default_tensor_parallel_attributes(param)
     return param
+
+
+# Keys of the initialization scopes that are not transformer layers (layers use their number).
+EMBEDDING_INIT_KEY = 0
+OUTPUT_LAYER_INIT_KEY = 1 << 20
+
+
+@contextmanager
+def init_rng_scope(init_seed: Optional[int], key: int):
+    """Build the parameters created inside from a CPU generator seeded by (``init_seed``, ``key``).
+
+    With ``init_seed`` None this does nothing (weights come from the global generator in build
+    order). Otherwise the global CPU RNG state is saved and restored around the block, so the
+    dropout stream seen by training is the same as without it.
+    """
+    if init_seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed((int(init_seed) * 1_000_003 + key) % (1 << 62))
+        yield

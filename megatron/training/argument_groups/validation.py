@@ -308,6 +308,25 @@ def validate_pipeline(args):
                  'non-interleaved schedule supports neither')
         args.overlap_p2p_comm = False
         args.align_param_gather = False
+    if args.pipeline_model_parallel_layout is None:
+        _validate_layer_split(args)
+
+
+def _validate_layer_split(args):
+    """The split the trainer will build, computed now so a bad one fails before any process
+    group exists; with virtual stages also Megatron's micro-batch rules of the interleaved schedule."""
+    from megatron.core.pipeline_parallel.layer_split import check_interleaved_microbatches, compute_layer_split
+    try:
+        compute_layer_split(args.num_layers, args.pipeline_model_parallel_size,
+                            args.virtual_pipeline_model_parallel_size, args.decoder_first_pipeline_num_layers,
+                            args.decoder_last_pipeline_num_layers, args.account_for_embedding_in_pipeline_split,
+                            args.account_for_loss_in_pipeline_split)
+        if args.virtual_pipeline_model_parallel_size is not None and args.global_batch_size:
+            check_interleaved_microbatches(
+                args.global_batch_size // (args.micro_batch_size * args.data_parallel_size),
+                args.pipeline_model_parallel_size, args.microbatch_group_size_per_vp_stage)
+    except ValueError as exc:
+        check(False, str(exc))
 
 
 def _validate_uneven_pipeline(args, pp):

@@ -12,6 +12,7 @@ from megatron.core.transformer.parallel_layers import ColumnParallelLinear
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import EMBEDDING_INIT_KEY, OUTPUT_LAYER_INIT_KEY, init_rng_scope
 
 _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
@@ -81,9 +82,10 @@ class GPTModel(LanguageModule):
         self.position_embedding_type = position_embedding_type
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                    position_embedding_type=position_embedding_type,
-                                                    pg_collection=self.pg_collection)
+            with init_rng_scope(config.init_seed, EMBEDDING_INIT_KEY):
+                self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
+                                                        position_embedding_type=position_embedding_type,
+                                                        pg_collection=self.pg_collection)
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
@@ -101,18 +103,24 @@ class GPTModel(LanguageModule):
                                         num_layers=num_layers, layer_number_offset=layer_number_offset,
                                         pg_collection=self.pg_collection)
         if post_process:
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size,
-                vocab_size,
-                config=config,
-                init_method=config.init_method,
-                bias=False,
-                gather_output=not parallel_output,
-                skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
-                tp_group=self.tp_group,
-            )
+            with init_rng_scope(config.init_seed, OUTPUT_LAYER_INIT_KEY):
+                self.output_layer = self._build_output_layer(config, vocab_size, parallel_output,
+                                                             pre_process, share_embeddings_and_output_weights)
         self.setup_embeddings_and_output_layer()
         self._causal_masks = {}
+
+    def _build_output_layer(self, config, vocab_size, parallel_output, pre_process,
+                            share_embeddings_and_output_weights):
+        return ColumnParallelLinear(
+            config.hidden_size,
+            vocab_size,
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            gather_output=not parallel_output,
+            skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
+            tp_group=self.tp_group,
+        )
 
     def set_input_tensor(self, input_tensor) -> None:
         """Activation [s, b, h] from the previous pipeline stage (a list of one is accepted)."""

@@ -1,0 +1,88 @@
+#!/bin/bash
+# Llama-2 7B (Touvron et al. 2023): 32 layers, hidden 4096, 32 heads (full multi-head
+# attention: 32 query groups), SwiGLU FFN 11008, RMSNorm, RoPE base 10000, 4096 tokens, vocab 32000.
+# Pretraining from scratch in Megatron's Llama style: pre-norm RMSNorm, rotary positions, SwiGLU,
+# no linear biases, untied input/output embeddings; Adam (0.9, 0.95, 1e-5), weight decay 0.1,
+# clipping 1.0, cosine decay to 10%, 2000 warmup steps, 4M tokens per step (1024 x 4096), 2T tokens in 500k steps; bf16.
+#
+#   bash examples/llama/train_llama2_7b.sh                         # mock data, token ids only
+#   TOKENIZER_MODEL=/models/llama2_7b DATA_PATH=data/corpus_text_document bash examples/llama/train_llama2_7b.sh
+#   DRY_RUN=1 bash examples/llama/train_llama2_7b.sh                # validate flags, print the layout
+# TOKENIZER_MODEL (a local Hugging Face tokenizer directory) selects --tokenizer-type
+# HuggingFaceTokenizer; without it NullTokenizer with the model's vocab size is used.
+# Every size and path is an environment variable (see also examples/common.sh); extra flags are
+# appended to the command line.
+set -euo pipefail
+
+NNODES=${NNODES:-1}
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+
+TP=${TP:-2}
+PP=${PP:-1}
+CP=${CP:-1}
+SP=${SP:-1}                       # 1: --sequence-parallel (only used when TP > 1)
+MBS=${MBS:-1}
+GBS=${GBS:-1024}
+SEQ_LENGTH=${SEQ_LENGTH:-4096}
+NUM_LAYERS=${NUM_LAYERS:-32}
+HIDDEN_SIZE=${HIDDEN_SIZE:-4096}
+FFN_HIDDEN_SIZE=${FFN_HIDDEN_SIZE:-11008}
+NUM_HEADS=${NUM_HEADS:-32}
+NUM_QUERY_GROUPS=${NUM_QUERY_GROUPS:-32}
+ROTARY_BASE=${ROTARY_BASE:-10000}
+VOCAB_SIZE=${VOCAB_SIZE:-32000}
+TRAIN_ITERS=${TRAIN_ITERS:-500000}
+LR=${LR:-3.0e-4}
+MIN_LR=${MIN_LR:-$(awk "BEGIN {print $LR / 10}")}
+
+MODEL_ARGS=(
+    --num-layers "$NUM_LAYERS"
+    --hidden-size "$HIDDEN_SIZE"
+    --ffn-hidden-size "$FFN_HIDDEN_SIZE"
+    --num-attention-heads "$NUM_HEADS"
+    --group-query-attention
+    --num-query-groups "$NUM_QUERY_GROUPS"
+    --seq-length "$SEQ_LENGTH"
+    --max-position-embeddings "$SEQ_LENGTH"
+    --position-embedding-type rope
+    --rotary-base "$ROTARY_BASE"
+    --normalization RMSNorm
+    --norm-epsilon 1e-5
+    --swiglu
+    --untie-embeddings-and-output-weights
+    --disable-bias-linear
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+    --init-method-std 0.02
+    --make-vocab-size-divisible-by "${MAKE_VOCAB_SIZE_DIVISIBLE_BY:-128}"
+)
+TRAINING_ARGS=(
+    --micro-batch-size "$MBS"
+    --global-batch-size "$GBS"
+    --train-iters "$TRAIN_ITERS"
+    --lr "$LR"
+    --min-lr "$MIN_LR"
+    --lr-decay-style cosine
+    --lr-warmup-iters "${LR_WARMUP_ITERS:-2000}"
+    --weight-decay 0.1
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --adam-eps 1e-5
+    --clip-grad 1.0
+    --bf16
+)
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP"
+    --pipeline-model-parallel-size "$PP"
+    --context-parallel-size "$CP"
+)
+[[ "$SP" == "1" && "$TP" -gt 1 ]] && MODEL_PARALLEL_ARGS+=(--sequence-parallel)
+if [[ -n "${TOKENIZER_MODEL:-}" ]]; then
+    TOKENIZER_ARGS=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+else
+    # NullTokenizer adds its end-of-document id on top of --vocab-size.
+    TOKENIZER_ARGS=(--tokenizer-type NullTokenizer --vocab-size "$((VOCAB_SIZE - 1))")
+fi
+
+launch "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \
+    "${DATA_ARGS[@]}" "${TOKENIZER_ARGS[@]}" "${OUTPUT_ARGS[@]}" "$@"
