@@ -6,7 +6,7 @@ data and hold no process groups (those are passed explicitly where needed).
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -64,6 +64,12 @@ class ModelParallelConfig:
 
     timers: Optional[Callable] = None
     """Timers object (megatron.core.timers.Timers) used for optional fine-grained timing."""
+
+    rng_tracker: Optional[Any] = None
+    """RNG states tracker (megatron.core.tensor_parallel.random.RNGStatesTracker). With tensor
+    parallelism, attention dropout (heads are split across ranks) and, with sequence parallelism,
+    hidden dropout (the sequence is split) draw from its per-TP-rank model-parallel stream, as in
+    Megatron. None uses the default generator."""
 
     finalize_model_grads_func: Optional[Callable] = None
     """Called by the schedule after all micro-batches to reduce gradients across ranks."""

@@ -223,6 +223,7 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         config.timers = timers
         config.calculate_per_token_loss = getattr(args, "calculate_per_token_loss", False)
         config.microbatch_group_size_per_vp_stage = args.microbatch_group_size_per_vp_stage
+        config.rng_tracker = global_vars.get_rng_tracker()
 
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:

@@ -107,3 +107,27 @@ def test_model_parallel_seeds():
 def test_rejects_unknown_device():
     with pytest.raises(ValueError, match="cpu"):
         RNGStatesTracker("meta")
+
+
+def test_dropout_on_split_activations_uses_per_tp_rank_streams():
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
+    from megatron.core.transformer.utils import model_parallel_rng
+
+    masks = []
+    for tp_rank in (0, 1):
+        torch.manual_seed(0)
+        tracker = RNGStatesTracker("cpu")
+        model_parallel_manual_seed(tracker, 1234, tp_rank=tp_rank)
+        config = SimpleNamespace(rng_tracker=tracker, tensor_model_parallel_size=2)
+        before = torch.get_rng_state()
+        with model_parallel_rng(config, split_across_tp=True):
+            masks.append(F.dropout(torch.ones(64), 0.5, training=True))
+        assert torch.equal(torch.get_rng_state(), before), "the default stream is left untouched"
+        with model_parallel_rng(config, split_across_tp=False):  # replicated activations
+            replicated = F.dropout(torch.ones(64), 0.5, training=True)
+        assert not torch.equal(torch.get_rng_state(), before)
+    assert not torch.equal(masks[0], masks[1]), "TP ranks draw different masks for their heads"

@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.context_parallel import ring_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import model_parallel_rng
 
 
 class DotProductAttention(MegatronModule):
@@ -65,7 +66,9 @@ class DotProductAttention(MegatronModule):
                 raise ValueError("explicit attention masks (--reset-attention-mask) are not supported with "
                                  "context parallelism (--context-parallel-size > 1)")
             dropout_p = self.attention_dropout if self.training else 0.0
-            return ring_attention(query, key, value, self.cp_group, self.softmax_scale, dropout_p, self.training)
+            with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
+                return ring_attention(query, key, value, self.cp_group, self.softmax_scale, dropout_p,
+                                      self.training)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
@@ -86,9 +89,11 @@ class DotProductAttention(MegatronModule):
                 )
             is_causal = True
         dropout_p = self.attention_dropout if self.training else 0.0
-        context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
-            scale=self.softmax_scale, enable_gqa=k.shape[1] != np_,
-        )
+        # Each TP rank holds different heads: their dropout masks come from per-rank streams.
+        with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
+                scale=self.softmax_scale, enable_gqa=k.shape[1] != np_,
+            )
         # [b, np, sq, d] -> [sq, b, np * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * d)

@@ -11,6 +11,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.utils import model_parallel_rng
 
 
 class TransformerLayer(MegatronModule):
@@ -41,7 +42,9 @@ class TransformerLayer(MegatronModule):
         if bias is not None:
             output = output + bias
         if self.training and self.hidden_dropout > 0.0:
-            output = F.dropout(output, p=self.hidden_dropout, training=True)
+            # Under sequence parallelism each TP rank holds a different slice of the sequence.
+            with model_parallel_rng(self.config, split_across_tp=self.config.sequence_parallel):
+                output = F.dropout(output, p=self.hidden_dropout, training=True)
         if self.fp32_residual and residual.dtype != torch.float32:
             residual = residual.float()
         return residual + output

@@ -104,3 +104,17 @@ def init_rng_scope(init_seed: Optional[int], key: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed((int(init_seed) * 1_000_003 + key) % (1 << 62))
         yield
+
+
+def model_parallel_rng(config, split_across_tp: bool):
+    """Context for dropout on activations split across TP ranks: the tracker's model-parallel
+    stream (different per TP rank), or nothing when the activations are replicated."""
+    tracker = getattr(config, "rng_tracker", None)
+    if tracker is None or not split_across_tp or config.tensor_model_parallel_size == 1:
+        return _null_context()
+    return tracker.fork()
+
+
+@contextmanager
+def _null_context():
+    yield

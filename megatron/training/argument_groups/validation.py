@@ -541,6 +541,12 @@ def validate_recompute(args):
     for module in args.recompute_modules or ():
         check(module in _RECOMPUTE_MODULES, f'--recompute-modules: unknown module {module!r} '
               f'(choose from {", ".join(_RECOMPUTE_MODULES)})')
+    # Recompute restores the default generator, not the tensor-parallel RNG streams that
+    # dropout on split activations draws from: the recomputed masks would differ.
+    split_dropout = args.attention_dropout > 0 or (args.sequence_parallel and args.hidden_dropout > 0)
+    check(granularity is None or args.tensor_model_parallel_size == 1 or not split_dropout,
+          'not supported yet: --recompute-granularity with --tensor-model-parallel-size > 1 and '
+          'dropout (pass --attention-dropout 0 and, with --sequence-parallel, --hidden-dropout 0)')
 
 
 def validate_checkpointing(args):
