@@ -138,3 +138,15 @@ def test_log_throughput_fields(capsys, tmp_path):
     elapsed_s = float(lines[2]["elapsed"]) / 1000.0
     assert tokens[1] == pytest.approx(8 * 32 / elapsed_s, rel=0.05)
     assert sorted(read_tensorboard_scalars(tmp_path, "tokens-per-sec")) == [1, 2, 3]
+
+
+def test_real_wandb_offline_run_is_written(tmp_path):
+    """The real wandb package in offline mode (no network): a run file appears in --wandb-save-dir."""
+    cmd = [sys.executable, str(REPO / "pretrain_gpt.py")] + TINY_MODEL + [
+        "--train-iters", "3", "--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", str(tmp_path)]
+    env = env_for_tests()
+    env["WANDB_MODE"] = "offline"
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 1000
