@@ -1,0 +1,249 @@
+"""The message protocol between a checkpoint loader and a saver (Megatron's tools/checkpoint).
+
+The loader puts, in this order, on one queue:
+
+1. a metadata ``argparse.Namespace`` (see :data:`METADATA_FIELDS`);
+2. ``"embeddings"``: ``word embeddings`` [V, h] (V = the source's rows, padding included) and,
+   with learned positions, ``position embeddings`` [P, h];
+3. ``"transformer layer N"`` for N = 0 .. num_layers-1, full (unsharded) tensors in Megatron's
+   layout: ``input norm weight`` (+ ``bias``), ``qkv weight`` [ng*(np/ng+2)*d, h] in the grouped
+   QKV layout (+ ``qkv bias``), ``dense weight`` [h, np*d] (+ ``dense bias``), ``post norm
+   weight`` (+ ``bias``), ``mlp l0 weight`` [ffn, h] or, with SwiGLU, ``mlp l0 weight W`` (gate)
+   and ``mlp l0 weight V`` (up) (biases likewise), ``mlp l1 weight`` [h, ffn] (+ ``mlp l1 bias``);
+4. ``"final norm"``: ``weight`` (+ ``bias``);
+5. ``"output layer"``: ``weight`` [V, h], only when the output layer is not tied;
+6. ``"done"``. A loader that fails puts ``"exit"`` instead, and the saver stops.
+
+Each message is a dict carrying its own ``name``; the saver checks the name and, unless
+``--no-checking``, that no tensor was left unread.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import queue as queue_module
+from typing import Callable, Dict, Optional
+
+import torch
+
+# Fields every loader sets on the metadata Namespace (Megatron's names where Megatron has one).
+METADATA_FIELDS = (
+    "model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
+    "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
+    "normalization", "norm_epsilon", "norm_has_bias", "linear_bias", "qkv_bias", "swiglu", "activation",
+    "output_layer", "hidden_dropout", "attention_dropout", "true_vocab_size", "make_vocab_size_divisible_by",
+    "tokenizer_type", "tokenizer_model", "iteration", "params_dtype", "bert_binary_head",
+    "previous_tensor_parallel_size", "previous_pipeline_parallel_size", "checkpoint_args",
+    "consumed_train_samples", "consumed_valid_samples", "hf_config",
+)
+
+# Activations the protocol knows: what the MLP computes (Megatron's fused bias-GeLU is 'gelu_tanh').
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu")
+
+
+class ConversionError(RuntimeError):
+    """Bad input to the converter; the message names the file, flag or tensor."""
+
+
+def new_metadata(**values) -> argparse.Namespace:
+    md = argparse.Namespace(**{name: None for name in METADATA_FIELDS})
+    for key, value in values.items():
+        setattr(md, key, value)
+    return md
+
+
+def check_metadata(md) -> None:
+    missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                           "kv_channels", "ffn_hidden_size", "normalization", "activation")
+               if getattr(md, f, None) is None]
+    if missing:
+        raise ConversionError(f"loader metadata lacks {missing}")
+    if md.activation not in ACTIVATIONS:
+        raise ConversionError(f"unknown activation {md.activation!r} in the loader metadata")
+
+
+def put(q, name: str, message: Optional[Dict] = None, alive: Optional[Callable[[], bool]] = None) -> None:
+    """Put a named message; while the queue is full, stop with an error if the saver has died."""
+    item = dict(message or {})
+    item["name"] = name
+    _put_raw(q, item, alive)
+
+
+def _put_raw(q, item, alive) -> None:
+    while True:
+        try:
+            q.put(item, timeout=1.0)
+            return
+        except queue_module.Full:
+            if alive is not None and not alive():
+                raise ConversionError("the saver stopped before reading every message (see its error above)")
+
+
+def put_metadata(q, md, alive: Optional[Callable[[], bool]] = None) -> None:
+    """The metadata goes first, as a bare Namespace (as Megatron's loaders send it)."""
+    check_metadata(md)
+    _put_raw(q, md, alive)
+
+
+def get_metadata(q, alive: Optional[Callable[[], bool]] = None):
+    item = _get_raw(q, "metadata", alive)
+    if isinstance(item, dict) and item.get("name") == "exit":
+        raise ConversionError("the loader failed (see its error above); nothing was saved")
+    if not isinstance(item, argparse.Namespace):
+        raise ConversionError(f"protocol error: expected the metadata Namespace first, got {type(item).__name__}")
+    return item
+
+
+def _get_raw(q, expected, alive):
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue_module.Empty:
+            if alive is not None and not alive():
+                raise ConversionError(f"the loader stopped before sending '{expected}'")
+
+
+def get(q, expected: str, alive: Optional[Callable[[], bool]] = None) -> Dict:
+    """The next message, which must be ``expected``; ``exit`` from the loader stops the saver."""
+    item = _get_raw(q, expected, alive)
+    name = item.get("name") if isinstance(item, dict) else None
+    if name == "exit":
+        raise ConversionError("the loader failed (see its error above); nothing was saved")
+    if name != expected:
+        raise ConversionError(f"protocol error: expected message '{expected}', got '{name}'")
+    return item
+
+
+def take(message: Dict, key: str, shape=None) -> torch.Tensor:
+    """Remove and return ``message[key]``, checking its shape; errors name the message and tensor."""
+    if key not in message:
+        raise ConversionError(f"message '{message.get('name')}' has no tensor '{key}'")
+    tensor = message.pop(key)
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise ConversionError(f"shape mismatch for '{key}' in message '{message.get('name')}': "
+                              f"got {tuple(tensor.shape)}, expected {tuple(shape)}")
+    return tensor
+
+
+def take_optional(message: Dict, key: str, present: bool, shape=None) -> Optional[torch.Tensor]:
+    if not present:
+        if key in message:
+            raise ConversionError(f"message '{message.get('name')}' has '{key}', which the metadata says "
+                                  "the model does not have")
+        return None
+    return take(message, key, shape)
+
+
+def check_empty(message: Dict, checking: bool = True) -> None:
+    left = sorted(k for k in message if k != "name")
+    if left and checking:
+        raise ConversionError(f"message '{message.get('name')}' has tensors the saver does not know: {left} "
+                              "(pass --no-checking to drop them)")
+
+
+# ---- Megatron's grouped QKV layout ---------------------------------------------------------------
+
+def qkv_from_separate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int,
+                      head_dim: int) -> torch.Tensor:
+    """[np*d, ...], [ng*d, ...], [ng*d, ...] -> grouped [ng*(np/ng+2)*d, ...] (weights or biases)."""
+    rest = q.shape[1:]
+    per_group = num_heads // num_groups
+    q = q.reshape(num_groups, per_group * head_dim, *rest)
+    k = k.reshape(num_groups, head_dim, *rest)
+    v = v.reshape(num_groups, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(num_groups * (per_group + 2) * head_dim, *rest)
+
+
+def qkv_to_separate(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int):
+    """Inverse of :func:`qkv_from_separate`: (q [np*d, ...], k [ng*d, ...], v [ng*d, ...])."""
+    rest = qkv.shape[1:]
+    per_group = num_heads // num_groups
+    grouped = qkv.reshape(num_groups, (per_group + 2) * head_dim, *rest)
+    q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(num_heads * head_dim, *rest).contiguous(), k.reshape(num_groups * head_dim, *rest).contiguous(),
+            v.reshape(num_groups * head_dim, *rest).contiguous())
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """Megatron's padding: a multiple of make_vocab_size_divisible_by * TP."""
+    multiple = divisible_by * tensor_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def resize_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """Cut to ``rows`` or pad with zero rows (padding rows are never real tokens)."""
+    if weight.shape[0] >= rows:
+        return weight[:rows].clone()
+    pad = torch.zeros(rows - weight.shape[0], *weight.shape[1:], dtype=weight.dtype)
+    return torch.cat([weight, pad], dim=0)
+
+
+
+def receive_model(q, md, checking: bool = True, alive: Optional[Callable[[], bool]] = None) -> Dict[str, torch.Tensor]:
+    """Read every model message after the metadata; returns full tensors by global MCore name
+    (SwiGLU fc1 as [gate; up]), each shape checked against the metadata."""
+    h, ffn, d = md.hidden_size, md.ffn_hidden_size, md.kv_channels
+    qkv_rows = md.num_query_groups * (md.num_attention_heads // md.num_query_groups + 2) * d
+    out: Dict[str, torch.Tensor] = {}
+    msg = get(q, "embeddings", alive)
+    word = take(msg, "word embeddings")
+    if word.dim() != 2 or word.shape[1] != h:
+        raise ConversionError(f"shape mismatch for 'word embeddings': got {tuple(word.shape)}, expected [vocab, {h}]")
+    out["embedding.word_embeddings.weight"] = word
+    learned = md.position_embedding_type == "learned_absolute"
+    pos = take_optional(msg, "position embeddings", learned, (md.max_position_embeddings, h))
+    if pos is not None:
+        out["embedding.position_embeddings.weight"] = pos
+    check_empty(msg, checking)
+    for i in range(md.num_layers):
+        msg = get(q, f"transformer layer {i}", alive)
+        p = f"decoder.layers.{i}."
+        out[p + "input_layernorm.weight"] = take(msg, "input norm weight", (h,))
+        bias = take_optional(msg, "input norm bias", md.norm_has_bias, (h,))
+        if bias is not None:
+            out[p + "input_layernorm.bias"] = bias
+        out[p + "self_attention.linear_qkv.weight"] = take(msg, "qkv weight", (qkv_rows, h))
+        bias = take_optional(msg, "qkv bias", md.qkv_bias, (qkv_rows,))
+        if bias is not None:
+            out[p + "self_attention.linear_qkv.bias"] = bias
+        out[p + "self_attention.linear_proj.weight"] = take(msg, "dense weight", (h, md.num_attention_heads * d))
+        bias = take_optional(msg, "dense bias", md.linear_bias, (h,))
+        if bias is not None:
+            out[p + "self_attention.linear_proj.bias"] = bias
+        out[p + "pre_mlp_layernorm.weight"] = take(msg, "post norm weight", (h,))
+        bias = take_optional(msg, "post norm bias", md.norm_has_bias, (h,))
+        if bias is not None:
+            out[p + "pre_mlp_layernorm.bias"] = bias
+        if md.swiglu:
+            out[p + "mlp.linear_fc1.weight"] = torch.cat([take(msg, "mlp l0 weight W", (ffn, h)),
+                                                          take(msg, "mlp l0 weight V", (ffn, h))], dim=0)
+            if md.linear_bias:
+                out[p + "mlp.linear_fc1.bias"] = torch.cat([take(msg, "mlp l0 bias W", (ffn,)),
+                                                            take(msg, "mlp l0 bias V", (ffn,))], dim=0)
+        else:
+            out[p + "mlp.linear_fc1.weight"] = take(msg, "mlp l0 weight", (ffn, h))
+            bias = take_optional(msg, "mlp l0 bias", md.linear_bias, (ffn,))
+            if bias is not None:
+                out[p + "mlp.linear_fc1.bias"] = bias
+        out[p + "mlp.linear_fc2.weight"] = take(msg, "mlp l1 weight", (h, ffn))
+        bias = take_optional(msg, "mlp l1 bias", md.linear_bias, (h,))
+        if bias is not None:
+            out[p + "mlp.linear_fc2.bias"] = bias
+        check_empty(msg, checking)
+    msg = get(q, "final norm", alive)
+    out["decoder.final_layernorm.weight"] = take(msg, "weight", (h,))
+    bias = take_optional(msg, "bias", md.norm_has_bias, (h,))
+    if bias is not None:
+        out["decoder.final_layernorm.bias"] = bias
+    check_empty(msg, checking)
+    if md.output_layer:
+        msg = get(q, "output layer", alive)
+        weight = take(msg, "weight")
+        if weight.dim() != 2 or weight.shape[1] != h:
+            raise ConversionError(f"shape mismatch for 'output layer' weight: got {tuple(weight.shape)}, "
+                                  f"expected [vocab, {h}]")
+        out["output_layer.weight"] = weight
+        check_empty(msg, checking)
+    get(q, "done", alive)
+    return out

@@ -1,0 +1,292 @@
+"""Our ``torch``-format checkpoints seen as one unsharded model with global tensor names.
+
+Both directions speak *global* names and *full* tensors: ``embedding.word_embeddings.weight``,
+``decoder.layers.<global index>.self_attention.linear_qkv.weight``, ``output_layer.weight``...
+(with SwiGLU the full ``mlp.linear_fc1.weight`` is [gate; up]). That is also how a
+``torch_dist`` checkpoint names its tensors, so a ``torch_dist`` backend only needs another
+reader/writer with the same two methods (``tensor(name)`` / ``add(name, tensor)``); the plugins
+above this module do not change.
+
+Layout handled here: ``<dir>/{iter_XXXXXXX|release}/mp_rank_TT[_PPP]/model_optim_rng.pt`` with a
+``model`` entry (or ``model0``, ``model1``... with virtual stages); TP shards are split as the
+layers do (column-parallel dim 0, row-parallel dim 1, vocab-parallel dim 0 of the padded vocab,
+SwiGLU fc1 per shard [gate_shard; up_shard], norms and row-parallel biases replicated); each
+pipeline chunk numbers its layers from 0 (Megatron's state dicts), the global index being
+``PipelineLayerSplit.offset_for(pp_rank, chunk) + local``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.core.pipeline_parallel.layer_split import compute_layer_split
+from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER_FILENAME, _checkpoint_args,
+                                             checkpoint_name)
+
+from protocol import ConversionError
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+# How each tensor is split over tensor-parallel ranks.
+_COLUMN, _ROW, _REPLICATED, _GLU = "column", "row", "replicated", "glu"
+
+
+def split_kind(name: str, swiglu: bool) -> str:
+    local = _LAYER.sub(r"\2", name)
+    if local in ("embedding.word_embeddings.weight", "output_layer.weight",
+                 "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        return _COLUMN
+    if local in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
+        return _GLU if swiglu else _COLUMN
+    if local in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+        return _ROW
+    if local.endswith(("layernorm.weight", "layernorm.bias", "linear_proj.bias", "linear_fc2.bias")) or \
+            local == "embedding.position_embeddings.weight":
+        return _REPLICATED
+    raise ConversionError(f"tensor '{name}' is not one the converter knows how to reshard "
+                          "(q/k layernorm, MoE and MLA checkpoints are not supported yet)")
+
+
+def merge_shards(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    kind = split_kind(name, swiglu)
+    if kind == _REPLICATED or len(shards) == 1 and kind != _GLU:
+        return shards[0]
+    if kind == _COLUMN:
+        return torch.cat(shards, dim=0)
+    if kind == _ROW:
+        return torch.cat(shards, dim=1)
+    halves = [torch.chunk(s, 2, dim=0) for s in shards]
+    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+def split_full(name: str, tensor: torch.Tensor, tp: int, swiglu: bool) -> List[torch.Tensor]:
+    kind = split_kind(name, swiglu)
+    if kind == _REPLICATED or tp == 1:
+        return [tensor] * tp if kind == _REPLICATED else [tensor]
+    dim = 1 if kind == _ROW else 0
+    if tensor.shape[dim] % tp != 0:
+        raise ConversionError(f"'{name}' of shape {tuple(tensor.shape)} cannot be split into "
+                              f"{tp} tensor-parallel shards along dim {dim}")
+    if kind == _GLU:
+        gate, up = torch.chunk(tensor, 2, dim=0)
+        return [torch.cat([g, u], dim=0).clone() for g, u in zip(torch.chunk(gate, tp), torch.chunk(up, tp))]
+    return [t.clone() for t in torch.chunk(tensor, tp, dim=dim)]
+
+
+def layer_split_from_args(args, num_layers: int, pp: int, vpp: Optional[int]):
+    return compute_layer_split(
+        num_layers, pp, vpp,
+        getattr(args, "decoder_first_pipeline_num_layers", None),
+        getattr(args, "decoder_last_pipeline_num_layers", None),
+        bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+
+
+def _load(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConversionError(f"checkpoint file {path} does not exist")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # truncated or foreign files raise several types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConversionError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {first}") from None
+
+
+def find_iteration_dir(load_dir: str) -> Tuple[str, Optional[int], bool]:
+    """(directory, iteration, release) from the tracker of ``load_dir``."""
+    if not os.path.isdir(load_dir):
+        raise ConversionError(f"--load-dir {load_dir} does not exist")
+    tracker = os.path.join(load_dir, TRACKER_FILENAME)
+    if not os.path.isfile(tracker):
+        raise ConversionError(f"{tracker} not found: --load-dir must be a checkpoint directory written by "
+                              "--save (holding latest_checkpointed_iteration.txt)")
+    text = open(tracker).read().strip()
+    if text == "release":
+        return os.path.join(load_dir, "release"), 0, True
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise ConversionError(f"{tracker} holds '{text[:40]}', expected an iteration number or 'release'") from None
+    return os.path.join(load_dir, f"iter_{iteration:07d}"), iteration, False
+
+
+def detect_format(iteration_dir: str) -> str:
+    if os.path.isfile(os.path.join(iteration_dir, "metadata.json")):
+        return "torch_dist"
+    if os.path.isdir(iteration_dir) and any(n.startswith("mp_rank_") for n in os.listdir(iteration_dir)):
+        return "torch"
+    raise ConversionError(f"{iteration_dir} holds neither a torch-format (mp_rank_*) nor a torch_dist "
+                          "(metadata.json) checkpoint")
+
+
+class TorchCheckpointReader:
+    """Every shard of one torch-format checkpoint (memory-mapped), read back as full tensors."""
+
+    def __init__(self, load_dir: str):
+        self.iteration_dir, self.iteration, self.release = find_iteration_dir(load_dir)
+        fmt = detect_format(self.iteration_dir)
+        if fmt != "torch":
+            raise ConversionError(f"{self.iteration_dir} is a {fmt} checkpoint; only --ckpt-format torch "
+                                  "checkpoints can be converted so far")
+        names = sorted(n for n in os.listdir(self.iteration_dir) if n.startswith("mp_rank_"))
+        ranks = []
+        for n in names:
+            parts = n[len("mp_rank_"):].split("_")
+            if not all(p.isdigit() for p in parts) or len(parts) > 2:
+                raise ConversionError(f"unexpected entry {n} in {self.iteration_dir} (expert-parallel "
+                                      "checkpoints are not supported yet)")
+            ranks.append((int(parts[0]), int(parts[1]) if len(parts) == 2 else 0))
+        self.tp = max(r[0] for r in ranks) + 1
+        self.pp = max(r[1] for r in ranks) + 1
+        if len(ranks) != self.tp * self.pp:
+            raise ConversionError(f"{self.iteration_dir} holds {len(ranks)} mp_rank_* entries, expected "
+                                  f"TP x PP = {self.tp} x {self.pp}; the checkpoint is incomplete")
+        self.files = {}
+        for t in range(self.tp):
+            for p in range(self.pp):
+                path = checkpoint_name(os.path.dirname(self.iteration_dir), self.iteration, self.release,
+                                       tp_rank=t, pp_rank=p, pp_size=self.pp)
+                self.files[(t, p)] = _load(path)
+        first = self.files[(0, 0)]
+        self.args = first.get("args")
+        if self.args is None:
+            raise ConversionError(f"{self.iteration_dir}: the checkpoint holds no 'args'; cannot tell the model shape")
+        self.checkpoint_iteration = first.get("iteration", self.iteration)
+        for flag, ours in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp)):
+            saved = getattr(self.args, flag, ours)
+            if saved != ours:
+                raise ConversionError(f"{self.iteration_dir}: args say {flag}={saved} but the directory has "
+                                      f"{ours} ranks in that dimension")
+        self.swiglu = bool(getattr(self.args, "swiglu", False))
+        chunk_keys = sorted(k for k in first if re.fullmatch(r"model\d*", k))
+        if chunk_keys == ["model"]:
+            self.chunk_keys = ["model"]
+        else:
+            self.chunk_keys = [f"model{i}" for i in range(len(chunk_keys))]
+            if sorted(chunk_keys) != sorted(self.chunk_keys):
+                raise ConversionError(f"{self.iteration_dir}: unexpected model entries {chunk_keys}")
+        vpp = len(self.chunk_keys) if self.chunk_keys != ["model"] else None
+        self.split = layer_split_from_args(self.args, self.args.num_layers, self.pp, vpp)
+        self._index = self._build_index()
+
+    def _build_index(self) -> Dict[str, List[Tuple[Tuple[int, int], str, str]]]:
+        """global name -> [(file key, chunk key, local name) for each TP rank]."""
+        index: Dict[str, list] = {}
+        for p in range(self.pp):
+            for c, chunk_key in enumerate(self.chunk_keys):
+                offset = self.split.offset_for(p, c)
+                count = self.split.num_layers_for(p, c)
+                for t in range(self.tp):
+                    state = self.files[(t, p)].get(chunk_key)
+                    if state is None:
+                        raise ConversionError(f"mp_rank {t:02d}_{p:03d} has no '{chunk_key}' entry")
+                    for local, tensor in state.items():
+                        if local.endswith("_extra_state"):
+                            continue
+                        m = _LAYER.match(local)
+                        if m:
+                            i = int(m.group(1))
+                            if i >= count:
+                                raise ConversionError(
+                                    f"pipeline stage {p} chunk {c} holds layer {i} but the layer split of the "
+                                    f"checkpoint's args gives it {count} layers")
+                            name = f"decoder.layers.{offset + i}.{m.group(2)}"
+                        else:
+                            name = local
+                        index.setdefault(name, [None] * self.tp)
+                        if index[name][t] is None:  # tied copy on the last stage: keep the first stage's
+                            index[name][t] = ((t, p), chunk_key, local)
+        return index
+
+    def names(self) -> List[str]:
+        return list(self._index)
+
+    def has(self, name: str) -> bool:
+        return name in self._index
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._index:
+            raise ConversionError(f"{self.iteration_dir}: no tensor '{name}' in the checkpoint")
+        shards = [self.files[f][c][local] for f, c, local in self._index[name]]
+        return merge_shards(name, shards, self.swiglu)
+
+
+class TorchCheckpointWriter:
+    """Collects full tensors by global name, then writes every (TP, PP) shard file and the tracker."""
+
+    def __init__(self, save_dir: str, args: argparse.Namespace, iteration: int, release: bool,
+                 dtype: torch.dtype, swiglu: bool):
+        self.save_dir = save_dir
+        self.args = args
+        self.iteration = iteration
+        self.release = release
+        self.dtype = dtype
+        self.swiglu = swiglu
+        self.tp = args.tensor_model_parallel_size
+        self.pp = args.pipeline_model_parallel_size
+        vpp = args.virtual_pipeline_model_parallel_size
+        self.split = layer_split_from_args(args, args.num_layers, self.pp, vpp)
+        self.num_chunks = self.split.num_chunks
+        self.states = {(t, p, c): {} for t in range(self.tp) for p in range(self.pp) for c in range(self.num_chunks)}
+        self.tied = not args.untie_embeddings_and_output_weights
+
+    def _where_layer(self, index: int) -> Tuple[int, int, int]:
+        for p in range(self.pp):
+            for c in range(self.num_chunks):
+                offset = self.split.offset_for(p, c)
+                if offset <= index < offset + self.split.num_layers_for(p, c):
+                    return p, c, index - offset
+        raise ConversionError(f"layer {index} is outside the {self.args.num_layers} layers")
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.to(self.dtype)
+        m = _LAYER.match(name)
+        last = (self.pp - 1, self.num_chunks - 1)
+        if m:
+            p, c, local = self._where_layer(int(m.group(1)))
+            places = [(p, c, f"decoder.layers.{local}.{m.group(2)}")]
+        elif name.startswith("embedding."):
+            places = [(0, 0, name)]
+            if name == "embedding.word_embeddings.weight" and self.tied and last != (0, 0):
+                # The last stage keeps its own copy of the tied weight as its output layer.
+                places.append((last[0], last[1], "output_layer.weight"))
+        elif name.startswith(("decoder.final_layernorm.", "output_layer.")):
+            places = [(last[0], last[1], name)]
+        else:
+            raise ConversionError(f"unexpected tensor name '{name}'")
+        shards = split_full(name, tensor, self.tp, self.swiglu)
+        for p, c, local in places:
+            for t in range(self.tp):
+                self.states[(t, p, c)][local] = shards[t]
+
+    def write(self) -> List[str]:
+        os.makedirs(self.save_dir, exist_ok=True)
+        saved_args = _checkpoint_args(self.args)
+        paths = []
+        for t in range(self.tp):
+            for p in range(self.pp):
+                state = {"args": saved_args, "checkpoint_version": CHECKPOINT_VERSION,
+                         "iteration": self.iteration, "num_floating_point_operations_so_far": 0.0}
+                if self.num_chunks == 1:
+                    state["model"] = self.states[(t, p, 0)]
+                else:
+                    for c in range(self.num_chunks):
+                        state[f"model{c}"] = self.states[(t, p, c)]
+                path = checkpoint_name(self.save_dir, self.iteration, self.release, tp_rank=t, pp_rank=p,
+                                       pp_size=self.pp)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = path + ".tmp"
+                torch.save(state, tmp)
+                os.replace(tmp, path)
+                paths.append(path)
+        # The tracker goes last, so an interrupted conversion never looks complete.
+        tracker = os.path.join(self.save_dir, TRACKER_FILENAME)
+        with open(tracker + ".tmp", "w") as f:
+            f.write("release" if self.release else str(self.iteration))
+        os.replace(tracker + ".tmp", tracker)
+        return paths
