@@ -10,12 +10,14 @@ flags, and the memory the model states (weights, gradients, optimizer) need per 
 is trained and torch.distributed is never initialized. Exit status: 0 when the flags are
 valid, 2 with ``error: <message>`` on stderr when they are not (the message a real run prints).
 """
-import math
 import sys
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
+# The formulas live in theoretical_memory (shared with the start-up report and
+# tools/report_theoretical_memory.py); re-exported here for existing callers.
+from megatron.training.theoretical_memory import (  # noqa: F401
+    ParameterCount, compute_theoretical_memory, count_parameters, model_state_bytes_per_param)
 
 WORLD_SIZE_FLAG = "--dry-run-world-size"
 # pretrain_gpt.py passes the same defaults to pretrain().
@@ -44,92 +46,6 @@ def split_own_flags(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
             rest.append(item)
         index += 1
     return world_size, rest
-
-
-@dataclass
-class ParameterCount:
-    """Parameters of a GPT built from the flags (the local layer spec of this code base)."""
-
-    embedding: int
-    """Word embedding (padded vocab x hidden)."""
-    position_embedding: int
-    """Learned absolute position embedding (0 for rope / none)."""
-    per_layer: int
-    """One transformer layer: norms, QKV, projection, MLP, with their biases."""
-    per_layer_replicated: int
-    """The part of ``per_layer`` every tensor-parallel rank holds whole (norms, row-parallel biases)."""
-    final_norm: int
-    output_layer: int
-    """Separate output projection (0 when tied to the word embedding)."""
-    num_layers: int
-
-    @property
-    def total(self) -> int:
-        return (self.embedding + self.position_embedding + self.num_layers * self.per_layer
-                + self.final_norm + self.output_layer)
-
-    def largest_rank(self, tp: int, pp: int) -> int:
-        """Parameters on the most loaded (tensor, pipeline) rank. With tied embeddings and
-        PP > 1 the last stage keeps its own copy of the word embedding (as in Megatron)."""
-        layers = math.ceil(self.num_layers / pp)
-        layer = (self.per_layer - self.per_layer_replicated) // tp + self.per_layer_replicated
-        first = self.embedding // tp + self.position_embedding + layers * layer
-        last_head = self.output_layer // tp if self.output_layer else self.embedding // tp
-        if pp == 1:
-            return first + self.final_norm + self.output_layer // tp
-        last = layers * layer + self.final_norm + last_head
-        return max(first, last)
-
-
-def _norm_size(args, width: int) -> int:
-    return width if args.normalization == "RMSNorm" else 2 * width
-
-
-def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
-    """The parameter count of the validated ``args`` (vocab part 0 when the vocab is unknown)."""
-    hidden, ffn = args.hidden_size, args.ffn_hidden_size
-    query_width = args.num_attention_heads * args.kv_channels
-    kv_width = args.num_query_groups * args.kv_channels
-    bias = bool(args.add_bias_linear)
-    qkv_bias = bool(args.add_qkv_bias) or bias
-    fc1_rows = 2 * ffn if args.swiglu else ffn
-    norms = 2 * _norm_size(args, hidden)
-    if args.qk_layernorm:
-        norms += 2 * _norm_size(args, args.kv_channels)
-    qkv = hidden * (query_width + 2 * kv_width) + (query_width + 2 * kv_width if qkv_bias else 0)
-    proj = query_width * hidden
-    fc1 = hidden * fc1_rows + (fc1_rows if bias else 0)
-    fc2 = ffn * hidden
-    row_biases = 2 * hidden if bias else 0
-    vocab = padded_vocab_size or 0
-    learned = args.position_embedding_type == "learned_absolute"
-    return ParameterCount(
-        embedding=vocab * hidden,
-        position_embedding=args.max_position_embeddings * hidden if learned else 0,
-        per_layer=norms + qkv + proj + fc1 + fc2 + row_biases,
-        per_layer_replicated=norms + row_biases,
-        final_norm=_norm_size(args, hidden),
-        output_layer=vocab * hidden if args.untie_embeddings_and_output_weights else 0,
-        num_layers=args.num_layers,
-    )
-
-
-def model_state_bytes_per_param(args) -> float:
-    """Weights + gradients + Adam/SGD state per parameter on one GPU (MEGATRON_FACTS §10)."""
-    dp = args.data_parallel_size
-    sgd = args.optimizer == "sgd"
-    if args.fp16 or args.bf16:
-        # 16-bit weights, fp32 main grads (bf16) or 16-bit grads (fp16); fp32 main params and
-        # two fp32 moments (one for SGD with momentum).
-        weights_grads = 6 if args.bf16 else 4
-        optimizer = 8 if sgd else 12
-        if args.fp16:
-            optimizer += 4  # fp32 master copy of the fp16 params
-    else:
-        weights_grads, optimizer = 8, (4 if sgd else 8)
-    if args.use_distributed_optimizer:
-        return weights_grads + optimizer / dp
-    return weights_grads + optimizer
 
 
 def _human(count: float) -> str:
@@ -219,6 +135,10 @@ def main(argv=None) -> int:
         return 2
     padded_vocab, problem = _padded_vocab(args)
     print(format_lines(layout_lines(args, padded_vocab, problem)), flush=True)
+    if padded_vocab is not None:
+        # What rank 0 (first pipeline stage) prints at start-up; the breakdown per stage comes
+        # from tools/report_theoretical_memory.py.
+        print(compute_theoretical_memory(args).summary_line(), flush=True)
     print(f"dry run OK: the flags are valid for {world_size} processes "
           "(nothing was trained; torch.distributed was not initialized)", flush=True)
     return 0

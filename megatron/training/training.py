@@ -80,6 +80,9 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
     model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
     timers("model-and-optimizer-setup").stop()
     print_datetime("after model, optimizer, and learning rate scheduler are built")
+    if args.rank == 0:
+        from .theoretical_memory import report_theoretical_memory
+        report_theoretical_memory(args, num_microbatches=global_vars.get_num_microbatches())
     config = get_model_config(model[0])
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)

@@ -1,0 +1,434 @@
+"""Theoretical memory per GPU of a GPT run, computed from the validated flags (nothing is built).
+
+Two parts, as in Megatron's report (MEGATRON_FACTS §4, §10):
+
+* **weights and optimizer**: the parameters this rank holds (exact count of the local GPT layer
+  spec, split by TP, PP stage, with the word embedding on the first stage and the output layer,
+  or the tied embedding's copy, on the last one) times the bytes per parameter of the precision
+  and optimizer: weights (4 fp32 / 2 fp16, bf16), gradients (4 when fp32 or with
+  ``--accumulate-allreduce-grads-in-fp32``, else 2) and optimizer state (Adam: two fp32 moments;
+  SGD: one momentum buffer, none with ``--sgd-momentum 0``; with 16-bit params also the fp32
+  master copy, and with 16-bit gradients the fp32 copy of the gradient the optimizer steps on).
+  ``--use-distributed-optimizer`` divides the optimizer state by the data-parallel x
+  context-parallel size (the group the distributed optimizer shards over): fp32 16 -> 8 + 8/d,
+  bf16 with fp32 grads 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d bytes per parameter.
+* **activations**: Korthikanti et al. 2022 (Megatron's formula), for the micro-batches in flight
+  on this pipeline rank. Per layer and micro-batch, in bytes with 16-bit activations:
+  ``s*b*h*(18 + 4*ffn/h) + 5*a*s^2*b`` (= sbh(34 + 5as/h) for ffn = 4h). Without sequence
+  parallelism only the parts inside the tensor-parallel regions (8 + 4*ffn/h and the attention
+  scores) are divided by TP; with it everything is. Selective recompute of ``core_attn`` drops
+  the attention-score term, of ``mlp`` the two ffn-wide tensors; full recompute keeps only the
+  input of each checkpointed chunk (2*s*b*h, divided by TP with sequence parallelism or
+  ``--distribute-saved-activations``) plus, once, the activations of the chunk being recomputed.
+  fp32 activations double every term except the 1-byte dropout masks. Context parallelism
+  divides the sequence by CP (the score term keeps the full key length). The first stage adds the
+  token ids and the embedding dropout mask per micro-batch; the stage with the output layer adds
+  its input and the fp32 logits for one micro-batch (Megatron: 4*s*b*h*(1 + V/h) / TP).
+
+Micro-batches in flight: 1 without pipelining; min(PP - rank, M) for 1F1B; with the interleaved
+schedule (warm-up + 1) model-chunk micro-batches, warm-up = 2*(PP - rank - 1) + (VP - 1)*G, which
+on rank 0 equals Megatron's factor 1 + (PP - 1)/(PP*VP) times PP micro-batches.
+
+Differences from Megatron's report, on purpose: Megatron prints activations only with sequence
+parallelism and selective recompute (the case its formula assumes) and counts 18 bytes/param
+whatever the precision; here activations are printed for every recompute choice and the bytes per
+parameter follow the precision, and the parameter count is exact for this code base's model.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+NUM_BYTES_IN_MEGABYTE = 1024 * 1024
+
+
+# ----------------------------------------------------------------------------- parameters
+@dataclass
+class ParameterCount:
+    """Parameters of a GPT built from the flags (the local layer spec of this code base)."""
+
+    embedding: int
+    """Word embedding (padded vocab x hidden)."""
+    position_embedding: int
+    """Learned absolute position embedding (0 for rope / none)."""
+    per_layer: int
+    """One transformer layer: norms, QKV, projection, MLP, with their biases."""
+    per_layer_replicated: int
+    """The part of ``per_layer`` every tensor-parallel rank holds whole (norms, row-parallel biases)."""
+    final_norm: int
+    """The final layer norm (on the last pipeline stage)."""
+    output_layer: int
+    """Separate output projection (0 when tied to the word embedding)."""
+    num_layers: int
+    """Transformer layers of the whole model."""
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.position_embedding + self.num_layers * self.per_layer
+                + self.final_norm + self.output_layer)
+
+    def layer_on_tp_rank(self, tp: int) -> int:
+        """Parameters of one layer on one tensor-parallel rank."""
+        return (self.per_layer - self.per_layer_replicated) // tp + self.per_layer_replicated
+
+    def on_rank(self, tp: int, pp: int, pp_rank: int, layers: int) -> int:
+        """Parameters on pipeline rank ``pp_rank`` holding ``layers`` layers, per TP rank. With tied
+        embeddings and PP > 1 the last stage keeps its own copy of the word embedding (Megatron)."""
+        count = layers * self.layer_on_tp_rank(tp)
+        if pp_rank == 0:
+            count += self.embedding // tp + self.position_embedding
+        if pp_rank == pp - 1:
+            count += self.final_norm
+            if self.output_layer:
+                count += self.output_layer // tp
+            elif pp > 1:
+                count += self.embedding // tp
+        return count
+
+    def largest_rank(self, tp: int, pp: int) -> int:
+        """Parameters on the most loaded (tensor, pipeline) rank with an even layer split."""
+        layers = math.ceil(self.num_layers / pp)
+        return max(self.on_rank(tp, pp, rank, layers) for rank in range(pp))
+
+
+def _norm_size(args, width: int) -> int:
+    return width if args.normalization == "RMSNorm" else 2 * width
+
+
+def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
+    """The parameter count of the validated ``args`` (vocab part 0 when the vocab is unknown)."""
+    hidden, ffn = args.hidden_size, args.ffn_hidden_size
+    query_width = args.num_attention_heads * args.kv_channels
+    kv_width = args.num_query_groups * args.kv_channels
+    bias = bool(args.add_bias_linear)
+    qkv_bias = bool(args.add_qkv_bias) or bias
+    fc1_rows = 2 * ffn if args.swiglu else ffn
+    norms = 2 * _norm_size(args, hidden)
+    if args.qk_layernorm:
+        norms += 2 * _norm_size(args, args.kv_channels)
+    qkv = hidden * (query_width + 2 * kv_width) + (query_width + 2 * kv_width if qkv_bias else 0)
+    proj = query_width * hidden
+    fc1 = hidden * fc1_rows + (fc1_rows if bias else 0)
+    fc2 = ffn * hidden
+    row_biases = 2 * hidden if bias else 0
+    vocab = padded_vocab_size or 0
+    learned = args.position_embedding_type == "learned_absolute"
+    return ParameterCount(
+        embedding=vocab * hidden,
+        position_embedding=args.max_position_embeddings * hidden if learned else 0,
+        per_layer=norms + qkv + proj + fc1 + fc2 + row_biases,
+        per_layer_replicated=norms + row_biases,
+        final_norm=_norm_size(args, hidden),
+        output_layer=vocab * hidden if args.untie_embeddings_and_output_weights else 0,
+        num_layers=args.num_layers,
+    )
+
+
+def layers_per_pipeline_rank(args) -> List[int]:
+    """Decoder layers on each pipeline rank (all its model chunks), Megatron's split rules."""
+    from megatron.core.pipeline_parallel.layer_split import compute_layer_split
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if pp == 1:
+        return [args.num_layers]
+    split = compute_layer_split(
+        args.num_layers, pp, getattr(args, "virtual_pipeline_model_parallel_size", None),
+        getattr(args, "decoder_first_pipeline_num_layers", None),
+        getattr(args, "decoder_last_pipeline_num_layers", None),
+        bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+    return [sum(split.counts[rank]) for rank in range(pp)]
+
+
+# ----------------------------------------------------------------------------- bytes per parameter
+@dataclass
+class BytesPerParameter:
+    """Bytes one parameter costs on one GPU, split as Megatron's report does."""
+
+    weight: float
+    """Model weight (4 fp32, 2 fp16/bf16)."""
+    grad: float
+    """Gradient buffer (4 fp32 or accumulated in fp32, else 2)."""
+    optimizer: float
+    """Optimizer state on this rank: fp32 master copy, moments and fp32 gradient copy, already
+    divided by the sharding degree with the distributed optimizer."""
+    optimizer_unsharded: float
+    """Optimizer state without the distributed optimizer."""
+    shards: int
+    """Ranks the optimizer state is sharded over (1 without the distributed optimizer)."""
+
+    @property
+    def total(self) -> float:
+        return self.weight + self.grad + self.optimizer
+
+
+def _half_precision(args) -> bool:
+    return bool(getattr(args, "fp16", False) or getattr(args, "bf16", False))
+
+
+def optimizer_shards(args) -> int:
+    """Ranks the distributed optimizer shards its state over (data parallel x context parallel,
+    divided among ``--num-distributed-optimizer-instances``); 1 without it."""
+    if not getattr(args, "use_distributed_optimizer", False):
+        return 1
+    ranks = getattr(args, "data_parallel_size", 1) * getattr(args, "context_parallel_size", 1)
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    return max(1, ranks // instances)
+
+
+def bytes_per_parameter(args) -> BytesPerParameter:
+    """Weights + gradients + optimizer state per parameter for the flags (MEGATRON_FACTS §10)."""
+    half = _half_precision(args)
+    weight = 2 if half else 4
+    fp32_grads = not half or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
+    grad = 4 if fp32_grads else 2
+    if getattr(args, "optimizer", "adam") == "sgd":
+        moments = 4 if getattr(args, "sgd_momentum", 0.9) else 0
+    else:
+        moments = 8
+    optimizer = moments
+    if half:
+        optimizer += 4  # fp32 master weights
+        if not fp32_grads:
+            optimizer += 4  # fp32 copy of the 16-bit gradient that the master weights step on
+    shards = optimizer_shards(args)
+    return BytesPerParameter(weight=weight, grad=grad, optimizer=optimizer / shards,
+                             optimizer_unsharded=optimizer, shards=shards)
+
+
+def model_state_bytes_per_param(args) -> float:
+    """Weights + gradients + Adam/SGD state per parameter on one GPU (MEGATRON_FACTS §10)."""
+    return bytes_per_parameter(args).total
+
+
+# ----------------------------------------------------------------------------- activations
+def num_microbatches_from_args(args) -> int:
+    """Micro-batches per step: global batch / (micro batch x data parallel)."""
+    gbs = getattr(args, "global_batch_size", None)
+    mbs, dp = args.micro_batch_size, getattr(args, "data_parallel_size", 1)
+    if gbs is None:
+        return 1
+    return max(1, gbs // (mbs * dp))
+
+
+def microbatches_in_flight(args, num_microbatches: int, pp_rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at its peak. With the
+    interleaved schedule this is (model-chunk micro-batches in flight) / VP, so that multiplied
+    by the layers of the rank it counts the layers' activations held."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if pp == 1:
+        return 1
+    vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    if vp == 1:
+        return min(pp - pp_rank, num_microbatches)
+    group = getattr(args, "microbatch_group_size_per_vp_stage", None) or pp
+    warmup = 2 * (pp - pp_rank - 1) + (vp - 1) * group
+    return min(warmup + 1, num_microbatches * vp) / vp
+
+
+@dataclass
+class LayerActivations:
+    """Activation bytes one transformer layer saves for backward, for one micro-batch."""
+
+    outside_tp: float
+    """Norm inputs, QKV / fc1 inputs and dropout masks (split by TP only with sequence parallelism)."""
+    inside_tp: float
+    """Tensors inside the tensor-parallel regions: Q, K, V, projection input, MLP intermediates."""
+    attention_scores: float
+    """Softmax output, its dropout mask and dropout output (the 5as^2b term)."""
+
+    @property
+    def total(self) -> float:
+        return self.outside_tp + self.inside_tp + self.attention_scores
+
+
+def layer_activation_bytes(args) -> LayerActivations:
+    """Per-layer activations of one micro-batch on one TP rank, with selective recompute applied."""
+    scale = 1.0 if _half_precision(args) else 2.0  # the formula counts 2-byte activations
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    cp = getattr(args, "context_parallel_size", 1)
+    sp = bool(getattr(args, "sequence_parallel", False)) and tp > 1
+    seq, b, h = args.seq_length, args.micro_batch_size, args.hidden_size
+    s = seq / cp
+    sbh = s * b * h
+    ffn_ratio = args.ffn_hidden_size / h
+    # Outside TP: two norm inputs (4), QKV and fc1 inputs (4 total) and two dropout masks (2 x 1 byte).
+    outside = (8 * scale + 2) * sbh
+    inside = (8 + 4 * ffn_ratio) * scale * sbh / tp  # Q, K (4), V (2), proj input (2), MLP 4*ffn/h
+    scores = (4 * scale + 1) * args.num_attention_heads * s * seq * b / tp
+    if getattr(args, "recompute_granularity", None) == "selective":
+        modules = getattr(args, "recompute_modules", None) or ["core_attn"]
+        if "core_attn" in modules:
+            scores = 0.0
+        if "mlp" in modules:
+            inside -= 4 * ffn_ratio * scale * sbh / tp
+    if sp:
+        outside /= tp
+    return LayerActivations(outside_tp=outside, inside_tp=inside, attention_scores=scores)
+
+
+def _checkpointed_input_bytes(args) -> float:
+    """The saved input of one fully recomputed chunk of layers, for one micro-batch."""
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    cp = getattr(args, "context_parallel_size", 1)
+    element = 2 if _half_precision(args) else 4
+    saved = element * (args.seq_length / cp) * args.micro_batch_size * args.hidden_size
+    sp = bool(getattr(args, "sequence_parallel", False)) and tp > 1
+    if sp or getattr(args, "distribute_saved_activations", False):
+        saved /= tp
+    return saved
+
+
+def _full_recompute_layers(args, layers_per_chunk: List[int]):
+    """(checkpointed chunk inputs, layers stored whole, layers of the largest recomputed chunk)
+    over the model chunks of one rank, one micro-batch each."""
+    method, k = args.recompute_method, args.recompute_num_layers
+    inputs = whole = working = 0
+    for n in layers_per_chunk:
+        if method == "uniform":
+            inputs += math.ceil(n / k) if n else 0
+            working = max(working, min(k, n))
+        else:  # block: the first k layers of each chunk are recomputed one by one
+            recomputed = min(k, n)
+            inputs += recomputed
+            whole += n - recomputed
+            working = max(working, 1 if recomputed else 0)
+    return inputs, whole, working
+
+
+def activation_components(args, num_microbatches: Optional[int] = None, pp_rank: int = 0,
+                          layers: Optional[int] = None) -> "OrderedDict[str, float]":
+    """Activation bytes on pipeline rank ``pp_rank`` at its peak, by component."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    cp = getattr(args, "context_parallel_size", 1)
+    sp = bool(getattr(args, "sequence_parallel", False)) and tp > 1
+    if num_microbatches is None:
+        num_microbatches = num_microbatches_from_args(args)
+    if layers is None:
+        layers = layers_per_pipeline_rank(args)[pp_rank]
+    in_flight = microbatches_in_flight(args, num_microbatches, pp_rank)
+    per_layer = layer_activation_bytes(args)
+    parts: "OrderedDict[str, float]" = OrderedDict()
+    if getattr(args, "recompute_granularity", None) == "full":
+        vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+        chunks = [layers // vp + (1 if c < layers % vp else 0) for c in range(vp)]
+        inputs, whole, working = _full_recompute_layers(args, chunks)
+        parts["transformer layers (checkpointed inputs)"] = inputs * _checkpointed_input_bytes(args) * in_flight
+        parts["transformer layers (not recomputed)"] = whole * per_layer.total * in_flight
+        parts["recompute working set (one chunk)"] = working * per_layer.total
+    else:
+        parts["transformer layers"] = layers * per_layer.total * in_flight
+    s, b, h = args.seq_length / cp, args.micro_batch_size, args.hidden_size
+    if pp_rank == 0:
+        # int64 token ids (and labels' twin is on the last stage) plus the embedding dropout mask.
+        mask = s * b * h / (tp if sp else 1)
+        parts["embedding (token ids, dropout mask)"] = (8 * s * b + mask) * in_flight
+    if pp_rank == pp - 1:
+        vocab = getattr(args, "padded_vocab_size", None) or 0
+        parts["output layer and loss (input, fp32 logits)"] = 4 * s * b * h / tp + 4 * s * b * vocab / tp
+    return parts
+
+
+# ----------------------------------------------------------------------------- the report
+@dataclass
+class TheoreticalMemory:
+    """Memory of one pipeline rank (any of its TP / DP / CP ranks), in bytes."""
+
+    pp_rank: int
+    """The pipeline rank described."""
+    parameters: int
+    """Parameters this rank holds (one TP shard of its stage)."""
+    per_parameter: BytesPerParameter
+    """Bytes per parameter used for the weight, gradient and optimizer figures."""
+    num_microbatches: int
+    """Micro-batches per step used for the pipeline's in-flight count."""
+    microbatches_in_flight: float
+    """Micro-batches whose activations are held at the peak."""
+    activations: Dict[str, float] = field(default_factory=dict)
+    """Activation bytes by component."""
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.parameters * self.per_parameter.weight
+
+    @property
+    def gradient_bytes(self) -> float:
+        return self.parameters * self.per_parameter.grad
+
+    @property
+    def optimizer_bytes(self) -> float:
+        return self.parameters * self.per_parameter.optimizer
+
+    @property
+    def weight_and_optimizer_bytes(self) -> float:
+        """Weights + gradients + optimizer state (Megatron's 'weight and optimizer')."""
+        return self.weight_bytes + self.gradient_bytes + self.optimizer_bytes
+
+    @property
+    def activation_bytes(self) -> float:
+        return float(sum(self.activations.values()))
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_and_optimizer_bytes + self.activation_bytes
+
+    def summary_line(self) -> str:
+        """Megatron's line: ``Theoretical memory footprints: weight and optimizer=X MB, ...``."""
+        mb = NUM_BYTES_IN_MEGABYTE
+        return (f"Theoretical memory footprints: weight and optimizer="
+                f"{self.weight_and_optimizer_bytes / mb:.2f} MB, activation={self.activation_bytes / mb:.2f} MB, "
+                f"total={self.total_bytes / mb:.2f} MB")
+
+    def breakdown_lines(self) -> List[str]:
+        mb = NUM_BYTES_IN_MEGABYTE
+        per = self.per_parameter
+        sharded = f", optimizer sharded over {per.shards} ranks" if per.shards > 1 else ""
+        lines = [
+            f"  pipeline rank {self.pp_rank}: {self.parameters} parameters per tensor-parallel rank, "
+            f"{per.total:g} bytes/parameter (weight {per.weight:g} + gradient {per.grad:g} + "
+            f"optimizer {per.optimizer:g}{sharded})",
+            f"    weights: {self.weight_bytes / mb:.2f} MB",
+            f"    gradients: {self.gradient_bytes / mb:.2f} MB",
+            f"    optimizer state: {self.optimizer_bytes / mb:.2f} MB",
+            f"    activations ({self.microbatches_in_flight:g} of {self.num_microbatches} micro-batches "
+            f"in flight): {self.activation_bytes / mb:.2f} MB",
+        ]
+        lines += [f"      {name}: {value / mb:.2f} MB" for name, value in self.activations.items()]
+        return lines
+
+
+def compute_theoretical_memory(args, num_microbatches: Optional[int] = None, pp_rank: int = 0
+                               ) -> TheoreticalMemory:
+    """The theoretical memory of pipeline rank ``pp_rank`` for the validated ``args``
+    (``args.padded_vocab_size`` must be set for the embedding terms; None counts them as 0)."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    if not 0 <= pp_rank < pp:
+        raise ValueError(f"pipeline rank {pp_rank} out of range for --pipeline-model-parallel-size {pp}")
+    if num_microbatches is None:
+        num_microbatches = num_microbatches_from_args(args)
+    layers = layers_per_pipeline_rank(args)[pp_rank]
+    count = count_parameters(args, getattr(args, "padded_vocab_size", None))
+    return TheoreticalMemory(
+        pp_rank=pp_rank,
+        parameters=count.on_rank(tp, pp, pp_rank, layers),
+        per_parameter=bytes_per_parameter(args),
+        num_microbatches=num_microbatches,
+        microbatches_in_flight=microbatches_in_flight(args, num_microbatches, pp_rank),
+        activations=dict(activation_components(args, num_microbatches, pp_rank, layers)),
+    )
+
+
+def report_theoretical_memory(args, num_microbatches: Optional[int] = None, pp_rank: int = 0,
+                              verbose: bool = True, print_fn: Callable[[str], None] = print
+                              ) -> TheoreticalMemory:
+    """Print Megatron's theoretical-memory line for pipeline rank ``pp_rank`` (the trainer calls
+    it on rank 0, i.e. the first stage, whose activations are the largest), then the breakdown."""
+    memory = compute_theoretical_memory(args, num_microbatches, pp_rank)
+    print_fn(memory.summary_line())
+    if verbose:
+        for line in memory.breakdown_lines():
+            print_fn(line)
+    return memory

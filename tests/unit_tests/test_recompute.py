@@ -1,0 +1,152 @@
+"""Activation recompute (--recompute-granularity full/selective) changes memory, not numerics.
+
+* fp32 with dropout on (hidden and attention): every recompute choice gives the loss and the
+  gradients of the run without recompute bit for bit (same seed), because the recomputed forward
+  replays the CPU RNG state of the original one; a run with another dropout seed differs, so the
+  comparison can fail.
+* Activation memory, measured: the bytes of the distinct tensors autograd saves for backward
+  during the forward of a GPTModel with labels (saved_tensors_hooks; parameters excluded), must be
+  lower with recompute, in the expected order (none > selective core_attn > selective core_attn+mlp
+  > full), and full uniform recompute with one layer per chunk must save far less than a layer's
+  worth per layer.
+"""
+
+import pytest
+import torch
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+VOCAB, SEQ, BATCH, LAYERS, HIDDEN = 64, 32, 2, 4, 32
+
+NONE = {}
+SELECTIVE = dict(recompute_granularity="selective")
+SELECTIVE_MLP = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+SELECTIVE_MLP_ONLY = dict(recompute_granularity="selective", recompute_modules=["mlp"])
+FULL_UNIFORM_1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+FULL_UNIFORM_3 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
+FULL_BLOCK_2 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+FULL_BLOCK_ALL = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=LAYERS)
+FULL_BLOCK_0 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def build(recompute, dropout=0.1, **model_kwargs):
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4,
+                               hidden_dropout=dropout, attention_dropout=dropout, **recompute)
+    torch.manual_seed(1234)
+    model_kwargs.setdefault("position_embedding_type", "rope")
+    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, **model_kwargs)
+    model.train()
+    return model
+
+
+def batch():
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return tokens, torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ), labels
+
+
+def loss_and_grads(model, dropout_seed=11):
+    tokens, pos, labels = batch()
+    torch.manual_seed(dropout_seed)
+    loss = model(tokens, pos, None, labels=labels).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return loss_and_grads(build(NONE))
+
+
+@pytest.mark.parametrize("recompute", [SELECTIVE, SELECTIVE_MLP, SELECTIVE_MLP_ONLY, FULL_UNIFORM_1,
+                                       FULL_UNIFORM_3, FULL_BLOCK_2, FULL_BLOCK_ALL, FULL_BLOCK_0],
+                         ids=["selective", "selective_mlp", "selective_mlp_only", "uniform1", "uniform3",
+                              "block2", "block_all", "block0"])
+def test_recompute_gives_bitwise_identical_loss_and_gradients(reference, recompute):
+    ref_loss, ref_grads = reference
+    loss, grads = loss_and_grads(build(recompute))
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, ref_grads[name]), name
+
+
+def test_the_comparison_can_fail_dropout_is_really_on(reference):
+    """Another dropout seed changes loss and gradients: the equality above is not vacuous."""
+    ref_loss, ref_grads = reference
+    loss, grads = loss_and_grads(build(FULL_UNIFORM_1), dropout_seed=12)
+    assert not torch.equal(loss, ref_loss)
+    assert not torch.equal(grads["decoder.layers.0.self_attention.linear_qkv.weight"],
+                           ref_grads["decoder.layers.0.self_attention.linear_qkv.weight"])
+
+
+def test_recompute_is_off_in_eval_mode():
+    """Evaluation does not build a graph to recompute: same output as without recompute."""
+    tokens, pos, labels = batch()
+    outputs = []
+    for recompute in (NONE, FULL_UNIFORM_1, SELECTIVE_MLP):
+        model = build(recompute).eval()
+        with torch.no_grad():
+            outputs.append(model(tokens, pos, None, labels=labels))
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+
+
+def saved_activation_bytes(model) -> int:
+    """Bytes of the distinct storages autograd saves for backward during one forward with labels
+    (parameters excluded: they are not activations)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes() > 0:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    tokens, pos, labels = batch()
+    torch.manual_seed(11)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(tokens, pos, None, labels=labels).sum()
+    loss.backward()  # the graph is complete and usable
+    return sum(seen.values())
+
+
+@pytest.fixture(scope="module")
+def saved():
+    cases = {"none": NONE, "selective": SELECTIVE, "selective_mlp": SELECTIVE_MLP,
+             "uniform1": FULL_UNIFORM_1, "uniform3": FULL_UNIFORM_3, "block2": FULL_BLOCK_2,
+             "block_all": FULL_BLOCK_ALL, "block0": FULL_BLOCK_0}
+    return {name: saved_activation_bytes(build(recompute)) for name, recompute in cases.items()}
+
+
+def test_recompute_saves_less_activation_memory(saved):
+    assert saved["block0"] == saved["none"]  # block with 0 layers recomputes nothing
+    assert saved["selective"] < saved["none"]
+    assert saved["selective_mlp"] < saved["selective"]
+    assert saved["uniform1"] < saved["selective_mlp"]
+    assert saved["block2"] < saved["none"] and saved["block_all"] < saved["block2"]
+    assert saved["uniform3"] < saved["none"]
+    # uniform with chunks of 3 layers over 4 layers keeps 2 chunk inputs, chunks of 1 keep 4.
+    assert saved["uniform3"] < saved["uniform1"]
+    assert saved["block_all"] == saved["uniform1"]  # both checkpoint every layer on its own
+
+
+def test_full_recompute_keeps_about_one_hidden_state_per_layer(saved):
+    """Per layer, full recompute of every layer saves (besides the embedding, final norm and loss
+    that both runs save) one [s, b, h] fp32 input; without recompute a layer saves > 10 of them."""
+    hidden_state = SEQ * BATCH * HIDDEN * 4
+    layers_none = saved["none"] - saved["block_all"] + LAYERS * hidden_state
+    per_layer_none = layers_none / LAYERS
+    assert per_layer_none > 10 * hidden_state
+    # Removing the recompute of one layer (block 2 vs all 4) adds two layers' activations back.
+    assert saved["block2"] - saved["block_all"] == pytest.approx(2 * (per_layer_none - hidden_state), rel=0.05)
