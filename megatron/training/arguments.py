@@ -63,7 +63,8 @@ def _not_one_of(*values):
 
 
 def _ckpt_format_in_use(value, args):
-    return value != 'torch' and bool(args.save or args.load or args.pretrained_checkpoint)
+    return value not in ('torch', 'torch_dist') and bool(
+        args.save or args.load or args.pretrained_checkpoint)
 
 
 _TE = 'needs Transformer Engine, which this code base does not use'
@@ -77,18 +78,14 @@ NOT_SUPPORTED_YET = {
                                    f'expert parallelism {_NYI}'),
     'pipeline_model_parallel_layout': (_given, '--pipeline-model-parallel-layout',
                                        f'custom pipeline layouts {_NYI}'),
-    'use_distributed_optimizer': (_on, '--use-distributed-optimizer',
-                                  f'the distributed optimizer {_NYI}'),
     'num_distributed_optimizer_instances': (_above(1), '--num-distributed-optimizer-instances',
-                                            f'the distributed optimizer {_NYI}'),
-    'overlap_grad_reduce': (_on, '--overlap-grad-reduce', f'overlapped gradient reduction {_NYI}'),
-    'overlap_param_gather': (_on, '--overlap-param-gather', f'overlapped param gather {_NYI}'),
+                                            f'several distributed-optimizer instances {_NYI}'),
     'overlap_param_gather_with_optimizer_step': (
-        _on, '--overlap-param-gather-with-optimizer-step', f'overlapped param gather {_NYI}'),
+        _on, '--overlap-param-gather-with-optimizer-step',
+        f'dispatching the first chunk\'s param gather inside the optimizer step {_NYI} '
+        '(--overlap-param-gather works)'),
     'defer_embedding_wgrad_compute': (_on, '--defer-embedding-wgrad-compute',
                                       f'deferred embedding wgrad {_NYI}'),
-    'use_torch_fsdp2': (_on, '--use-torch-fsdp2', f'FSDP2 {_NYI}'),
-    'use_megatron_fsdp': (_on, '--use-megatron-fsdp', f'Megatron-FSDP {_NYI}'),
     'init_model_with_meta_device': (_on, '--init-model-with-meta-device',
                                     f'meta-device initialization {_NYI}'),
     'tp_comm_overlap': (_on, '--tp-comm-overlap', _TE),
@@ -131,7 +128,6 @@ NOT_SUPPORTED_YET = {
     'fp8_param_gather': (_on, '--fp8-param-gather', f'fp8 parameters {_TE}'),
     'first_last_layers_bf16': (_on, '--first-last-layers-bf16', f'fp8 training {_TE}'),
     'te_rng_tracker': (_on, '--te-rng-tracker', _TE),
-    'grad_reduce_in_bf16': (_on, '--grad-reduce-in-bf16', f'bf16 gradient reduction {_NYI}'),
     'use_precision_aware_optimizer': (_on, '--use-precision-aware-optimizer',
                                       f'the precision-aware optimizer {_NYI}'),
     'optimizer_cpu_offload': (_on, '--optimizer-cpu-offload', f'optimizer CPU offload {_NYI}'),
@@ -140,30 +136,22 @@ NOT_SUPPORTED_YET = {
     # Memory savers.
     'recompute_modules': (lambda value, args: bool(set(value or ()) - {'core_attn', 'mlp'}),
                           '--recompute-modules', 'only core_attn and mlp can be recomputed yet'),
-    'distribute_saved_activations': (_on, '--distribute-saved-activations',
-                                     f'activation recomputation {_NYI}'),
     'cpu_offloading_num_layers': (_above(0), '--cpu-offloading-num-layers',
                                   f'activation offloading {_NYI}'),
     'cuda_graph_impl': (_not_one_of('none'), '--cuda-graph-impl', f'CUDA graphs {_NYI}'),
-    # Checkpointing: only the torch format (one torch.save file per rank).
-    'ckpt_format': (_ckpt_format_in_use, '--ckpt-format', 'pass --ckpt-format torch'),
-    'async_save': (_on, '--async-save', f'asynchronous checkpoint saving {_NYI}'),
-    'use_persistent_ckpt_worker': (_on, '--use-persistent-ckpt-worker',
-                                   f'asynchronous checkpoint saving {_NYI}'),
-    'auto_detect_ckpt_format': (_on, '--auto-detect-ckpt-format',
-                                f'checkpoint format detection {_NYI}'),
-    'ckpt_convert_format': (_given, '--ckpt-convert-format', f'checkpoint conversion {_NYI}'),
+    # Checkpointing: torch and torch_dist formats (megatron/training/checkpointing*.py).
+    # --use-persistent-ckpt-worker is honoured trivially: async saves run in a thread.
+    'ckpt_format': (_ckpt_format_in_use, '--ckpt-format', 'checkpoints are written and read in '
+                    'the torch or torch_dist format only'),
+    'async_save': (lambda value, args: bool(value) and args.ckpt_format != 'torch_dist',
+                   '--async-save', 'asynchronous saving needs --ckpt-format torch_dist'),
     'ckpt_convert_update_legacy_dist_opt_format': (
-        _on, '--ckpt-convert-update-legacy-dist-opt-format', f'checkpoint conversion {_NYI}'),
-    'use_checkpoint_args': (_on, '--use-checkpoint-args',
-                            f'reading flags from the checkpoint {_NYI}'),
-    'use_mp_args_from_checkpoint_args': (_on, '--use-mp-args-from-checkpoint-args',
-                                         f'reading flags from the checkpoint {_NYI}'),
+        _on, '--ckpt-convert-update-legacy-dist-opt-format',
+        f'converting legacy distributed-optimizer checkpoints {_NYI}'),
     'non_persistent_save_interval': (_given, '--non-persistent-save-interval',
                                      f'non-persistent checkpoints {_NYI}'),
     'non_persistent_ckpt_type': (_given, '--non-persistent-ckpt-type',
                                  f'non-persistent checkpoints {_NYI}'),
-    'save_retain_interval': (_given, '--save-retain-interval', f'checkpoint retention {_NYI}'),
     'load_main_params_from_ckpt': (_on, '--load-main-params-from-ckpt',
                                    f'loading main params only {_NYI}'),
     # Training loop.
@@ -275,6 +263,13 @@ def parse_and_validate_args(extra_args_provider=None, args_defaults=None,
     """parse_args + validate_args; a validation error prints one line and exits with 2."""
     args = parse_args(extra_args_provider, ignore_unknown_args, argv)
     try:
+        if args.use_checkpoint_args or (args_defaults or {}).get('use_checkpoint_args', False):
+            # Megatron reads the model flags from the checkpoint before validating them.
+            from megatron.training.checkpointing import CheckpointError, load_args_from_checkpoint
+            try:
+                load_args_from_checkpoint(args)
+            except CheckpointError as exc:
+                raise ArgumentValidationError(f'--use-checkpoint-args: {exc}') from None
         return validate_args(args, args_defaults)
     except ArgumentValidationError as exc:
         print(f'error: {exc}', file=sys.stderr, flush=True)

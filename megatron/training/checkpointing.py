@@ -1,6 +1,11 @@
-"""Checkpoints in Megatron's ``torch`` format.
+"""Checkpoint save/load entry points, and Megatron's ``torch`` format.
 
-Layout: ``<save>/iter_0000100/mp_rank_00/model_optim_rng.pt`` (``mp_rank_TT_PPP`` with pipeline
+``--ckpt-format torch_dist`` (the default) is handled by :mod:`.checkpointing_dist`; this module
+dispatches to it, detects the format of a checkpoint being loaded (``--auto-detect-ckpt-format``),
+converts between formats (``--ckpt-convert-format``), reads model flags back from a checkpoint
+(``--use-checkpoint-args``) and deletes checkpoints outside ``--save-retain-interval``.
+
+torch-format layout: ``<save>/iter_0000100/mp_rank_00/model_optim_rng.pt`` (``mp_rank_TT_PPP`` with pipeline
 parallelism) and ``<save>/latest_checkpointed_iteration.txt``. Each file is written under a
 temporary name and renamed; the tracker is written by rank 0 only after every rank has finished,
 so an interrupted save never leaves the tracker pointing at an incomplete checkpoint.
@@ -15,6 +20,8 @@ import argparse
 import enum
 import os
 import random
+import re
+import shutil
 import sys
 
 import numpy as np
@@ -22,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from . import global_vars
-from .utils import get_rank, print_rank_0
+from .utils import get_device, get_rank, print_rank_0
 
 CHECKPOINT_VERSION = 3.0
+SAVE_FORMATS = ("torch_dist", "torch")
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 _PLAIN = (int, float, str, bool, type(None))
 
@@ -118,6 +126,32 @@ def _unwrap(model_chunk):
     return model_chunk
 
 
+def distrib_optim_path(model_path: str) -> str:
+    """Where the distributed optimizer's gathered state sits next to model_optim_rng.pt."""
+    return os.path.join(os.path.dirname(model_path), "distrib_optim.pt")
+
+
+def _check_distributed_optimizer_file(path: str) -> None:
+    """Fail on every DP rank together when DP rank 0 cannot see ``path`` (a collective)."""
+    state = global_vars.get_parallel_state()
+    missing = torch.zeros(1, device=get_device())
+    if state.get_data_parallel_rank(with_context_parallel=True) == 0 and not os.path.isfile(path):
+        missing.fill_(1.0)
+    if dist.is_initialized() and state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=state.get_data_parallel_group(with_context_parallel=True))
+    if missing.item() > 0:
+        raise CheckpointError(f"{path} does not exist: the checkpoint was saved without "
+                              "--use-distributed-optimizer (or with --no-save-optim); pass --no-load-optim")
+
+
+def _load_distributed_optimizer_state(optimizer, path: str) -> None:
+    """Re-shard distrib_optim.pt over this run's DP group (collective); any DP size may load it."""
+    try:
+        optimizer.load_parameter_state(path)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
 def _atomic_save(obj, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
@@ -136,8 +170,15 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     timers = global_vars.get_timers()
-    if args.ckpt_format != "torch":
-        raise CheckpointError(f"not supported yet: --ckpt-format {args.ckpt_format} (pass --ckpt-format torch)")
+    if args.ckpt_format not in SAVE_FORMATS:
+        raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported (use torch_dist or torch)")
+    maybe_finalize_async_save(blocking=True)
+    if args.ckpt_format == "torch_dist":
+        from .checkpointing_dist import save_checkpoint_dist
+        timers("save-checkpoint", log_level=0).start(barrier=True)
+        save_checkpoint_dist(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+        timers("save-checkpoint").stop(barrier=True)
+        return
     save_dir = args.save
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch format")
     timers("save-checkpoint", log_level=0).start(barrier=True)
@@ -152,7 +193,20 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
             dist.all_gather_object(gathered, rng_state[0], group=dp_group)
             rng_state = gathered
 
-    if state.get_data_parallel_rank(with_context_parallel=True) == 0:
+    path = checkpoint_name(save_dir, iteration, tp_rank=state.get_tensor_model_parallel_rank(),
+                           pp_rank=state.get_pipeline_model_parallel_rank(),
+                           pp_size=state.get_pipeline_model_parallel_world_size(),
+                           ep_rank=state.get_expert_model_parallel_rank(),
+                           ep_size=state.get_expert_model_parallel_world_size())
+    is_writer = state.get_data_parallel_rank(with_context_parallel=True) == 0
+    if getattr(args, "use_distributed_optimizer", False) and not args.no_save_optim and optimizer is not None:
+        # Every DP rank owns a slice of the optimizer state: gather it (a collective) to DP rank 0.
+        param_state = optimizer.get_parameter_state_dp_zero()
+        if is_writer:
+            _atomic_save(param_state, distrib_optim_path(path))
+        del param_state
+
+    if is_writer:
         chunks = model if isinstance(model, list) else [model]
         state_dict = {
             "args": _checkpoint_args(args),
@@ -172,29 +226,64 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
                 state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         if rng_state is not None:
             state_dict["rng_state"] = rng_state
-        path = checkpoint_name(save_dir, iteration, tp_rank=state.get_tensor_model_parallel_rank(),
-                               pp_rank=state.get_pipeline_model_parallel_rank(),
-                               pp_size=state.get_pipeline_model_parallel_world_size(),
-                               ep_rank=state.get_expert_model_parallel_rank(),
-                               ep_size=state.get_expert_model_parallel_world_size())
         _atomic_save(state_dict, path)
 
     _barrier()
     if get_rank() == 0:
-        tmp = tracker_path(save_dir) + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, tracker_path(save_dir))
+        commit_tracker(save_dir, iteration)
     _barrier()
     timers("save-checkpoint").stop(barrier=True)
     print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]".format(
         iteration, save_dir, state.get_tensor_model_parallel_rank() + 1, state.get_tensor_model_parallel_world_size(),
         state.get_pipeline_model_parallel_rank() + 1, state.get_pipeline_model_parallel_world_size()))
-    _remove_unretained(args, iteration)
+    remove_unretained(args, save_dir, iteration)
 
 
-def _remove_unretained(args, iteration):
-    """Nothing yet: --save-retain-interval lands with the checkpoint issue."""
+def maybe_finalize_async_save(blocking: bool = False) -> bool:
+    """Commit a finished ``--async-save`` checkpoint (see checkpointing_dist); True when none is
+    pending. Free (no collective, no DCP import) unless a torch_dist save ran in this process."""
+    module = sys.modules.get(__package__ + ".checkpointing_dist")
+    return True if module is None else module.maybe_finalize_async_save(blocking)
+
+
+def commit_tracker(save_dir: str, iteration: int) -> None:
+    """Point the tracker at ``iteration`` (atomic; call on rank 0 once the checkpoint is complete)."""
+    tmp = tracker_path(save_dir) + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, tracker_path(save_dir))
+
+
+_ITER_DIR = re.compile(r"iter_(\d{7,})(\.tmp)?$")
+
+
+def remove_unretained(args, save_dir: str, iteration: int) -> None:
+    """``--save-retain-interval N``: after a successful save of ``iteration``, delete (on rank 0)
+    the older checkpoints whose iteration is not a multiple of N; never the one just saved, nor
+    the one the tracker points at, nor newer ones. Also drops unfinished ``.tmp`` saves of older
+    iterations, which can never complete."""
+    if get_rank() != 0 or not os.path.isdir(save_dir):
+        return
+    interval = getattr(args, "save_retain_interval", None)
+    try:
+        tracked = read_tracker(save_dir)[0] if os.path.isfile(tracker_path(save_dir)) else None
+    except (CheckpointError, OSError):
+        tracked = None
+    for name in sorted(os.listdir(save_dir)):
+        match = _ITER_DIR.match(name)
+        if not match:
+            continue
+        it = int(match.group(1))
+        if it >= iteration or it == tracked:
+            continue
+        unfinished = match.group(2) is not None
+        if unfinished or (interval and it % interval != 0):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            if not unfinished:
+                print(f"  removed checkpoint {os.path.join(save_dir, name)} (--save-retain-interval {interval})",
+                      flush=True)
 
 
 def read_tracker(load_dir: str):
@@ -211,6 +300,38 @@ def read_tracker(load_dir: str):
     if iteration < 0:
         raise CheckpointError(f"{path} holds a negative iteration ({iteration})")
     return iteration, False
+
+
+def detect_checkpoint_format(directory: str):
+    """``torch_dist`` (metadata.json), ``torch`` (mp_rank_* entries), or None (Megatron's rule)."""
+    from megatron.core.dist_checkpointing import is_distributed_checkpoint
+    if not os.path.isdir(directory):
+        return None
+    if is_distributed_checkpoint(directory):
+        return "torch_dist"
+    if any(name.startswith("mp_rank_0") for name in os.listdir(directory)):
+        return "torch"
+    return None
+
+
+def format_to_load(args, directory: str) -> str:
+    """The format to read ``directory`` in: --ckpt-format, or what the directory holds with
+    --auto-detect-ckpt-format (and when converting); a clear error otherwise."""
+    found = detect_checkpoint_format(directory)
+    if found is None:
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"checkpoint directory {directory} does not exist (the tracker points at a "
+                                  "deleted checkpoint, or --ckpt-step names an iteration that was not saved)")
+        if os.path.isfile(os.path.join(directory, ".metadata")):
+            raise CheckpointError(f"{directory} has no metadata.json: its torch_dist save did not finish")
+        raise CheckpointError(f"{directory} holds neither a torch_dist (metadata.json) nor a torch-format "
+                              "(mp_rank_*) checkpoint")
+    wanted = args.ckpt_format
+    if found == wanted or getattr(args, "auto_detect_ckpt_format", False) \
+            or getattr(args, "ckpt_convert_format", None) is not None:
+        return found
+    raise CheckpointError(f"{directory} is a {found}-format checkpoint but --ckpt-format is {wanted}: pass "
+                          f"--ckpt-format {found} or --auto-detect-ckpt-format")
 
 
 def _load_file(path: str) -> dict:
@@ -258,13 +379,13 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     load_dir = getattr(args, load_arg)
-    if args.ckpt_format != "torch":
-        raise CheckpointError(f"not supported yet: --ckpt-format {args.ckpt_format} (pass --ckpt-format torch)")
     if not os.path.isfile(tracker_path(load_dir)):
         message = (f"WARNING: could not find the metadata file {tracker_path(load_dir)}"
                    + ("" if os.path.isdir(load_dir) else f" (directory {load_dir} does not exist)"))
-        if args.exit_on_missing_checkpoint:
-            print_rank_0(f">> {message}; exiting because --exit-on-missing-checkpoint is set")
+        converting = getattr(args, "ckpt_convert_format", None) is not None
+        if args.exit_on_missing_checkpoint or converting:
+            reason = "--ckpt-convert-format needs a checkpoint" if converting else "--exit-on-missing-checkpoint is set"
+            print_rank_0(f">> {message}; exiting because {reason}")
             _barrier()
             sys.exit(1)
         print_rank_0(f"{message}\n    will not load any checkpoints and will start from random")
@@ -273,6 +394,15 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     iteration, release = read_tracker(load_dir)
     if getattr(args, "ckpt_step", None) is not None:
         iteration, release = args.ckpt_step, False
+    fmt = format_to_load(args, checkpoint_dir(load_dir, iteration, release))
+    if fmt == "torch_dist":
+        from .checkpointing_dist import load_checkpoint_dist
+        print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration} (torch_dist format)")
+        iteration, flops, _ = load_checkpoint_dist(model, optimizer, opt_param_scheduler, load_dir, iteration, release)
+        print_rank_0("  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}".format(
+            load_dir, state.get_tensor_model_parallel_rank() + 1, state.get_tensor_model_parallel_world_size(),
+            state.get_pipeline_model_parallel_rank() + 1, state.get_pipeline_model_parallel_world_size(), iteration))
+        return iteration, flops
     path = checkpoint_name(load_dir, iteration, release, tp_rank=state.get_tensor_model_parallel_rank(),
                            pp_rank=state.get_pipeline_model_parallel_rank(),
                            pp_size=state.get_pipeline_model_parallel_world_size(),
@@ -312,8 +442,23 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         if "optimizer" not in state_dict:
             raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with --no-save-optim?); "
                                   "pass --no-load-optim or --finetune")
+        saved_distributed = bool(getattr(ckpt_args, "use_distributed_optimizer", False))
+        if ckpt_args is not None and saved_distributed != bool(getattr(args, "use_distributed_optimizer", False)):
+            raise CheckpointError(
+                f"checkpoint {path} was saved {'with' if saved_distributed else 'without'} "
+                f"--use-distributed-optimizer and this run is {'without' if saved_distributed else 'with'} it: "
+                "the torch format keeps the two optimizer states in different layouts; "
+                "pass --no-load-optim to start a fresh optimizer from the loaded weights")
         if optimizer is not None:
-            optimizer.load_state_dict(state_dict["optimizer"])
+            if getattr(args, "use_distributed_optimizer", False):
+                _check_distributed_optimizer_file(distrib_optim_path(path))
+            try:
+                optimizer.load_state_dict(state_dict["optimizer"])
+            except (KeyError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit this run "
+                                      f"({type(exc).__name__}: {exc})") from None
+            if getattr(args, "use_distributed_optimizer", False):
+                _load_distributed_optimizer_state(optimizer, distrib_optim_path(path))
         if opt_param_scheduler is not None and "opt_param_scheduler" in state_dict:
             opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
@@ -333,3 +478,86 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         load_dir, state.get_tensor_model_parallel_rank() + 1, state.get_tensor_model_parallel_world_size(),
         state.get_pipeline_model_parallel_rank() + 1, state.get_pipeline_model_parallel_world_size(), iteration))
     return iteration, float(state_dict.get("num_floating_point_operations_so_far", 0.0))
+
+
+def convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler) -> None:
+    """``--ckpt-convert-format F --ckpt-convert-save DIR``: re-save what was just loaded in format
+    F under ``DIR/F`` (Megatron's layout) and end the process."""
+    args = global_vars.get_args()
+    source = args.ckpt_format
+    args.ckpt_format = args.ckpt_convert_format
+    args.async_save = False
+    args.save = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
+    args.use_dist_ckpt = args.ckpt_format != "torch"
+    save_checkpoint(args.iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    print_rank_0(f"> converted checkpoint: {source} -> {args.ckpt_format} (saved to {args.save})")
+    _barrier()
+    sys.exit(0)
+
+
+# Model-shape flags --use-checkpoint-args reads back (Megatron's list): the forced ones replace
+# the command line's value, the others fill in only flags left unset.
+_FORCED_CHECKPOINT_ARGS = (
+    "num_query_groups", "group_query_attention", "position_embedding_type", "add_position_embedding",
+    "use_rotary_position_embeddings", "rotary_percent", "rotary_interleaved", "rotary_base", "add_bias_linear",
+    "add_qkv_bias", "swiglu", "squared_relu", "untie_embeddings_and_output_weights", "apply_layernorm_1p",
+    "normalization", "qk_layernorm", "norm_epsilon")
+_UNSET_CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+                          "kv_channels", "max_position_embeddings", "tokenizer_type", "padded_vocab_size",
+                          "vocab_size")
+_PARALLEL_CHECKPOINT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                             "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+
+
+def read_checkpoint_args(load_dir: str, ckpt_step=None):
+    """The ``args`` stored in the checkpoint the tracker of ``load_dir`` (or ``ckpt_step``) names,
+    from either format; None when there is no checkpoint."""
+    if not os.path.isfile(tracker_path(load_dir)):
+        return None
+    iteration, release = read_tracker(load_dir)
+    if ckpt_step is not None:
+        iteration, release = ckpt_step, False
+    directory = checkpoint_dir(load_dir, iteration, release)
+    fmt = detect_checkpoint_format(directory)
+    if fmt == "torch_dist":
+        from megatron.core.dist_checkpointing import CheckpointingError, load_common
+        try:
+            return load_common(directory, safe_globals=[argparse.Namespace]).get("args")
+        except CheckpointingError as exc:
+            raise CheckpointError(str(exc)) from None
+    if fmt == "torch":
+        first = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))[0]
+        return _load_file(os.path.join(directory, first, "model_optim_rng.pt")).get("args")
+    format_to_load(argparse.Namespace(ckpt_format="torch_dist"), directory)  # raises the clear error
+    return None
+
+
+def load_args_from_checkpoint(args, load_arg: str = "load"):
+    """``--use-checkpoint-args``: take the model-shape flags from the checkpoint's saved args
+    (before the args are validated), printing each change. ``--use-mp-args-from-checkpoint-args``
+    also takes the parallel sizes. Returns ``args``."""
+    load_dir = getattr(args, load_arg, None)
+    if load_dir is None:
+        raise CheckpointError("--use-checkpoint-args needs --load")
+    # Runs before torch.distributed starts: every process reads the file, rank 0 reports.
+    say = print if getattr(args, "rank", 0) == 0 else (lambda *a, **k: None)
+    saved = read_checkpoint_args(load_dir, getattr(args, "ckpt_step", None))
+    if saved is None:
+        say(f"WARNING: no checkpoint in {load_dir} to read arguments from; using the command line's")
+        return args
+    names = [(n, True) for n in _FORCED_CHECKPOINT_ARGS] + [(n, False) for n in _UNSET_CHECKPOINT_ARGS]
+    if getattr(args, "use_mp_args_from_checkpoint_args", False):
+        names += [(n, True) for n in _PARALLEL_CHECKPOINT_ARGS]
+    for name, forced in names:
+        if not hasattr(saved, name):
+            continue
+        theirs, ours = getattr(saved, name), getattr(args, name, None)
+        if theirs == ours:
+            continue
+        if not forced and ours is not None:
+            say(f" > keeping --{name.replace('_', '-')} {ours} from the command line (the checkpoint has {theirs})",
+                flush=True)
+            continue
+        say(f" > setting {name} to {theirs} from checkpoint (was {ours})", flush=True)
+        setattr(args, name, theirs)
+    return args

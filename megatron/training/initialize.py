@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel.random import RNGStatesTracker, model_paralle
 from megatron.core.timers import Timers
 
 from . import global_vars
+from .cpu_allocator import configure_cpu_allocator
 from .utils import get_device, print_rank_0
 
 
@@ -38,6 +39,7 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
         print_rank_0(f" > {note}")
 
     _initialize_distributed(args)
+    configure_cpu_allocator(get_device())  # heap reuse for large CPU tensors; MEGATRON_CPU_MALLOPT=0 skips
     state = initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -157,6 +157,8 @@ class BytesPerParameter:
     """Optimizer state without the distributed optimizer."""
     shards: int
     """Ranks the optimizer state is sharded over (1 without the distributed optimizer)."""
+    params_sharded: bool = False
+    """Weights and gradients are sharded over the same ranks too (FSDP2)."""
 
     @property
     def total(self) -> float:
@@ -192,9 +194,22 @@ def bytes_per_parameter(args) -> BytesPerParameter:
         optimizer += 4  # fp32 master weights
         if not fp32_grads:
             optimizer += 4  # fp32 copy of the 16-bit gradient that the master weights step on
+    if fully_sharded(args):
+        # FSDP2 shards weights, gradients and optimizer state alike over data x context parallel
+        # (the transient all-gathered layer is not counted, as Megatron's report does not).
+        shards = max(1, getattr(args, "data_parallel_size", 1) * getattr(args, "context_parallel_size", 1))
+        return BytesPerParameter(weight=weight / shards, grad=grad / shards, optimizer=optimizer / shards,
+                                 optimizer_unsharded=optimizer, shards=shards, params_sharded=True)
     shards = optimizer_shards(args)
     return BytesPerParameter(weight=weight, grad=grad, optimizer=optimizer / shards,
                              optimizer_unsharded=optimizer, shards=shards)
+
+
+def fully_sharded(args) -> bool:
+    """FSDP2: --use-torch-fsdp2, or --use-megatron-fsdp with the optim_grads_params strategy."""
+    return bool(getattr(args, "use_torch_fsdp2", False)) or (
+        bool(getattr(args, "use_megatron_fsdp", False))
+        and getattr(args, "data_parallel_sharding_strategy", "optim_grads_params") == "optim_grads_params")
 
 
 def model_state_bytes_per_param(args) -> float:
@@ -384,7 +399,8 @@ class TheoreticalMemory:
     def breakdown_lines(self) -> List[str]:
         mb = NUM_BYTES_IN_MEGABYTE
         per = self.per_parameter
-        sharded = f", optimizer sharded over {per.shards} ranks" if per.shards > 1 else ""
+        what = "weights, gradients and optimizer" if per.params_sharded else "optimizer"
+        sharded = f", {what} sharded over {per.shards} ranks" if per.shards > 1 else ""
         lines = [
             f"  pipeline rank {self.pp_rank}: {self.parameters} parameters per tensor-parallel rank, "
             f"{per.total:g} bytes/parameter (weight {per.weight:g} + gradient {per.grad:g} + "

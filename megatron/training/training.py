@@ -9,7 +9,9 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
+from megatron.core.distributed.torch_fully_sharded_data_parallel import broadcast_module_params
+from megatron.core.distributed.distributed_data_parallel import bucket_size_for_num_buckets
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 from megatron.core.transformer.module import Float16Module
@@ -19,7 +21,8 @@ from megatron.core.tensor_parallel import allreduce_sequence_parallel_grads
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
 
 from . import global_vars
-from .checkpointing import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpointing import (CheckpointError, convert_checkpoint_and_exit, load_checkpoint,
+                            maybe_finalize_async_save, save_checkpoint)
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
 from .flops import num_floating_point_operations
@@ -105,6 +108,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
             args.last_saved_iteration = iteration
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
+    maybe_finalize_async_save(blocking=True)  # an --async-save checkpoint is complete before exit
 
     if exit_code is None:
         if args.do_valid:
@@ -171,6 +175,22 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
     if not wrap_with_ddp:
         return chunks
     ddp_config = ddp_config_from_args(args)
+    ddp_config.overlap_param_gather = bool(getattr(args, "overlap_param_gather", False)) and \
+        ddp_config.use_distributed_optimizer
+    dp_cp_group = state.get_data_parallel_group(with_context_parallel=True)
+    if uses_torch_fsdp2(args):
+        # FSDP2 (also --use-megatron-fsdp with optim_grads_params): no DDP wrapper, grads come
+        # from FSDP's reduce-scatter. Each rank shards its own copy, so they must agree first.
+        wrapped = []
+        for chunk in chunks:
+            if getattr(args, "data_parallel_random_init", False):
+                broadcast_module_params(chunk, dp_cp_group)
+            wrapped.append(TorchFullyShardedDataParallel(
+                ddp_config, chunk, dp_cp_group,
+                reshard_after_forward=getattr(args, "torch_fsdp2_reshard_after_forward", True)))
+        return wrapped
+    if args.ddp_num_buckets:
+        ddp_config.bucket_size = bucket_size_for_num_buckets(chunks, args.ddp_num_buckets)
     wrapped = []
     for chunk in chunks:
         ddp = DistributedDataParallel(ddp_config, chunk, state.get_data_parallel_group(with_context_parallel=True))
@@ -180,6 +200,16 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
             ddp.broadcast_params()
         wrapped.append(ddp)
     return wrapped
+
+
+def uses_torch_fsdp2(args) -> bool:
+    """Whether the chunks are sharded with FSDP2: --use-torch-fsdp2, or --use-megatron-fsdp with
+    --data-parallel-sharding-strategy optim_grads_params (the strategy this code base maps onto
+    FSDP2; optim/optim_grads map onto the distributed optimizer, no_shard onto plain DDP)."""
+    if getattr(args, "use_torch_fsdp2", False):
+        return True
+    return bool(getattr(args, "use_megatron_fsdp", False)) and \
+        getattr(args, "data_parallel_sharding_strategy", None) == "optim_grads_params"
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
@@ -213,11 +243,25 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     timers = global_vars.get_timers()
+    fsdp2 = uses_torch_fsdp2(args)
+    if fsdp2 and (args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None
+                  or args.save is not None):
+        raise ValueError("checkpoints of FSDP2-sharded models (--use-torch-fsdp2 / --use-megatron-fsdp) "
+                         "cannot be saved or loaded yet: drop --save/--load/--pretrained-checkpoint")
     model = get_model(model_provider, model_type)
-    inner = [chunk.module for chunk in model]
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args, timers), inner,
-                                       model_parallel_group=state.get_model_parallel_group()
-                                       if state.size("mp") > 1 else None,
+    stats_group = state.get_model_parallel_group() if state.size("mp") > 1 else None
+    if fsdp2:
+        # The optimizer steps this rank's shards; a parameter's shards live on different DP ranks,
+        # so norms, zero counts and the inf check reduce over TP x DP x CP (PP is 1 with FSDP2).
+        chunks_to_optimize = [chunk.local_shards() for chunk in model]
+        stats_group = state.group("tp-dp-cp") if state.size("tp-dp-cp") > 1 else None
+    elif args.use_distributed_optimizer:
+        # The distributed optimizer shards the DDP buckets, so it needs the DDP wrappers.
+        chunks_to_optimize = model
+    else:
+        chunks_to_optimize = [chunk.module for chunk in model]
+    optimizer = get_megatron_optimizer(optimizer_config_from_args(args, timers), chunks_to_optimize,
+                                       model_parallel_group=stats_group,
                                        tp_rank=state.get_tensor_model_parallel_rank())
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     for chunk in model:
@@ -236,6 +280,8 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         timers("load-checkpoint").stop(barrier=True)
         timers.log(["load-checkpoint"])
     args.last_saved_iteration = args.iteration if args.iteration > 0 else None
+    if getattr(args, "ckpt_convert_format", None) is not None:
+        convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler)
     return model, optimizer, opt_param_scheduler
 
 
@@ -397,6 +443,7 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
     timers("interval-time", log_level=0).start(barrier=True)
     exit_code = None
     while iteration < args.train_iters:
+        maybe_finalize_async_save(blocking=False)  # commits a finished --async-save checkpoint
         global_vars.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
             forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)

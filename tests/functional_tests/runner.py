@@ -1,6 +1,7 @@
 """Launch pretrain_gpt.py (through torchrun or a plain process) and read back its results."""
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,16 @@ def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_
                "--master-port", str(_free_port()), str(REPO / script)] + list(args)
     env = env_for_tests()
     env.update(extra_env or {})
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    # A session of its own, so that a timeout kills torchrun's workers too, not only the launcher.
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def _free_port():

@@ -30,13 +30,15 @@ def _assert_close(got, ref, iterations=range(1, 11)):
 
 @pytest.mark.parametrize("nproc, layout", [
     (2, ["--pipeline-model-parallel-size", "2"]),
+    # PP = 2 interleaved: both neighbours are the same rank (a deadlock once lived here).
+    (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"]),
     (4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
     (4, ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
          "--decoder-last-pipeline-num-layers", "1"]),
     (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
          "--context-parallel-size", "2"]),
-], ids=["pp2", "pp4-interleaved", "pp4-uneven", "tp2-pp2-dp2", "tp2sp-pp2-cp2"])
+], ids=["pp2", "pp2-interleaved", "pp4-interleaved", "pp4-uneven", "tp2-pp2-dp2", "tp2sp-pp2-cp2"])
 def test_layout_matches_one_process(reference, nproc, layout, tmp_path):
     got, result = _losses(BASE + layout, nproc, tmp_path)
     _assert_close(got, reference)

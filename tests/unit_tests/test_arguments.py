@@ -604,24 +604,42 @@ def test_rampup_accepted_with_train_samples():
 
 
 # ------------------------------------------------------------------ not supported yet
-def test_not_supported_distributed_optimizer():
-    assert error_of('--use-distributed-optimizer') == (
-        'not supported yet: --use-distributed-optimizer (the distributed optimizer is not '
-        'implemented yet)')
+def test_not_supported_param_gather_overlap_with_optimizer_step():
+    message = error_of('--use-distributed-optimizer', '--overlap-grad-reduce', '--overlap-param-gather',
+                       '--overlap-param-gather-with-optimizer-step', '--pipeline-model-parallel-size', 2,
+                       '--num-layers-per-virtual-pipeline-stage', 1, '--global-batch-size', 8, world_size=2)
+    assert message.startswith('not supported yet: --overlap-param-gather-with-optimizer-step ('), message
 
 
-def test_not_supported_checkpoint_format():
-    message = error_of('--save', '/tmp/ckpt', '--save-interval', 5)
-    assert message == ('not supported yet: --ckpt-format torch_dist (pass --ckpt-format torch)')
+def test_distributed_optimizer_and_overlap_accepted():
+    args = run('--use-distributed-optimizer', '--overlap-grad-reduce', '--overlap-param-gather',
+               '--ddp-num-buckets', 3)
+    assert args.use_distributed_optimizer and args.overlap_grad_reduce and args.overlap_param_gather
+    assert args.ddp_num_buckets == 3
+
+
+def test_bucket_count_and_size_exclusive():
+    message = error_of('--ddp-num-buckets', 2, '--ddp-bucket-size', 1000)
+    assert '--ddp-num-buckets 2' in message and '--ddp-bucket-size 1000' in message
+
+
+def test_checkpoint_formats():
+    message = error_of('--save', '/tmp/ckpt', '--save-interval', 5, '--ckpt-format', 'zarr')
+    assert message == ('not supported yet: --ckpt-format zarr (checkpoints are written and read in '
+                       'the torch or torch_dist format only)')
     args = run('--save', '/tmp/ckpt', '--save-interval', 5, '--ckpt-format', 'torch',
                '--load', '/tmp/ckpt', '--finetune', '--no-save-optim', '--no-load-rng')
     assert args.use_dist_ckpt is False
-    assert run().ckpt_format == 'torch_dist'  # irrelevant without --save/--load
+    args = run('--save', '/tmp/ckpt', '--save-interval', 5, '--async-save', '--save-retain-interval', 10,
+               '--auto-detect-ckpt-format', '--dist-ckpt-strictness', 'log_all')
+    assert args.ckpt_format == 'torch_dist' and args.use_dist_ckpt is True and args.async_save
+    assert error_of('--async-save', '--ckpt-format', 'torch') == (
+        'not supported yet: --async-save (asynchronous saving needs --ckpt-format torch_dist)')
 
 
 @pytest.mark.parametrize('extra, flag', [
-    (['--use-distributed-optimizer'], '--use-distributed-optimizer'),
-    (['--overlap-grad-reduce'], '--overlap-grad-reduce'),
+    (['--num-distributed-optimizer-instances', 2, '--use-distributed-optimizer'],
+     '--num-distributed-optimizer-instances 2'),
     (['--recompute-activations', '--recompute-modules', 'moe'], '--recompute-modules moe'),
     (['--num-experts', 4], '--num-experts 4'),
     (['--multi-latent-attention'], '--multi-latent-attention'),
@@ -634,8 +652,7 @@ def test_not_supported_checkpoint_format():
      '--tokenizer-type TikTokenizer'),
     (['--dataloader-type', 'external'], '--dataloader-type external'),
     (['--step-batch-size-schedule', '0:16'], '--step-batch-size-schedule 0:16'),
-    (['--async-save'], '--async-save'),
-    (['--use-checkpoint-args'], '--use-checkpoint-args'),
+    (['--async-save', '--ckpt-format', 'torch'], '--async-save'),
     (['--cuda-graph-impl', 'local'], '--cuda-graph-impl local'),
     (['--fim-data'], '--fim-data'),
     (['--profile'], '--profile'),
@@ -646,9 +663,9 @@ def test_not_supported_features(extra, flag):
 
 
 def test_not_supported_lists_every_offender():
-    message = error_of('--use-distributed-optimizer', '--profile')
+    message = error_of('--async-save', '--ckpt-format', 'torch', '--profile')
     assert message.count('; ') == 1
-    assert '--use-distributed-optimizer (' in message and '--profile (' in message
+    assert '--async-save (' in message and '--profile (' in message
 
 
 def test_not_supported_table_names_real_flags():

@@ -3,14 +3,18 @@ import gzip
 import importlib.util
 import json
 import os
+import random
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from megatron.core.datasets.indexed_dataset import IndexedDataset
-from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.core.tokenizers.gpt2_bpe import (GPT2_CHUNK_PATTERN, GPT2_SPLIT_PATTERN, GPT2_WHITESPACE_CLASS,
+                                               GPT2BPETokenizer)
+from megatron.core.tokenizers.null_tokenizer import NullTokenizer
 from megatron.core.tokenizers.sentence_splitter import SentenceSplitter
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -65,6 +69,8 @@ def test_document_level_ids_equal_direct_tokenization(tmp_path, lines, reference
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "Processed 256 documents (" in proc.stderr and " docs/s, " in proc.stderr and " MB/s)." in proc.stderr
+    assert re.search(r"Done: 322 documents, .* MB/s\); CPU [\d.]+ s \(main process [\d.]+ s, workers [\d.]+ s\)",
+                     proc.stderr), proc.stderr
     docs, ds = read(prefix + "_text_document")
     assert ds.dtype == np.uint16
     texts = [json.loads(line)["text"] for line in lines] + ["", "caf\u00e9 \U0001f600 <|endoftext|>"]
@@ -176,6 +182,105 @@ def test_null_tokenizer_rejects_text_with_its_line(tmp_path, capsys):
     code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "n"),
                               "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--workers", "1")
     assert code == 1 and f"{path}:2: key 'text': NullTokenizer expects whitespace-separated integers" in err
+
+
+def test_lines_orjson_rejects_read_as_json_reads_them(tmp_path, capsys, reference):
+    path = tmp_path / "in.jsonl"
+    texts = ["bom", "nan", "big", "dup"]
+    path.write_bytes(b'\xef\xbb\xbf{"text": "bom"}\n{"text": "nan", "x": NaN}\n'
+                     b'{"text": "big", "n": 123456789012345678901234567890}\n{"text": "a", "text": "dup"}\n')
+    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *GPT2_FLAGS,
+                              "--workers", "1")
+    assert code == 0, err
+    assert read(str(tmp_path / "o_text_document"))[0] == [[reference.tokenize(t)] for t in texts]
+    for line, message in [('{"text": 123456789012345678901234567890}', "1: key 'text' holds int"),
+                          ('{"text": "\\ud800"}', "1: key 'text': 'utf-8' codec can't encode"),
+                          ('{"text": "x"} {}', "1: malformed JSON: Extra data (column 15)")]:
+        path.write_text(line + "\n", encoding="utf-8")
+        code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *GPT2_FLAGS,
+                                  "--workers", "1")
+        assert code == 1 and f"{path}:{message}" in err, err
+
+
+# ------------------------------------------------------------------------ fast paths, same results
+def test_whitespace_class_is_the_gpt2_patterns_whitespace():
+    import regex
+
+    everything = "".join(map(chr, range(0x110000)))
+    assert re.findall(f"[{GPT2_WHITESPACE_CLASS}]", everything) == regex.findall(r"\s", everything)
+
+
+def test_chunks_split_like_the_text_and_packed_ids_equal_the_reference(reference):
+    import regex
+
+    rng = random.Random(0)
+    alphabet = ([chr(c) for c in range(128)] + list(" \t\n\r'sdlmtrve") * 6  # favour the tricky pieces
+                + ["\x1c", "\x85", "\xa0", "\u2003", "\u3000", "\u2028", "\u00e9", "e\u0301", "\u4e2d", "\U0001f600",
+                   "\u0663", "\u00b2", "\u00bd"])
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40))) for _ in range(1500)]
+    chunker, gpt2_split = re.compile(GPT2_CHUNK_PATTERN), regex.compile(GPT2_SPLIT_PATTERN)
+    for text in texts:  # the claim the fast path rests on
+        assert [p for chunk in chunker.findall(text) for p in gpt2_split.findall(chunk)] == gpt2_split.findall(text)
+    fast = GPT2BPETokenizer(os.path.join(DATA, "gpt2-vocab.json"), os.path.join(DATA, "gpt2-merges.txt"))
+    fast._CHUNK_CACHE_LIMIT = 50  # exercise the cache reset too
+    expected = [reference.tokenize(t) for t in texts]
+    for _ in range(2):  # cold, then warm caches
+        tokens, lengths = fast.tokenize_batch_packed(texts, np.int32)
+        assert tokens.dtype == np.int32 and lengths.tolist() == [len(ids) for ids in expected]
+        assert tokens.tolist() == [i for ids in expected for i in ids]
+        assert len(fast._chunk_cache) <= 50
+    assert fast.tokenize_batch(texts[:50]) == expected[:50]
+    null = NullTokenizer(vocab_size=70000)  # the generic path, with an id that does not fit uint16
+    tokens, lengths = null.tokenize_batch_packed(["1 2", "", "69999"], np.int32)
+    assert tokens.tolist() == [1, 2, 69999] and lengths.tolist() == [2, 0, 1]
+    with pytest.raises(ValueError, match=r"\[1, 69999\] do not fit uint16"):
+        null.tokenize_batch_packed(["1 2", "69999"], np.uint16)
+
+
+@pytest.mark.parametrize("eod", [None, 99])
+def test_pack_equals_a_document_loop(eod):
+    rng = np.random.default_rng(0)
+    for documents in (0, 1, 40):
+        counts = rng.integers(0, 4, size=documents)
+        lengths = rng.integers(0, 4, size=int(counts.sum()))  # zeros: empty sentences are dropped
+        tokens = rng.integers(0, 90, size=int(lengths.sum())).astype(np.uint16)
+        got = tool._pack(tokens, lengths, counts, eod)
+        want_tokens, want_lengths, want_counts, t, s = [], [], [], 0, 0
+        for count in counts:
+            kept = []
+            for n in lengths[s:s + count]:
+                if n:
+                    kept.append(tokens[t:t + n].tolist())
+                t += n
+            s += count
+            if kept and eod is not None:
+                kept[-1].append(eod)
+            want_tokens += [i for seq in kept for i in seq]
+            want_lengths += [len(seq) for seq in kept]
+            want_counts.append(len(kept))
+        assert got.tokens.dtype == np.uint16 and got.tokens.tolist() == want_tokens
+        assert got.sequence_lengths.tolist() == want_lengths and got.sequences_per_doc.tolist() == want_counts
+
+
+def test_add_documents_writes_what_add_document_writes(tmp_path):
+    rng = np.random.default_rng(1)
+    docs = [[rng.integers(0, 500, size=n) for n in rng.integers(1, 9, size=k)] for k in (2, 0, 1, 3, 0)]
+    one = IndexedDatasetBuilder(str(tmp_path / "one.bin"), dtype=np.uint16)
+    for doc in docs:
+        one.add_document(np.concatenate(doc) if doc else np.zeros(0, np.int64), [len(seq) for seq in doc])
+    one.finalize(str(tmp_path / "one.idx"))
+    bulk = IndexedDatasetBuilder(str(tmp_path / "bulk.bin"), dtype=np.uint16)
+    split = 2
+    for part in (docs[:split], docs[split:]):
+        seqs = [seq for doc in part for seq in doc]
+        bulk.add_documents(np.concatenate(seqs), [len(seq) for seq in seqs], [len(doc) for doc in part])
+    with pytest.raises(ValueError, match="must agree"):
+        bulk.add_documents(np.arange(3), [2], [1])
+    with pytest.raises(ValueError, match="must agree"):
+        bulk.add_documents(np.arange(3), [3], [2])
+    bulk.finalize(str(tmp_path / "bulk.idx"))
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"bulk{ext}").read_bytes() == (tmp_path / f"one{ext}").read_bytes()
 
 
 # ------------------------------------------------------------------------------ sentence splitter

@@ -6,8 +6,8 @@
 A loader plugin (module ``loader_<name>``) runs in this process and sends the model over a
 ``multiprocessing.Queue``, one message at a time, to a saver plugin (``saver_<name>``) running in
 a child process; the messages are described in ``protocol.py``. Plugins: ``core`` (our torch-format
-checkpoints at any TP/PP; ``mcore`` and ``megatron`` are aliases), ``hf_gpt2`` (GPT-2) and
-``hf_llama`` (Llama 2/3, Mistral, Qwen2). Everything runs on the CPU, offline.
+checkpoints at any TP/PP, and torch_dist ones as a loader; ``mcore`` and ``megatron`` are aliases),
+``hf_gpt2`` (GPT-2) and ``hf_llama`` (Llama 2/3, Mistral, Qwen2). Everything runs on the CPU, offline.
 """
 from __future__ import annotations
 

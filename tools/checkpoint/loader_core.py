@@ -1,5 +1,6 @@
-"""Loader plugin ``core``: our Megatron Core checkpoint (``--ckpt-format torch``, any TP/PP/virtual
-stages), its shards merged into full tensors and sent in the protocol of ``protocol.py``."""
+"""Loader plugin ``core``: our Megatron Core checkpoint (``--ckpt-format torch`` at any TP/PP/virtual
+stages, its shards merged into full tensors; or ``torch_dist``, whose tensors are already global)
+sent in the protocol of ``protocol.py``."""
 from __future__ import annotations
 
 import sys
@@ -121,8 +122,12 @@ def send_model(queue, reader, md, alive=None) -> None:
 def load_checkpoint(queue, args, alive=None):
     if args.megatron_path:
         sys.path.insert(0, args.megatron_path)
-    from torch_format import TorchCheckpointReader
-    reader = TorchCheckpointReader(args.load_dir)
+    from torch_format import TorchCheckpointReader, detect_format, find_iteration_dir
+    if detect_format(find_iteration_dir(args.load_dir)[0]) == "torch_dist":
+        from dist_format import DistCheckpointReader
+        reader = DistCheckpointReader(args.load_dir)
+    else:
+        reader = TorchCheckpointReader(args.load_dir)
     a = reader.args
     md = metadata_from_args(a, _true_vocab_size(args, a), reader.tp, reader.pp,
                             None if reader.release else reader.checkpoint_iteration)

@@ -1,0 +1,35 @@
+"""Distributed (``torch_dist``) checkpoints: sharded state dicts saved and loaded through
+torch.distributed.checkpoint, readable at any parallel layout.
+
+* :mod:`.mapping` -- :class:`ShardedTensor`: a rank's pieces of one global tensor;
+* :mod:`.model_state` -- a model chunk's entries under global names (PP offsets, TP shards);
+* :mod:`.optimizer_state` -- optimizer state keyed and sharded like the parameters;
+* :mod:`.serialization` -- save / load / checks of the checkpoint directory;
+* :mod:`.async_save` -- writing in a background thread.
+"""
+from .mapping import Chunk, ShardedTensor, replicated, tensor_parallel_sharded
+from .model_state import model_sharded_state_dict, spread_writes
+from .optimizer_state import OptimizerLoad, optimizer_common_state, optimizer_sharded_state_dict
+from .serialization import (
+    COMMON_FILE,
+    METADATA_FILE,
+    CheckpointingError,
+    LoadResult,
+    StrictHandling,
+    check_complete,
+    is_distributed_checkpoint,
+    load,
+    load_common,
+    read_dcp_metadata,
+    save,
+    save_common,
+    tensor_shapes,
+    write_metadata_json,
+)
+
+__all__ = [
+    "Chunk", "ShardedTensor", "replicated", "tensor_parallel_sharded", "model_sharded_state_dict", "spread_writes",
+    "OptimizerLoad", "optimizer_common_state", "optimizer_sharded_state_dict", "COMMON_FILE", "METADATA_FILE",
+    "CheckpointingError", "LoadResult", "StrictHandling", "check_complete", "is_distributed_checkpoint", "load",
+    "load_common", "read_dcp_metadata", "save", "save_common", "tensor_shapes", "write_metadata_json",
+]

@@ -1,23 +1,40 @@
-"""Data-parallel wrapper with contiguous gradient buffers (Megatron-style DDP).
+"""Data-parallel wrapper with contiguous, bucketed gradient buffers (Megatron-style DDP).
 
 Every trainable parameter gets ``param.main_grad``, a view into one flat buffer per
 (param dtype, grad dtype) pair, laid out in reverse registration order (the order in which
-backward produces gradients). After all micro-batches, :meth:`finish_grad_sync` reduces each
-buffer across the data-parallel group in a single collective.
+backward produces gradients) and split into buckets (``param_and_grad_buffer``).
 
 When the grad dtype equals the param dtype, ``param.grad`` *is* the ``main_grad`` view: autograd
-accumulates into an existing ``.grad`` in place, so no copy and no hook are needed. Otherwise
-(e.g. bf16 params with fp32 gradient accumulation) a post-accumulate hook adds ``param.grad``
-into ``main_grad`` and frees it.
+accumulates into an existing ``.grad`` in place. Otherwise (e.g. bf16 params with fp32 gradient
+accumulation) a post-accumulate hook adds ``param.grad`` into ``main_grad`` and frees it.
+
+Without ``overlap_grad_reduce`` every bucket is reduced in :meth:`finish_grad_sync`. With it, the
+same post-accumulate hook, on the last micro-batch (outside :meth:`no_sync`), marks the param
+ready and launches its bucket's asynchronous collective as soon as every param of the bucket has
+its gradient, while backward continues; :meth:`finish_grad_sync` waits for them.
+
+With ``use_distributed_optimizer`` the buckets are padded for sharding, gradients are
+reduce-scattered (each DP rank gets the reduced gradient of its slice only) and the params live
+in a flat param buffer so that the distributed optimizer can all-gather the updated slices
+(:meth:`start_param_sync`). With ``overlap_param_gather`` those all-gathers are only launched
+after the optimizer step; a forward pre-hook on every module that owns params waits for the
+buckets of its params, so the next forward overlaps with the gathers of later layers.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from megatron.core.tensor_parallel import collectives
+
+from .param_and_grad_buffer import ParamAndGradBuffer
+
+DEFAULT_BUCKET_SIZE = 40_000_000
+"""Elements per bucket with --overlap-grad-reduce when --ddp-bucket-size is not given (or 1M x DP)."""
 
 
 @dataclass
@@ -26,47 +43,40 @@ class DistributedDataParallelConfig:
 
     grad_reduce_in_fp32: bool = False
     """Keep and reduce gradients in fp32 even when params are fp16/bf16
-    (``--accumulate-allreduce-grads-in-fp32``)."""
+    (``--accumulate-allreduce-grads-in-fp32``; off with ``--grad-reduce-in-bf16``)."""
+    overlap_grad_reduce: bool = False
+    """Launch each bucket's reduction from backward hooks on the last micro-batch
+    (``--overlap-grad-reduce``)."""
+    overlap_param_gather: bool = False
+    """Launch the distributed optimizer's param all-gathers asynchronously after its step and
+    wait for each bucket in a forward pre-hook of the first module using it
+    (``--overlap-param-gather``; only meaningful with ``use_distributed_optimizer``)."""
+    use_distributed_optimizer: bool = False
+    """Pad and shard the buckets for the distributed optimizer; gradients are reduce-scattered
+    (``--use-distributed-optimizer``)."""
+    bucket_size: Optional[int] = None
+    """Elements per bucket (``--ddp-bucket-size``). With overlap, None means
+    max(40M, 1M x DP); without overlap each buffer is one bucket whatever this says."""
     average_in_collective: bool = False
     """Average inside the collective instead of pre-scaling by 1/DP (``--ddp-average-in-collective``)."""
-    overlap_grad_reduce: bool = False
-    """Launch bucket reductions during backward (``--overlap-grad-reduce``); not implemented yet."""
-    use_distributed_optimizer: bool = False
-    """Reduce-scatter for the distributed optimizer; not implemented yet."""
-    bucket_size: Optional[int] = None
-    """Elements per bucket (``--ddp-bucket-size``); one bucket per buffer when None."""
     check_for_nan_in_grad: bool = False
     """Raise if a reduced gradient holds NaN/Inf."""
 
     def __post_init__(self):
-        if self.overlap_grad_reduce or self.use_distributed_optimizer:
-            raise ValueError("not supported yet: --overlap-grad-reduce / --use-distributed-optimizer")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (only sharded params "
+                             "are all-gathered)")
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise ValueError(f"--ddp-bucket-size must be positive, got {self.bucket_size}")
 
 
-class GradBuffer:
-    """One contiguous gradient buffer for parameters of one dtype."""
-
-    def __init__(self, params: List[torch.nn.Parameter], grad_dtype: torch.dtype):
-        self.params = params
-        self.grad_dtype = grad_dtype
-        numel = sum(p.numel() for p in params)
-        device = params[0].device
-        self.data = torch.zeros(numel, dtype=grad_dtype, device=device)
-        self.aliased = all(p.dtype == grad_dtype for p in params)
-        offset = 0
-        for p in params:
-            p.main_grad = self.data[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-
-    def attach(self):
-        """Point ``param.grad`` at the buffer (aliased case) so autograd accumulates in place."""
-        if self.aliased:
-            for p in self.params:
-                p.grad = p.main_grad
-
-    def zero(self):
-        self.data.zero_()
-        self.attach()
+def bucket_size_for_num_buckets(model_chunks: Sequence[torch.nn.Module], num_buckets: int) -> int:
+    """The bucket size that splits the params of ``model_chunks`` into about ``num_buckets``
+    buckets (``--ddp-num-buckets``)."""
+    if num_buckets <= 0:
+        raise ValueError(f"--ddp-num-buckets must be positive, got {num_buckets}")
+    total = sum(p.numel() for chunk in model_chunks for p in chunk.parameters() if p.requires_grad)
+    return max(total // num_buckets, 1)
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -81,8 +91,17 @@ class DistributedDataParallel(torch.nn.Module):
         super().__init__()
         self.config = config
         self.module = module
+        if data_parallel_group is None and dist.is_initialized():
+            data_parallel_group = dist.group.WORLD
         self.data_parallel_group = data_parallel_group
-        self.dp_size = dist.get_world_size(data_parallel_group) if dist.is_initialized() else 1
+        self.dp_size = collectives.group_size(data_parallel_group)
+        self.dp_rank = collectives.group_rank(data_parallel_group)
+        if config.overlap_grad_reduce:
+            self.bucket_size = config.bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size)
+        else:
+            self.bucket_size = None  # one bucket per buffer (Megatron ignores --ddp-bucket-size here)
+        self.is_last_microbatch = True
+
         by_dtype: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
         seen = set()
         for param in reversed(list(module.parameters())):
@@ -91,49 +110,109 @@ class DistributedDataParallel(torch.nn.Module):
             seen.add(id(param))
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
             by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
-        self.buffers = [GradBuffer(params, grad_dtype) for (_, grad_dtype), params in by_dtype.items()]
+        self.buffers = [
+            ParamAndGradBuffer(params, param_dtype, grad_dtype, data_parallel_group, self.bucket_size,
+                               config.use_distributed_optimizer, config.average_in_collective,
+                               config.overlap_grad_reduce)
+            for (param_dtype, grad_dtype), params in by_dtype.items()
+        ]
         self._hooks = []
         for buffer in self.buffers:
-            if not buffer.aliased:
+            if not buffer.aliased or config.overlap_grad_reduce:
                 for p in buffer.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate_into_main_grad))
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(buffer)))
             buffer.attach()
+        self._param_gather_hooks = []
+        if config.overlap_param_gather and self.dp_size > 1:
+            self._register_param_gather_hooks()
+            # Checkpoint code reads the inner module's state dict: finish pending gathers first.
+            self._param_gather_hooks.append(
+                module.register_state_dict_pre_hook(lambda *unused: self.finish_param_sync()))
 
-    @staticmethod
-    def _accumulate_into_main_grad(param: torch.nn.Parameter):
-        param.main_grad.add_(param.grad)
-        param.grad = None
+    def _register_param_gather_hooks(self):
+        """Before a module's forward, wait for the all-gathers of the buckets holding its own params."""
+        bucket_of = {}
+        for buffer in self.buffers:
+            bucket_of.update(buffer.param_to_bucket)
+        for submodule in self.module.modules():
+            buckets = []
+            for param in submodule.parameters(recurse=False):
+                bucket = bucket_of.get(param)
+                if bucket is not None and all(bucket is not b for b in buckets):
+                    buckets.append(bucket)
+            if buckets:
+                def wait(_module, _inputs, buckets=tuple(buckets)):
+                    for bucket in buckets:
+                        bucket.finish_param_gather()
+                self._param_gather_hooks.append(submodule.register_forward_pre_hook(wait))
+
+    def _make_grad_hook(self, buffer: ParamAndGradBuffer):
+        overlap = self.config.overlap_grad_reduce
+
+        def hook(param: torch.nn.Parameter):
+            if not buffer.aliased:
+                param.main_grad.add_(param.grad)
+                param.grad = None
+            if overlap and self.is_last_microbatch:
+                buffer.param_to_bucket[param].register_grad_ready(param)
+        return hook
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self):
-        """Gradients are only reduced by :meth:`finish_grad_sync`; nothing to switch off."""
-        yield
+        """Micro-batches run inside accumulate gradients without launching any reduction."""
+        self.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self.is_last_microbatch = True
 
     def zero_grad_buffer(self):
-        """Zero every gradient buffer before a new iteration."""
+        """Zero every gradient buffer (and forget last iteration's bucket state) before a new iteration."""
         for buffer in self.buffers:
             buffer.zero()
 
-    def start_grad_sync(self):
-        """Without overlap the reduction happens in :meth:`finish_grad_sync`."""
+    def start_grad_sync(self, *unused):
+        """Launch every bucket reduction that backward has not launched yet (the pipeline schedules'
+        ``grad_sync_func``); without overlap this reduces synchronously."""
+        for buffer in self.buffers:
+            buffer.start_grad_sync()
 
     def finish_grad_sync(self):
-        """Average gradients across the data-parallel group (one collective per buffer)."""
-        if self.dp_size > 1:
-            for buffer in self.buffers:
-                if self.config.average_in_collective and dist.get_backend(self.data_parallel_group) == "nccl":
-                    dist.all_reduce(buffer.data, op=dist.ReduceOp.AVG, group=self.data_parallel_group)
-                else:
-                    # gloo has no AVG: pre-scale then sum (same result up to rounding).
-                    buffer.data.mul_(1.0 / self.dp_size)
-                    dist.all_reduce(buffer.data, group=self.data_parallel_group)
+        """Complete the reduction of every bucket: an average over the data-parallel group
+        (all-reduce), or, with the distributed optimizer, this rank's reduced slice of each bucket."""
+        for buffer in self.buffers:
+            buffer.finish_grad_sync()
         if self.config.check_for_nan_in_grad:
             for buffer in self.buffers:
-                if not torch.isfinite(buffer.data).all():
+                if not torch.isfinite(buffer.grad_data).all():
                     raise RuntimeError("NaN or Inf found in the reduced gradients")
+
+    @torch.no_grad()
+    def start_param_sync(self, *unused, force_sync: bool = False):
+        """All-gather the param slices that each DP rank updated (distributed optimizer).
+
+        With ``overlap_param_gather`` (and not ``force_sync``) the gathers are only launched;
+        each bucket is waited for by the forward pre-hook of the first module using it, or by
+        :meth:`finish_param_sync` (also called before anything reads the params: ``parameters()``,
+        ``state_dict()``).
+        """
+        if not self.config.use_distributed_optimizer or self.dp_size == 1:
+            return
+        overlap = self.config.overlap_param_gather and not force_sync
+        for buffer in self.buffers:
+            buffer.start_param_gather(async_op=overlap)
+
+    def finish_param_sync(self):
+        """Wait for every pending param all-gather."""
+        for buffer in self.buffers:
+            buffer.finish_param_gather()
+
+    def named_parameters(self, *args, **kwargs):
+        self.finish_param_sync()
+        return super().named_parameters(*args, **kwargs)
 
     def broadcast_params(self):
         """Make every DP replica start from the same weights (those of DP rank 0)."""

@@ -95,5 +95,9 @@ def finalize_model_grads(model_chunks: List[torch.nn.Module], parallel_state=Non
             dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         scale = dp_cp / max(1, int(num_tokens.item()))
         for chunk in model_chunks:
+            scale_gradients = getattr(chunk, "scale_gradients", None)
+            if scale_gradients is not None:  # FSDP2: the gradients are sharded DTensors
+                scale_gradients(scale)
+                continue
             for buffer in getattr(chunk, "buffers", []):
                 buffer.data.mul_(scale)

@@ -6,6 +6,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .distrib_optimizer import DistributedOptimizer
 from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
@@ -16,6 +17,7 @@ __all__ = [
     "MegatronOptimizer",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
+    "DistributedOptimizer",
     "MegatronGradScaler",
     "ConstantGradScaler",
     "DynamicGradScaler",
@@ -110,6 +112,23 @@ def _validate(config: OptimizerConfig) -> None:
         raise ValueError(f"--loss-scale must be positive, got {config.loss_scale}")
 
 
+def _grad_scaler(config: OptimizerConfig, device) -> Optional[MegatronGradScaler]:
+    """Static scaler with --loss-scale, dynamic for fp16, none otherwise."""
+    if config.loss_scale is not None and (config.fp16 or config.bf16):
+        return ConstantGradScaler(config.loss_scale, device=device)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+            device=device,
+        )
+    return None
+
+
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]],
@@ -124,6 +143,8 @@ def get_megatron_optimizer(
     model_parallel_group: the group over which grad norms, zero counts and the inf/NaN flag are
     reduced (TP x PP ranks holding different parts of the model); None in a single process.
     tp_rank: this rank's tensor-parallel rank (non-TP params are counted in norms on rank 0 only).
+    With config.use_distributed_optimizer, ``model_chunks`` must be the DistributedDataParallel
+    chunks (built with use_distributed_optimizer=True): the optimizer shards over their DP group.
     """
     _validate(config)
     if isinstance(model_chunks, torch.nn.Module):
@@ -133,32 +154,20 @@ def get_megatron_optimizer(
         raise ValueError("the model has no trainable parameters to optimize")
 
     if config.optimizer == "adam":
-        inner = torch.optim.AdamW(
-            param_groups,
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-        )
+        optimizer_cls = torch.optim.AdamW
+        optimizer_kwargs = dict(lr=config.lr, weight_decay=config.weight_decay,
+                                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
     else:
-        inner = torch.optim.SGD(
-            param_groups, lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
-        )
+        optimizer_cls = torch.optim.SGD
+        optimizer_kwargs = dict(lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum)
+    if config.use_distributed_optimizer:
+        device = param_groups[0]["params"][0].device
+        return DistributedOptimizer(optimizer_cls, optimizer_kwargs, param_groups, config,
+                                    _grad_scaler(config, device), model_chunks, model_parallel_group, tp_rank)
+    inner = optimizer_cls(param_groups, **optimizer_kwargs)
 
     if config.fp16 or config.bf16:
         device = param_groups[0]["params"][0].device
-        grad_scaler: Optional[MegatronGradScaler] = None
-        if config.loss_scale is not None:
-            grad_scaler = ConstantGradScaler(config.loss_scale, device=device)
-        elif config.fp16:
-            grad_scaler = DynamicGradScaler(
-                initial_scale=config.initial_loss_scale,
-                min_scale=config.min_loss_scale,
-                growth_factor=2.0,
-                backoff_factor=0.5,
-                growth_interval=config.loss_scale_window,
-                hysteresis=config.hysteresis,
-                device=device,
-            )
+        grad_scaler = _grad_scaler(config, device)
         return Float16OptimizerWithFloat16Params(inner, config, grad_scaler, model_parallel_group, tp_rank)
     return FP32Optimizer(inner, config, model_parallel_group, tp_rank)

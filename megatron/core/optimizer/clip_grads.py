@@ -40,6 +40,16 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
+def sum_of_powered_norms(grads: List[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """sum(|g|^p) over all ``grads`` in float64 (a 0-d tensor on ``device``)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        if g.numel() > 0:
+            norm = torch.linalg.vector_norm(g, norm_type, dtype=torch.float64)
+            total += norm.to(device) ** norm_type
+    return total
+
+
 def get_grad_norm_fp32(
     grads_for_norm: Union[torch.Tensor, Iterable[torch.Tensor]],
     norm_type: Union[int, float] = 2,
@@ -67,11 +77,9 @@ def get_grad_norm_fp32(
     if norm_type <= 0.0:
         raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
     if grads:
-        # Per-tensor norms in the grad dtype, combined in float64: matches
-        # torch.nn.utils.clip_grad_norm_ to float32 rounding.
-        per_tensor = torch._foreach_norm(grads, norm_type)
-        powered = torch.stack([n.to(device=device, dtype=torch.float64) for n in per_tensor]) ** norm_type
-        total = powered.sum().reshape(1)
+        # Accumulated in float64: the total then hardly depends on how the gradients are split
+        # into tensors, so the distributed optimizer (which sees shards) clips by the same norm.
+        total = sum_of_powered_norms(grads, norm_type, device).reshape(1)
     else:
         total = torch.zeros(1, dtype=torch.float64, device=device)
     _all_reduce(total, dist.ReduceOp.SUM, model_parallel_group)

@@ -66,6 +66,10 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     """Momentum of SGD (--sgd-momentum)."""
 
+    use_distributed_optimizer: bool = False
+    """Shard fp32 main params and optimizer state over the data-parallel group
+    (--use-distributed-optimizer); the model chunks must be DDP-wrapped with the same option."""
+
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm (--clip-grad); 0 disables clipping (and grad norm)."""
 

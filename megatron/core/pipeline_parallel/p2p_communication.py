@@ -142,8 +142,10 @@ class P2PCommunicator:
                     n_send += 1
                 else:
                     work.wait()
-            if getattr(self.config, "deallocate_pipeline_outputs", False):
-                self.wait_for_sends()
+            # Never block on a send here: with PP = 2 and interleaving both neighbours are the same
+            # rank, and a send waited on before the peer posts its matching receive (in a later
+            # exchange) deadlocks. Finished sends are released so their buffers can be freed.
+            self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
         if timer:
             timer.stop()
         return from_prev, from_next

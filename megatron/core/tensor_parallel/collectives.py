@@ -36,47 +36,67 @@ def global_rank(group, group_rank_: int) -> int:
     return dist.get_global_rank(group, group_rank_)
 
 
-def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce of ``tensor`` over ``group``; returns it."""
+def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of ``tensor`` over ``group``; returns it (with ``async_op``: the work
+    handle to ``wait()`` on, or None when there was nothing to do)."""
+    work = None
     if group_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
-    return tensor
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else tensor
 
 
-def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group) -> torch.Tensor:
-    """Fill ``output`` ([size * n, ...], contiguous) with every rank's ``input_`` ([n, ...]) in rank order."""
+def has_avg_op(group) -> bool:
+    """Whether the backend of ``group`` can average inside the collective (``ReduceOp.AVG``).
+
+    gloo cannot; callers then sum and divide by the group size afterwards.
+    """
+    if group_size(group) == 1:
+        return True
+    return dist.get_backend(group) == "nccl"
+
+
+def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False):
+    """Fill ``output`` ([size * n, ...], contiguous) with every rank's ``input_`` ([n, ...]) in rank order.
+
+    Returns ``output``; with ``async_op`` the work handle instead (None when already complete).
+    """
     size = group_size(group)
     if size == 1:
         output.copy_(input_)
-        return output
+        return None if async_op else output
     input_ = input_.contiguous()
     gather_single = getattr(dist, "all_gather_single", None)
     if gather_single is not None:
-        gather_single(output, input_, group=group)
+        work = gather_single(output, input_, group=group, async_op=async_op)
     elif hasattr(dist, "all_gather_into_tensor"):
-        dist.all_gather_into_tensor(output, input_, group=group)
+        work = dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
     else:  # oldest API: a list of equal-sized tensors
-        dist.all_gather(list(output.chunk(size, dim=0)), input_, group=group)
-    return output
+        work = dist.all_gather(list(output.chunk(size, dim=0)), input_, group=group, async_op=async_op)
+    return work if async_op else output
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group) -> torch.Tensor:
-    """Sum ``input_`` ([size * n, ...]) over ``group`` and put this rank's slice [n, ...] in ``output``."""
+def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False,
+                          op=dist.ReduceOp.SUM):
+    """Reduce ``input_`` ([size * n, ...]) over ``group`` and put this rank's slice [n, ...] in ``output``.
+
+    Returns ``output``; with ``async_op`` the work handle instead (None when already complete).
+    """
     size = group_size(group)
     if size == 1:
         output.copy_(input_)
-        return output
+        return None if async_op else output
     input_ = input_.contiguous()
     scatter_single = getattr(dist, "reduce_scatter_single", None)
+    work = None
     if scatter_single is not None:
-        scatter_single(output, input_, group=group)
+        work = scatter_single(output, input_, op=op, group=group, async_op=async_op)
     elif hasattr(dist, "reduce_scatter_tensor"):
-        dist.reduce_scatter_tensor(output, input_, group=group)
-    else:  # a backend without reduce-scatter: all-reduce a copy and keep our slice
+        work = dist.reduce_scatter_tensor(output, input_, op=op, group=group, async_op=async_op)
+    else:  # a backend without reduce-scatter: all-reduce a copy and keep our slice (synchronously)
         total = input_.clone()
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total, op=op, group=group)
         output.copy_(total.chunk(size, dim=0)[group_rank(group)])
-    return output
+    return work if async_op else output
 
 
 def all_gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:

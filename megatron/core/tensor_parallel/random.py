@@ -1,4 +1,5 @@
-"""Named RNG streams for model-parallel regions (Megatron's CUDA RNG tracker, device-agnostic).
+"""Named RNG streams for model-parallel regions (Megatron's CUDA RNG tracker, device-agnostic),
+and the activation-checkpoint function that replays them.
 
 Some random ops must differ across tensor-parallel ranks (dropout inside a TP-split region,
 init of weight shards) while others must agree (dropout on replicated activations). The
@@ -15,9 +16,11 @@ Seeds (Megatron's ``model_parallel_cuda_manual_seed``):
 
 import contextlib
 from dataclasses import dataclass
-from typing import Dict, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
+
+from megatron.core.tensor_parallel import collectives
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
@@ -162,3 +165,153 @@ def model_parallel_manual_seed(tracker: RNGStatesTracker, seed: int, tp_rank: in
 def model_parallel_cuda_manual_seed(seed: int, tracker: RNGStatesTracker, tp_rank: int = 0, ep_rank: int = 0,
                                     etp_rank: int = 0) -> ModelParallelSeeds:
     return model_parallel_manual_seed(tracker, seed, tp_rank, ep_rank, etp_rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing that replays every random stream.
+#
+# A checkpointed segment runs its forward twice: once without saving activations, and again in
+# backward to rebuild them. Dropout in the rerun must draw the same masks as in the first run,
+# so the rerun starts from the generator states the first run started from: the CPU generator,
+# the CUDA generator(s) in use and every named stream of the RNG tracker (dropout on tensor-
+# parallel-split activations draws from the tracker's model-parallel stream). Afterwards the
+# states of the moment of the rerun are put back, so the rest of training sees no difference.
+# ---------------------------------------------------------------------------------------------
+
+
+def _cuda_devices(tensors, tracker: Optional[RNGStatesTracker]) -> Tuple[torch.device, ...]:
+    devices = {t.device for t in tensors if t.is_cuda}
+    if tracker is not None and tracker.device.type == "cuda":
+        devices.add(tracker.device)
+    resolved = set()
+    for device in devices:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        resolved.add(torch.device("cuda", index))
+    return tuple(sorted(resolved, key=lambda d: d.index))
+
+
+class RNGSnapshot:
+    """The CPU generator, the given CUDA generators and every tracker stream at one moment."""
+
+    def __init__(self, tracker: Optional[RNGStatesTracker], cuda_devices: Tuple[torch.device, ...] = ()):
+        self.tracker = tracker
+        self.cpu_state = torch.get_rng_state()
+        self.cuda_states = {device: torch.cuda.get_rng_state(device) for device in cuda_devices}
+        self.tracker_states = tracker.get_states() if tracker is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu_state)
+        for device, state in self.cuda_states.items():
+            torch.cuda.set_rng_state(state, device)
+        if self.tracker is not None:
+            self.tracker.set_states(self.tracker_states)
+
+
+def _split_for_saving(tensor: torch.Tensor, group) -> torch.Tensor:
+    """This rank's 1/size chunk of the flattened ``tensor`` (zero-padded to equal chunks), a copy."""
+    size, rank = collectives.group_size(group), collectives.group_rank(group)
+    flat = tensor.detach().reshape(-1)
+    chunk = -(-flat.numel() // size)
+    mine = flat.new_zeros(chunk)
+    start = min(rank * chunk, flat.numel())
+    end = min(start + chunk, flat.numel())
+    mine[:end - start].copy_(flat[start:end])
+    return mine
+
+
+def _gather_saved(chunk: torch.Tensor, group, shape: torch.Size) -> torch.Tensor:
+    size = collectives.group_size(group)
+    full = chunk.new_empty(chunk.numel() * size)
+    collectives.all_gather_into_tensor(full, chunk, group)
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return full[:numel].view(shape)
+
+
+class _CheckpointOptions:
+    """What the checkpoint function needs besides the segment's inputs."""
+
+    def __init__(self, run_function: Callable, distribute_saved_activations: bool,
+                 rng_tracker: Optional[RNGStatesTracker], tp_group):
+        self.run_function = run_function
+        self.distribute = bool(distribute_saved_activations) and collectives.group_size(tp_group) > 1
+        self.rng_tracker = rng_tracker
+        self.tp_group = tp_group
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Runs a segment without keeping its activations and reruns it in backward.
+
+    Only the inputs are saved; with ``distribute`` the first input (the hidden states, replicated
+    across the tensor-parallel ranks) is saved as this rank's 1/TP chunk and all-gathered again
+    before the rerun. ``anchor`` is an empty tensor that requires grad, so that backward reaches
+    this function even when no input requires grad (the segment's parameters still need theirs).
+    """
+
+    @staticmethod
+    def forward(ctx, options: _CheckpointOptions, anchor: torch.Tensor, *args):
+        ctx.options = options
+        tensors = [a for a in args if torch.is_tensor(a)]
+        ctx.snapshot = RNGSnapshot(options.rng_tracker, _cuda_devices(tensors, options.rng_tracker))
+        with torch.no_grad():
+            outputs = options.run_function(*args)
+
+        ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.inputs_require_grad = [args[i].requires_grad for i in ctx.tensor_positions]
+        ctx.non_tensor_args = [None if torch.is_tensor(a) else a for a in args]
+        to_save = [args[i] for i in ctx.tensor_positions]
+        ctx.distributed_shape = None
+        if options.distribute and ctx.tensor_positions and ctx.tensor_positions[0] == 0:
+            ctx.distributed_shape = args[0].shape
+            to_save[0] = _split_for_saving(args[0], options.tp_group)
+        ctx.save_for_backward(*to_save)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("checkpointed segments support .backward() only, not torch.autograd.grad()")
+        options = ctx.options
+        saved = list(ctx.saved_tensors)
+        if ctx.distributed_shape is not None:
+            saved[0] = _gather_saved(saved[0], options.tp_group, ctx.distributed_shape)
+        args = list(ctx.non_tensor_args)
+        for position, tensor, requires_grad in zip(ctx.tensor_positions, saved, ctx.inputs_require_grad):
+            args[position] = tensor.detach().requires_grad_(requires_grad)
+
+        now = RNGSnapshot(options.rng_tracker, tuple(ctx.snapshot.cuda_states))
+        ctx.snapshot.restore()
+        try:
+            with torch.enable_grad():
+                outputs = options.run_function(*args)
+        finally:
+            now.restore()
+
+        if not isinstance(outputs, tuple):
+            outputs = (outputs,)
+        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
+                 if torch.is_tensor(out) and out.requires_grad and grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        input_grads = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
+        return (None, None) + input_grads
+
+
+def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
+               rng_tracker: Optional[RNGStatesTracker] = None, tp_group=None):
+    """``function(*args)`` whose activations are recomputed in backward (Megatron's
+    ``tensor_parallel.checkpoint``).
+
+    The recomputation replays the CPU, CUDA and ``rng_tracker`` random streams of the first run,
+    so dropout masks (also those drawn from the tracker's per-TP-rank stream) are the same.
+    ``distribute_saved_activations`` keeps only this rank's 1/TP share of ``args[0]`` (which must
+    be identical on all ranks of ``tp_group``) until the recomputation. Outputs may be a tensor
+    or a tuple (non-tensor entries such as None pass through). Without grad mode the function
+    simply runs.
+    """
+    if not torch.is_grad_enabled():
+        return function(*args)
+    options = _CheckpointOptions(function, distribute_saved_activations, rng_tracker, tp_group)
+    anchor = torch.empty(0, requires_grad=True)
+    return CheckpointFunction.apply(options, anchor, *args)

@@ -13,7 +13,10 @@ cache entry.
 """
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Optional
+from itertools import chain
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
 
 
 class MegatronTokenizer(ABC):
@@ -40,6 +43,17 @@ class MegatronTokenizer(ABC):
     def tokenize_batch(self, texts: Iterable[str]) -> List[List[int]]:
         """Token ids of several texts; families with a batched fast path override this."""
         return [self.tokenize(t) for t in texts]
+
+    def tokenize_batch_packed(self, texts: Iterable[str], dtype=np.int64) -> Tuple[np.ndarray, np.ndarray]:
+        """The ids of several texts back to back in one ``dtype`` array, and each text's id count (int64).
+
+        What ``preprocess_data.py`` writes. This default goes through ``tokenize_batch``; families
+        that can produce the array without a Python int per id override it.
+        """
+        encoded = self.tokenize_batch(texts)
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum()))
+        return cast_ids(ids, dtype, type(self).__name__), lengths
 
     def detokenize(self, ids: List[int]) -> str:
         """Convert token ids back to text."""
@@ -101,3 +115,16 @@ class MegatronTokenizer(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+
+def cast_ids(ids: np.ndarray, dtype, owner: str) -> np.ndarray:
+    """``ids`` as ``dtype``; ValueError (naming ``owner``) when an id does not fit."""
+    dtype = np.dtype(dtype)
+    if ids.dtype == dtype:
+        return ids
+    if ids.size and np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"{owner}: token ids in [{lo}, {hi}] do not fit {dtype.name}")
+    return ids.astype(dtype)

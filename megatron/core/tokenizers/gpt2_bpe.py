@@ -9,14 +9,22 @@ Two implementations give the same ids:
 * ``_ByteLevelBPE`` - a plain-Python implementation of the GPT-2 algorithm (pre-split the text
   with the GPT-2 regex, map UTF-8 bytes to printable characters, repeatedly merge the
   lowest-ranked adjacent pair). It is the reference.
-* the fast path used by ``tokenize``: the same regex split (for pure-ASCII text an equivalent
-  ASCII pattern on the faster stdlib ``re`` engine), then a cache from each raw piece straight
-  to its ids, so a word seen before costs one dict lookup (no byte mapping, no merge
-  loop). A new piece is merged by the Rust ``tokenizers`` BPE model when it is installed and
-  agrees with the reference on a probe text at load time, else by the reference merge loop.
-  Measured on this machine on the shipped corpus (warm caches): 3.5-5x the reference and
-  about as much over the Rust library's own full pipeline, whose byte-level pre-tokenizer (with
-  its offset tracking) costs more than the BPE itself.
+* the fast path used by ``tokenize`` and ``tokenize_batch_packed``: the text is cut into
+  *chunks* - one optional whitespace character followed by a run of non-whitespace, or a run of
+  whitespace - by a pattern with a single character class that the stdlib ``re`` engine runs
+  about twice as fast as the GPT-2 pattern. Every chunk boundary is also a boundary of the
+  GPT-2 split (a GPT-2 piece never extends from non-whitespace into whitespace, and a
+  whitespace piece always leaves the last whitespace character before a non-whitespace
+  character to the next piece), and the GPT-2 split of a chunk depends on the chunk alone, so
+  the concatenated splits of the chunks are the split of the text. A cache maps each chunk
+  straight to its ids, stored as bytes of the id dtype, so a chunk seen before costs one dict
+  lookup and a text's ids are one ``bytes.join`` (no Python int per id). A new chunk is split
+  with the GPT-2 regex (for pure-ASCII text an equivalent ASCII pattern on the faster stdlib
+  engine) and each piece is merged by the Rust ``tokenizers`` BPE model when it is installed
+  and agrees with the reference on a probe text at load time, else by the reference merge loop
+  (pieces have their own cache). The Rust library's own full pipeline is not used: its
+  byte-level pre-tokenizer (with its offset tracking) costs more than the BPE itself and made
+  it several times slower than this path on the shipped corpus.
 
 As in Megatron's classic tokenizer, the text ``<|endoftext|>`` inside a document is ordinary text
 (it is split into ``<|``, ``endoftext``, ``|>``); only ``--append-eod`` puts the EOD id into data.
@@ -24,12 +32,13 @@ A document quoting that string therefore can not forge a document boundary.
 """
 import json
 import re
-from itertools import chain
+from array import array
 from typing import Dict, Iterable, List, Optional, Tuple
 
+import numpy as np
 import regex
 
-from .base import MegatronTokenizer
+from .base import MegatronTokenizer, cast_ids
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -39,6 +48,14 @@ GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p
 # The same split for pure-ASCII text, where \p{L} is [A-Za-z], \p{N} is [0-9] and both engines'
 # \s is [\t\n\v\f\r ]; the stdlib engine runs it ~2.5x faster than the unicode pattern.
 GPT2_SPLIT_PATTERN_ASCII = r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
+# The whitespace of GPT2_SPLIT_PATTERN's \s (the `regex` module's White_Space set), spelled out for
+# the stdlib engine, whose unicode \s also matches \x1c-\x1f; a test checks it code point by code point.
+GPT2_WHITESPACE_CLASS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+# Chunks whose boundaries are boundaries of the GPT-2 split (see the module docstring): optional
+# whitespace + non-whitespace run, else a whitespace run that leaves its last character to the
+# next chunk when a non-whitespace character follows, else the whole whitespace run.
+GPT2_CHUNK_PATTERN = (rf"[{GPT2_WHITESPACE_CLASS}]?[^{GPT2_WHITESPACE_CLASS}]+"
+                      rf"|[{GPT2_WHITESPACE_CLASS}]+(?![^{GPT2_WHITESPACE_CLASS}])|[{GPT2_WHITESPACE_CLASS}]+")
 
 # Text on which the Rust engine must agree with the reference before it is trusted: contractions,
 # runs of spaces, unicode whitespace, digits, CJK, emoji, combining marks, a lone surrogate-free
@@ -165,6 +182,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
             but raise if Rust is unavailable; False = the plain reference (slow, for checks).
     """
 
+    # About 70 MB at the limit; a text corpus has far more distinct chunks than pieces.
+    _CHUNK_CACHE_LIMIT = 1 << 19
+
     def __init__(self, vocab_file: str, merge_file: str, use_fast: Optional[bool] = None):
         super().__init__(vocab_file, merge_file)
         encoder, merges = load_gpt2_files(vocab_file, merge_file)
@@ -175,7 +195,13 @@ class GPT2BPETokenizer(MegatronTokenizer):
         self._eod_id = encoder[EOD_TOKEN]
         self._reference = _ByteLevelBPE(encoder, merges)
         self._byte_decoder = {c: b for b, c in self._reference.byte_encoder.items()}
-        self._piece_cache: Dict[str, List[int]] = {}
+        # Ids are cached as bytes of the smallest dtype that holds every id of the vocab.
+        self._ids_dtype = np.dtype(np.uint16 if max(encoder.values()) <= np.iinfo(np.uint16).max else np.int32)
+        self._ids_typecode = "H" if self._ids_dtype == np.uint16 else "i"  # the same, for array.array
+        self._byte_table = "".join(self._reference.byte_encoder[b] for b in range(256))
+        self._piece_cache: Dict[str, bytes] = {}
+        self._chunk_cache: Dict[str, bytes] = {}
+        self._chunk_pattern = re.compile(GPT2_CHUNK_PATTERN)
         self._ascii_pattern = re.compile(GPT2_SPLIT_PATTERN_ASCII, re.ASCII)
         self._rust_bpe = None
         if use_fast is not False:
@@ -201,30 +227,62 @@ class GPT2BPETokenizer(MegatronTokenizer):
         """Whether new words are merged by the Rust BPE model (same ids as the Python reference)."""
         return self._rust_bpe is not None
 
-    def _piece_ids(self, piece: str) -> List[int]:
-        word = "".join(self._reference.byte_encoder[b] for b in piece.encode("utf-8"))
+    def _piece_ids(self, piece: str) -> bytes:
+        # bytes -> GPT-2's printable characters: latin-1 keeps byte values as code points.
+        word = piece.encode("utf-8").decode("latin-1").translate(self._byte_table)
         if self._rust_bpe is not None:
             ids = [t.id for t in self._rust_bpe.tokenize(word)]
         else:
             ids = [self._encoder[t] for t in self._reference._merge(word)]
+        data = array(self._ids_typecode, ids).tobytes()
         if len(self._piece_cache) >= _ByteLevelBPE._CACHE_LIMIT:
             self._piece_cache.clear()
-        self._piece_cache[piece] = ids
-        return ids
+        self._piece_cache[piece] = data
+        return data
+
+    def _chunk_ids(self, chunk: str) -> bytes:
+        pattern = self._ascii_pattern if chunk.isascii() else self._reference.pattern
+        get, miss = self._piece_cache.get, self._piece_ids
+        # Every piece has at least one id, so empty bytes never stand for a miss.
+        data = b"".join([get(piece) or miss(piece) for piece in pattern.findall(chunk)])
+        if len(self._chunk_cache) >= self._CHUNK_CACHE_LIMIT:
+            self._chunk_cache.clear()  # bounded memory; the piece cache keeps refills cheap
+        self._chunk_cache[chunk] = data
+        return data
+
+    def _encode_bytes(self, texts: Iterable[str]) -> List[bytes]:
+        """Each text's ids as bytes of ``self._ids_dtype``."""
+        findall, cache = self._chunk_pattern.findall, self._chunk_cache
+        lookup, join = cache.__getitem__, b"".join
+        out = []
+        for text in texts:
+            chunks = findall(text)
+            try:
+                out.append(join(map(lookup, chunks)))
+            except KeyError:
+                get, miss = cache.get, self._chunk_ids
+                out.append(join([get(chunk) or miss(chunk) for chunk in chunks]))
+        return out
 
     def tokenize(self, text: str) -> List[int]:
         if not self._use_fast:
             return self._reference.encode(text)
-        pattern = self._ascii_pattern if text.isascii() else self._reference.pattern
-        pieces = pattern.findall(text)
-        cache = self._piece_cache
-        try:
-            parts = [cache[piece] for piece in pieces]
-        except KeyError:
-            # Every piece has at least one id, so an empty list never stands for a miss.
-            get, miss = cache.get, self._piece_ids
-            parts = [get(piece) or miss(piece) for piece in pieces]
-        return list(chain.from_iterable(parts))
+        return np.frombuffer(self._encode_bytes((text,))[0], dtype=self._ids_dtype).tolist()
+
+    def tokenize_batch(self, texts: Iterable[str]) -> List[List[int]]:
+        if not self._use_fast:
+            return [self._reference.encode(t) for t in texts]
+        dtype = self._ids_dtype
+        return [np.frombuffer(data, dtype=dtype).tolist() for data in self._encode_bytes(texts)]
+
+    def tokenize_batch_packed(self, texts: Iterable[str], dtype=np.int64) -> Tuple[np.ndarray, np.ndarray]:
+        if not self._use_fast:
+            return super().tokenize_batch_packed(texts, dtype)
+        encoded = self._encode_bytes(texts)
+        itemsize = self._ids_dtype.itemsize
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) // itemsize
+        ids = np.frombuffer(b"".join(encoded), dtype=self._ids_dtype)
+        return cast_ids(ids, dtype, type(self).__name__), lengths
 
     def detokenize(self, ids: List[int]) -> str:
         byte_decoder, decoder = self._byte_decoder, self._decoder

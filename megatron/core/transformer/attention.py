@@ -10,7 +10,6 @@ heads. ``linear_proj`` is row-parallel over the same heads.
 from typing import Optional, Tuple
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -19,6 +18,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.core.transformer.utils import recompute
 
 
 class SelfAttention(MegatronModule):
@@ -108,7 +108,7 @@ class SelfAttention(MegatronModule):
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
         query = query.reshape(s, b, self.num_attention_heads_per_partition, self.hidden_size_per_attention_head)
         if self.recompute_core_attention and self.training:
-            context = checkpoint(self.core_attention, query, key, value, attention_mask, use_reentrant=False)
+            context = recompute(self.config, self.core_attention, query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)
         return self.linear_proj(context)

@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_gelu import gelu_tanh
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.parallel_layers import ColumnParallelLinear, RowParallelLinear
@@ -40,7 +41,7 @@ class MLP(MegatronModule):
         if (config.bias_activation_fusion and config.add_bias_linear
                 and config.activation_func is F.gelu):
             # Megatron's fused bias-GeLU (and TE's GeLU) is the tanh approximation.
-            self.activation_func = _gelu_tanh
+            self.activation_func = gelu_tanh
         self.linear_fc2 = RowParallelLinear(
             ffn,
             config.hidden_size,
@@ -64,7 +65,3 @@ class MLP(MegatronModule):
         else:
             intermediate = self.activation_func(intermediate)
         return self.linear_fc2(intermediate)
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")

@@ -3,13 +3,13 @@
 from typing import Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.transformer.utils import init_rng_scope
+from megatron.core.transformer.utils import init_rng_scope, recompute
 
 
 class TransformerBlock(MegatronModule):
@@ -47,6 +47,7 @@ class TransformerBlock(MegatronModule):
         else:
             self.final_layernorm = None
         self.input_tensor = None
+        self.tp_group = resolve_pg_collection(config, pg_collection).tp
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """The activation received from the previous pipeline stage (used when not pre_process)."""
@@ -79,16 +80,20 @@ class TransformerBlock(MegatronModule):
     def _forward_full_recompute(self, hidden_states, attention_mask, rotary_pos_emb):
         n = len(self.layers)
         k = self.config.recompute_num_layers
+        # With --distribute-saved-activations each TP rank keeps 1/TP of every chunk input.
+        distribute = bool(self.config.distribute_saved_activations)
         if self.config.recompute_method == "uniform":
             # Only the input of each chunk of k layers is kept; the chunk reruns in backward.
             for start in range(0, n, k):
-                hidden_states = checkpoint(self._checkpointed(start, min(start + k, n)), hidden_states,
-                                           attention_mask, rotary_pos_emb, use_reentrant=False)
+                hidden_states = recompute(self.config, self._checkpointed(start, min(start + k, n)),
+                                          hidden_states, attention_mask, rotary_pos_emb,
+                                          tp_group=self.tp_group, distribute_saved_activations=distribute)
             return hidden_states
         for i, layer in enumerate(self.layers):  # 'block': the first k layers of this stage
             if i < k:
-                hidden_states = checkpoint(self._checkpointed(i, i + 1), hidden_states, attention_mask,
-                                           rotary_pos_emb, use_reentrant=False)
+                hidden_states = recompute(self.config, self._checkpointed(i, i + 1), hidden_states,
+                                          attention_mask, rotary_pos_emb, tp_group=self.tp_group,
+                                          distribute_saved_activations=distribute)
             else:
                 hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
         return hidden_states

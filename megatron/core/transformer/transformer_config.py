@@ -262,6 +262,11 @@ class TransformerConfig(ModelParallelConfig):
 
     def _validate_recompute(self):
         granularity = self.recompute_granularity
+        if self.distribute_saved_activations and granularity != "full":
+            raise ValueError(
+                "distribute_saved_activations (--distribute-saved-activations) needs "
+                f"--recompute-granularity full, got {granularity!r}"
+            )
         if granularity is None:
             return
         if granularity not in _RECOMPUTE_GRANULARITIES:

@@ -4,14 +4,13 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
-from megatron.core.transformer.utils import model_parallel_rng
+from megatron.core.transformer.utils import model_parallel_rng, recompute
 
 
 class TransformerLayer(MegatronModule):
@@ -61,7 +60,7 @@ class TransformerLayer(MegatronModule):
         normed = self.pre_mlp_layernorm(hidden_states)
         residual = normed if self.residual_from_norm else hidden_states
         if self.recompute_mlp and self.training:
-            mlp_output = checkpoint(self.mlp, normed, use_reentrant=False)
+            mlp_output = recompute(self.config, self.mlp, normed)
         else:
             mlp_output = self.mlp(normed)
         hidden_states = self._bias_dropout_add(mlp_output, residual)

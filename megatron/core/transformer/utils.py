@@ -106,6 +106,19 @@ def init_rng_scope(init_seed: Optional[int], key: int):
         yield
 
 
+def recompute(config, function, *args, tp_group=None, distribute_saved_activations: bool = False):
+    """``function(*args)`` with its activations recomputed in backward (activation recompute).
+
+    The recomputation replays the CPU/device generators and every stream of ``config.rng_tracker``
+    (when set), so dropout masks, also those drawn on tensor-parallel-split activations, equal the
+    first run's. ``distribute_saved_activations`` keeps 1/TP of ``args[0]`` per ``tp_group`` rank.
+    """
+    # Imported here: the tensor_parallel package imports this module (weight init helpers).
+    from megatron.core.tensor_parallel.random import checkpoint
+    return checkpoint(function, distribute_saved_activations, *args,
+                      rng_tracker=getattr(config, "rng_tracker", None), tp_group=tp_group)
+
+
 def model_parallel_rng(config, split_across_tp: bool):
     """Context for dropout on activations split across TP ranks: the tracker's model-parallel
     stream (different per TP rank), or nothing when the activations are replicated."""

@@ -4,8 +4,13 @@ from typing import Optional
 
 import torch
 
+from megatron.core.fusions.fused_linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.context_parallel import cp_chunk_indices
 from megatron.core.transformer.parallel_layers import ColumnParallelLinear
@@ -122,6 +127,26 @@ class GPTModel(LanguageModule):
             tp_group=self.tp_group,
         )
 
+    def _fused_output_layer_and_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor,
+                                     weight: Optional[torch.Tensor]) -> torch.Tensor:
+        """``--cross-entropy-loss-fusion``: output layer + cross entropy in one autograd Function
+        (the [b, s, V] logits are never kept; see fused_linear_cross_entropy), per-token losses
+        [b, s] as the unfused path returns. Both ``--cross-entropy-fusion-impl`` values (native,
+        te) run this function: there is no Transformer Engine here. Under TP the weight is this
+        rank's vocab shard and the loss is the vocab-parallel one; the input mapping below is the
+        output layer's (its backward reduces the hidden states' gradient over TP)."""
+        layer = self.output_layer
+        if weight is None:
+            weight = layer.weight
+        if layer.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, self.tp_group)
+        else:
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
+        # Rows in the hidden states' own [s, b] order: no transposed copy of [s, b, h].
+        losses = linear_cross_entropy(hidden_states, weight, labels.t(), tp_group=self.tp_group,
+                                      fp32_softmax=not self.fp16_lm_cross_entropy)
+        return losses.t().contiguous()
+
     def set_input_tensor(self, input_tensor) -> None:
         """Activation [s, b, h] from the previous pipeline stage (a list of one is accepted)."""
         if isinstance(input_tensor, (list, tuple)):
@@ -221,6 +246,8 @@ class GPTModel(LanguageModule):
             return hidden_states
 
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if labels is not None and self.config.cross_entropy_loss_fusion and self.output_layer.bias is None:
+            return self._fused_output_layer_and_loss(hidden_states, labels, weight)
         if self.output_layer.sequence_parallel:
             # The output layer gathers the [s/TP, b, h] slices along the sequence (dim 0).
             logits, _ = self.output_layer(hidden_states, weight=weight)

@@ -1,0 +1,106 @@
+"""Sharded state dicts: every entry names one tensor of the whole (unsplit) model and says which
+pieces of it this rank holds.
+
+A checkpoint written from sharded entries is layout-free: it holds each global tensor (the
+tensor of the TP=1, PP=1 model, keyed by its global name) cut into chunks, and any layout can
+read back the pieces it needs. Tensor parallelism splits a tensor into ``tp_size`` even parts
+along ``partition_dim``; with ``stride`` > 1 each rank holds ``stride`` separate blocks (SwiGLU's
+fc1 = [gate; up] gives rank r [gate_r; up_r]), so one local tensor may map to several chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, NamedTuple, Sequence, Tuple
+
+import torch
+
+
+class Chunk(NamedTuple):
+    """One rectangular piece of a global tensor held in a local tensor."""
+
+    global_offset: Tuple[int, ...]
+    local_offset: Tuple[int, ...]
+    shape: Tuple[int, ...]
+
+
+@dataclass
+class ShardedTensor:
+    """A rank's share of one global tensor."""
+
+    key: str
+    """Global name, e.g. ``decoder.layers.3.self_attention.linear_qkv.weight``."""
+    data: torch.Tensor
+    """The local tensor: saved from, and loaded into in place."""
+    global_shape: Tuple[int, ...]
+    """Shape of the whole tensor."""
+    chunks: Tuple[Chunk, ...]
+    """Where the pieces of ``data`` sit in the global tensor."""
+    replica: bool = False
+    """True when another rank saves the same pieces: loaded here, never saved from here."""
+
+    def view(self, chunk: Chunk) -> torch.Tensor:
+        """The part of ``data`` that holds ``chunk`` (a view: writing to it writes ``data``)."""
+        out = self.data
+        for dim, (start, size) in enumerate(zip(chunk.local_offset, chunk.shape)):
+            if start != 0 or size != out.shape[dim]:
+                out = out.narrow(dim, start, size)
+        return out
+
+    def chunk_at(self, global_offset: Sequence[int]) -> Chunk:
+        wanted = tuple(int(x) for x in global_offset)
+        for chunk in self.chunks:
+            if chunk.global_offset == wanted:
+                return chunk
+        raise KeyError(f"{self.key} has no chunk at offset {wanted}")
+
+    def with_data(self, key: str, data: torch.Tensor, replica: bool = None) -> "ShardedTensor":
+        """The same sharding for another tensor of the same local shape (optimizer state)."""
+        if tuple(data.shape) != tuple(self.data.shape):
+            raise ValueError(f"{key}: local shape {tuple(data.shape)} differs from {self.key}'s "
+                             f"{tuple(self.data.shape)}")
+        return ShardedTensor(key, data, self.global_shape, self.chunks,
+                             self.replica if replica is None else replica)
+
+
+def replicated(key: str, tensor: torch.Tensor, replica: bool = False) -> ShardedTensor:
+    """A tensor every rank holds whole."""
+    shape = tuple(tensor.shape)
+    zeros = (0,) * len(shape)
+    return ShardedTensor(key, tensor, shape, (Chunk(zeros, zeros, shape),), replica)
+
+
+def tensor_parallel_sharded(key: str, tensor: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int,
+                            stride: int = 1, replica: bool = False) -> ShardedTensor:
+    """Rank ``tp_rank``'s shard of a tensor split over ``tp_size`` ranks along ``partition_dim``.
+
+    With ``stride`` s the global dimension is cut into ``s * tp_size`` equal blocks and rank r
+    holds blocks r, r + tp_size, ... (in that order), as the tensor-parallel layers split it.
+    """
+    if tp_size == 1:
+        return replicated(key, tensor, replica)
+    shape = tuple(tensor.shape)
+    if not 0 <= partition_dim < len(shape):
+        raise ValueError(f"{key}: partition_dim {partition_dim} out of range for shape {shape}")
+    local = shape[partition_dim]
+    if stride < 1 or local % stride:
+        raise ValueError(f"{key}: local size {local} along dim {partition_dim} is not divisible by stride {stride}")
+    block = local // stride
+    global_shape = list(shape)
+    global_shape[partition_dim] = local * tp_size
+    chunks: List[Chunk] = []
+    for k in range(stride):
+        g_off = [0] * len(shape)
+        l_off = [0] * len(shape)
+        g_off[partition_dim] = (k * tp_size + tp_rank) * block
+        l_off[partition_dim] = k * block
+        piece = list(shape)
+        piece[partition_dim] = block
+        chunks.append(Chunk(tuple(g_off), tuple(l_off), tuple(piece)))
+    return ShardedTensor(key, tensor, tuple(global_shape), tuple(chunks), replica)
+
+
+def chunk_volume(chunk: Chunk) -> int:
+    volume = 1
+    for size in chunk.shape:
+        volume *= size
+    return volume

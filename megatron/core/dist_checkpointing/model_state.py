@@ -1,0 +1,100 @@
+"""A model chunk's state as sharded entries keyed by global names, computed from the outside.
+
+The global name of a tensor is its key in the whole model at TP=1, PP=1:
+* a pipeline stage's layers are numbered from 0 locally; a module that carries
+  ``layer_number_offset`` and a ``layers`` list (the TransformerBlock) shifts them, so
+  ``decoder.layers.0`` of a stage whose first layer is the model's fourth becomes ``decoder.layers.3``;
+* a tensor-parallel parameter (``tensor_model_parallel`` set by the TP layers) is the
+  ``partition_dim`` shard of the global tensor (``partition_stride`` blocks for fused weights);
+  other tensors are replicated over TP and saved by TP rank 0 only;
+* with tied input/output embeddings, the last stage's ``output_layer.weight`` is a copy of the
+  first stage's ``embedding.word_embeddings.weight``: loaded from that key, never saved.
+"""
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+import torch
+
+from .mapping import ShardedTensor, replicated, tensor_parallel_sharded
+
+TIED_OUTPUT_KEY = "output_layer.weight"
+TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+def _layer_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int]]:
+    """(state-dict prefix of a layer list, number of model layers before it) for each block."""
+    found = []
+    for name, module in chunk.named_modules():
+        offset = getattr(module, "layer_number_offset", None)
+        if isinstance(offset, int) and isinstance(getattr(module, "layers", None), torch.nn.ModuleList):
+            found.append(((name + "." if name else "") + "layers.", offset))
+    return sorted(found, key=lambda item: -len(item[0]))
+
+
+def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
+    """``local_key`` with its local layer index shifted by the block's layer offset."""
+    for prefix, offset in offsets:
+        if local_key.startswith(prefix):
+            match = re.match(r"(\d+)(\..*)?$", local_key[len(prefix):])
+            if match:
+                return f"{prefix}{int(match.group(1)) + offset}{match.group(2) or ''}"
+    return local_key
+
+
+def _ties_output_to_embedding(chunk: torch.nn.Module) -> bool:
+    return bool(getattr(chunk, "share_embeddings_and_output_weights", False) and getattr(chunk, "post_process", False)
+                and not getattr(chunk, "pre_process", True))
+
+
+def model_sharded_state_dict(chunks: Sequence[torch.nn.Module], tp_rank: int = 0, tp_size: int = 1
+                             ) -> Tuple[Dict[str, ShardedTensor], Dict[int, ShardedTensor]]:
+    """Sharded entries for the (unwrapped) model chunks of this rank.
+
+    Returns ``({global key: entry}, {id(parameter): entry})``; the second map lets the optimizer
+    state of a parameter be keyed and sharded like the parameter. ``replica`` is set for tensors
+    another TP rank (or the first pipeline stage, for a tied output layer) saves.
+    """
+    entries: Dict[str, ShardedTensor] = {}
+    by_param: Dict[int, ShardedTensor] = {}
+    for chunk in chunks:
+        offsets = _layer_offsets(chunk)
+        tied = _ties_output_to_embedding(chunk)
+        for local_key, tensor in chunk.state_dict(keep_vars=True).items():
+            if not torch.is_tensor(tensor) or local_key.endswith("_extra_state"):
+                continue
+            key = global_key(local_key, offsets)
+            forced_replica = False
+            if tied and local_key == TIED_OUTPUT_KEY:
+                key, forced_replica = TIED_EMBEDDING_KEY, True
+            if key in entries:
+                raise ValueError(f"two tensors of this rank map to the checkpoint key {key}")
+            data = tensor.detach()
+            if getattr(tensor, "tensor_model_parallel", False) and tp_size > 1:
+                entry = tensor_parallel_sharded(key, data, int(tensor.partition_dim), tp_rank, tp_size,
+                                                int(getattr(tensor, "partition_stride", 1)), replica=forced_replica)
+            else:
+                entry = replicated(key, data, replica=forced_replica or tp_rank != 0)
+            entries[key] = entry
+            by_param[id(tensor)] = entry
+    return entries, by_param
+
+
+def spread_writes(entries: Dict[str, ShardedTensor], dp_rank: int, dp_size: int, fully_parallel: bool = True) -> None:
+    """Let one data-parallel replica save each non-replica entry: DP rank 0 for all of them, or,
+    ``fully_parallel``, the ranks in turn balanced by bytes (every replica computes the same
+    assignment from the same keys and sizes)."""
+    if dp_size <= 1:
+        return
+    if not fully_parallel:
+        for entry in entries.values():
+            entry.replica = entry.replica or dp_rank != 0
+        return
+    load = [0] * dp_size
+    order = sorted((k for k, e in entries.items() if not e.replica),
+                   key=lambda k: (-entries[k].data.numel() * entries[k].data.element_size(), k))
+    for key in order:
+        writer = min(range(dp_size), key=lambda r: (load[r], r))
+        load[writer] += entries[key].data.numel() * entries[key].data.element_size()
+        entries[key].replica = writer != dp_rank

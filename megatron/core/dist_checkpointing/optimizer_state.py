@@ -1,0 +1,279 @@
+"""Optimizer state as sharded entries keyed and sharded like the parameters it belongs to.
+
+Per parameter ``<key>`` (its global model key): ``optimizer.state.exp_avg.<key>``,
+``optimizer.state.exp_avg_sq.<key>`` (Adam; ``momentum_buffer`` for SGD) and, when the optimizer
+keeps an fp32 copy of a half-precision parameter, ``optimizer.state.fp32_param.<key>``. Every
+optimizer writes the same entries, so a checkpoint saved with or without the distributed
+optimizer loads into either, at any parallel layout.
+
+* FP32 / mixed-precision optimizers hold each parameter's state whole: the entries are views of
+  it (saved by the same rank that saves the parameter, loaded in place).
+* The distributed optimizer holds flat slices: its state is gathered to DP rank 0 with
+  ``get_parameter_state_dp_zero`` and cut back into per-parameter tensors there; loading fills
+  per-parameter buffers on DP rank 0, packs them into the same flat layout and hands them to
+  ``load_parameter_state_from_dp_zero``, which re-shards them over this run's DP group.
+
+The non-tensor part (param-group hyperparameters, step count, grad scaler) is
+:func:`optimizer_common_state`; it goes with the checkpoint's common state.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .mapping import ShardedTensor
+
+STATE_PREFIX = "optimizer.state."
+FP32_PARAM = "fp32_param"
+_GROUP_SETTINGS = ("params", "wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel", "max_lr", "min_lr")
+_SIGNATURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def state_key(name: str, param_key: str) -> str:
+    return f"{STATE_PREFIX}{name}.{param_key}"
+
+
+def is_distributed(optimizer) -> bool:
+    return hasattr(optimizer, "get_parameter_state_dp_zero") and hasattr(optimizer, "load_parameter_state_from_dp_zero")
+
+
+def state_names(optimizer) -> Tuple[str, ...]:
+    """Per-parameter state tensors the inner torch optimizer keeps."""
+    inner = optimizer.optimizer
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return ("exp_avg", "exp_avg_sq")
+    if isinstance(inner, torch.optim.SGD):
+        return ("momentum_buffer",) if any(g.get("momentum", 0) for g in inner.param_groups) else ()
+    raise ValueError(f"cannot checkpoint the state of {type(inner).__name__} in torch_dist format")
+
+
+def _main_params(optimizer) -> List[Tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(model param, the param the inner optimizer updates, whether that is a separate fp32 copy)."""
+    if hasattr(optimizer, "fp32_from_float16_groups"):
+        pairs = [(p, m, True) for halves, masters in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+                 for p, m in zip(halves, masters)]
+        return pairs + [(p, p, False) for group in optimizer.fp32_from_fp32_groups for p in group]
+    return [(p, p, False) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _main_to_group(optimizer) -> Dict[int, int]:
+    return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+
+# ---------------------------------------------------------------------------------- common state
+def _step_of_group(optimizer, group) -> int:
+    steps = [optimizer.optimizer.state.get(p, {}).get("step") for p in group["params"]]
+    steps = [int(s.item()) if torch.is_tensor(s) else int(s) for s in steps if s is not None]
+    return max(steps) if steps else 0
+
+
+def optimizer_common_state(optimizer) -> Dict[str, Any]:
+    """Param-group hyperparameters with their step count, and the grad scaler (plain values)."""
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if is_distributed(optimizer):
+        groups = optimizer.state_dict()["optimizer"]["param_groups"]
+    else:
+        groups = []
+        for group in optimizer.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["step"] = _step_of_group(optimizer, group)
+            groups.append(saved)
+    return {"param_groups": groups, "grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "has_state": any(g.get("step", 0) > 0 for g in groups)}
+
+
+def _aligned_groups(current: List[dict], saved: List[dict]) -> List[Optional[dict]]:
+    """The saved group for each current one: same (wd_mult, lr_mult, ...) signature, else position."""
+    by_signature = {}
+    for group in saved:
+        by_signature.setdefault(tuple(group.get(k) for k in _SIGNATURE), group)
+    out = []
+    for i, group in enumerate(current):
+        match = by_signature.get(tuple(group.get(k) for k in _SIGNATURE))
+        if match is None and len(saved) == len(current):
+            match = saved[i]
+        out.append(match)
+    return out
+
+
+def load_optimizer_common_state(optimizer, common: Dict[str, Any]) -> None:
+    """Restore hyperparameters (not the per-run group settings such as wd_mult), the step count
+    and the grad scaler. Call before loading the per-parameter state."""
+    saved = _aligned_groups(optimizer.param_groups, list(common.get("param_groups") or []))
+    scaler_state = common.get("grad_scaler")
+    step = max([int(g.get("step", 0)) for g in saved if g is not None] or [0])
+    if is_distributed(optimizer):
+        groups = []
+        for group, match in zip(optimizer.param_groups, saved):
+            source = match if match is not None else {k: v for k, v in group.items() if k != "params"}
+            groups.append({**source, "step": step})
+        state = {"optimizer": {"param_groups": groups}}
+        if scaler_state is not None:
+            state["grad_scaler"] = scaler_state
+        optimizer.load_state_dict(state)
+        return
+    for group, match in zip(optimizer.param_groups, saved):
+        if match is None:
+            continue
+        for key, value in match.items():
+            if key not in _GROUP_SETTINGS and key != "step":
+                group[key] = value
+    scaler = getattr(optimizer, "grad_scaler", None)
+    if scaler is not None and scaler_state is not None:
+        scaler.load_state_dict(scaler_state)
+
+
+def _set_steps(optimizer, step: int) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.optimizer.state.get(p)
+            if state is None:
+                continue
+            old = state.get("step")
+            dtype = old.dtype if torch.is_tensor(old) else torch.float32
+            device = old.device if torch.is_tensor(old) else torch.device("cpu")
+            state["step"] = torch.tensor(float(step), dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------------------------- save
+def optimizer_sharded_state_dict(optimizer, by_param: Dict[int, ShardedTensor]) -> Dict[str, ShardedTensor]:
+    """Entries for the per-parameter optimizer state (a collective over DP for the distributed
+    optimizer, whose entries then exist on DP rank 0 only)."""
+    if is_distributed(optimizer):
+        return _distributed_sharded_state_dict(optimizer, by_param)
+    names = state_names(optimizer)
+    out: Dict[str, ShardedTensor] = {}
+    for param, main, separate in _main_params(optimizer):
+        entry = by_param.get(id(param))
+        if entry is None:
+            continue
+        state = optimizer.optimizer.state.get(main, {})
+        for name in names:
+            value = state.get(name)
+            if torch.is_tensor(value):
+                out[state_key(name, entry.key)] = entry.with_data(state_key(name, entry.key),
+                                                                  value.detach().view(entry.data.shape))
+        if separate:
+            out[state_key(FP32_PARAM, entry.key)] = entry.with_data(state_key(FP32_PARAM, entry.key),
+                                                                    main.detach().view(entry.data.shape))
+    return out
+
+
+def _param_slices(optimizer):
+    """(buffer index, dtype key, model param, bucket index, start within the bucket's flat state)."""
+    for gbuf_idx, buffer in enumerate(optimizer.buffers):
+        dtype_key = (buffer.param_dtype, buffer.grad_dtype)
+        for param, (start, _end, bucket_id) in buffer.param_index_map.items():
+            yield gbuf_idx, dtype_key, param, bucket_id, start - buffer.buckets[bucket_id].offset
+
+
+def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTensor]:
+    state = optimizer.get_parameter_state_dp_zero()
+    if state is None:
+        return {}
+    out: Dict[str, ShardedTensor] = {}
+    for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
+        entry = by_param.get(id(param))
+        if entry is None:
+            continue
+        for name, flats in state[gbuf_idx][dtype_key].items():
+            value = flats[bucket_id][start:start + param.numel()].view(entry.data.shape)
+            if name == "param":
+                if param.dtype == torch.float32:
+                    continue  # the model weight itself
+                name = FP32_PARAM
+            out[state_key(name, entry.key)] = entry.with_data(state_key(name, entry.key), value)
+    return out
+
+
+# ---------------------------------------------------------------------------------- load
+class OptimizerLoad:
+    """Targets to read the per-parameter optimizer state into, and the step that finishes it.
+
+    ``targets`` (pass them to the checkpoint load with the model entries) then ``finish()``
+    (a collective over DP for the distributed optimizer).
+    """
+
+    def __init__(self, optimizer, by_param: Dict[int, ShardedTensor], has_key: Callable[[str], bool],
+                 step: int):
+        self.optimizer = optimizer
+        self.step = step
+        self.targets: Dict[str, ShardedTensor] = {}
+        self._buffers: Dict[Tuple[int, str], torch.Tensor] = {}
+        self._has_key = has_key
+        names = state_names(optimizer)
+        if is_distributed(optimizer):
+            self._prepare_distributed(by_param, names)
+        else:
+            self._prepare_local(by_param, names)
+
+    def _target(self, entry: ShardedTensor, name: str, data: torch.Tensor) -> None:
+        key = state_key(name, entry.key)
+        self.targets[key] = entry.with_data(key, data, replica=False)
+
+    def _prepare_local(self, by_param, names) -> None:
+        self._reload_masters = []
+        for param, main, separate in _main_params(self.optimizer):
+            entry = by_param.get(id(param))
+            if entry is None:
+                continue
+            state = self.optimizer.optimizer.state.setdefault(main, {})
+            for name in names:
+                value = state.get(name)
+                if not torch.is_tensor(value) or value.shape != main.shape:
+                    value = torch.zeros_like(main, memory_format=torch.preserve_format)
+                    state[name] = value
+                self._target(entry, name, value.view(entry.data.shape))
+            if separate:
+                if self._has_key(state_key(FP32_PARAM, entry.key)):
+                    self._target(entry, FP32_PARAM, main.detach().view(entry.data.shape))
+                else:
+                    self._reload_masters.append((param, main))
+
+    def _prepare_distributed(self, by_param, names) -> None:
+        self._dp_rank = int(getattr(self.optimizer, "dp_rank", 0))
+        if self._dp_rank != 0:
+            return  # DP rank 0 reads; load_parameter_state_from_dp_zero re-shards
+        for _g, _d, param, _b, _s in _param_slices(self.optimizer):
+            entry = by_param.get(id(param))
+            if entry is None:
+                continue
+            wanted = list(names)
+            if param.dtype != torch.float32 and self._has_key(state_key(FP32_PARAM, entry.key)):
+                wanted.append(FP32_PARAM)
+            for name in wanted:
+                buf = torch.zeros(entry.data.shape, dtype=torch.float32, device=param.device)
+                self._buffers[(id(param), name)] = buf
+                self._target(entry, name, buf)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        if is_distributed(self.optimizer):
+            self._finish_distributed()
+            return
+        for param, main in self._reload_masters:
+            main.copy_(param.detach().view_as(main))
+        _set_steps(self.optimizer, self.step)
+
+    def _finish_distributed(self) -> None:
+        optimizer = self.optimizer
+        if self._dp_rank != 0:
+            optimizer.load_parameter_state_from_dp_zero(None)
+            return
+        keys = ("param",) + state_names(optimizer)
+        state: Dict[Any, Any] = {}
+        for gbuf_idx, buffer in enumerate(optimizer.buffers):
+            flats = {key: [torch.zeros(b.numel_unpadded, dtype=torch.float32, device=buffer.grad_data.device)
+                           for b in buffer.buckets] for key in keys}
+            state[gbuf_idx] = {(buffer.param_dtype, buffer.grad_dtype): flats}
+        for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
+            flats = state[gbuf_idx][dtype_key]
+            for key in keys:
+                name = FP32_PARAM if key == "param" else key
+                value = self._buffers.get((id(param), name))
+                if value is None and key == "param":
+                    value = param.detach().float()  # fp32 weights (or no fp32 copy saved)
+                if value is not None:
+                    flats[key][bucket_id][start:start + param.numel()].copy_(value.reshape(-1))
+        optimizer.load_parameter_state_from_dp_zero(state)

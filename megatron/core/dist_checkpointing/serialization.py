@@ -1,0 +1,353 @@
+"""Save and load sharded state dicts as Megatron's ``torch_dist`` checkpoint directory.
+
+A directory holds PyTorch DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files (the tensors,
+as chunks of the global tensors), ``common.pt`` (the non-tensor state, read back with
+``torch.load(weights_only=True)``) and ``metadata.json`` = ``{"sharded_backend": "torch_dist",
+"sharded_backend_version": 1}``. ``metadata.json`` is written last, by the caller, once every
+rank has finished: a directory without it is an incomplete save and is never loaded.
+
+Loading checks before reading a tensor: the directory is complete, every data file that the
+metadata names exists and is long enough, and the requested keys and shapes fit the checkpoint
+(missing / unexpected keys handled per :class:`StrictHandling`). ``.metadata`` is read with an
+unpickler that only accepts DCP's metadata classes, so no file in a checkpoint can run code.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+import pickle
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from .mapping import ShardedTensor
+from .planner import ShardedLoadPlanner, ShardedSavePlanner, ShardingError
+
+SHARDED_BACKEND = "torch_dist"
+SHARDED_BACKEND_VERSION = 1
+METADATA_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+DCP_METADATA_FILE = ".metadata"
+_MAX_LISTED = 5
+
+
+class CheckpointingError(ValueError):
+    """A distributed checkpoint that cannot be written or read; the message names the file or keys."""
+
+
+class StrictHandling(enum.Enum):
+    """What to do with keys the model asks for that the checkpoint lacks (missing) and keys the
+    checkpoint holds that no rank asks for (unexpected). Megatron's ``--dist-ckpt-strictness``."""
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    """Unexpected keys are not looked for; missing keys are an error."""
+    LOG_UNEXPECTED = "log_unexpected"
+    """Unexpected keys are reported; missing keys are an error."""
+    LOG_ALL = "log_all"
+    """Both are reported; missing entries keep their current values."""
+    RAISE_UNEXPECTED = "raise_unexpected"
+    """Unexpected keys are an error; so are missing keys."""
+    RAISE_ALL = "raise_all"
+    """Any mismatch is an error."""
+    RETURN_UNEXPECTED = "return_unexpected"
+    """Unexpected keys are returned to the caller; missing keys are an error."""
+    RETURN_ALL = "return_all"
+    """Both are returned to the caller; missing entries keep their current values."""
+    IGNORE_ALL = "ignore_all"
+    """Both are ignored silently; missing entries keep their current values."""
+
+    @property
+    def tolerates_missing(self) -> bool:
+        return self in (StrictHandling.LOG_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL)
+
+    @property
+    def checks_unexpected(self) -> bool:
+        return self not in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.IGNORE_ALL)
+
+    @property
+    def raises_unexpected(self) -> bool:
+        return self in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL)
+
+
+@dataclass
+class LoadResult:
+    """Key mismatches that the strictness let through (sorted)."""
+
+    missing: List[str] = field(default_factory=list)
+    """Requested by some rank, absent from the checkpoint (those entries were not loaded)."""
+    unexpected: List[str] = field(default_factory=list)
+    """In the checkpoint, requested by no rank (empty unless the strictness looks for them)."""
+
+
+# ---------------------------------------------------------------------------------- small files
+def write_metadata_json(directory: str) -> None:
+    """Mark ``directory`` as a complete torch_dist checkpoint (atomic write)."""
+    path = os.path.join(directory, METADATA_FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"sharded_backend": SHARDED_BACKEND, "sharded_backend_version": SHARDED_BACKEND_VERSION}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_metadata_json(directory: str) -> Optional[dict]:
+    """The parsed metadata.json, or None when there is none; raises on a corrupt one."""
+    path = os.path.join(directory, METADATA_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointingError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise CheckpointingError(f"{path} does not hold a JSON object")
+    return value
+
+
+def is_distributed_checkpoint(directory: str) -> bool:
+    """True when ``directory`` holds a (complete) torch_dist checkpoint."""
+    try:
+        value = read_metadata_json(directory)
+    except CheckpointingError:
+        return False
+    return value is not None and value.get("sharded_backend") == SHARDED_BACKEND
+
+
+def save_common(state: dict, directory: str) -> None:
+    """Write the non-tensor state (call on one rank); atomic."""
+    path = os.path.join(directory, COMMON_FILE)
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_common(directory: str, safe_globals: Sequence = ()) -> dict:
+    """Read common.pt with ``weights_only=True`` (plus the allow-listed ``safe_globals``)."""
+    path = os.path.join(directory, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointingError(f"{path} is missing: {directory} is not a complete torch_dist checkpoint")
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated or foreign files
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise CheckpointingError(f"cannot read {path}: {type(exc).__name__}: {lines[0] if lines else ''}") from None
+
+
+# ---------------------------------------------------------------------------------- DCP metadata
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+     ("pathlib", "Path"), ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                  torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
+
+
+def read_dcp_metadata(directory: str) -> Metadata:
+    """DCP's ``.metadata`` of ``directory``, read without running code from the file."""
+    path = os.path.join(directory, DCP_METADATA_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointingError(f"{path} is missing: {directory} is not a complete torch_dist checkpoint")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except Exception as exc:
+        raise CheckpointingError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointingError(f"{path} does not hold DCP metadata")
+    return metadata
+
+
+class _SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_dcp_metadata(str(self.path))
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def tensor_shapes(metadata: Metadata) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """{key: (global shape, dtype)} of every tensor in the checkpoint."""
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+
+
+def check_storage_files(directory: str, metadata: Metadata) -> List[str]:
+    """Problems with the data files that ``metadata`` refers to (missing or too short)."""
+    needed: Dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is None:
+            continue
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[path] = max(needed.get(path, 0), end)
+    problems = []
+    for name in sorted(needed):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            problems.append(f"{path} is missing")
+        elif os.path.getsize(path) < needed[name]:
+            problems.append(f"{path} is truncated ({os.path.getsize(path)} bytes, expected at least {needed[name]})")
+    return problems
+
+
+# ---------------------------------------------------------------------------------- collectives
+def _use_dist(process_group) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_gather_object(obj, process_group) -> list:
+    if not _use_dist(process_group):
+        return [obj]
+    out = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(out, obj, group=process_group)
+    return out
+
+
+def _broadcast_from_first(obj, process_group):
+    if not _use_dist(process_group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group is not None else 0,
+                               group=process_group)
+    return box[0]
+
+
+def _is_first(process_group) -> bool:
+    return not _use_dist(process_group) or dist.get_rank(process_group) == 0
+
+
+def _listed(items: Sequence[str]) -> str:
+    items = list(items)
+    more = f" (and {len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
+    return ", ".join(items[:_MAX_LISTED]) + more
+
+
+def _dcp_failure(exc: CheckpointException, directory: str) -> CheckpointingError:
+    failures = getattr(exc, "failures", {}) or {}
+    reasons = []
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        reasons.append(f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}")
+    return CheckpointingError(f"checkpoint {directory}: " + ("; ".join(reasons[:_MAX_LISTED]) or str(exc)))
+
+
+# ---------------------------------------------------------------------------------- save / load
+def save(sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_group=None,
+         thread_count: int = 1) -> None:
+    """Write every non-replica chunk of ``sharded_state_dict`` (a collective over ``process_group``,
+    default the world) into ``directory`` as DCP files. Does not write metadata.json."""
+    os.makedirs(directory, exist_ok=True)
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
+                              overwrite=True)
+    no_dist = not _use_dist(process_group)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(sharded_state_dict, storage_writer=writer, planner=ShardedSavePlanner(),
+                     process_group=process_group, no_dist=no_dist)
+    except CheckpointException as exc:
+        for failure in (getattr(exc, "failures", {}) or {}).values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, ShardingError):
+                raise CheckpointingError(str(inner)) from None
+        raise _dcp_failure(exc, directory) from None
+    except ShardingError as exc:
+        raise CheckpointingError(str(exc)) from None
+
+
+def check_complete(directory: str) -> None:
+    """Raise unless ``directory`` is a finished torch_dist checkpoint (metadata.json present)."""
+    if not os.path.isdir(directory):
+        raise CheckpointingError(f"checkpoint directory {directory} does not exist")
+    meta = read_metadata_json(directory)
+    if meta is None:
+        raise CheckpointingError(f"{directory} has no {METADATA_FILE}: the save that wrote it did not finish "
+                                 "(or it is not a torch_dist checkpoint)")
+    if meta.get("sharded_backend") != SHARDED_BACKEND:
+        raise CheckpointingError(f"{os.path.join(directory, METADATA_FILE)} names backend "
+                                 f"{meta.get('sharded_backend')!r}; only {SHARDED_BACKEND!r} can be read")
+
+
+def load(sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_group=None,
+         strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+         counts_as_unexpected: Optional[Callable[[str], bool]] = None) -> LoadResult:
+    """Read the chunks every rank holds from ``directory`` into the local tensors, in place (a
+    collective over ``process_group``, default the world).
+
+    Shape mismatches are always an error; missing and unexpected keys follow ``strictness``
+    (``counts_as_unexpected(key)`` narrows which checkpoint keys may be unexpected, e.g. not the
+    optimizer state when the optimizer is not being loaded). Every rank raises the same
+    :class:`CheckpointingError`, listing the first mismatches, or none does.
+    """
+    problem = None
+    if _is_first(process_group):
+        try:
+            check_complete(directory)
+            files = check_storage_files(directory, read_dcp_metadata(directory))
+            if files:
+                problem = f"checkpoint {directory} is damaged: " + "; ".join(files[:_MAX_LISTED])
+        except CheckpointingError as exc:
+            problem = str(exc)
+    problem = _broadcast_from_first(problem, process_group)
+    if problem:
+        raise CheckpointingError(problem)
+
+    shapes = tensor_shapes(read_dcp_metadata(directory))
+    local_missing = sorted(k for k in sharded_state_dict if k not in shapes)
+    local_bad_shapes = [f"{k}: checkpoint {shapes[k][0]} vs model {tuple(v.global_shape)}"
+                        for k, v in sharded_state_dict.items()
+                        if k in shapes and tuple(shapes[k][0]) != tuple(v.global_shape)]
+    gathered = _all_gather_object((sorted(sharded_state_dict), local_missing, local_bad_shapes), process_group)
+    requested = set()
+    missing, bad_shapes = set(), []
+    for keys, miss, bad in gathered:
+        requested.update(keys)
+        missing.update(miss)
+        bad_shapes.extend(b for b in bad if b not in bad_shapes)
+    unexpected = []
+    if strictness.checks_unexpected:
+        unexpected = sorted(k for k in shapes if k not in requested
+                            and (counts_as_unexpected is None or counts_as_unexpected(k)))
+
+    problems = []
+    if bad_shapes:
+        problems.append("shape mismatches: " + _listed(sorted(bad_shapes)))
+    if missing and not strictness.tolerates_missing:
+        problems.append("missing in checkpoint: " + _listed(sorted(missing)))
+    if unexpected and strictness.raises_unexpected:
+        problems.append("unexpected in checkpoint: " + _listed(unexpected))
+    if problems:
+        raise CheckpointingError(f"checkpoint {directory} does not fit this model ({' | '.join(problems)})")
+
+    to_read = {k: v for k, v in sharded_state_dict.items() if k not in missing}
+    no_dist = not _use_dist(process_group)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(to_read, storage_reader=_SafeFileSystemReader(directory), planner=ShardedLoadPlanner(),
+                     process_group=process_group, no_dist=no_dist)
+    except CheckpointException as exc:
+        raise _dcp_failure(exc, directory) from None
+    return LoadResult(missing=sorted(missing), unexpected=unexpected)

@@ -1,0 +1,388 @@
+"""Distributed optimizer (ZeRO-1): each DP rank keeps fp32 main params and optimizer state only for
+its contiguous 1/DP slice of every gradient bucket.
+
+One step: the DDP wrapper has reduce-scattered the gradients (each rank holds the reduced
+gradient of its slice); the slice's gradient is unscaled and checked for inf/NaN (fp16), its norm
+is summed over DP and the model-parallel group and clipped; the inner torch optimizer updates the
+slice's main params; the slice is copied into the model's flat param buffer (rounded to bf16/fp16
+when the model is half precision) and the DDP wrapper all-gathers the slices so that every rank
+again holds all params (with --overlap-param-gather: launched here, waited for by the next
+forward, bucket by bucket).
+
+For fp32 model params the "main param" is a view of the model param's slice: no copy is kept.
+
+Checkpoints (Megatron's torch format): :meth:`state_dict` holds the param groups (with the step
+count) and the grad scaler, without per-param state; the per-param state lives in
+``distrib_optim.pt``: :meth:`get_parameter_state_dp_zero` gathers, per buffer and bucket, the flat
+fp32 ``param``, ``exp_avg`` and ``exp_avg_sq`` (without the bucket's end padding, which depends on
+DP) on DP rank 0; :meth:`load_parameter_state_from_dp_zero` re-shards it for the current DP size.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.tensor_parallel import collectives
+
+from .clip_grads import param_is_counted_once, sum_of_powered_norms
+from .grad_scaler import MegatronGradScaler
+from .optimizer import _PARALLEL_ATTRS, MegatronOptimizer
+from .optimizer_config import OptimizerConfig
+
+_STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+class _ShardRange:
+    """The part of one model param that this rank owns."""
+
+    def __init__(self, model_param, bucket, param_start: int, param_end: int, buffer_start: int):
+        self.model_param = model_param
+        self.bucket = bucket
+        self.param_start = param_start
+        """[param_start, param_end): range in the flattened param."""
+        self.param_end = param_end
+        self.buffer_start = buffer_start
+        """Where the range starts in the flat buffer."""
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
+
+    def grad(self) -> torch.Tensor:
+        buf = self.bucket.buffer.grad_data
+        return buf[self.buffer_start:self.buffer_start + self.numel]
+
+    def model_slice(self) -> torch.Tensor:
+        return self.model_param.detach().view(-1)[self.param_start:self.param_end]
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """Sharded main params and optimizer state over the data-parallel group of the DDP chunks."""
+
+    def __init__(self, optimizer_cls, optimizer_kwargs: Dict[str, Any], param_groups: List[Dict[str, Any]],
+                 config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler],
+                 model_chunks: Sequence[torch.nn.Module], model_parallel_group=None, tp_rank: int = 0):
+        if config.fp16 and grad_scaler is None:
+            raise ValueError("fp16 training needs a grad scaler (dynamic or --loss-scale)")
+        for chunk in model_chunks:
+            ddp_config = getattr(chunk, "config", None)
+            if not hasattr(chunk, "buffers") or not getattr(ddp_config, "use_distributed_optimizer", False):
+                raise ValueError("--use-distributed-optimizer needs the model chunks wrapped in "
+                                 "DistributedDataParallel built with use_distributed_optimizer=True")
+        self.model_chunks = list(model_chunks)
+        self.grad_scaler = grad_scaler
+        self.optimizer_name = "adam" if issubclass(optimizer_cls, torch.optim.AdamW) else "sgd"
+        self.data_parallel_group = self.model_chunks[0].data_parallel_group
+        self.dp_size = collectives.group_size(self.data_parallel_group)
+        self.dp_rank = collectives.group_rank(self.data_parallel_group)
+        # All (chunk, buffer) pairs in order: Megatron's gbuf index.
+        self.buffers = [buffer for chunk in self.model_chunks for buffer in chunk.buffers]
+
+        # Which slice of which param this rank owns.
+        self.shard_ranges: Dict[torch.nn.Parameter, _ShardRange] = {}
+        for buffer in self.buffers:
+            for bucket in buffer.buckets:
+                own_start, own_end = bucket.shard_range(self.dp_rank)
+                own_start += bucket.offset
+                own_end += bucket.offset
+                for param in bucket.params:
+                    p_start, p_end, _ = buffer.param_index_map[param]
+                    lo, hi = max(p_start, own_start), min(p_end, own_end)
+                    if lo < hi:
+                        self.shard_ranges[param] = _ShardRange(param, bucket, lo - p_start, hi - p_start, lo)
+
+        # Main params: fp32 clones of owned slices of half params, views of fp32 params' slices.
+        self.main_params: Dict[torch.nn.Parameter, torch.Tensor] = {}
+        self.model_params_of_group: List[List[torch.nn.Parameter]] = []
+        groups = []
+        for group in param_groups:
+            owned = [p for p in group["params"] if p in self.shard_ranges]
+            mains = []
+            for p in owned:
+                rng = self.shard_ranges[p]
+                if p.dtype == torch.float32:
+                    main = rng.model_slice()
+                elif p.dtype in (torch.float16, torch.bfloat16):
+                    main = rng.model_slice().clone().float()
+                else:
+                    raise ValueError(f"unsupported param dtype {p.dtype} for the distributed optimizer")
+                for attr in _PARALLEL_ATTRS:
+                    if hasattr(p, attr):
+                        setattr(main, attr, getattr(p, attr))
+                self.main_params[p] = main
+                mains.append(main)
+            self.model_params_of_group.append(owned)
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mains})
+        inner = optimizer_cls(groups, **optimizer_kwargs)
+        self.num_inner_steps = 0
+        super().__init__(inner, config, model_parallel_group, tp_rank)
+        device = self.buffers[0].grad_data.device if self.buffers else self._device
+        self._device = device
+        self._scale_one = torch.tensor([1.0], dtype=torch.float32, device=device)
+        self.found_inf = torch.tensor([0.0], dtype=torch.float32, device=device)
+
+    # ------------------------------------------------------------------ collectives over DP + MP
+    def _reduce_groups(self):
+        groups = []
+        if self.dp_size > 1:
+            groups.append(self.data_parallel_group)
+        if self.model_parallel_group is not None and collectives.group_size(self.model_parallel_group) > 1:
+            groups.append(self.model_parallel_group)
+        return groups
+
+    def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        for group in self._reduce_groups():
+            dist.all_reduce(tensor, op=op, group=group)
+        return tensor
+
+    # ------------------------------------------------------------------ grads
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for main in self.main_params.values():
+            main.grad = None
+
+    def _main_params_in_order(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+        return [(p, m) for owned in self.model_params_of_group for p in owned for m in (self.main_params[p],)]
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for param, main in self._main_params_in_order():
+            grad = self.shard_ranges[param].grad()
+            main.grad = grad if grad.dtype == torch.float32 else grad.float()
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        return [m.grad for _, m in self._main_params_in_order() if m.grad is not None]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        return [m.grad for p, m in self._main_params_in_order()
+                if m.grad is not None and param_is_counted_once(p, self.tp_rank)]
+
+    def get_grad_norm(self) -> float:
+        grads = self.get_main_grads_for_grad_norm()
+        total = sum_of_powered_norms(grads, 2.0, self._device).reshape(1)
+        self._all_reduce(total)
+        return float(total.item()) ** 0.5
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = self.get_grad_norm()
+        coeff = float(clip_grad) / (grad_norm + 1.0e-6)
+        grads = self._main_grads()
+        if coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, coeff)
+        return grad_norm
+
+    def count_zeros(self) -> int:
+        total = torch.zeros(1, dtype=torch.float64, device=self._device)
+        for p, m in self._main_params_in_order():
+            if m.grad is not None and param_is_counted_once(p, self.tp_rank):
+                total += m.grad.numel() - torch.count_nonzero(m.grad)
+        self._all_reduce(total)
+        return int(total.item())
+
+    def _unscale_main_grads_and_check_for_nan(self) -> bool:
+        grads = self._main_grads()
+        self.found_inf.fill_(0.0)
+        inv_scale = self.grad_scaler.inv_scale.to(self.found_inf.device)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+        self._all_reduce(self.found_inf, op=dist.ReduceOp.MAX)
+        return bool(self.found_inf.item() > 0)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        for param, main in self._main_params_in_order():
+            if param.dtype != torch.float32:
+                self.shard_ranges[param].model_slice().copy_(main)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main slices from the (freshly loaded) model params."""
+        self._finish_param_gathers()
+        for param, main in self._main_params_in_order():
+            if param.dtype != torch.float32:
+                main.copy_(self.shard_ranges[param].model_slice())
+
+    def _gather_model_params(self, force_sync: bool = False) -> None:
+        """All-gather the updated slices; with --overlap-param-gather (and not ``force_sync``)
+        the gathers are only launched and the next forward waits for them bucket by bucket."""
+        timer = self._start("params-all-gather")
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=force_sync)
+        timer.stop()
+
+    def _finish_param_gathers(self) -> None:
+        for chunk in self.model_chunks:
+            chunk.finish_param_sync()
+
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        # A forward normally waited for last step's gathers; never write a slice still being gathered.
+        self._finish_param_gathers()
+        timer = self._start("optimizer-copy-to-main-grad")
+        self._copy_model_grads_to_main_grads()
+        timer.stop()
+        if self.grad_scaler is not None:
+            timer = self._start("optimizer-unscale-and-check-inf")
+            found_inf = self._unscale_main_grads_and_check_for_nan()
+            timer.stop()
+            if found_inf:
+                self.grad_scaler.update(True)
+                self.zero_grad()
+                return False, None, None
+        grad_norm, num_zeros = self._clip_count_and_step()
+        self.num_inner_steps += 1
+        timer = self._start("optimizer-copy-main-to-model-params")
+        self._copy_main_params_to_model_params()
+        timer.stop()
+        self._gather_model_params()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(False)
+        self.zero_grad()
+        return True, grad_norm, num_zeros
+
+    # ------------------------------------------------------------------ memory accounting
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank holds for fp32 main params (copies only) and optimizer state."""
+        total = 0
+        for param, main in self._main_params_in_order():
+            if param.dtype != torch.float32:
+                total += main.numel() * main.element_size()
+            for value in self.optimizer.state.get(main, {}).values():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    total += value.numel() * value.element_size()
+        return total
+
+    # ------------------------------------------------------------------ checkpointing: model_optim_rng.pt
+    def state_dict(self) -> Dict[str, Any]:
+        inner = self.optimizer.state_dict()
+        groups = []
+        for group in inner["param_groups"]:
+            group = {k: v for k, v in group.items() if k != "params"}
+            group["step"] = self.num_inner_steps
+            groups.append(group)
+        state = {"optimizer": {"param_groups": groups}}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        saved = state_dict.get("optimizer", {}).get("param_groups")
+        if saved is None:
+            raise ValueError("distributed optimizer checkpoint has no 'optimizer'/'param_groups' entry "
+                             "(was it saved without --use-distributed-optimizer?)")
+        if len(saved) != len(self.optimizer.param_groups):
+            raise ValueError(f"optimizer checkpoint has {len(saved)} param groups, this model has "
+                             f"{len(self.optimizer.param_groups)}")
+        keep = ("params", "wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel", "max_lr", "min_lr")
+        for group, saved_group in zip(self.optimizer.param_groups, saved):
+            for key, value in saved_group.items():
+                if key not in keep and key != "step":
+                    group[key] = value
+        self.num_inner_steps = int(saved[0].get("step", 0)) if saved else 0
+        for main in self.main_params.values():
+            if "step" in self.optimizer.state.get(main, {}):
+                self.optimizer.state[main]["step"] = torch.tensor(float(self.num_inner_steps))
+        if "grad_scaler" in state_dict and self.grad_scaler is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    # ------------------------------------------------------------------ checkpointing: distrib_optim.pt
+    def _state_keys(self) -> Tuple[str, ...]:
+        return ("param",) + _STATE_KEYS[self.optimizer_name]
+
+    def _local_shard(self, bucket, key: str) -> torch.Tensor:
+        """This rank's slice of ``bucket`` for one state key (fp32, zeros in padding)."""
+        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_data.device)
+        own_start = bucket.offset + bucket.shard_range(self.dp_rank)[0]
+        for param in bucket.params:
+            rng = self.shard_ranges.get(param)
+            if rng is None:
+                continue
+            main = self.main_params[param]
+            value = main if key == "param" else self.optimizer.state.get(main, {}).get(key)
+            if value is None:
+                continue
+            start = rng.buffer_start - own_start
+            shard[start:start + rng.numel].copy_(value.detach().view(-1))
+        return shard
+
+    def get_parameter_state_dp_zero(self) -> Optional[Dict[Any, Any]]:
+        """Gather the per-param state to DP rank 0 (a collective over DP: call it on every rank).
+
+        Returns, on DP rank 0, ``{gbuf_idx: {(param_dtype, grad_dtype): {key: [flat fp32 tensor per
+        bucket, without end padding]}}, 'per_bucket_numel': ..., 'per_bucket_numel_unpadded': ...}``
+        with keys ``param``, ``exp_avg``, ``exp_avg_sq`` (adam); None on the other ranks.
+        """
+        is_root = self.dp_rank == 0
+        state: Dict[Any, Any] = {
+            "per_bucket_numel": [{(b.param_dtype, b.grad_dtype): [k.numel for k in b.buckets]} for b in self.buffers],
+            "per_bucket_numel_unpadded": [{(b.param_dtype, b.grad_dtype): [k.numel_unpadded for k in b.buckets]}
+                                          for b in self.buffers],
+        }
+        for gbuf_idx, buffer in enumerate(self.buffers):
+            tensors: Dict[str, List[torch.Tensor]] = {key: [] for key in self._state_keys()}
+            for bucket in buffer.buckets:
+                for key in self._state_keys():
+                    shard = self._local_shard(bucket, key)
+                    full = torch.empty(bucket.numel, dtype=torch.float32, device=shard.device)
+                    collectives.all_gather_into_tensor(full, shard, self.data_parallel_group)
+                    if is_root:
+                        tensors[key].append(full[:bucket.numel_unpadded].cpu())
+            state[gbuf_idx] = {(buffer.param_dtype, buffer.grad_dtype): tensors}
+        return state if is_root else None
+
+    @torch.no_grad()
+    def load_parameter_state_from_dp_zero(self, state: Optional[Dict[Any, Any]]) -> None:
+        """Load what :meth:`get_parameter_state_dp_zero` returned (needed on DP rank 0 only; a
+        collective over DP), re-sharded for this DP size."""
+        for gbuf_idx, buffer in enumerate(self.buffers):
+            dtype_key = (buffer.param_dtype, buffer.grad_dtype)
+            for b, bucket in enumerate(buffer.buckets):
+                for key in self._state_keys():
+                    full = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.grad_data.device)
+                    problem = torch.zeros(1, dtype=torch.float32, device=full.device)
+                    message = ""
+                    if self.dp_rank == 0:
+                        try:
+                            saved = state[gbuf_idx][dtype_key][key][b]
+                            if saved.numel() != bucket.numel_unpadded:
+                                raise ValueError(f"bucket {b} of buffer {gbuf_idx} holds {saved.numel()} "
+                                                 f"elements, this model's has {bucket.numel_unpadded}")
+                            full[:bucket.numel_unpadded].copy_(saved)
+                        except (KeyError, IndexError, TypeError, ValueError) as exc:
+                            problem.fill_(1.0)
+                            message = f"{type(exc).__name__}: {exc}"
+                    if self.dp_size > 1:
+                        dist.all_reduce(problem, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+                    if problem.item() > 0:
+                        raise ValueError("distrib_optim.pt does not match this model's buffers/buckets "
+                                         f"(state key {key!r}) {message}".rstrip())
+                    collectives.broadcast(full, 0, self.data_parallel_group)
+                    for param in bucket.params:
+                        rng = self.shard_ranges.get(param)
+                        if rng is None:
+                            continue
+                        start = rng.buffer_start - bucket.offset
+                        values = full[start:start + rng.numel]
+                        main = self.main_params[param]
+                        if key == "param":
+                            main.view(-1).copy_(values)
+                        else:
+                            st = self.optimizer.state.setdefault(main, {})
+                            st[key] = values.clone().view_as(main)
+                            st.setdefault("step", torch.tensor(float(self.num_inner_steps)))
+        self._copy_main_params_to_model_params()
+        self._gather_model_params(force_sync=True)
+
+    def save_parameter_state(self, filename: str) -> None:
+        """Gather the parameter state and write it to ``filename`` on DP rank 0."""
+        state = self.get_parameter_state_dp_zero()
+        if state is not None:
+            torch.save(state, filename)
+
+    def load_parameter_state(self, filename: str) -> None:
+        """Read ``filename`` on DP rank 0 and re-shard it over DP."""
+        state = torch.load(filename, map_location="cpu", weights_only=True) if self.dp_rank == 0 else None
+        self.load_parameter_state_from_dp_zero(state)

@@ -1,0 +1,322 @@
+"""Checkpoints in Megatron's ``torch_dist`` format: the training side.
+
+Layout: ``<save>/iter_0000100/`` with DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` (model
+and optimizer tensors under global names, readable at any TP/PP/DP/CP layout, with or without
+virtual stages or the distributed optimizer), ``common.pt`` (args, iteration, scheduler,
+optimizer hyperparameters and grad scaler, every rank's RNG state; read with
+``weights_only=True``) and ``metadata.json``.
+
+Crash safety: every rank writes into ``iter_XXXXXXX.tmp``; once all have finished, rank 0 writes
+metadata.json there, renames the directory to ``iter_XXXXXXX`` and only then moves the tracker.
+A save interrupted at any point leaves the previous checkpoint (and the tracker pointing at it)
+intact; a directory without metadata.json is never loaded.
+
+``--async-save``: the tensors are copied to CPU and written by a background thread on a
+dedicated gloo group; the save is committed (metadata.json, rename, tracker) by
+:func:`maybe_finalize_async_save`, which the training loop calls every iteration (it commits
+once every rank's writer is done), before the next save and at exit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing.async_save import AsyncSave
+from megatron.core.dist_checkpointing.optimizer_state import STATE_PREFIX, is_distributed, load_optimizer_common_state
+
+from . import global_vars
+from .checkpointing import (
+    CHECKPOINT_VERSION,
+    CheckpointError,
+    _barrier,
+    _checkpoint_args,
+    _rng_state,
+    _set_rng_state,
+    _unwrap,
+    checkpoint_dir,
+    commit_tracker,
+)
+from .utils import get_device, get_rank, print_rank_0
+
+TMP_SUFFIX = ".tmp"
+_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
+               "max_position_embeddings", "num_query_groups", "kv_channels", "swiglu",
+               "untie_embeddings_and_output_weights", "add_bias_linear", "normalization")
+
+
+class _AsyncState:
+    """The save being written in the background (at most one) and its process group."""
+
+    pending: Optional[dict] = None
+    group = None
+    world = None
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _layout(state, num_chunks: int) -> dict:
+    return {"tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
+            "virtual_pipeline_model_parallel_size": num_chunks if num_chunks > 1 else None,
+            "context_parallel_size": state.get_context_parallel_world_size(),
+            "data_parallel_size": state.get_data_parallel_world_size()}
+
+
+def _coordinates(state) -> tuple:
+    return (state.get_pipeline_model_parallel_rank(), state.get_tensor_model_parallel_rank(),
+            state.get_data_parallel_rank(), state.get_context_parallel_rank())
+
+
+def _all_gather_object(obj) -> list:
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _sharded_model(model, state):
+    chunks = [_unwrap(c) for c in (model if isinstance(model, list) else [model])]
+    entries, by_param = dc.model_sharded_state_dict(chunks, state.get_tensor_model_parallel_rank(),
+                                                    state.get_tensor_model_parallel_world_size())
+    return chunks, entries, by_param
+
+
+def _merged_optimizer_common(optimizer) -> dict:
+    """The optimizer's common state with the param groups of every rank (pipeline stages may hold
+    groups that rank 0 lacks, e.g. a decoupled LR for the output layer)."""
+    common = dc.optimizer_common_state(optimizer)
+    groups, seen = [], set()
+    for other in _all_gather_object(common["param_groups"]):
+        for group in other:
+            signature = tuple(group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"))
+            if signature not in seen:
+                seen.add(signature)
+                groups.append(group)
+    common["param_groups"] = groups
+    return common
+
+
+# ---------------------------------------------------------------------------------- save
+def save_checkpoint_dist(iteration: int, model, optimizer, opt_param_scheduler, flops: float) -> None:
+    """Write ``<save>/iter_XXXXXXX`` in torch_dist format (collective over all ranks)."""
+    args = global_vars.get_args()
+    state = global_vars.get_parallel_state()
+    maybe_finalize_async_save(blocking=True)
+    save_dir = args.save
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format"
+                 + (" (asynchronously)" if args.async_save else ""))
+    chunks, entries, by_param = _sharded_model(model, state)
+    save_optim = not args.no_save_optim and optimizer is not None
+    optim_entries: Dict[str, dc.ShardedTensor] = {}
+    if save_optim:
+        optim_entries = dc.optimizer_sharded_state_dict(optimizer, by_param)
+    # Model weights (and the optimizer state of a non-distributed optimizer) are replicated over
+    # DP x CP: one replica saves each of them.
+    over_dp = dict(entries)
+    if save_optim and not is_distributed(optimizer):
+        over_dp.update(optim_entries)
+    dc.spread_writes(over_dp, state.get_data_parallel_rank(with_context_parallel=True),
+                     state.get_data_parallel_world_size(with_context_parallel=True),
+                     fully_parallel=getattr(args, "ckpt_fully_parallel_save", True))
+    sharded = {**entries, **optim_entries}
+
+    rng = None
+    if not args.no_save_rng:
+        rng = _all_gather_object({"coordinates": _coordinates(state), "state": _rng_state(global_vars.get_rng_tracker())})
+    optim_common = _merged_optimizer_common(optimizer) if save_optim else None
+    final_dir = checkpoint_dir(save_dir, iteration)
+    work_dir = final_dir + TMP_SUFFIX
+    if get_rank() == 0:
+        common = {"args": _checkpoint_args(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                  "num_floating_point_operations_so_far": float(flops),
+                  "parallel_layout": _layout(state, len(chunks))}
+        if save_optim:
+            common["optimizer"] = optim_common
+            if opt_param_scheduler is not None:
+                common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+        if rng is not None:
+            common["rng_state"] = rng
+        if os.path.isdir(work_dir):
+            shutil.rmtree(work_dir)  # left by an interrupted save of the same iteration
+        os.makedirs(work_dir)
+        dc.save_common(common, work_dir)
+    _barrier()
+
+    if args.async_save:
+        request = AsyncSave(sharded, work_dir, process_group=_async_group())
+        _AsyncState.pending = {"request": request, "iteration": iteration, "save_dir": save_dir}
+        return
+    try:
+        dc.save(sharded, work_dir)
+    except dc.CheckpointingError as exc:
+        raise CheckpointError(str(exc)) from None
+    _commit(save_dir, iteration)
+
+
+def _async_group():
+    # The writer thread's collectives must not interleave with the training thread's on the
+    # same group, so async saves get their own gloo group (created once, by every rank).
+    if not dist.is_initialized():
+        return None
+    if _AsyncState.group is None or _AsyncState.world is not dist.group.WORLD:
+        _AsyncState.group = dist.new_group(backend="gloo")
+        _AsyncState.world = dist.group.WORLD  # a new torch.distributed world needs a new group
+    return _AsyncState.group
+
+
+def _commit(save_dir: str, iteration: int) -> None:
+    """Every rank has written its part: mark the checkpoint complete and move the tracker."""
+    from .checkpointing import remove_unretained
+    _barrier()
+    final_dir = checkpoint_dir(save_dir, iteration)
+    work_dir = final_dir + TMP_SUFFIX
+    if get_rank() == 0:
+        dc.write_metadata_json(work_dir)
+        old = None
+        if os.path.isdir(final_dir):
+            old = final_dir + ".old"
+            if os.path.isdir(old):
+                shutil.rmtree(old)
+            os.replace(final_dir, old)
+        os.replace(work_dir, final_dir)
+        commit_tracker(save_dir, iteration)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    state = global_vars.get_parallel_state()
+    print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]".format(
+        iteration, save_dir, state.get_tensor_model_parallel_rank() + 1, state.get_tensor_model_parallel_world_size(),
+        state.get_pipeline_model_parallel_rank() + 1, state.get_pipeline_model_parallel_world_size()))
+    remove_unretained(global_vars.get_args(), save_dir, iteration)
+
+
+def maybe_finalize_async_save(blocking: bool = False) -> bool:
+    """Commit the background save once every rank's writer has finished (collective while a
+    save is pending). Returns True when nothing is pending any more."""
+    pending = _AsyncState.pending
+    if pending is None:
+        return True
+    request: AsyncSave = pending["request"]
+    if not blocking:
+        done = torch.tensor([1 if request.done() else 0], dtype=torch.int32, device=get_device())
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if not done.item():
+            return False
+    error = None
+    try:
+        request.wait()
+    except BaseException as exc:  # report on every rank below, never hang the others
+        error = exc
+    failed = torch.tensor([1 if error is not None else 0], dtype=torch.int32, device=get_device())
+    if dist.is_initialized():
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    _AsyncState.pending = None
+    if failed.item():
+        reason = f"{type(error).__name__}: {error}" if error is not None else "another rank's writer failed"
+        raise CheckpointError(f"asynchronous save of iteration {pending['iteration']} to "
+                              f"{pending['save_dir']} failed ({reason}); the previous checkpoint is kept")
+    _commit(pending["save_dir"], pending["iteration"])
+    return True
+
+
+# ---------------------------------------------------------------------------------- load
+def _args_hint(ckpt_args, args) -> str:
+    diffs = []
+    for name in _MODEL_ARGS:
+        theirs, ours = getattr(ckpt_args, name, None), getattr(args, name, None)
+        if theirs is not None and ours is not None and theirs != ours:
+            diffs.append(f"--{name.replace('_', '-')} {theirs} (this run: {ours})")
+    return f"; the checkpoint was saved with {', '.join(diffs)}" if diffs else ""
+
+
+def load_checkpoint_dist(model, optimizer, opt_param_scheduler, load_dir: str, iteration: int, release: bool):
+    """Load ``load_dir``'s checkpoint of ``iteration`` into this run's layout (collective).
+
+    Returns (iteration to resume from, flops so far, the checkpoint's args).
+    """
+    args = global_vars.get_args()
+    state = global_vars.get_parallel_state()
+    directory = checkpoint_dir(load_dir, iteration, release)
+    try:
+        dc.check_complete(directory)
+        common = dc.load_common(directory, safe_globals=[argparse.Namespace])
+        ckpt_keys = set(dc.tensor_shapes(dc.read_dcp_metadata(directory)))
+    except dc.CheckpointingError as exc:
+        raise CheckpointError(str(exc)) from None
+    ckpt_args = common.get("args")
+    chunks, entries, by_param = _sharded_model(model, state)
+
+    finetune = args.finetune or release
+    load_optim = not finetune and not args.no_load_optim and optimizer is not None
+    optim_load = None
+    if load_optim:
+        if "optimizer" not in common:
+            raise CheckpointError(f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim?); "
+                                  "pass --no-load-optim or --finetune")
+        optim_common = common["optimizer"]
+        load_optimizer_common_state(optimizer, optim_common)
+        if optim_common.get("has_state", True):
+            step = max([int(g.get("step", 0)) for g in optim_common.get("param_groups", [])] or [0])
+            optim_load = dc.OptimizerLoad(optimizer, by_param, lambda key: key in ckpt_keys, step)
+    targets = dict(entries)
+    if optim_load is not None:
+        targets.update(optim_load.targets)
+
+    strictness = dc.StrictHandling(getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
+    try:
+        result = dc.load(targets, directory, strictness=strictness,
+                         counts_as_unexpected=lambda key: load_optim or not key.startswith(STATE_PREFIX))
+    except dc.CheckpointingError as exc:
+        raise CheckpointError(str(exc) + (_args_hint(ckpt_args, args) if ckpt_args is not None else "")) from None
+    if strictness in (dc.StrictHandling.LOG_ALL, dc.StrictHandling.LOG_UNEXPECTED,
+                      dc.StrictHandling.RETURN_ALL, dc.StrictHandling.RETURN_UNEXPECTED):
+        if result.missing:
+            print_rank_0(f" > missing in checkpoint (kept their current values): {', '.join(result.missing)}")
+        if result.unexpected:
+            print_rank_0(f" > unexpected in checkpoint (not loaded): {', '.join(result.unexpected)}")
+
+    if optim_load is not None:
+        optim_load.finish()
+    elif optimizer is not None and hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # the fp32 main params follow the loaded weights
+    if load_optim and opt_param_scheduler is not None and "opt_param_scheduler" in common:
+        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+
+    if finetune:
+        iteration = 0
+    else:
+        iteration = int(common.get("iteration", iteration))
+        if ckpt_args is not None:
+            args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
+            args.skipped_train_samples = getattr(ckpt_args, "skipped_train_samples", 0)
+            args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
+        if not args.no_load_rng and "rng_state" in common:
+            _restore_rng(common, state, len(chunks))
+    _barrier()
+    return iteration, float(common.get("num_floating_point_operations_so_far", 0.0)), ckpt_args
+
+
+def _restore_rng(common: dict, state, num_chunks: int) -> None:
+    """This rank's RNG state when the checkpoint's TP and PP sizes equal this run's (Megatron's
+    rule: with another TP/PP layout no rank has a counterpart and the RNG is left as seeded)."""
+    saved = common.get("parallel_layout", {})
+    ours = _layout(state, num_chunks)
+    same = all(saved.get(k) == ours[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    if not same:
+        print_rank_0(" > RNG state not restored: the checkpoint was saved with TP={} PP={}, this run uses TP={} PP={}"
+                     .format(saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"),
+                             ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]))
+        return
+    pp, tp, dp, cp = _coordinates(state)
+    by_coordinates = {tuple(e["coordinates"]): e["state"] for e in common["rng_state"]}
+    chosen = by_coordinates.get((pp, tp, dp, cp)) or by_coordinates.get((pp, tp, dp, 0)) \
+        or by_coordinates.get((pp, tp, 0, 0))
+    if chosen is not None:
+        _set_rng_state(chosen, global_vars.get_rng_tracker())

@@ -1,0 +1,378 @@
+"""torch_dist checkpoints in one process: layout, exact resume, crash safety, bad input,
+strictness, async save, retention, format detection, --use-checkpoint-args.
+
+Multi-process resharding (TP/DP layouts) is in test_dist_checkpointing_parallel.py and,
+end to end, in tests/functional_tests/test_checkpoint_torch_dist.py.
+"""
+import argparse
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import serialization
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.parallel_state import initialize_model_parallel
+from megatron.core.tensor_parallel.layers import shard_of
+from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
+from megatron.core.timers import Timers
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.training import checkpointing, checkpointing_dist, global_vars
+
+
+def _args(tmp_path, **kw):
+    args = argparse.Namespace(
+        save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), ckpt_format="torch_dist", no_save_optim=False,
+        no_save_rng=False, no_load_optim=False, no_load_rng=False, finetune=False, exit_on_missing_checkpoint=False,
+        ckpt_step=None, consumed_train_samples=0, consumed_valid_samples=0, skipped_train_samples=0,
+        num_layers=2, hidden_size=8, params_dtype=torch.float32, rank=0, world_size=1, async_save=False,
+        dist_ckpt_strictness="assume_ok_unexpected", save_retain_interval=None, auto_detect_ckpt_format=False,
+        ckpt_convert_format=None, some_callable=print)
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def _model(seed, width=8, extra=None, dtype=torch.float32):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(8, width), torch.nn.LayerNorm(width), torch.nn.Linear(width, 2)]
+    if extra is not None:
+        layers = layers[:extra] if extra < len(layers) else layers + [torch.nn.Linear(2, 2)]
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def _setup(tmp_path, seed=0, dtype=torch.float32, model=None, **kw):
+    global_vars.reset_globals()
+    global_vars.set_args(_args(tmp_path, **kw))
+    global_vars.set_parallel_state(initialize_model_parallel())
+    global_vars.set_timers(Timers(0, "minmax"))
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_manual_seed(tracker, 1234)
+    global_vars.set_rng_tracker(tracker)
+    model = model if model is not None else _model(seed, dtype=dtype)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=dtype == torch.bfloat16), [model])
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
+                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                    wd_incr_steps=100, wd_incr_style="constant")
+    return model, opt, sched
+
+
+def _train(model, opt, sched, steps, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=g).to(dtype)
+        loss = torch.nn.functional.dropout(model(x).float(), 0.5).pow(2).mean()  # dropout uses the global RNG
+        loss.backward()
+        opt.step()
+        sched.step(4)
+        losses.append(loss.item())
+    return losses
+
+
+def _iter_dir(tmp_path, it):
+    return tmp_path / "ckpt" / f"iter_{it:07d}"
+
+
+# ------------------------------------------------------------------ sharding metadata
+def test_strided_tensor_parallel_shard_maps_to_global_blocks():
+    full = torch.arange(8 * 3).view(8, 3)
+    for rank in range(2):
+        local = shard_of(full, 0, rank, 2, stride=2)  # [gate_r; up_r] as the TP layers build it
+        entry = dc.tensor_parallel_sharded("w", local, 0, rank, 2, stride=2)
+        assert entry.global_shape == (8, 3)
+        for chunk in entry.chunks:
+            rows = slice(chunk.global_offset[0], chunk.global_offset[0] + chunk.shape[0])
+            assert torch.equal(entry.view(chunk), full[rows])
+    assert [c.global_offset for c in dc.tensor_parallel_sharded("w", local, 0, 1, 2, stride=2).chunks] == [(2, 0), (6, 0)]
+
+
+def test_global_names_of_a_later_pipeline_stage_with_tied_embeddings():
+    cfg = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True)
+    last = GPTModel(cfg, vocab_size=64, max_sequence_length=8, pre_process=False, post_process=True,
+                    share_embeddings_and_output_weights=True, num_layers=2, layer_number_offset=2)
+    entries, by_param = dc.model_sharded_state_dict([last])
+    layers = sorted({k.split(".")[2] for k in entries if k.startswith("decoder.layers.")})
+    assert layers == ["2", "3"]
+    assert "output_layer.weight" not in entries
+    tied = entries["embedding.word_embeddings.weight"]
+    assert tied.replica and tied.data.data_ptr() == last.output_layer.weight.data_ptr()
+    assert not entries["decoder.layers.3.mlp.linear_fc1.weight"].replica
+    assert by_param[id(last.decoder.layers[1].mlp.linear_fc1.weight)].key == "decoder.layers.3.mlp.linear_fc1.weight"
+
+
+@pytest.mark.parametrize("fully_parallel", [True, False])
+def test_each_replicated_entry_has_exactly_one_writer(fully_parallel):
+    def entries():
+        return {f"t{i}": dc.replicated(f"t{i}", torch.zeros(i + 1), replica=i == 3) for i in range(6)}
+    per_rank = []
+    for dp_rank in range(3):
+        e = entries()
+        dc.spread_writes(e, dp_rank, 3, fully_parallel=fully_parallel)
+        per_rank.append({k for k, v in e.items() if not v.replica})
+    assert sorted(k for keys in per_rank for k in keys) == ["t0", "t1", "t2", "t4", "t5"]  # once each; t3 is a replica
+    if fully_parallel:
+        assert all(per_rank)  # the writes are spread over the replicas
+    else:
+        assert per_rank[1] == per_rank[2] == set()
+
+
+# ------------------------------------------------------------------ round trip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
+def test_round_trip_resumes_exactly(tmp_path, dtype):
+    model, opt, sched = _setup(tmp_path, dtype=dtype)
+    _train(model, opt, sched, 3)
+    checkpointing.save_checkpoint(3, model, opt, sched, 12.5)
+    straight = _train(model, opt, sched, 3, seed=8)
+
+    directory = _iter_dir(tmp_path, 3)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert json.loads((directory / "metadata.json").read_text()) == {
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1}
+    assert {".metadata", "__0_0.distcp", "common.pt", "metadata.json"} == set(os.listdir(directory))
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(directory / "common.pt", weights_only=True)
+    assert common["iteration"] == 3 and common["num_floating_point_operations_so_far"] == 12.5
+    assert not hasattr(common["args"], "some_callable")
+    keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(directory))))
+    assert {"0.weight", "optimizer.state.exp_avg.0.weight", "optimizer.state.exp_avg_sq.2.bias"} <= keys
+    assert ("optimizer.state.fp32_param.0.weight" in keys) == (dtype == torch.bfloat16)
+
+    model2, opt2, sched2 = _setup(tmp_path, seed=99, dtype=dtype)
+    torch.manual_seed(12345)  # the checkpoint must restore the RNG
+    assert checkpointing.load_checkpoint(model2, opt2, sched2) == (3, 12.5)
+    assert _train(model2, opt2, sched2, 3, seed=8) == straight
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_torch_format_still_works_and_formats_are_told_apart(tmp_path):
+    model, opt, sched = _setup(tmp_path, ckpt_format="torch")
+    checkpointing.save_checkpoint(2, model, opt, sched)
+    assert (_iter_dir(tmp_path, 2) / "mp_rank_00" / "model_optim_rng.pt").is_file()
+    assert checkpointing.detect_checkpoint_format(str(_iter_dir(tmp_path, 2))) == "torch"
+    model2, opt2, sched2 = _setup(tmp_path, seed=4)  # --ckpt-format torch_dist
+    with pytest.raises(checkpointing.CheckpointError) as err:
+        checkpointing.load_checkpoint(model2, opt2, sched2)
+    assert "is a torch-format checkpoint but --ckpt-format is torch_dist" in str(err.value)
+    assert "--auto-detect-ckpt-format" in str(err.value)
+    global_vars.get_args().auto_detect_ckpt_format = True
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 2
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+# ------------------------------------------------------------------ crash safety and bad input
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 1)
+    checkpointing.save_checkpoint(1, model, opt, sched)
+    saved = [p.detach().clone() for p in model.parameters()]
+    real_save = serialization.dcp.save
+
+    def crash(*a, **k):
+        real_save(*a, **k)
+        raise KeyboardInterrupt("killed after writing the data files")
+    monkeypatch.setattr(serialization.dcp, "save", crash)
+    _train(model, opt, sched, 1)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointing.save_checkpoint(2, model, opt, sched)
+    monkeypatch.setattr(serialization.dcp, "save", real_save)
+
+    root = tmp_path / "ckpt"
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert not _iter_dir(tmp_path, 2).exists()
+    partial = root / "iter_0000002.tmp"
+    assert (partial / "__0_0.distcp").is_file() and not (partial / "metadata.json").exists()
+
+    model2, opt2, sched2 = _setup(tmp_path, seed=5)
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
+    assert all(torch.equal(a, b) for a, b in zip(saved, model2.parameters()))
+    global_vars.get_args().ckpt_step = 2
+    with pytest.raises(checkpointing.CheckpointError, match="iter_0000002 does not exist"):
+        checkpointing.load_checkpoint(model2, opt2, sched2)
+    # The next successful save clears the unfinished one.
+    global_vars.get_args().ckpt_step = None
+    checkpointing.save_checkpoint(3, model2, opt2, sched2)
+    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000003", "latest_checkpointed_iteration.txt"]
+
+
+@pytest.mark.parametrize("damage, words", [
+    ("no-metadata-json", ["iter_0000001 has no metadata.json", "did not finish"]),
+    ("no-data-file", ["__0_0.distcp is missing", "damaged"]),
+    ("truncated-data-file", ["__0_0.distcp is truncated"]),
+    ("no-common", ["common.pt is missing"]),
+    ("no-dcp-metadata", [".metadata is missing"]),
+])
+def test_damaged_checkpoint_names_the_file(tmp_path, damage, words):
+    model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 1)
+    checkpointing.save_checkpoint(1, model, opt, sched)
+    directory = _iter_dir(tmp_path, 1)
+    if damage == "no-metadata-json":
+        (directory / "metadata.json").unlink()
+    elif damage == "no-data-file":
+        (directory / "__0_0.distcp").unlink()
+    elif damage == "truncated-data-file":
+        data = (directory / "__0_0.distcp").read_bytes()
+        (directory / "__0_0.distcp").write_bytes(data[:len(data) // 2])
+    elif damage == "no-common":
+        (directory / "common.pt").unlink()
+    else:
+        (directory / ".metadata").unlink()
+    model2, opt2, sched2 = _setup(tmp_path, seed=5)
+    with pytest.raises(checkpointing.CheckpointError) as err:
+        checkpointing.load_checkpoint(model2, opt2, sched2)
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_checkpoint_of_another_model_lists_the_mismatches(tmp_path):
+    model, opt, sched = _setup(tmp_path)
+    checkpointing.save_checkpoint(1, model, opt, sched)
+    other, opt2, sched2 = _setup(tmp_path, model=_model(3, width=16), hidden_size=16)
+    with pytest.raises(checkpointing.CheckpointError) as err:
+        checkpointing.load_checkpoint(other, opt2, sched2)
+    msg = str(err.value)
+    assert "does not fit this model" in msg and "0.weight: checkpoint (8, 8) vs model (16, 8)" in msg
+    assert "--hidden-size 8 (this run: 16)" in msg
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path):
+    model, opt, sched = _setup(tmp_path)
+    checkpointing.save_checkpoint(1, model, opt, sched)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    (_iter_dir(tmp_path, 1) / ".metadata").write_bytes(pickle.dumps(Payload()))
+    model2, opt2, sched2 = _setup(tmp_path, seed=5)
+    with pytest.raises(checkpointing.CheckpointError, match="is not allowed in checkpoint metadata"):
+        checkpointing.load_checkpoint(model2, opt2, sched2)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------ --dist-ckpt-strictness
+def _load_with(tmp_path, strictness, extra):
+    model, _, _ = _setup(tmp_path, model=_model(5, extra=extra), dist_ckpt_strictness=strictness,
+                         no_load_optim=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    checkpointing.load_checkpoint(model, None, None)
+    return model, before
+
+
+def test_strictness_for_missing_and_unexpected_keys(tmp_path, capsys):
+    model, opt, sched = _setup(tmp_path)
+    checkpointing.save_checkpoint(1, model, opt, sched)
+    reference = dict(model.state_dict())
+
+    # The model has a layer the checkpoint lacks (missing keys).
+    for strictness in ("assume_ok_unexpected", "raise_all"):
+        with pytest.raises(checkpointing.CheckpointError, match=r"missing in checkpoint: 3\.bias, 3\.weight"):
+            _load_with(tmp_path, strictness, extra=4)
+    loaded, before = _load_with(tmp_path, "log_all", extra=4)
+    assert torch.equal(loaded[0].weight, reference["0.weight"]) and torch.equal(loaded[3].weight, before[-2])
+    assert "missing in checkpoint (kept their current values): 3.bias, 3.weight" in capsys.readouterr().out
+
+    # The checkpoint has a layer the model lacks (unexpected keys).
+    for strictness in ("raise_unexpected", "raise_all"):
+        with pytest.raises(checkpointing.CheckpointError, match=r"unexpected in checkpoint: 2\.bias, 2\.weight"):
+            _load_with(tmp_path, strictness, extra=2)
+    for strictness in ("assume_ok_unexpected", "log_unexpected", "ignore_all"):
+        loaded, _ = _load_with(tmp_path, strictness, extra=2)
+        assert torch.equal(loaded[0].weight, reference["0.weight"])
+    out = capsys.readouterr().out
+    assert out.count("unexpected in checkpoint (not loaded): 2.bias, 2.weight") == 1  # log_unexpected only
+
+
+# ------------------------------------------------------------------ --async-save
+def test_async_save_writes_the_state_of_its_iteration(tmp_path):
+    model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 2)
+    global_vars.get_args().save = str(tmp_path / "sync")
+    checkpointing.save_checkpoint(2, model, opt, sched)
+    args = global_vars.get_args()
+    args.save, args.async_save = str(tmp_path / "ckpt"), True
+    checkpointing.save_checkpoint(2, model, opt, sched)
+    with torch.no_grad():  # training goes on while the writer runs
+        for p in model.parameters():
+            p.add_(1.0)
+    assert checkpointing_dist.maybe_finalize_async_save(blocking=True)
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+    sync_dir, async_dir = str(tmp_path / "sync" / "iter_0000002"), str(_iter_dir(tmp_path, 2))
+    shapes = dc.tensor_shapes(dc.read_dcp_metadata(sync_dir))
+    assert shapes == dc.tensor_shapes(dc.read_dcp_metadata(async_dir))
+    for directory_pair in [(sync_dir, async_dir)]:
+        values = []
+        for directory in directory_pair:
+            targets = {k: dc.replicated(k, torch.empty(s, dtype=t)) for k, (s, t) in shapes.items()}
+            dc.load(targets, directory)
+            values.append(targets)
+        for key in shapes:
+            assert torch.equal(values[0][key].data, values[1][key].data), key
+    assert not torch.equal(values[1]["0.weight"].data, model[0].weight.detach())
+
+
+def test_async_staging_copies_every_written_chunk():
+    from megatron.core.dist_checkpointing.async_save import stage
+    full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    local = shard_of(full, 0, 1, 2, stride=2)
+    staged = stage({"w": dc.tensor_parallel_sharded("w", local, 0, 1, 2, stride=2),
+                    "r": dc.replicated("r", torch.ones(2), replica=True)})
+    assert list(staged) == ["w"]  # replicas are not written, so not copied
+    local.zero_()
+    chunks = staged["w"].chunks
+    assert [c.global_offset for c in chunks] == [(2, 0), (6, 0)]
+    for chunk in chunks:
+        rows = full[chunk.global_offset[0]:chunk.global_offset[0] + chunk.shape[0]]
+        assert torch.equal(staged["w"].view(chunk), rows)
+
+
+# ------------------------------------------------------------------ --save-retain-interval
+def test_retention_keeps_multiples_the_newest_and_the_tracked(tmp_path):
+    root = tmp_path / "ckpt"
+    for it in (2, 4, 6, 8, 10, 12):
+        (root / f"iter_{it:07d}").mkdir(parents=True)
+    (root / "iter_0000005.tmp").mkdir()
+    (root / "latest_checkpointed_iteration.txt").write_text("6")
+    args = argparse.Namespace(save_retain_interval=4)
+    checkpointing.remove_unretained(args, str(root), 10)
+    assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000006", "iter_0000008", "iter_0000010",
+                                        "iter_0000012", "latest_checkpointed_iteration.txt"]
+
+
+def test_save_with_retention_interval(tmp_path):
+    model, opt, sched = _setup(tmp_path, save_retain_interval=2)
+    for it in (1, 2, 3, 4, 5):
+        checkpointing.save_checkpoint(it, model, opt, sched)
+    assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004", "iter_0000005"]
+
+
+# ------------------------------------------------------------------ --use-checkpoint-args
+def test_use_checkpoint_args_reads_model_flags(tmp_path, capsys):
+    from megatron.training.arguments import parse_and_validate_args
+    directory = tmp_path / "ckpt" / "iter_0000007"
+    directory.mkdir(parents=True)
+    saved = argparse.Namespace(num_layers=6, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                               swiglu=True, seq_length=32, max_position_embeddings=64, kv_channels=16)
+    dc.save_common({"args": saved, "iteration": 7}, str(directory))
+    dc.write_metadata_json(str(directory))
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("7")
+    args = parse_and_validate_args(argv=[
+        "--use-checkpoint-args", "--load", str(tmp_path / "ckpt"), "--num-layers", "2",
+        "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.swiglu, args.ffn_hidden_size) == (
+        2, 64, 4, True, 256)
+    out = capsys.readouterr().out
+    assert "setting hidden_size to 64 from checkpoint" in out and "setting swiglu to True from checkpoint" in out
+    assert "keeping --num-layers 2 from the command line (the checkpoint has 6)" in out

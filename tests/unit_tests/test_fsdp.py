@@ -1,0 +1,192 @@
+"""FSDP2 (``TorchFullyShardedDataParallel``) on CPU/gloo against the one-process model.
+
+In a spawned world of 2 ranks (DP=2) every rank builds the one-process reference GPT and the same
+GPT sharded with ``fully_shard`` (each transformer layer, then the root). Three iterations of
+2 micro-batches (the first inside ``no_sync``) run on both: the reference on the whole global
+batch, each FSDP rank on its half. Checked:
+
+* each rank holds 1/DP of every parameter (the shards add up to the full parameter);
+* per iteration, the loss (averaged over DP) and the clipped gradient norm equal the reference's;
+* after the last step the gathered parameters equal the reference's (rel. error <= 1e-4: Adam
+  divides by sqrt(v), which magnifies the last-bit differences of sharded reductions);
+* the model-parallel attributes survive sharding, and per-token scaling reaches the shards.
+"""
+import torch
+
+from megatron.core.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.dist_utils import run_distributed
+
+VOCAB, SEQ, LAYERS = 64, 16, 2
+MICRO, PER_RANK = 2, 2  # micro-batches per iteration, sequences per rank and micro-batch
+RTOL = 1e-5        # losses and gradient norms
+PARAM_RTOL = 1e-4  # parameters after three Adam steps
+
+
+def _build():
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(1234)
+    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False)
+
+
+def _micro_batch(iteration, micro, world):
+    g = torch.Generator().manual_seed(100 * iteration + micro)
+    tokens = torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g)
+    return tokens, labels
+
+
+def _loss(model, tokens, labels):
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(tokens.shape[0], SEQ)
+    return model(tokens, position_ids, None, labels=labels).mean() / MICRO
+
+
+def _rel_err(actual, expected):
+    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+
+
+def _worker(rank, world):
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    torch.set_num_threads(1)
+    state = initialize_model_parallel()
+    opt_config = OptimizerConfig(lr=1e-2, clip_grad=0.5, weight_decay=0.1)
+
+    ref = _build()
+    ref_opt = get_megatron_optimizer(opt_config, [ref])
+    module = _build()
+    marked = {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", None) is not None}
+    fsdp = TorchFullyShardedDataParallel(DistributedDataParallelConfig(), module,
+                                         state.get_data_parallel_group(with_context_parallel=True))
+    opt = get_megatron_optimizer(opt_config, [fsdp.local_shards()], model_parallel_group=state.group("tp-dp-cp"))
+
+    ref_params = dict(ref.named_parameters())
+    for name, param in module.named_parameters():
+        assert name in marked and hasattr(param, "tensor_model_parallel"), name
+        local = param.to_local()
+        total = torch.tensor([local.numel()])
+        torch.distributed.all_reduce(total)
+        assert int(total) == ref_params[name].numel(), name
+        assert local.numel() <= -(-ref_params[name].shape[0] // world) * ref_params[name][0].numel(), name
+    assert len(fsdp.sharded_units) == LAYERS
+
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    for iteration in range(3):
+        ref_opt.zero_grad()
+        ref_loss = 0.0
+        for micro in range(MICRO):
+            tokens, labels = _micro_batch(iteration, micro, world)
+            loss = _loss(ref, tokens, labels)
+            loss.backward()
+            ref_loss += loss.item()
+        _, ref_norm, _ = ref_opt.step()
+
+        opt.zero_grad()
+        fsdp.zero_grad_buffer()
+        local_loss = torch.zeros(())
+        with fsdp.no_sync():
+            tokens, labels = _micro_batch(iteration, 0, world)
+            loss = _loss(fsdp, tokens[mine], labels[mine])
+            loss.backward()
+            local_loss += loss.detach()
+        tokens, labels = _micro_batch(iteration, 1, world)
+        loss = _loss(fsdp, tokens[mine], labels[mine])
+        loss.backward()
+        local_loss += loss.detach()
+        fsdp.finish_grad_sync()
+        torch.distributed.all_reduce(local_loss)
+        _, norm, _ = opt.step()
+        assert abs(local_loss.item() / world - ref_loss) <= RTOL * abs(ref_loss), (iteration, local_loss, ref_loss)
+        assert abs(norm - ref_norm) <= RTOL * ref_norm, (iteration, norm, ref_norm)
+
+    for name, param in module.named_parameters():
+        err = _rel_err(param.full_tensor().detach(), ref_params[name].detach())
+        assert err <= PARAM_RTOL, f"{name}: relative error {err:.2e}"
+
+    # Per-token loss scaling multiplies this rank's gradient shards.
+    shard = fsdp._shards[0][2].main_grad.clone()
+    fsdp.scale_gradients(0.5)
+    assert torch.equal(fsdp._shards[0][2].main_grad, shard * 0.5)
+    destroy_model_parallel(state)
+
+
+def test_fsdp2_dp2_matches_one_process_with_accumulation_and_clipping():
+    run_distributed(_worker, 2)
+
+
+def test_fsdp2_needs_torch_distributed_and_refuses_the_distributed_optimizer():
+    import pytest
+    with pytest.raises(ValueError, match="use-torch-fsdp2 needs torch.distributed"):
+        TorchFullyShardedDataParallel(DistributedDataParallelConfig(), _build())
+    with pytest.raises(ValueError, match="cannot be combined with --use-distributed-optimizer"):
+        TorchFullyShardedDataParallel(DistributedDataParallelConfig(use_distributed_optimizer=True), _build())
+
+
+# ------------------------------------------------------------------ flags
+_ARGV = ['--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4', '--max-position-embeddings',
+         '128', '--seq-length', '128', '--micro-batch-size', '2', '--train-iters', '10', '--lr', '1e-3',
+         '--mock-data', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '128']
+_FSDP2 = ['--use-torch-fsdp2', '--no-gradient-accumulation-fusion', '--untie-embeddings-and-output-weights']
+
+
+def _validate(monkeypatch, *extra, world_size=2):
+    from megatron.training.arguments import parse_args, validate_args
+    monkeypatch.setenv('WORLD_SIZE', str(world_size))
+    monkeypatch.setenv('RANK', '0')
+    monkeypatch.delenv('CUDA_DEVICE_MAX_CONNECTIONS', raising=False)
+    return validate_args(parse_args(argv=_ARGV + [str(a) for a in extra]))
+
+
+def _error(monkeypatch, *extra, world_size=2):
+    import pytest
+    from megatron.training.arguments import ArgumentValidationError
+    with pytest.raises(ArgumentValidationError) as info:
+        _validate(monkeypatch, *extra, world_size=world_size)
+    return str(info.value)
+
+
+def test_fsdp_flags_and_sharding_strategy_mapping(monkeypatch):
+    from megatron.training.training import uses_torch_fsdp2
+
+    args = _validate(monkeypatch, *_FSDP2)  # default --ckpt-format torch_dist
+    assert uses_torch_fsdp2(args) and not args.use_distributed_optimizer
+    # --use-megatron-fsdp: the strategy picks the machinery (and the optimizer).
+    mfsdp = ['--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor', '--use-distributed-optimizer']
+    for strategy, dist_opt, fsdp2 in (('no_shard', False, False), ('optim', True, False),
+                                      ('optim_grads', True, False), ('optim_grads_params', False, True)):
+        extra = mfsdp + ['--data-parallel-sharding-strategy', strategy]
+        if fsdp2:
+            extra += _FSDP2[1:]
+        args = _validate(monkeypatch, *extra)
+        assert (args.use_distributed_optimizer, uses_torch_fsdp2(args)) == (dist_opt, fsdp2), strategy
+    args = _validate(monkeypatch, '--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor',
+                     '--data-parallel-sharding-strategy', 'optim', '--overlap-grad-reduce', '--overlap-param-gather')
+    assert args.use_distributed_optimizer and args.overlap_param_gather
+
+
+def test_fsdp_flag_errors_name_the_flags(monkeypatch):
+    assert '--data-parallel-sharding-strategy optim needs --use-megatron-fsdp' in _error(
+        monkeypatch, '--data-parallel-sharding-strategy', 'optim')
+    assert '--data-parallel-sharding-strategy no_shard cannot be used with --use-torch-fsdp2' in _error(
+        monkeypatch, *_FSDP2, '--data-parallel-sharding-strategy', 'no_shard')
+    assert '--use-torch-fsdp2 does not support saving or loading checkpoints' in _error(
+        monkeypatch, *_FSDP2, '--save', '/tmp/x', '--save-interval', '5')
+    assert '--use-torch-fsdp2 does not support --log-params-norm' in _error(monkeypatch, *_FSDP2, '--log-params-norm')
+    assert '--use-torch-fsdp2 does not support pipeline parallelism' in _error(
+        monkeypatch, *_FSDP2, '--pipeline-model-parallel-size', '2')
+    assert ('--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params does not support tied '
+            'embeddings') in _error(monkeypatch, '--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor',
+                                    '--no-gradient-accumulation-fusion')
+    assert '--use-torch-fsdp2 does not support --fp16' in _error(monkeypatch, *_FSDP2, '--fp16')
+    assert '--use-megatron-fsdp cannot save or load checkpoints yet' in _error(
+        monkeypatch, '--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor', '--data-parallel-sharding-strategy',
+        'optim', '--load', '/tmp/x')
+    monkeypatch.setenv('CUDA_DEVICE_MAX_CONNECTIONS', '1')
+    from megatron.training.arguments import parse_args, validate_args, ArgumentValidationError
+    import pytest
+    with pytest.raises(ArgumentValidationError, match='CUDA_DEVICE_MAX_CONNECTIONS=1'):
+        validate_args(parse_args(argv=_ARGV + _FSDP2))
