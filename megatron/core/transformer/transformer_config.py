@@ -158,11 +158,13 @@ class TransformerConfig(ModelParallelConfig):
     """Fused RoPE kernel (``--no-rope-fusion``). Stored only: the plain RoPE is identical math."""
 
     cross_entropy_loss_fusion: bool = False
-    """Fused cross entropy (``--cross-entropy-loss-fusion``). Stored only: the model's loss is
-    always computed by one fused fp32 path."""
+    """Fuse the output layer with the cross entropy (``--cross-entropy-loss-fusion``): the logits
+    are never kept; their softmax numerator becomes the gradient in place. Used when labels are
+    given (megatron/core/fusions/fused_linear_cross_entropy.py)."""
 
     cross_entropy_fusion_impl: str = "native"
-    """Which fused cross entropy to use: 'native' or 'te' (``--cross-entropy-fusion-impl``). Stored only."""
+    """Which fused cross entropy to use: 'native' or 'te' (``--cross-entropy-fusion-impl``); both run
+    the same local fused path here (Transformer Engine is not used)."""
 
     calculate_per_token_loss: bool = False
     """Divide the summed loss by the number of tokens of the whole global batch instead of per
