@@ -34,7 +34,9 @@ def _assert_close(got, ref, iterations=range(1, 11)):
     (2, DIST_OPT + ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-num-buckets", "3"]),
     (2, ["--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--ddp-average-in-collective"]),
     (4, DIST_OPT + ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
-], ids=["dp2-distopt", "dp2-distopt-overlap-grad-and-param-3buckets", "dp2-overlap-buckets-avg", "tp2-dp2-distopt"])
+    (4, DIST_OPT + ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]),
+], ids=["dp2-distopt", "dp2-distopt-overlap-grad-and-param-3buckets", "dp2-overlap-buckets-avg", "tp2-dp2-distopt",
+        "pp2-dp2-distopt"])
 def test_layout_matches_one_process(reference, nproc, layout, tmp_path):
     _assert_close(_losses(BASE + layout, nproc, tmp_path), reference)
 

@@ -1,13 +1,13 @@
 """FSDP2 (``TorchFullyShardedDataParallel``) on CPU/gloo against the one-process model.
 
 In a spawned world of 2 ranks (DP=2) every rank builds the one-process reference GPT and the same
-GPT sharded with ``fully_shard`` (each transformer layer, then the root). Three iterations of
+GPT sharded with ``fully_shard`` (each transformer layer, then the root). Ten iterations of
 2 micro-batches (the first inside ``no_sync``) run on both: the reference on the whole global
 batch, each FSDP rank on its half. Checked:
 
 * each rank holds 1/DP of every parameter (the shards add up to the full parameter);
 * per iteration, the loss (averaged over DP) and the clipped gradient norm equal the reference's;
-* after the last step the gathered parameters equal the reference's (rel. error <= 1e-4: Adam
+* after 10 steps the gathered parameters equal the reference's (rel. error <= 1e-4: Adam
   divides by sqrt(v), which magnifies the last-bit differences of sharded reductions);
 * the model-parallel attributes survive sharding, and per-token scaling reaches the shards.
 """
@@ -22,7 +22,8 @@ from tests.unit_tests.dist_utils import run_distributed
 VOCAB, SEQ, LAYERS = 64, 16, 2
 MICRO, PER_RANK = 2, 2  # micro-batches per iteration, sequences per rank and micro-batch
 RTOL = 1e-5        # losses and gradient norms
-PARAM_RTOL = 1e-4  # parameters after three Adam steps
+PARAM_RTOL = 1e-4  # parameters after ITERATIONS Adam steps (measured 1.0e-5 after 10)
+ITERATIONS = 10
 
 
 def _build():
@@ -75,7 +76,7 @@ def _worker(rank, world):
     assert len(fsdp.sharded_units) == LAYERS
 
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    for iteration in range(3):
+    for iteration in range(ITERATIONS):
         ref_opt.zero_grad()
         ref_loss = 0.0
         for micro in range(MICRO):
