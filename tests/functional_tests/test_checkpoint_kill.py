@@ -1,0 +1,81 @@
+"""A training process killed with SIGKILL in the middle of a checkpoint save (both formats).
+
+The child runs ``pretrain_gpt.py`` with a ``sitecustomize`` on its path (test code only) that
+wraps one step of the save, so the process kills itself with SIGKILL during the second save
+(iteration 4): for ``torch_dist`` after every data file is written and before the directory
+is marked complete; for ``torch`` as the shard starts to be written. Afterwards the tracker still names iteration 2, nothing named iteration 4 looks
+complete, and a resumed run trains iterations 3..6 with the straight run's losses.
+"""
+import os
+import textwrap
+
+import pytest
+
+from tests.functional_tests.runner import REPO, TINY_MODEL, read_tensorboard_scalars, run_pretrain
+
+MODEL = list(TINY_MODEL)
+del MODEL[MODEL.index("--ckpt-format"):MODEL.index("--ckpt-format") + 2]
+BASE = MODEL + ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", "6"]
+
+KILLER = textwrap.dedent('''
+    import os, signal
+    import {module} as target
+    _real = target.{function}
+    _calls = [0]
+
+    def _dies_on_second_save(*args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == {nth}:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _real(*args, **kwargs)
+
+    target.{function} = _dies_on_second_save
+''')
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    tb = tmp_path_factory.mktemp("kill_ref")
+    result = run_pretrain(BASE + ["--ckpt-format", "torch", "--tensorboard-dir", str(tb)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_tensorboard_scalars(tb, "lm loss")
+
+
+# (format, module and function wrapped, which call belongs to the second save)
+CASES = {
+    # torch_dist: every data file of iteration 4 is on disk, the directory is not marked complete.
+    "torch_dist": ("megatron.core.dist_checkpointing", "write_metadata_json", 2),
+    # torch: one torch.save per save here (one process); the second dies before writing
+    # model_optim_rng.pt.tmp, so iteration 4's directory exists without a complete shard.
+    "torch": ("torch", "save", 2),
+}
+
+
+@pytest.mark.parametrize("ckpt_format", sorted(CASES))
+def test_sigkill_mid_save_keeps_previous_checkpoint(straight, ckpt_format, tmp_path):
+    module, function, nth = CASES[ckpt_format]
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(KILLER.format(module=module, function=function, nth=nth))
+    ckpt = tmp_path / "ckpt"
+    flags = BASE + ["--ckpt-format", ckpt_format, "--save", str(ckpt), "--save-interval", "2"]
+
+    env = {"PYTHONPATH": os.pathsep.join([str(hook_dir), str(REPO)])}
+    killed = run_pretrain(flags, extra_env=env)
+    assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (ckpt / "iter_0000002").is_dir()
+    complete_4 = (ckpt / "iter_0000004" / "metadata.json").exists() or \
+        (ckpt / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").exists()
+    assert not complete_4
+    if ckpt_format == "torch_dist":  # the kill came after iteration 4's data files were written
+        assert list(ckpt.glob("iter_0000004*/*.distcp")), sorted(p.name for p in ckpt.iterdir())
+
+    tb = tmp_path / "tb"
+    resumed = run_pretrain(flags + ["--load", str(ckpt), "--tensorboard-dir", str(tb)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = read_tensorboard_scalars(tb, "lm loss")
+    assert sorted(losses) == [3, 4, 5, 6]
+    for it in losses:
+        assert abs(losses[it] - straight[it]) <= 1e-6 * abs(straight[it]), (it, losses, straight)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
