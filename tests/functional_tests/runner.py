@@ -92,3 +92,19 @@ def read_tensorboard_scalars(logdir, tag):
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def train_metrics(args, nproc, tb_dir):
+    """Run training with TensorBoard in ``tb_dir``; {'loss': {it: lm loss}, 'norm': {it: grad norm}}."""
+    result = run_pretrain(list(args) + ["--tensorboard-dir", str(tb_dir)], nproc=nproc)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return {"loss": read_tensorboard_scalars(tb_dir, "lm loss"), "norm": read_tensorboard_scalars(tb_dir, "grad-norm")}
+
+
+def assert_same_training(got, ref, iterations, loss_rtol=1e-4, norm_rtol=1e-3):
+    """Per iteration, loss and grad norm of ``got`` equal ``ref`` within relative tolerances.
+    Adam and clipping hide a wrongly scaled gradient from the loss; the norm does not."""
+    assert sorted(got["loss"]) == list(iterations), got
+    for it in iterations:
+        assert abs(got["loss"][it] - ref["loss"][it]) <= loss_rtol * abs(ref["loss"][it]), (it, got, ref)
+        assert abs(got["norm"][it] - ref["norm"][it]) <= norm_rtol * abs(ref["norm"][it]), (it, got["norm"], ref["norm"])

@@ -3,7 +3,7 @@ the one-process run (no sharding) for 6 iterations. (--use-megatron-fsdp with op
 takes the same code path; its flag mapping is tested in tests/unit_tests/test_fsdp.py.)"""
 import pytest
 
-from tests.functional_tests.runner import TINY_MODEL, read_tensorboard_scalars, run_pretrain
+from tests.functional_tests.runner import TINY_MODEL, assert_same_training, run_pretrain, train_metrics
 
 ITERS = 6
 # FSDP2 needs untied embeddings and no gradient-accumulation fusion (MEGATRON_FACTS §3).
@@ -11,25 +11,16 @@ BASE = TINY_MODEL + ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "-
                      "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion"]
 
 
-def _metrics(args, nproc, tb):
-    result = run_pretrain(args + ["--tensorboard-dir", str(tb)], nproc=nproc)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return {"loss": read_tensorboard_scalars(tb, "lm loss"), "norm": read_tensorboard_scalars(tb, "grad-norm")}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return _metrics(BASE, None, tmp_path_factory.mktemp("fsdp_ref"))
+    return train_metrics(BASE, None, tmp_path_factory.mktemp("fsdp_ref"))
 
 
 def test_fsdp2_dp2_matches_one_process(reference, tmp_path):
     # 8 sequences per step at DP=2 with micro-batches of 2: two micro-batches per rank, so the
     # gradient accumulation under no_sync is exercised too.
-    got = _metrics(BASE + ["--use-torch-fsdp2", "--ckpt-format", "torch_dist"], 2, tmp_path)
-    assert sorted(got["loss"]) == list(range(1, ITERS + 1))
-    for it in range(1, ITERS + 1):
-        assert abs(got["loss"][it] - reference["loss"][it]) <= 1e-4 * abs(reference["loss"][it]), (it, got, reference)
-        assert abs(got["norm"][it] - reference["norm"][it]) <= 1e-3 * reference["norm"][it], (it, got, reference)
+    got = train_metrics(BASE + ["--use-torch-fsdp2", "--ckpt-format", "torch_dist"], 2, tmp_path)
+    assert_same_training(got, reference, range(1, ITERS + 1))
 
 
 def test_fsdp2_refuses_checkpointing_with_a_clear_message(tmp_path):
