@@ -24,41 +24,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.training.arguments import (  # noqa: E402
     NOT_SUPPORTED_YET, ArgumentValidationError, parse_args, validate_args)
+from megatron.training.dry_run import PRETRAIN_GPT_DEFAULTS, split_int_flag  # noqa: E402
 from megatron.training.theoretical_memory import (  # noqa: E402
     compute_theoretical_memory, num_microbatches_from_args)
 
 WORLD_SIZE_FLAG = "--world-size"
-PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 # Refused by today's trainer but fully described by the memory model (MEGATRON_FACTS §10).
 ACCOUNTED_BEFORE_THEY_RUN = frozenset({
-    "use_distributed_optimizer", "num_distributed_optimizer_instances", "overlap_grad_reduce",
-    "overlap_param_gather", "overlap_param_gather_with_optimizer_step", "grad_reduce_in_bf16",
-    "distribute_saved_activations",
+    "num_distributed_optimizer_instances", "overlap_param_gather_with_optimizer_step",
 })
 
 
 def split_world_size(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
     """(value of --world-size or None, the remaining pretrain_gpt.py flags)."""
-    rest, world_size, argv, index = [], None, list(argv), 0
-    while index < len(argv):
-        item = argv[index]
-        if item == WORLD_SIZE_FLAG or item.startswith(WORLD_SIZE_FLAG + "="):
-            if "=" in item:
-                text = item.split("=", 1)[1]
-            elif index + 1 < len(argv):
-                index += 1
-                text = argv[index]
-            else:
-                raise ArgumentValidationError(f"{WORLD_SIZE_FLAG} needs a value")
-            try:
-                world_size = int(text)
-            except ValueError:
-                raise ArgumentValidationError(f"{WORLD_SIZE_FLAG} must be an integer (got {text!r})") from None
-            if world_size < 1:
-                raise ArgumentValidationError(f"{WORLD_SIZE_FLAG} must be >= 1 (got {world_size})")
-        else:
-            rest.append(item)
-        index += 1
+    world_size, rest = split_int_flag(argv, WORLD_SIZE_FLAG)
+    if world_size is not None and world_size < 1:
+        raise ArgumentValidationError(f"{WORLD_SIZE_FLAG} must be >= 1 (got {world_size})")
     return world_size, rest
 
 

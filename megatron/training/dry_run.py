@@ -24,28 +24,33 @@ WORLD_SIZE_FLAG = "--dry-run-world-size"
 PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 
-def split_own_flags(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
-    """(world size given by --dry-run-world-size or None, the remaining Megatron flags)."""
-    rest, world_size, index = [], None, 0
+def split_int_flag(argv: Sequence[str], flag: str) -> Tuple[Optional[int], List[str]]:
+    """(integer value of ``flag`` (``flag N`` or ``flag=N``) or None, the remaining flags)."""
+    rest, value, index = [], None, 0
     argv = list(argv)
     while index < len(argv):
         item = argv[index]
-        if item == WORLD_SIZE_FLAG or item.startswith(WORLD_SIZE_FLAG + "="):
+        if item == flag or item.startswith(flag + "="):
             if "=" in item:
                 text = item.split("=", 1)[1]
             elif index + 1 < len(argv):
                 index += 1
                 text = argv[index]
             else:
-                raise ArgumentValidationError(f"{WORLD_SIZE_FLAG} needs a value")
+                raise ArgumentValidationError(f"{flag} needs a value")
             try:
-                world_size = int(text)
+                value = int(text)
             except ValueError:
-                raise ArgumentValidationError(f"{WORLD_SIZE_FLAG} must be an integer (got {text!r})")
+                raise ArgumentValidationError(f"{flag} must be an integer (got {text!r})") from None
         else:
             rest.append(item)
         index += 1
-    return world_size, rest
+    return value, rest
+
+
+def split_own_flags(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
+    """(world size given by --dry-run-world-size or None, the remaining Megatron flags)."""
+    return split_int_flag(argv, WORLD_SIZE_FLAG)
 
 
 def _human(count: float) -> str:
