@@ -221,27 +221,14 @@ class DistributedOptimizer(MegatronOptimizer):
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         # A forward normally waited for last step's gathers; never write a slice still being gathered.
         self._finish_param_gathers()
-        timer = self._start("optimizer-copy-to-main-grad")
-        self._copy_model_grads_to_main_grads()
-        timer.stop()
-        if self.grad_scaler is not None:
-            timer = self._start("optimizer-unscale-and-check-inf")
-            found_inf = self._unscale_main_grads_and_check_for_nan()
-            timer.stop()
-            if found_inf:
-                self.grad_scaler.update(True)
-                self.zero_grad()
-                return False, None, None
-        grad_norm, num_zeros = self._clip_count_and_step()
+        return self._step_on_main_params()
+
+    def _after_main_params_copied(self) -> None:
         self.num_inner_steps += 1
-        timer = self._start("optimizer-copy-main-to-model-params")
-        self._copy_main_params_to_model_params()
-        timer.stop()
         self._gather_model_params()
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(False)
+
+    def _release_grads(self) -> None:
         self.zero_grad()
-        return True, grad_norm, num_zeros
 
     # ------------------------------------------------------------------ memory accounting
     def optimizer_state_bytes(self) -> int:

@@ -142,6 +142,42 @@ class MegatronOptimizer:
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         raise NotImplementedError
 
+    def _step_on_main_params(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        """The step of optimizers that keep fp32 main params apart from the model params: copy
+        the grads in, unscale and check (an inf/NaN skips the step), clip and step, copy the
+        params back. Subclasses supply the copies and ``_after_main_params_copied`` /
+        ``_release_grads``."""
+        timer = self._start("optimizer-copy-to-main-grad")
+        self._copy_model_grads_to_main_grads()
+        timer.stop()
+
+        if self.grad_scaler is not None:
+            timer = self._start("optimizer-unscale-and-check-inf")
+            found_inf = self._unscale_main_grads_and_check_for_nan()
+            timer.stop()
+            if found_inf:
+                self.grad_scaler.update(True)
+                self._release_grads()
+                return False, None, None
+
+        grad_norm, num_zeros = self._clip_count_and_step()
+
+        timer = self._start("optimizer-copy-main-to-model-params")
+        self._copy_main_params_to_model_params()
+        timer.stop()
+        self._after_main_params_copied()
+
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(False)
+        self._release_grads()
+        return True, grad_norm, num_zeros
+
+    def _after_main_params_copied(self) -> None:
+        """Hook after a successful step's copy of the main params into the model params."""
+
+    def _release_grads(self) -> None:
+        """Hook at the end of every step (taken or skipped)."""
+
     def state_dict(self) -> Dict[str, Any]:
         raise NotImplementedError
 
@@ -327,31 +363,9 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
     # ------------------------------------------------------------------ step
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        timer = self._start("optimizer-copy-to-main-grad")
-        self._copy_model_grads_to_main_grads()
-        timer.stop()
+        return self._step_on_main_params()
 
-        if self.grad_scaler is not None:
-            timer = self._start("optimizer-unscale-and-check-inf")
-            found_inf = self._unscale_main_grads_and_check_for_nan()
-            timer.stop()
-            if found_inf:
-                self.grad_scaler.update(True)
-                self._drop_fp32_grad_aliases()
-                return False, None, None
-
-        grad_norm, num_zeros = self._clip_count_and_step()
-
-        timer = self._start("optimizer-copy-main-to-model-params")
-        self._copy_main_params_to_model_params()
-        timer.stop()
-
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(False)
-        self._drop_fp32_grad_aliases()
-        return True, grad_norm, num_zeros
-
-    def _drop_fp32_grad_aliases(self) -> None:
+    def _release_grads(self) -> None:
         # fp32 model params got .grad = main_grad (DDP's buffer); drop the alias, as FP32Optimizer
         # does, so a later backward cannot accumulate into the buffer twice.
         for group in self.fp32_from_fp32_groups:
