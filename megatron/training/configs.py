@@ -64,6 +64,7 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
         average_in_collective=bool(getattr(args, "ddp_average_in_collective", False)),
         overlap_grad_reduce=bool(args.overlap_grad_reduce),
         use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)) and bool(args.use_distributed_optimizer),
         bucket_size=getattr(args, "ddp_bucket_size", None),
         check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)) and not args.fp16,
     )

@@ -175,8 +175,6 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
     if not wrap_with_ddp:
         return chunks
     ddp_config = ddp_config_from_args(args)
-    ddp_config.overlap_param_gather = bool(getattr(args, "overlap_param_gather", False)) and \
-        ddp_config.use_distributed_optimizer
     dp_cp_group = state.get_data_parallel_group(with_context_parallel=True)
     if uses_torch_fsdp2(args):
         # FSDP2 (also --use-megatron-fsdp with optim_grads_params): no DDP wrapper, grads come
@@ -193,10 +191,9 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
         ddp_config.bucket_size = bucket_size_for_num_buckets(chunks, args.ddp_num_buckets)
     wrapped = []
     for chunk in chunks:
-        ddp = DistributedDataParallel(ddp_config, chunk, state.get_data_parallel_group(with_context_parallel=True))
-        if getattr(args, "data_parallel_random_init", False) is False:
-            pass  # replicas are seeded identically, so their weights already agree
-        else:
+        ddp = DistributedDataParallel(ddp_config, chunk, dp_cp_group)
+        # Replicas are seeded identically, so their weights agree unless seeded per DP rank.
+        if getattr(args, "data_parallel_random_init", False):
             ddp.broadcast_params()
         wrapped.append(ddp)
     return wrapped
