@@ -16,7 +16,7 @@ from typing import Dict, Iterable, Optional
 
 import torch
 
-from protocol import ConversionError
+from protocol import ConversionError, new_metadata
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
@@ -149,6 +149,18 @@ def copy_tokenizer(source_dir: Optional[str], save_dir: str) -> None:
         path = os.path.join(source_dir, name)
         if os.path.isfile(path):
             shutil.copyfile(path, os.path.join(save_dir, name))
+
+
+def hf_metadata(config: dict, args, tokenizer: Optional[str], **model_fields):
+    """Conversion metadata of an HF model: ``model_fields`` plus what every HF import shares
+    (vocab from the config, a fresh run at TP=PP=1 with no Megatron training state)."""
+    return new_metadata(
+        **model_fields,
+        true_vocab_size=config["vocab_size"], make_vocab_size_divisible_by=128,
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer else None, tokenizer_model=tokenizer,
+        iteration=None, params_dtype=config_dtype(config, args.hf_dtype), bert_binary_head=False,
+        previous_tensor_parallel_size=1, previous_pipeline_parallel_size=1, checkpoint_args=None,
+        consumed_train_samples=0, consumed_valid_samples=0, hf_config=config)
 
 
 def has_tokenizer(model_dir: str) -> bool:

@@ -7,8 +7,8 @@ bias-GeLU (``--bias-gelu-fusion``, on by default); exact ``gelu`` gets ``--no-bi
 """
 from __future__ import annotations
 
-from hf_io import HFWeights, config_dtype, has_tokenizer, read_config
-from protocol import ConversionError, new_metadata, put, put_metadata, qkv_from_separate
+from hf_io import HFWeights, has_tokenizer, hf_metadata, read_config
+from protocol import ConversionError, put, put_metadata, qkv_from_separate
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -33,7 +33,7 @@ def metadata_from_config(config: dict, args, load_dir: str):
         raise ConversionError("GPT-2 option scale_attn_weights=false is not supported by this framework")
     h, heads = config["n_embd"], config["n_head"]
     tokenizer = load_dir if has_tokenizer(load_dir) else None
-    return new_metadata(
+    return hf_metadata(config, args, tokenizer,
         model_type="GPT", num_layers=config["n_layer"], hidden_size=h,
         ffn_hidden_size=config.get("n_inner") or 4 * h, num_attention_heads=heads, num_query_groups=heads,
         kv_channels=h // heads, seq_length=config.get("n_ctx") or config["n_positions"],
@@ -42,11 +42,7 @@ def metadata_from_config(config: dict, args, load_dir: str):
         linear_bias=True, qkv_bias=True, swiglu=False, activation=_ACTIVATIONS[act],
         output_layer=not config.get("tie_word_embeddings", True),
         hidden_dropout=config.get("resid_pdrop", 0.1), attention_dropout=config.get("attn_pdrop", 0.1),
-        true_vocab_size=config["vocab_size"], make_vocab_size_divisible_by=128,
-        tokenizer_type="HuggingFaceTokenizer" if tokenizer else None, tokenizer_model=tokenizer,
-        iteration=None, params_dtype=config_dtype(config, args.hf_dtype), bert_binary_head=False,
-        previous_tensor_parallel_size=1, previous_pipeline_parallel_size=1, checkpoint_args=None,
-        consumed_train_samples=0, consumed_valid_samples=0, hf_config=config)
+    )
 
 
 def load_checkpoint(queue, args, alive=None):

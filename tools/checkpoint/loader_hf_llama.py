@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from hf_io import HFWeights, config_dtype, has_tokenizer, read_config
-from protocol import ConversionError, new_metadata, put, put_metadata, qkv_from_separate
+from hf_io import HFWeights, has_tokenizer, hf_metadata, read_config
+from protocol import ConversionError, put, put_metadata, qkv_from_separate
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 _LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -62,7 +62,7 @@ def metadata_from_config(config: dict, args, load_dir: str):
               f"attends to the whole sequence (identical for sequences up to {window} tokens)", file=sys.stderr)
     base, scaling, factor = rope_settings(config)
     tokenizer = load_dir if has_tokenizer(load_dir) else None
-    return new_metadata(
+    return hf_metadata(config, args, tokenizer,
         model_type="GPT", num_layers=config["num_hidden_layers"], hidden_size=h,
         ffn_hidden_size=config["intermediate_size"], num_attention_heads=heads, num_query_groups=groups,
         kv_channels=head_dim, seq_length=max_pos, max_position_embeddings=max_pos, position_embedding_type="rope",
@@ -72,11 +72,7 @@ def metadata_from_config(config: dict, args, load_dir: str):
         linear_bias=False, qkv_bias=model_type == "qwen2", swiglu=True, activation="silu",
         output_layer=not config.get("tie_word_embeddings", False),
         hidden_dropout=0.0, attention_dropout=config.get("attention_dropout", 0.0),
-        true_vocab_size=config["vocab_size"], make_vocab_size_divisible_by=128,
-        tokenizer_type="HuggingFaceTokenizer" if tokenizer else None, tokenizer_model=tokenizer,
-        iteration=None, params_dtype=config_dtype(config, args.hf_dtype), bert_binary_head=False,
-        previous_tensor_parallel_size=1, previous_pipeline_parallel_size=1, checkpoint_args=None,
-        consumed_train_samples=0, consumed_valid_samples=0, hf_config=config)
+    )
 
 
 def load_checkpoint(queue, args, alive=None):
