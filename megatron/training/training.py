@@ -69,6 +69,7 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
               process_non_loss_data_func, extra_args_provider, args_defaults, argv):
     global _TRAIN_START_TIME
     start = torch.tensor([time.time()], dtype=torch.double)
+    owns_process_group = not dist.is_initialized()
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv)
     args = global_vars.get_args()
     timers = global_vars.get_timers()
@@ -118,9 +119,19 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
             evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_iter,
                                        model, iteration, config, verbose=True, test=True)
     _finish_writers()
+    if owns_process_group:
+        _leave_process_group()
     if exit_code is not None:
         sys.exit(exit_code)
     return model
+
+
+def _leave_process_group():
+    """All ranks leave together and tear the process group down themselves: gloo's worker threads
+    left to interpreter shutdown can abort a rank ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _finish_writers():
