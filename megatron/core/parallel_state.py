@@ -346,3 +346,25 @@ def destroy_model_parallel(state: Optional[ParallelState]) -> None:
         except (ValueError, RuntimeError):
             pass
     state.groups.clear()
+
+
+def live_gloo_worker_threads() -> int:
+    """How many gloo worker threads (named ``pt_gloo_runloop``) this process still runs.
+
+    After every process group is destroyed and unreferenced this is 0. A gloo group that is still
+    referenced at interpreter shutdown keeps its workers running, and a worker that drops the last
+    reference to a finished collective then needs the GIL the shutdown no longer hands out: the
+    process aborts with "terminate called without an active exception". Linux only (0 elsewhere).
+    """
+    import os
+    task_dir = "/proc/self/task"
+    if not os.path.isdir(task_dir):
+        return 0
+    count = 0
+    for tid in os.listdir(task_dir):
+        try:
+            with open(os.path.join(task_dir, tid, "comm")) as comm:
+                count += comm.read().strip() == "pt_gloo_runloop"
+        except OSError:  # the thread ended while we looked
+            pass
+    return count

@@ -170,6 +170,13 @@ def _async_group():
     return _AsyncState.group
 
 
+def release_async_save_group() -> None:
+    """Forget the async-save group (at teardown, once no save is pending), so it can be destroyed."""
+    if _AsyncState.pending is not None:
+        raise RuntimeError("an asynchronous save is still pending; finalize it before the teardown")
+    _AsyncState.group = _AsyncState.world = None
+
+
 def _commit(save_dir: str, iteration: int) -> None:
     """Every rank has written its part: mark the checkpoint complete and move the tracker."""
     from .checkpointing import remove_unretained

@@ -1,6 +1,7 @@
 """Start-up: arguments, torch.distributed, process groups, seeds, and the training globals."""
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
-from megatron.core.parallel_state import initialize_model_parallel
+from megatron.core.parallel_state import initialize_model_parallel, live_gloo_worker_threads
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from megatron.core.timers import Timers
 
@@ -68,6 +69,46 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
     return args
 
 
+def import_torch_dynamo_before_process_groups():
+    """Import ``torch._dynamo`` now, before any process group exists.
+
+    Why: the first ``torch.optim`` optimizer imports it lazily, and an import that happens while a
+    process group exists keeps that group referenced from C++ for ever (seen with torch 2.13), so
+    ``destroy_process_group()`` cannot join gloo's worker threads, and a worker left running at
+    interpreter shutdown can abort the process ("terminate called without an active exception").
+    """
+    import torch._dynamo  # noqa: F401
+
+
+def _clear_dtensor_caches():
+    """Empty torch's DTensor caches (sharding propagation, redistribution plans): they keep the
+    FSDP2 device mesh, and with it its process group, alive after the model is gone."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    try:
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+        _clear_sharding_prop_cache()
+        _redistribute.clear_redistribute_planner_cache()
+        _redistribute._gen_transform_infos.cache_clear()
+    except (ImportError, AttributeError):  # another torch release: the caches moved
+        pass
+
+
+def teardown_process_groups() -> int:
+    """Destroy every process group so that gloo's worker threads are joined now, not at shutdown.
+
+    Call it once the models, optimizers and iterators of the run are released. Returns the number
+    of gloo worker threads still alive afterwards (0 unless something still references a group).
+    """
+    gc.collect()  # reference cycles (models with hooks) may still hold groups
+    _clear_dtensor_caches()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    return live_gloo_worker_threads()
+
+
 def _initialize_distributed(args):
     """Join the torchrun world: NCCL on GPUs, gloo on CPUs (chosen automatically without a GPU)."""
     use_cuda = torch.cuda.is_available()
@@ -82,6 +123,7 @@ def _initialize_distributed(args):
         return
     if args.world_size == 1 and "MASTER_ADDR" not in os.environ:
         return  # plain `python pretrain_gpt.py`: a single process needs no process group
+    import_torch_dynamo_before_process_groups()
     dist.init_process_group(backend=backend, world_size=args.world_size, rank=args.rank,
                             timeout=timedelta(minutes=args.distributed_timeout_minutes))
 

@@ -23,10 +23,11 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func,
 from . import global_vars
 from .checkpointing import (CheckpointError, convert_checkpoint_and_exit, load_checkpoint,
                             maybe_finalize_async_save, save_checkpoint)
+from .checkpointing_dist import release_async_save_group
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
 from .flops import num_floating_point_operations
-from .initialize import initialize_megatron
+from .initialize import initialize_megatron, teardown_process_groups
 from .training_log import print_evaluation, training_log
 from .utils import get_device, print_rank_0
 
@@ -55,21 +56,27 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
              args_defaults=None, argv=None, **kwargs):
     """Initialize, build model/optimizer/data, train, evaluate; the steps of §2.
 
-    ``argv`` (default ``sys.argv[1:]``) lets tests run a training in-process.
+    ``argv`` (default ``sys.argv[1:]``) lets tests run a training in-process. Returns nothing, like
+    Megatron's: a process group created here is torn down before returning.
     """
+    owns_process_group = not dist.is_initialized()
     try:
-        return _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                         process_non_loss_data_func, extra_args_provider, args_defaults, argv)
+        exit_code = _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                              process_non_loss_data_func, extra_args_provider, args_defaults, argv)
     except USER_INPUT_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+    # The model, optimizer and iterators were _pretrain's locals and are gone now.
+    if owns_process_group:
+        _leave_process_group()
+    if exit_code is not None:
+        sys.exit(exit_code)
 
 
 def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
               process_non_loss_data_func, extra_args_provider, args_defaults, argv):
     global _TRAIN_START_TIME
     start = torch.tensor([time.time()], dtype=torch.double)
-    owns_process_group = not dist.is_initialized()
     initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv)
     args = global_vars.get_args()
     timers = global_vars.get_timers()
@@ -119,19 +126,22 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
             evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_iter,
                                        model, iteration, config, verbose=True, test=True)
     _finish_writers()
-    if owns_process_group:
-        _leave_process_group()
-    if exit_code is not None:
-        sys.exit(exit_code)
-    return model
+    return exit_code
 
 
 def _leave_process_group():
-    """All ranks leave together and tear the process group down themselves: gloo's worker threads
-    left to interpreter shutdown can abort a rank ("terminate called without an active exception")."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    """All ranks leave together and destroy the process groups while the interpreter still runs:
+    a gloo worker thread left to interpreter shutdown can abort the rank ("terminate called
+    without an active exception") after a successful run."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    global_vars.set_parallel_state(None)  # it holds every model-parallel group
+    release_async_save_group()
+    leaked = teardown_process_groups()
+    if leaked:
+        print(f"WARNING: {leaked} gloo worker thread(s) outlived the process-group teardown (something "
+              "still references a group); the process may abort at exit", file=sys.stderr, flush=True)
 
 
 def _finish_writers():

@@ -64,6 +64,8 @@ def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise
+    # A leaked process group can abort a rank at exit, intermittently: fail every time instead.
+    assert "outlived the process-group teardown" not in stderr, stderr[-3000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 

@@ -5,6 +5,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from megatron.training.initialize import import_torch_dynamo_before_process_groups, teardown_process_groups
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -16,6 +18,7 @@ def _worker(rank, world_size, port, fn, args, errors):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import_torch_dynamo_before_process_groups()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -23,7 +26,12 @@ def _worker(rank, world_size, port, fn, args, errors):
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
-        dist.destroy_process_group()
+        leaked = teardown_process_groups()
+    if leaked:
+        message = (f"rank {rank}: {leaked} gloo worker thread(s) outlived destroy_process_group(): something "
+                   "the test built still references a process group (a leaked model, hook or cache)")
+        errors.put(message)
+        raise RuntimeError(message)
 
 
 def run_distributed(fn, world_size: int, *args):

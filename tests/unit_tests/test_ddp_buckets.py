@@ -141,3 +141,18 @@ def _check_overlap(rank, world_size):
 
 def test_overlapped_reduction_matches_and_starts_during_backward():
     run_distributed(_check_overlap, 2)
+
+
+def test_dropped_wrapper_is_freed_and_its_hooks_fall_back_to_plain_autograd():
+    # The grad hooks live on the params: a strong reference back to the wrapper would keep it (and
+    # its buffers and process groups) alive for ever, out of the garbage collector's reach.
+    import gc
+    import weakref
+    model = _model()
+    ddp = DistributedDataParallel(DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model)
+    ref = weakref.ref(ddp)
+    del ddp
+    gc.collect()
+    assert ref() is None
+    model(_data(0, 0)).pow(2).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())

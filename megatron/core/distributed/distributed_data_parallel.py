@@ -22,6 +22,7 @@ buckets of its params, so the next forward overlaps with the gathers of later la
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -148,13 +149,21 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _make_grad_hook(self, buffer: ParamAndGradBuffer):
         overlap = self.config.overlap_grad_reduce
+        # The hook is kept by the param's C++ grad accumulator, where the garbage collector cannot
+        # see it: strong references back to this DDP would close an uncollectable cycle
+        # (param -> hook -> DDP -> buffer -> param) that keeps the model, its gradient buffers and
+        # its process groups alive until the interpreter shuts down.
+        ddp_ref, buffer_ref = weakref.ref(self), weakref.ref(buffer)
 
         def hook(param: torch.nn.Parameter):
-            if not buffer.aliased:
+            ddp, buf = ddp_ref(), buffer_ref()
+            if ddp is None or buf is None:  # the DDP wrapper is gone: plain autograd accumulation
+                return
+            if not buf.aliased:
                 param.main_grad.add_(param.grad)
                 param.grad = None
-            if overlap and self.is_last_microbatch:
-                buffer.param_to_bucket[param].register_grad_ready(param)
+            if overlap and ddp.is_last_microbatch:
+                buf.param_to_bucket[param].register_grad_ready(param)
         return hook
 
     def forward(self, *args, **kwargs):
