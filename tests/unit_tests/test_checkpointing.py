@@ -10,18 +10,16 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from megatron.core.timers import Timers
+from tests.unit_tests.args_utils import megatron_args
 from megatron.training import checkpointing, global_vars
 
 
 def _args(tmp_path, **kw):
-    args = argparse.Namespace(
-        save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), ckpt_format="torch", no_save_optim=False,
-        no_save_rng=False, no_load_optim=False, no_load_rng=False, finetune=False, exit_on_missing_checkpoint=False,
-        ckpt_step=None, consumed_train_samples=0, consumed_valid_samples=0, skipped_train_samples=0,
-        num_layers=2, hidden_size=8, params_dtype=torch.float32, rank=0, world_size=1, some_callable=print)
-    for k, v in kw.items():
-        setattr(args, k, v)
-    return args
+    settings = dict(save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), ckpt_format="torch",
+                    consumed_train_samples=0, consumed_valid_samples=0, skipped_train_samples=0,
+                    num_layers=2, hidden_size=8, params_dtype=torch.float32, rank=0, world_size=1,
+                    some_callable=print)
+    return megatron_args(**{**settings, **kw})
 
 
 def _setup(tmp_path, seed=0, **kw):

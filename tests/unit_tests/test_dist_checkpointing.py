@@ -22,20 +22,16 @@ from megatron.core.tensor_parallel.layers import shard_of
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from megatron.core.timers import Timers
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.args_utils import megatron_args
 from megatron.training import checkpointing, checkpointing_dist, global_vars
 
 
 def _args(tmp_path, **kw):
-    args = argparse.Namespace(
-        save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), ckpt_format="torch_dist", no_save_optim=False,
-        no_save_rng=False, no_load_optim=False, no_load_rng=False, finetune=False, exit_on_missing_checkpoint=False,
-        ckpt_step=None, consumed_train_samples=0, consumed_valid_samples=0, skipped_train_samples=0,
-        num_layers=2, hidden_size=8, params_dtype=torch.float32, rank=0, world_size=1, async_save=False,
-        dist_ckpt_strictness="assume_ok_unexpected", save_retain_interval=None, auto_detect_ckpt_format=False,
-        ckpt_convert_format=None, some_callable=print)
-    for k, v in kw.items():
-        setattr(args, k, v)
-    return args
+    settings = dict(save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), ckpt_format="torch_dist",
+                    consumed_train_samples=0, consumed_valid_samples=0, skipped_train_samples=0,
+                    num_layers=2, hidden_size=8, params_dtype=torch.float32, rank=0, world_size=1,
+                    some_callable=print)
+    return megatron_args(**{**settings, **kw})
 
 
 def _model(seed, width=8, extra=None, dtype=torch.float32):
