@@ -64,8 +64,12 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         exit_code = _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
                               process_non_loss_data_func, extra_args_provider, args_defaults, argv)
     except USER_INPUT_ERRORS as exc:
+        # Not every rank may have failed: no teardown (its barrier could wait for ever).
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except SystemExit as exc:
+        # --ckpt-convert-format and --exit-on-missing-checkpoint end the run on every rank together.
+        exit_code = 0 if exc.code is None else exc.code
     # The model, optimizer and iterators were _pretrain's locals and are gone now.
     if owns_process_group:
         _leave_process_group()

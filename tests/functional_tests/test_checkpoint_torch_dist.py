@@ -6,7 +6,7 @@ original layout. Runs that load iteration 3 at other layouts (TP=1 without the d
 optimizer and with the model flags read from the checkpoint; TP=4 x DP=2 with it; CP=2 x PP=2;
 TP=1 x PP=4 with virtual stages) must reproduce those losses within 1e-5 relative (only the
 order of floating-point sums differs between layouts). The last one saves asynchronously; its
-checkpoint is converted to the torch format and resumed once more. Bad input (another model, a
+checkpoint is converted to the torch format (by 2 processes) and resumed once more. Bad input (another model, a
 missing data file) ends with one clear error line.
 """
 import shutil
@@ -94,7 +94,7 @@ def test_async_save_convert_and_resume(saved, tmp_path):
     assert sorted(p.name for p in async_ckpt.iterdir()) == ["iter_0000004", "iter_0000006",
                                                            "latest_checkpointed_iteration.txt"]
     _, result = _run(BASE + ["--load", str(async_ckpt), "--ckpt-step", "4", "--ckpt-convert-format", "torch",
-                             "--ckpt-convert-save", str(converted)], None)
+                             "--ckpt-convert-save", str(converted)], 2)  # DP=2: every rank ends the run
     assert "converted checkpoint: torch_dist -> torch" in result.stdout
     assert (converted / "torch" / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").is_file()
     losses, _ = _run(BASE + ["--load", str(converted / "torch"), "--auto-detect-ckpt-format"], None, tmp_path / "tb2")
