@@ -77,7 +77,10 @@ def import_torch_dynamo_before_process_groups():
     ``destroy_process_group()`` cannot join gloo's worker threads, and a worker left running at
     interpreter shutdown can abort the process ("terminate called without an active exception").
     """
-    import torch._dynamo  # noqa: F401
+    try:
+        import torch._dynamo  # noqa: F401
+    except ImportError:  # a torch build without dynamo cannot import it later either
+        pass
 
 
 def _clear_dtensor_caches():
