@@ -243,9 +243,26 @@ def load_exact(model, sd, skip=()):
         raise RuntimeError(f"{type(model).__name__}: missing {missing}, unexpected {unexpected}")
 
 
+class PeerTrainer:
+    """A peer's plain training step: torch AdamW, norm clipping, no framework around it."""
+
+    def set_optimizer(self, args):
+        self.optimizer = torch.optim.AdamW(decay_groups(self.model, args), lr=args.lr, betas=(0.9, 0.999),
+                                           eps=1e-8, **adamw_kwargs(args))
+        self.clip = args.clip_grad
+
+    def step(self, tokens, labels):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss(tokens, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        return loss.item()
+
+
 # ----------------------------------------------------------------------------- transformers
 
-class HFTrainer:
+class HFTrainer(PeerTrainer):
     name = "hf"
 
     def __init__(self, args, ref):
@@ -281,21 +298,12 @@ class HFTrainer:
         load_exact(self.model, sd, skip=("lm_head.weight",))
         if self.model.lm_head.weight.data_ptr() != self.model.transformer.wte.weight.data_ptr():
             raise RuntimeError("transformers did not tie lm_head to wte")
-        self.optimizer = torch.optim.AdamW(decay_groups(self.model, args), lr=args.lr, betas=(0.9, 0.999),
-                                           eps=1e-8, **adamw_kwargs(args))
-        self.clip = args.clip_grad
+        self.set_optimizer(args)
 
     def loss(self, tokens, labels):
         # shift_labels: the labels already are the next tokens (else HF drops the last position).
         return self.model(input_ids=tokens, labels=labels, shift_labels=labels).loss
 
-    def step(self, tokens, labels):
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(tokens, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        return loss.item()
 
 
 # ----------------------------------------------------------------------------- plain PyTorch
@@ -333,7 +341,7 @@ class PlainGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
 
 
-class PlainTrainer:
+class PlainTrainer(PeerTrainer):
     name = "plain"
 
     def __init__(self, args, ref):
@@ -345,20 +353,11 @@ class PlainTrainer:
                 for kind in ("weight", "bias"):
                     sd[f"blocks.{i}.{key}.{kind}"] = ref[f"{i}.{key}.{kind}"]
         load_exact(self.model, sd)
-        self.optimizer = torch.optim.AdamW(decay_groups(self.model, args), lr=args.lr, betas=(0.9, 0.999),
-                                           eps=1e-8, **adamw_kwargs(args))
-        self.clip = args.clip_grad
+        self.set_optimizer(args)
 
     def loss(self, tokens, labels):
         return self.model(tokens, labels)
 
-    def step(self, tokens, labels):
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(tokens, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        return loss.item()
 
 
 # ----------------------------------------------------------------------------- workers
