@@ -112,9 +112,8 @@ def test_recompute_is_off_in_eval_mode():
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
 
 
-def saved_activation_bytes(model) -> int:
-    """Bytes of the distinct storages autograd saves for backward during one forward with labels
-    (parameters excluded: they are not activations)."""
+def _saved_bytes_hooks(model):
+    """(dict storage -> bytes it fills, saved-tensor hooks that record into it), parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
@@ -123,10 +122,16 @@ def saved_activation_bytes(model) -> int:
         if storage.data_ptr() not in params and storage.nbytes() > 0:
             seen[storage.data_ptr()] = storage.nbytes()
         return tensor
+    return seen, (pack, lambda tensor: tensor)
 
+
+def saved_activation_bytes(model) -> int:
+    """Bytes of the distinct storages autograd saves for backward during one forward with labels
+    (parameters excluded: they are not activations)."""
+    seen, hooks = _saved_bytes_hooks(model)
     tokens, pos, labels = batch()
     torch.manual_seed(11)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with torch.autograd.graph.saved_tensors_hooks(*hooks):
         loss = model(tokens, pos, None, labels=labels).sum()
     loss.backward()  # the graph is complete and usable
     return sum(seen.values())
@@ -195,18 +200,6 @@ def _assert_same(result, reference, tag):
     assert torch.equal(loss, ref_loss), f"{tag}: loss {loss} vs {ref_loss}"
     for name, grad in grads.items():
         assert torch.equal(grad, ref_grads[name]), f"{tag}: gradient of {name}"
-
-
-def _saved_bytes_hooks(model):
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params and storage.nbytes() > 0:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return tensor
-    return seen, (pack, lambda tensor: tensor)
 
 
 def _tp_worker(rank, world_size):
