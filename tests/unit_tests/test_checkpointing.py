@@ -5,38 +5,19 @@ import os
 import pytest
 import torch
 
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.parallel_state import initialize_model_parallel
-from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
-from megatron.core.timers import Timers
-from tests.unit_tests.args_utils import megatron_args
 from megatron.training import checkpointing, global_vars
+from tests.unit_tests.checkpoint_utils import checkpoint_args, setup_training_state
 
 
 def _args(tmp_path, **kw):
-    settings = dict(save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), ckpt_format="torch",
-                    consumed_train_samples=0, consumed_valid_samples=0, skipped_train_samples=0,
-                    num_layers=2, hidden_size=8, params_dtype=torch.float32, rank=0, world_size=1,
-                    some_callable=print)
-    return megatron_args(**{**settings, **kw})
+    return checkpoint_args(tmp_path, "torch", **kw)
 
 
 def _setup(tmp_path, seed=0, **kw):
-    global_vars.reset_globals()
-    global_vars.set_args(_args(tmp_path, **kw))
-    global_vars.set_parallel_state(initialize_model_parallel())
-    global_vars.set_timers(Timers(0, "minmax"))
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_manual_seed(tracker, 1234)
-    global_vars.set_rng_tracker(tracker)
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1), [model])
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
-                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
-                                    wd_incr_steps=100, wd_incr_style="constant")
-    return model, opt, sched
+    def make_model():
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    return setup_training_state(_args(tmp_path, **kw), make_model)
 
 
 def _train(model, opt, sched, steps, seed=7):

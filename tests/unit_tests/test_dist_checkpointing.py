@@ -15,23 +15,14 @@ import torch
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.models.gpt import GPTModel
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel.layers import shard_of
-from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
-from megatron.core.timers import Timers
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit_tests.args_utils import megatron_args
 from megatron.training import checkpointing, checkpointing_dist, global_vars
+from tests.unit_tests.checkpoint_utils import checkpoint_args, setup_training_state
 
 
 def _args(tmp_path, **kw):
-    settings = dict(save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), ckpt_format="torch_dist",
-                    consumed_train_samples=0, consumed_valid_samples=0, skipped_train_samples=0,
-                    num_layers=2, hidden_size=8, params_dtype=torch.float32, rank=0, world_size=1,
-                    some_callable=print)
-    return megatron_args(**{**settings, **kw})
+    return checkpoint_args(tmp_path, **{"ckpt_format": "torch_dist", **kw})
 
 
 def _model(seed, width=8, extra=None, dtype=torch.float32):
@@ -43,19 +34,9 @@ def _model(seed, width=8, extra=None, dtype=torch.float32):
 
 
 def _setup(tmp_path, seed=0, dtype=torch.float32, model=None, **kw):
-    global_vars.reset_globals()
-    global_vars.set_args(_args(tmp_path, **kw))
-    global_vars.set_parallel_state(initialize_model_parallel())
-    global_vars.set_timers(Timers(0, "minmax"))
-    tracker = RNGStatesTracker("cpu")
-    model_parallel_manual_seed(tracker, 1234)
-    global_vars.set_rng_tracker(tracker)
-    model = model if model is not None else _model(seed, dtype=dtype)
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=dtype == torch.bfloat16), [model])
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
-                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
-                                    wd_incr_steps=100, wd_incr_style="constant")
-    return model, opt, sched
+    return setup_training_state(_args(tmp_path, **kw),
+                                lambda: model if model is not None else _model(seed, dtype=dtype),
+                                bf16=dtype == torch.bfloat16)
 
 
 def _train(model, opt, sched, steps, seed=7):
