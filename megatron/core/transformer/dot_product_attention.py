@@ -18,10 +18,17 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
+from megatron.core.transformer.blocked_attention import blocked_attention
 from megatron.core.transformer.context_parallel import ring_attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import model_parallel_rng
+
+
+# 'auto' runs the unfused path on CPU up to this many tokens per sequence: measured 20-30 % faster
+# than SDPA's flash kernel at 256-1024 (fp32, head dim 64, benchmarks/RESULTS.md). Its saved
+# probabilities grow as seq^2, so longer sequences keep the flash kernel.
+UNFUSED_AUTO_MAX_SEQ = 1024
 
 
 class DotProductAttention(MegatronModule):
@@ -61,15 +68,18 @@ class DotProductAttention(MegatronModule):
                 ) -> torch.Tensor:
         """query [sq, b, np, d], key/value [sk, b, ng, d] -> context [sq, b, np * d]."""
         sq, b, np_, d = query.shape
+        dropout_p = self.attention_dropout if self.training else 0.0
         if self.cp_size > 1:
             if attention_mask is not None:
                 raise ValueError("explicit attention masks (--reset-attention-mask) are not supported with "
                                  "context parallelism (--context-parallel-size > 1)")
-            dropout_p = self.attention_dropout if self.training else 0.0
             with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
                 return ring_attention(query, key, value, self.cp_group, self.softmax_scale, dropout_p,
                                       self.training)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if self._use_unfused(query, key, attention_mask, mask_type, dropout_p):
+            return blocked_attention(query, key, value, self.softmax_scale,
+                                     causal=mask_type == AttnMaskType.causal)
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
@@ -88,7 +98,6 @@ class DotProductAttention(MegatronModule):
                     f"got {sq} and {key.shape[0]}"
                 )
             is_causal = True
-        dropout_p = self.attention_dropout if self.training else 0.0
         # Each TP rank holds different heads: their dropout masks come from per-rank streams.
         with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
             context = F.scaled_dot_product_attention(
@@ -97,3 +106,17 @@ class DotProductAttention(MegatronModule):
             )
         # [b, np, sq, d] -> [sq, b, np * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * d)
+
+    def _use_unfused(self, query, key, attention_mask, mask_type, dropout_p) -> bool:
+        """Whether the unfused path of blocked_attention.py runs this call (see the module doc)."""
+        backend = self.config.attention_backend
+        if backend in ("flash", "fused"):
+            return False
+        applies = (attention_mask is None and dropout_p == 0.0
+                   and query.dtype in (torch.float32, torch.float64)
+                   and key.shape[2] == query.shape[2]
+                   and (mask_type == AttnMaskType.no_mask
+                        or (mask_type == AttnMaskType.causal and key.shape[0] == query.shape[0])))
+        if backend in ("unfused", "local"):
+            return applies
+        return applies and query.device.type == "cpu" and query.shape[0] <= UNFUSED_AUTO_MAX_SEQ

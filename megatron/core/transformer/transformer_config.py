@@ -104,6 +104,14 @@ class TransformerConfig(ModelParallelConfig):
     """Scale q.k by 1/layer_number and undo it in an fp32 softmax (an fp16 overflow guard,
     ``--apply-query-key-layer-scaling``). Mathematically a no-op; implies attention_softmax_in_fp32."""
 
+    attention_backend: str = "auto"
+    """Attention kernel (``--attention-backend``): 'flash' and 'fused' run torch's
+    scaled_dot_product_attention; 'unfused' and 'local' materialise the scores
+    (megatron/core/transformer/blocked_attention.py) wherever that path applies (no explicit
+    mask, no attention dropout, no grouped-query attention, fp32/fp64) and SDPA elsewhere;
+    'auto' takes the unfused path on CPU up to ``UNFUSED_AUTO_MAX_SEQ`` tokens (where it was
+    measured faster) and SDPA otherwise."""
+
     attention_softmax_in_fp32: bool = True
     """Compute the attention softmax in fp32 (``--attention-softmax-in-fp32``). SDPA already
     accumulates the softmax in fp32 for half inputs, so this is stored only."""
@@ -223,6 +231,9 @@ class TransformerConfig(ModelParallelConfig):
                 f"ffn_hidden_size ({self.ffn_hidden_size}, --ffn-hidden-size) must be a multiple of "
                 f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, --tensor-model-parallel-size)"
             )
+        if self.attention_backend not in ("flash", "fused", "unfused", "local", "auto"):
+            raise ValueError(f"attention_backend {self.attention_backend!r} unknown (--attention-backend: "
+                             "flash, fused, unfused, local, auto)")
         if self.cp_comm_type is not None:
             types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
             unknown = [t for t in types if t not in ("p2p", "a2a", "allgather", "a2a+p2p")]

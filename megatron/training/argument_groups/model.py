@@ -16,8 +16,10 @@ def _add_network_size_args(parser):
     g.int('--ffn-hidden-size', None, 'Hidden size of the MLP. Default: 4 * hidden-size, or '
           'int(4 * hidden-size * 2/3 / 64) * 64 with --swiglu.')
     g.int('--num-attention-heads', None, 'Number of attention heads.')
-    g.str('--attention-backend', 'auto', 'Attention kernel to use; this code base always '
-          'runs torch scaled_dot_product_attention.', choices=ATTENTION_BACKENDS)
+    g.str('--attention-backend', 'auto', 'Attention kernel: flash/fused run torch '
+          'scaled_dot_product_attention; unfused/local materialise the scores where they can '
+          '(no mask file, no attention dropout, no GQA, fp32); auto takes unfused on CPU up to '
+          'seq 1024 and SDPA otherwise.', choices=ATTENTION_BACKENDS)
     g.int('--kv-channels', None, 'Per-head projection size. Default: hidden-size // '
           'num-attention-heads.')
     g.true('--group-query-attention', 'Use grouped-query attention (see --num-query-groups).')

@@ -1,0 +1,111 @@
+"""Unfused attention softmax(q k^T * scale + mask) v from batched GEMMs, in blocks of query rows.
+
+This is the "unfused" attention of Megatron (``--attention-backend unfused`` / ``local``): the
+scores are materialised, softmaxed and kept for backward, so the backward needs no recomputation.
+Two things make it faster than torch's fused CPU kernel at the short sequences CPU runs use (a
+measured 20-30 % at seq 256-1024, head dim 64, fp32; see ``benchmarks/RESULTS.md``):
+
+- every product is one ``bmm`` over all (batch, head) pairs, MKL's best case;
+- with a causal mask the query rows go in blocks of ``block_rows``: block [r0, r1) only meets
+  keys [0, r1), so the fully masked upper-right part of the score matrix is neither computed
+  nor stored (3/4 of the GEMM work at two blocks, about 1/2 at many).
+
+The price is memory: the saved probabilities are (batch * heads * seq^2 / 2) elements per layer
+instead of flash attention's O(seq). The caller decides when that is worth it
+(``DotProductAttention``: ``auto`` uses this path on CPU up to a sequence length).
+
+Layouts are Megatron's: q, k, v [s, b, heads, d] (any strides), output [s, b, heads * d]. Every
+query head has its own key/value head (no grouped-query attention), no explicit mask, no dropout.
+"""
+
+import torch
+
+
+def _batched_heads(x: torch.Tensor) -> torch.Tensor:
+    """[s, b, n, d] -> [b * n, s, d] (a view when the strides allow it, as for the QKV split)."""
+    s, b, n, d = x.shape
+    return x.permute(1, 2, 0, 3).reshape(b * n, s, d)
+
+
+def _row_blocks(seq: int, key_seq: int, block_rows: int, causal: bool):
+    """(first row, end row, end key) of each query block."""
+    if not causal:
+        return [(0, seq, key_seq)]
+    return [(r0, min(r0 + block_rows, seq), min(r0 + block_rows, seq)) for r0 in range(0, seq, block_rows)]
+
+
+def _block_mask(rows: int, keys: int, like: torch.Tensor) -> torch.Tensor:
+    """Additive mask [rows, keys] of a causal block whose last ``rows`` keys are its diagonal."""
+    mask = torch.zeros(rows, keys, dtype=like.dtype, device=like.device)
+    mask[:, keys - rows:] = torch.full((rows, rows), float("-inf"), dtype=like.dtype,
+                                       device=like.device).triu_(1)
+    return mask
+
+
+class BlockedAttentionFunction(torch.autograd.Function):
+    """out = softmax(q k^T * scale [+ causal mask]) v, probabilities saved per query block."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale: float, causal: bool, block_rows: int):
+        s, b, n, d = query.shape
+        q, k, v = _batched_heads(query), _batched_heads(key), _batched_heads(value)
+        out = torch.empty(b, n, s, d, dtype=query.dtype, device=query.device)
+        out_heads = out.view(b * n, s, d)
+        blocks = _row_blocks(s, key.shape[0], block_rows, causal)
+        probs = []
+        for r0, r1, keys in blocks:
+            rows = r1 - r0
+            if causal:
+                scores = torch.baddbmm(_block_mask(rows, keys, query), q[:, r0:r1],
+                                       k[:, :keys].transpose(1, 2), alpha=scale)
+            else:
+                scores = torch.bmm(q[:, r0:r1], k.transpose(1, 2)).mul_(scale)
+            p = torch.softmax(scores, dim=-1)
+            torch.bmm(p, v[:, :keys], out=out_heads[:, r0:r1])
+            probs.append(p)
+        ctx.save_for_backward(q, k, v, *probs)
+        ctx.blocks, ctx.scale, ctx.shape = blocks, scale, (s, b, n, d)
+        # [b, n, s, d] -> [s, b, n * d]
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, *probs = ctx.saved_tensors
+        s, b, n, d = ctx.shape
+        g = _batched_heads(grad_out.reshape(s, b, n, d))
+        grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
+        grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
+        grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
+        # The last block meets every key: it writes dK/dV (beta 0), earlier blocks add to a prefix.
+        for (r0, r1, keys), p in reversed(list(zip(ctx.blocks, probs))):
+            beta = 0.0 if keys == k.shape[1] else 1.0
+            g_rows = g[:, r0:r1]
+            grad_v[:, :keys].baddbmm_(p.transpose(1, 2), g_rows, beta=beta)
+            grad_p = torch.bmm(g_rows, v[:, :keys].transpose(1, 2))
+            grad_scores = torch._softmax_backward_data(grad_p, p, -1, p.dtype)
+            grad_q[:, r0:r1].baddbmm_(grad_scores, k[:, :keys], beta=0.0, alpha=ctx.scale)
+            grad_k[:, :keys].baddbmm_(grad_scores.transpose(1, 2), q[:, r0:r1], beta=beta, alpha=ctx.scale)
+
+        def to_layout(x):  # [b * n, s, d] -> [s, b, n, d] view
+            return x.view(b, n, x.shape[1], d).permute(2, 0, 1, 3)
+
+        return to_layout(grad_q), to_layout(grad_k), to_layout(grad_v), None, None, None
+
+
+def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                      causal: bool, block_rows: int = 128) -> torch.Tensor:
+    """Attention of query/key/value [s, b, heads, d] (equal head counts) -> [s, b, heads * d].
+
+    ``causal``: position i attends to keys 0..i (needs equal query and key lengths); otherwise
+    every query attends to every key. ``block_rows``: query rows per causal block (128 measured
+    best at head dim 64 on CPU).
+    """
+    if query.dim() != 4 or key.shape != value.shape or query.shape[1:] != key.shape[1:]:
+        raise ValueError(f"blocked attention needs q [s, b, n, d] and k, v [sk, b, n, d] with the same "
+                         f"b, n, d; got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if causal and key.shape[0] != query.shape[0]:
+        raise ValueError(f"causal attention needs equal query and key lengths, got {query.shape[0]} "
+                         f"and {key.shape[0]}")
+    if block_rows < 1:
+        raise ValueError(f"block_rows must be positive, got {block_rows}")
+    return BlockedAttentionFunction.apply(query, key, value, float(scale), bool(causal), int(block_rows))
