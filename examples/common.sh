@@ -47,7 +47,6 @@ OUTPUT_ARGS=(
     --eval-iters "${EVAL_ITERS:-10}"
     --save "$CHECKPOINT_PATH"
     --load "$CHECKPOINT_PATH"
-    --ckpt-format torch
     --tensorboard-dir "$TENSORBOARD_PATH"
 )
 

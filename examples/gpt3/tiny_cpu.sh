@@ -56,7 +56,6 @@ OUTPUT_ARGS=(
     --eval-iters 5
     --save "$RUN_DIR/checkpoints"
     --save-interval "$ITERS"
-    --ckpt-format torch
     --tensorboard-dir "$RUN_DIR/tensorboard"
 )
 if [[ "${DRY_RUN:-0}" == "1" ]]; then
