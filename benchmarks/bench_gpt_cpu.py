@@ -22,6 +22,9 @@ clipping at global L2 norm 1.0. Every trainer predicts all ``seq`` next tokens o
          --cross-entropy-loss-fusion`` would: TransformerConfig(cross_entropy_loss_fusion=True)
          (output layer + loss in one Function; ``--no-ce-fusion`` turns it off), Megatron's
          default ``--bias-gelu-fusion`` (bias_activation_fusion=True: the project's tanh GELU),
+         ``--attention-backend auto`` (Megatron's default flag value; on CPU up to seq 1024 it
+         selects the unfused attention of megatron/core/transformer/blocked_attention.py;
+         ``--attention-backend flash`` here runs torch's SDPA kernel instead, as hf and plain do),
          and at start-up the project's megatron.training.cpu_allocator.configure_cpu_allocator
          (what initialize_megatron calls; ``MEGATRON_CPU_MALLOPT=0`` in the environment skips it).
          Only project code runs: nothing is patched.
@@ -102,6 +105,9 @@ def parse_args(argv=None):
                         "loop); ours uses what get_megatron_optimizer builds")
     p.add_argument("--no-ce-fusion", action="store_true",
                    help="ours without cross_entropy_loss_fusion (--cross-entropy-loss-fusion off)")
+    p.add_argument("--attention-backend", choices=("auto", "flash", "unfused"), default="auto",
+                   help="ours' --attention-backend: auto (the default; the unfused blocked attention on "
+                        "CPU at these lengths), flash (torch's SDPA kernel, what hf and plain run)")
     p.add_argument("--mallopt-baselines", action="store_true",
                    help="apply the project's allocator setting (configure_cpu_allocator) to hf and plain too")
     p.add_argument("--profile", choices=FRAMEWORKS, default=None,
@@ -185,6 +191,7 @@ class OursTrainer:
             normalization="LayerNorm", activation_func=F.gelu, add_bias_linear=True,
             bias_activation_fusion=args.gelu == "tanh",  # Megatron's default --bias-gelu-fusion
             cross_entropy_loss_fusion=not args.no_ce_fusion,  # --cross-entropy-loss-fusion
+            attention_backend=args.attention_backend,  # --attention-backend (default auto)
         )
         torch.manual_seed(args.seed)
         self.model = GPTModel(config, vocab_size=args.vocab, max_sequence_length=args.seq,
@@ -537,7 +544,8 @@ def main(argv=None):
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
           f"vocab {args.vocab}, micro batch {args.micro_batch}, fp32, GELU {args.gelu}, "
           f"baselines' AdamW impl {args.adam_impl}, ours cross_entropy_loss_fusion "
-          f"{'off' if args.no_ce_fusion else 'on'}{', project allocator setting for baselines' if args.mallopt_baselines else ''}")
+          f"{'off' if args.no_ce_fusion else 'on'}, ours attention backend {args.attention_backend}"
+          f"{', project allocator setting for baselines' if args.mallopt_baselines else ''}")
     if args.profile:
         profile(args)
         return

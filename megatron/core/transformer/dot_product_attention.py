@@ -25,9 +25,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import model_parallel_rng
 
 
-# 'auto' runs the unfused path on CPU up to this many tokens per sequence: measured 20-30 % faster
-# than SDPA's flash kernel at 256-1024 (fp32, head dim 64, benchmarks/RESULTS.md). Its saved
-# probabilities grow as seq^2, so longer sequences keep the flash kernel.
+# 'auto' runs the unfused path on CPU up to this many tokens per sequence: measured 1.15-1.65x
+# faster than SDPA's flash kernel at 256-1024 and only 1.03-1.14x at 2048 (fp32, head dim 64,
+# benchmarks/attention_cpu.py). Its saved probabilities grow as seq^2, so longer sequences keep
+# the flash kernel.
 UNFUSED_AUTO_MAX_SEQ = 1024
 
 
