@@ -45,9 +45,12 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     args = p.parse_args(argv)
+    for name in ("tokens", "heads", "head_dim", "rounds", "reps", "threads"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
     for seq in args.seqs:
         if seq <= 0 or args.tokens % seq:
-            p.error(f"--tokens ({args.tokens}) must be a positive multiple of every --seqs value ({seq})")
+            p.error(f"every --seqs value must be positive and divide --tokens ({args.tokens}); got {seq}")
     return args
 
 
