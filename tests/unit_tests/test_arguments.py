@@ -382,6 +382,12 @@ def test_deprecated_position_flags():
                '--no-position-embedding').position_embedding_type == 'rope'
 
 
+def test_use_flash_attn_selects_the_flash_backend_unless_one_is_given():
+    assert run().attention_backend == 'auto'
+    assert run('--use-flash-attn').attention_backend == 'flash'
+    assert run('--use-flash-attn', '--attention-backend', 'fused').attention_backend == 'fused'
+
+
 def test_bias_flags():
     args = run('--disable-bias-linear')
     assert args.add_qkv_bias is False and args.bias_gelu_fusion is False

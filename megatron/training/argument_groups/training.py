@@ -96,7 +96,7 @@ def _add_training_args(parser):
     g.true('--cross-entropy-loss-fusion', 'Fuse the cross-entropy loss computation.')
     g.str('--cross-entropy-fusion-impl', 'native', 'Fused cross-entropy implementation.',
           choices=['native', 'te'])
-    g.true('--use-flash-attn', 'Use FlashAttention.')
+    g.true('--use-flash-attn', 'Use FlashAttention (with --attention-backend auto: selects flash).')
     g.false('--disable-bias-linear', 'add_bias_linear', 'No biases in the linear layers.')
     g.true('--add-qkv-bias', 'Bias in the QKV projection only (implied without '
            '--disable-bias-linear).')

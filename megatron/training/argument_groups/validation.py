@@ -37,6 +37,9 @@ def info(args, message):
 def translate_deprecated(args):
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = 'rope'
+    if args.use_flash_attn and args.attention_backend == 'auto':
+        # The older spelling of "run the flash kernel": keep 'auto' from picking the unfused path.
+        args.attention_backend = 'flash'
     if not args.add_position_embedding and args.position_embedding_type == 'learned_absolute':
         warn(args, '--no-position-embedding is deprecated; using --position-embedding-type none')
         args.position_embedding_type = 'none'
