@@ -3,6 +3,7 @@
 
     python benchmarks/attention_cpu.py                       # seq 256, 512, 1024, 2048
     python benchmarks/attention_cpu.py --seqs 256 --threads 1
+    python benchmarks/attention_cpu.py --dropout 0.1          # Megatron's default attention dropout
 
 The two kernels ``--attention-backend`` chooses between, on the inputs the attention layer gives
 them: q, k, v as strided views of one fused QKV projection [s, b, heads, 3, d], output
@@ -13,11 +14,14 @@ them: q, k, v as strided views of one fused QKV projection [s, b, heads, 3, d], 
   unfused  megatron.core.transformer.blocked_attention.blocked_attention (what 'auto' runs on
            CPU up to UNFUSED_AUTO_MAX_SEQ, and 'unfused'/'local' run)
 
+With ``--dropout`` both apply attention dropout (SDPA then leaves its flash kernel for its math
+path on CPU); their outputs then differ by the masks, so the difference column is left out.
+
 Each sequence length keeps the tokens per batch at ``--tokens`` (batch = tokens / seq). The two
 alternate call by call (``--rounds`` rounds of ``--reps`` forward + backward each, after a warm-up);
 reported: median milliseconds per forward + backward of each, sdpa/unfused (above 1: the unfused
 path is faster), the largest difference of output and input gradient between the two, and the
-bytes the unfused path keeps for backward (its saved probabilities) per layer.
+bytes the unfused path keeps for backward (its saved probabilities, and dropout masks) per layer.
 """
 import argparse
 import os
@@ -44,25 +48,28 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout probability in both")
     args = p.parse_args(argv)
     for name in ("tokens", "heads", "head_dim", "rounds", "reps", "threads"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if not 0.0 <= args.dropout < 1.0:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     for seq in args.seqs:
         if seq <= 0 or args.tokens % seq:
             p.error(f"every --seqs value must be positive and divide --tokens ({args.tokens}); got {seq}")
     return args
 
 
-def sdpa(q, k, v, scale):
+def sdpa(q, k, v, scale, dropout):
     s, b, n, d = q.shape
     out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                         is_causal=True, scale=scale)
+                                         is_causal=True, scale=scale, dropout_p=dropout)
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
 
-def unfused(q, k, v, scale):
-    return blocked_attention(q, k, v, scale, causal=True)
+def unfused(q, k, v, scale, dropout):
+    return blocked_attention(q, k, v, scale, causal=True, dropout_p=dropout)
 
 
 def measure(args, seq):
@@ -75,12 +82,12 @@ def measure(args, seq):
 
     def run(kernel):
         mixed.grad = None
-        out = kernel(*mixed.unbind(3), scale)
+        out = kernel(*mixed.unbind(3), scale, args.dropout)
         out.backward(grad)
         return out.detach(), mixed.grad
 
     (out_a, grad_a), (out_b, grad_b) = run(sdpa), run(unfused)
-    diff = max((out_a - out_b).abs().max().item(), (grad_a - grad_b).abs().max().item())
+    diff = max((out_a - out_b).abs().max().item(), (grad_a - grad_b).abs().max().item()) if not args.dropout else None
     times = {name: [] for name in kernels}
     for _ in range(args.rounds):
         for name, kernel in kernels.items():
@@ -88,7 +95,9 @@ def measure(args, seq):
             for _ in range(args.reps):
                 run(kernel)
             times[name].append((time.perf_counter() - start) / args.reps * 1e3)
-    saved = batch * n * sum(min(r0 + 128, seq) * (min(r0 + 128, seq) - r0) for r0 in range(0, seq, 128)) * 4
+    # fp32 probabilities, plus a one-byte keep mask each with dropout
+    saved = batch * n * sum(min(r0 + 128, seq) * (min(r0 + 128, seq) - r0) for r0 in range(0, seq, 128)) * (
+        5 if args.dropout else 4)
     return {name: statistics.median(t) for name, t in times.items()}, diff, saved
 
 
@@ -97,14 +106,16 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     allocator = "on" if configure_cpu_allocator("cpu") else "off"
     print(f"torch {torch.__version__}, {args.threads} threads, allocator setting {allocator}, "
-          f"{args.heads} heads x {args.head_dim}, {args.tokens} tokens per batch, fp32, causal; "
+          f"{args.heads} heads x {args.head_dim}, {args.tokens} tokens per batch, fp32, causal, "
+          f"attention dropout {args.dropout}; "
           f"'auto' takes the unfused path up to seq {UNFUSED_AUTO_MAX_SEQ}; 1-min load {os.getloadavg()[0]:.2f}")
     print(f"{'seq':>5} {'batch':>5}  {'sdpa ms':>8}  {'unfused ms':>10}  {'sdpa/unfused':>12}  "
           f"{'max |diff|':>10}  {'unfused keeps MiB/layer':>23}")
     for seq in args.seqs:
         ms, diff, saved = measure(args, seq)
         print(f"{seq:>5} {args.tokens // seq:>5}  {ms['sdpa']:>8.2f}  {ms['unfused']:>10.2f}  "
-              f"{ms['sdpa'] / ms['unfused']:>12.2f}  {diff:>10.1e}  {saved / 2**20:>23.1f}")
+              f"{ms['sdpa'] / ms['unfused']:>12.2f}  {'-' if diff is None else f'{diff:.1e}':>10}  "
+              f"{saved / 2**20:>23.1f}")
 
 
 if __name__ == "__main__":

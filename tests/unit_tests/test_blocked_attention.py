@@ -5,10 +5,13 @@ and how DotProductAttention chooses between the two kernels (``--attention-backe
   float64 (autograd through explicit matmuls) for causal masks at block sizes that divide the
   sequence, that do not, that are 1 and that exceed it, and without a mask when the key length
   differs; float32 equals torch's SDPA to rounding; strided inputs (the QKV split) work.
+* dropout: with the keep masks replaced by known ones, output and gradients equal the explicit
+  float64 computation with those masks applied (scaled by 1/(1-p)) to the probabilities; the
+  real masks drop about p of the probabilities and repeat under the same seed.
 * DotProductAttention runs the unfused path exactly where the backend and the call allow it
   ('auto' on CPU up to UNFUSED_AUTO_MAX_SEQ, 'unfused'/'local' always, never 'flash'/'fused',
-  never with dropout, a mask tensor, GQA or half precision), and both kernels give the same
-  answer inside a whole GPTModel.
+  never with a mask tensor, GQA or half precision; with attention dropout in training), and
+  both kernels give the same answer inside a whole GPTModel.
 """
 
 import math
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import blocked_attention as blocked_module
 from megatron.core.transformer import dot_product_attention as dpa_module
 from megatron.core.transformer.blocked_attention import blocked_attention
 from megatron.core.transformer.dot_product_attention import UNFUSED_AUTO_MAX_SEQ, DotProductAttention
@@ -34,13 +38,17 @@ def _qkv(sq, sk, b=2, n=3, d=8, dtype=torch.float64, seed=0):
     return q, k, v, grad
 
 
-def _explicit_attention(q, k, v, scale, causal):
-    """softmax(q k^T * scale + mask) v per (batch, head), written out with einsum."""
+def _explicit_attention(q, k, v, scale, causal, dropout_keep=None, dropout_p=0.0):
+    """softmax(q k^T * scale + mask) v per (batch, head), written out with einsum; with
+    ``dropout_keep`` [b, n, s, t] the probabilities are masked and scaled by 1 / (1 - p) first."""
     scores = torch.einsum("sbnd,tbnd->bnst", q, k) * scale
     if causal:
         keep = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril_()
         scores = scores.masked_fill(~keep, float("-inf"))
-    out = torch.einsum("bnst,tbnd->sbnd", torch.softmax(scores, dim=-1), v)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_keep is not None:
+        probs = probs * dropout_keep / (1.0 - dropout_p)
+    out = torch.einsum("bnst,tbnd->sbnd", probs, v)
     return out.reshape(q.shape[0], q.shape[1], -1)
 
 
@@ -93,12 +101,52 @@ def test_float32_strided_qkv_split_matches_sdpa():
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-5)
 
 
+def test_dropout_with_known_masks_equals_explicit_float64(monkeypatch):
+    seq, b, n, p_drop = 11, 2, 3, 0.3
+    q, k, v, grad = _qkv(seq, seq, b=b, n=n)
+    pattern = torch.rand(b * n, seq, seq, generator=torch.Generator().manual_seed(7)) >= p_drop
+    # Each block gets the rows [r0, r1) and keys [0, keys) of one fixed [b*n, s, s] pattern; the
+    # block bounds are read off the probabilities' shape (rows, keys) in call order.
+    calls = []
+
+    def known_keep(probs, dropout_p):
+        assert dropout_p == p_drop
+        r0 = sum(c[0] for c in calls)
+        calls.append(probs.shape[1:])
+        return pattern[:, r0:r0 + probs.shape[1], :probs.shape[2]].clone()
+
+    monkeypatch.setattr(blocked_module, "_dropout_keep", known_keep)
+    full_keep = pattern.view(b, n, seq, seq).to(torch.float64)
+    expected = _value_and_grads(lambda a, b_, c: _explicit_attention(a, b_, c, 0.5, True, full_keep, p_drop),
+                                q, k, v, grad)
+    actual = _value_and_grads(lambda a, b_, c: blocked_attention(a, b_, c, 0.5, causal=True, block_rows=4,
+                                                                 dropout_p=p_drop), q, k, v, grad)
+    assert [tuple(c) for c in calls] == [(4, 4), (4, 8), (3, 11)]
+    for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_dropout_masks_drop_about_p_and_follow_the_seed():
+    q, k, v, _ = _qkv(64, 64, b=4, n=4, d=8)
+    keep = blocked_module._dropout_keep(torch.ones(16, 64, 64, dtype=torch.float64), 0.25)
+    assert keep.dtype == torch.bool and abs(1.0 - keep.float().mean().item() - 0.25) < 0.01
+    outs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        outs.append(blocked_attention(q, k, v, 0.3, causal=True, dropout_p=0.25))
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    no_dropout = blocked_attention(q, k, v, 0.3, causal=True)
+    assert not torch.allclose(outs[0], no_dropout)
+
+
 def test_bad_shapes_are_refused_with_the_shapes():
     q, k, v, _ = _qkv(6, 7)
     with pytest.raises(ValueError, match="equal query and key lengths, got 6 and 7"):
         blocked_attention(q, k, v, 1.0, causal=True)
     with pytest.raises(ValueError, match=r"\(6, 2, 3, 8\), \(7, 2, 3, 8\), \(7, 2, 3, 4\)"):
         blocked_attention(q, k, v[..., :4], 1.0, causal=False)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.0"):
+        blocked_attention(q, k, v, 1.0, causal=False, dropout_p=1.0)
 
 
 # ----------------------------------------------------------------------------- kernel choice
@@ -114,7 +162,7 @@ def _count_unfused_calls(monkeypatch):
     calls = []
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("causal"))
+        calls.append((kwargs.get("causal"), kwargs.get("dropout_p")))
         return blocked_attention(*args, **kwargs)
 
     monkeypatch.setattr(dpa_module, "blocked_attention", spy)
@@ -129,14 +177,24 @@ def test_backend_chooses_the_kernel(monkeypatch, backend, seq, expect):
     attn = DotProductAttention(_config(backend), layer_number=1)
     q, k, v, _ = _qkv(seq, seq, b=1, n=4, d=8, dtype=torch.float32)
     attn(q, k, v, None)
-    assert calls == ([True] if expect else [])
+    assert calls == ([(True, 0.0)] if expect else [])
 
 
-@pytest.mark.parametrize("case", ["dropout", "mask_tensor", "gqa", "bf16"])
+def test_attention_dropout_goes_to_the_unfused_path_in_training_only(monkeypatch):
+    calls = _count_unfused_calls(monkeypatch)
+    attn = DotProductAttention(_config("auto", attention_dropout=0.1), layer_number=1)
+    q, k, v, _ = _qkv(8, 8, b=1, n=4, d=8, dtype=torch.float32)
+    attn.train()
+    attn(q, k, v, None)
+    attn.eval()
+    attn(q, k, v, None)
+    assert calls == [(True, 0.1), (True, 0.0)]
+
+
+@pytest.mark.parametrize("case", ["mask_tensor", "gqa", "bf16"])
 def test_unfused_is_not_used_where_it_does_not_apply(monkeypatch, case):
     calls = _count_unfused_calls(monkeypatch)
-    kw = {"attention_dropout": 0.1} if case == "dropout" else {}
-    attn = DotProductAttention(_config("unfused", **kw), layer_number=1)
+    attn = DotProductAttention(_config("unfused"), layer_number=1)
     attn.train()
     q, k, v, _ = _qkv(8, 8, b=1, n=4, d=8, dtype=torch.bfloat16 if case == "bf16" else torch.float32)
     mask = None
@@ -153,7 +211,7 @@ def test_no_mask_attention_uses_the_unfused_path_without_causal_mask(monkeypatch
     attn = DotProductAttention(_config("auto"), layer_number=1, attn_mask_type=AttnMaskType.no_mask)
     q, k, v, _ = _qkv(6, 6, b=1, n=4, d=8, dtype=torch.float32)
     out = attn(q, k, v, None)
-    assert calls == [False]
+    assert calls == [(False, 0.0)]
     torch.testing.assert_close(out, _explicit_attention(q, k, v, 1 / math.sqrt(8), False), rtol=1e-5, atol=1e-6)
 
 

@@ -15,8 +15,12 @@ The price is memory: the saved probabilities are (batch * heads * seq^2 / 2) ele
 instead of flash attention's O(seq). The caller decides when that is worth it
 (``DotProductAttention``: ``auto`` uses this path on CPU up to a sequence length).
 
+Dropout is Megatron's attention dropout on the probabilities: each block draws its keep mask
+from the current CPU/CUDA generator (the caller forks the model-parallel stream under TP), keeps
+it (one byte per probability) for backward, and scales the kept probabilities by 1 / (1 - p).
+
 Layouts are Megatron's: q, k, v [s, b, heads, d] (any strides), output [s, b, heads * d]. Every
-query head has its own key/value head (no grouped-query attention), no explicit mask, no dropout.
+query head has its own key/value head (no grouped-query attention) and there is no explicit mask.
 """
 
 import torch
@@ -43,16 +47,26 @@ def _block_mask(rows: int, keys: int, like: torch.Tensor) -> torch.Tensor:
     return mask
 
 
+def _dropout_keep(probs: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Bool mask of the probabilities that survive dropout, drawn from the current generator."""
+    return torch.rand_like(probs) >= dropout_p
+
+
+def _dropped(probs: torch.Tensor, keep: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    return probs * keep * (1.0 / (1.0 - dropout_p))
+
+
 class BlockedAttentionFunction(torch.autograd.Function):
-    """out = softmax(q k^T * scale [+ causal mask]) v, probabilities saved per query block."""
+    """out = dropout(softmax(q k^T * scale [+ causal mask])) v, probabilities (and dropout keep
+    masks) saved per query block."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scale: float, causal: bool, block_rows: int):
+    def forward(ctx, query, key, value, scale: float, causal: bool, block_rows: int, dropout_p: float):
         s, b, n, d = query.shape
         q, k, v = _batched_heads(query), _batched_heads(key), _batched_heads(value)
         out = torch.empty(s, b, n, d, dtype=query.dtype, device=query.device)
         blocks = _row_blocks(s, key.shape[0], block_rows, causal)
-        probs = []
+        probs, keeps = [], []
         for r0, r1, keys in blocks:
             rows = r1 - r0
             if causal:
@@ -61,26 +75,34 @@ class BlockedAttentionFunction(torch.autograd.Function):
             else:
                 scores = torch.bmm(q[:, r0:r1], k.transpose(1, 2)).mul_(scale)
             p = torch.softmax(scores, dim=-1)
+            used = p
+            if dropout_p > 0.0:
+                keeps.append(_dropout_keep(p, dropout_p))
+                used = _dropped(p, keeps[-1], dropout_p)
             # bmm writes a fresh [b*n, rows, d]; one copy puts it in the output's [s, b, n, d].
             # (bmm or baddbmm_ into a strided slice falls back to one GEMM per batch entry.)
-            out[r0:r1] = torch.bmm(p, v[:, :keys]).view(b, n, rows, d).permute(2, 0, 1, 3)
+            out[r0:r1] = torch.bmm(used, v[:, :keys]).view(b, n, rows, d).permute(2, 0, 1, 3)
             probs.append(p)
-        ctx.save_for_backward(q, k, v, *probs)
-        ctx.blocks, ctx.scale, ctx.shape = blocks, scale, (s, b, n, d)
+        ctx.save_for_backward(q, k, v, *probs, *keeps)
+        ctx.blocks, ctx.scale, ctx.shape, ctx.dropout_p = blocks, scale, (s, b, n, d), dropout_p
         return out.view(s, b, n * d)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, *probs = ctx.saved_tensors
+        q, k, v, *saved = ctx.saved_tensors
+        probs, keeps = saved[:len(ctx.blocks)], saved[len(ctx.blocks):] or [None] * len(ctx.blocks)
         s, b, n, d = ctx.shape
         g = _batched_heads(grad_out.reshape(s, b, n, d))
         grad_q_blocks = []
         grad_k = grad_v = None
         # The last block meets every key: its products are dK/dV, earlier blocks add to a prefix.
-        for (r0, r1, keys), p in reversed(list(zip(ctx.blocks, probs))):
+        for (r0, r1, keys), p, keep in reversed(list(zip(ctx.blocks, probs, keeps))):
             g_rows = g[:, r0:r1]
-            grad_v_part = torch.bmm(p.transpose(1, 2), g_rows)
+            used = p if keep is None else _dropped(p, keep, ctx.dropout_p)
+            grad_v_part = torch.bmm(used.transpose(1, 2), g_rows)
             grad_p = torch.bmm(g_rows, v[:, :keys].transpose(1, 2))
+            if keep is not None:
+                grad_p = _dropped(grad_p, keep, ctx.dropout_p)
             grad_scores = torch._softmax_backward_data(grad_p, p, -1, p.dtype)
             grad_q_blocks.append(torch.bmm(grad_scores, k[:, :keys]))
             grad_k_part = torch.bmm(grad_scores.transpose(1, 2), q[:, r0:r1])
@@ -96,16 +118,17 @@ class BlockedAttentionFunction(torch.autograd.Function):
         def to_layout(x):  # [b * n, s, d] -> [s, b, n, d] view
             return x.view(b, n, x.shape[1], d).permute(2, 0, 1, 3)
 
-        return to_layout(grad_q), to_layout(grad_k), to_layout(grad_v), None, None, None
+        return to_layout(grad_q), to_layout(grad_k), to_layout(grad_v), None, None, None, None
 
 
 def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                      causal: bool, block_rows: int = 128) -> torch.Tensor:
+                      causal: bool, block_rows: int = 128, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention of query/key/value [s, b, heads, d] (equal head counts) -> [s, b, heads * d].
 
     ``causal``: position i attends to keys 0..i (needs equal query and key lengths); otherwise
     every query attends to every key. ``block_rows``: query rows per causal block (128 measured
-    best at head dim 64 on CPU).
+    best at head dim 64 on CPU). ``dropout_p``: attention dropout on the probabilities (pass 0
+    outside training).
     """
     if query.dim() != 4 or key.shape != value.shape or query.shape[1:] != key.shape[1:]:
         raise ValueError(f"blocked attention needs q [s, b, n, d] and k, v [sk, b, n, d] with the same "
@@ -115,4 +138,7 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                          f"and {key.shape[0]}")
     if block_rows < 1:
         raise ValueError(f"block_rows must be positive, got {block_rows}")
-    return BlockedAttentionFunction.apply(query, key, value, float(scale), bool(causal), int(block_rows))
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return BlockedAttentionFunction.apply(query, key, value, float(scale), bool(causal), int(block_rows),
+                                          float(dropout_p))

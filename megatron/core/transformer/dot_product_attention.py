@@ -78,9 +78,11 @@ class DotProductAttention(MegatronModule):
                 return ring_attention(query, key, value, self.cp_group, self.softmax_scale, dropout_p,
                                       self.training)
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if self._use_unfused(query, key, attention_mask, mask_type, dropout_p):
-            return blocked_attention(query, key, value, self.softmax_scale,
-                                     causal=mask_type == AttnMaskType.causal)
+        if self._use_unfused(query, key, attention_mask, mask_type):
+            # Each TP rank holds different heads: their dropout masks come from per-rank streams.
+            with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
+                return blocked_attention(query, key, value, self.softmax_scale,
+                                         causal=mask_type == AttnMaskType.causal, dropout_p=dropout_p)
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
@@ -108,12 +110,12 @@ class DotProductAttention(MegatronModule):
         # [b, np, sq, d] -> [sq, b, np * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * d)
 
-    def _use_unfused(self, query, key, attention_mask, mask_type, dropout_p) -> bool:
+    def _use_unfused(self, query, key, attention_mask, mask_type) -> bool:
         """Whether the unfused path of blocked_attention.py runs this call (see the module doc)."""
         backend = self.config.attention_backend
         if backend in ("flash", "fused"):
             return False
-        applies = (attention_mask is None and dropout_p == 0.0
+        applies = (attention_mask is None
                    and query.dtype in (torch.float32, torch.float64)
                    and key.shape[2] == query.shape[2]
                    and (mask_type == AttnMaskType.no_mask
