@@ -4,13 +4,15 @@ and how DotProductAttention chooses between the two kernels (``--attention-backe
 * blocked_attention: output and q/k/v gradients equal the textbook softmax(q k^T s + mask) v in
   float64 (autograd through explicit matmuls) for causal masks at block sizes that divide the
   sequence, that do not, that are 1 and that exceed it, and without a mask when the key length
-  differs; float32 equals torch's SDPA to rounding; strided inputs (the QKV split) work.
+  differs; grouped-query attention equals the explicit computation with each key/value group
+  repeated for its heads (gradients summed per group); float32 equals torch's SDPA to rounding;
+  strided inputs (the QKV split) work.
 * dropout: with the keep masks replaced by known ones, output and gradients equal the explicit
   float64 computation with those masks applied (scaled by 1/(1-p)) to the probabilities; the
   real masks drop about p of the probabilities and repeat under the same seed.
 * DotProductAttention runs the unfused path exactly where the backend and the call allow it
   ('auto' on CPU up to UNFUSED_AUTO_MAX_SEQ, 'unfused'/'local' always, never 'flash'/'fused',
-  never with a mask tensor, GQA or half precision; with attention dropout in training), and
+  never with a mask tensor or half precision; with GQA and attention dropout), and
   both kernels give the same answer inside a whole GPTModel.
 """
 
@@ -74,6 +76,20 @@ def test_no_mask_with_longer_keys_equals_explicit_float64():
     q, k, v, grad = _qkv(5, 11)
     expected = _value_and_grads(lambda a, b_, c: _explicit_attention(a, b_, c, 0.3, False), q, k, v, grad)
     actual = _value_and_grads(lambda a, b_, c: blocked_attention(a, b_, c, 0.3, causal=False), q, k, v, grad)
+    for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_grouped_query_attention_equals_explicit_float64_with_repeated_groups():
+    q, _, _, grad = _qkv(10, 10, n=6)
+    _, k, v, _ = _qkv(10, 10, n=2, seed=1)  # 2 groups of 3 query heads
+
+    def explicit(a, b_, c):  # query head j reads group j // 3
+        return _explicit_attention(a, b_.repeat_interleave(3, dim=2), c.repeat_interleave(3, dim=2), 0.4, True)
+
+    expected = _value_and_grads(explicit, q, k, v, grad)
+    actual = _value_and_grads(lambda a, b_, c: blocked_attention(a, b_, c, 0.4, causal=True, block_rows=4),
+                              q, k, v, grad)
     for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
 
@@ -145,6 +161,8 @@ def test_bad_shapes_are_refused_with_the_shapes():
         blocked_attention(q, k, v, 1.0, causal=True)
     with pytest.raises(ValueError, match=r"\(6, 2, 3, 8\), \(7, 2, 3, 8\), \(7, 2, 3, 4\)"):
         blocked_attention(q, k, v[..., :4], 1.0, causal=False)
+    with pytest.raises(ValueError, match="g dividing n"):
+        blocked_attention(q, k[:, :, :2], v[:, :, :2], 1.0, causal=False)
     with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\), got 1.0"):
         blocked_attention(q, k, v, 1.0, causal=False, dropout_p=1.0)
 
@@ -191,7 +209,7 @@ def test_attention_dropout_goes_to_the_unfused_path_in_training_only(monkeypatch
     assert calls == [(True, 0.1), (True, 0.0)]
 
 
-@pytest.mark.parametrize("case", ["mask_tensor", "gqa", "bf16"])
+@pytest.mark.parametrize("case", ["mask_tensor", "bf16"])
 def test_unfused_is_not_used_where_it_does_not_apply(monkeypatch, case):
     calls = _count_unfused_calls(monkeypatch)
     attn = DotProductAttention(_config("unfused"), layer_number=1)
@@ -200,8 +218,6 @@ def test_unfused_is_not_used_where_it_does_not_apply(monkeypatch, case):
     mask = None
     if case == "mask_tensor":
         mask = torch.ones(8, 8, dtype=torch.bool).triu_(1)[None, None]
-    if case == "gqa":
-        k, v = k[:, :, :2], v[:, :, :2]
     attn(q, k, v, mask)
     assert calls == []
 
@@ -215,16 +231,20 @@ def test_no_mask_attention_uses_the_unfused_path_without_causal_mask(monkeypatch
     torch.testing.assert_close(out, _explicit_attention(q, k, v, 1 / math.sqrt(8), False), rtol=1e-5, atol=1e-6)
 
 
-def test_gpt_model_gives_the_same_loss_and_grads_with_either_kernel():
+@pytest.mark.parametrize("groups", [None, 2])
+def test_gpt_model_gives_the_same_loss_and_grads_with_either_kernel(monkeypatch, groups):
+    calls = _count_unfused_calls(monkeypatch)
     tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(3))
     position_ids = torch.arange(24).unsqueeze(0).expand(2, -1)
     results = {}
     for backend in ("flash", "unfused"):
         torch.manual_seed(0)
-        model = GPTModel(_config(backend, num_layers=2), vocab_size=64, max_sequence_length=24)
+        model = GPTModel(_config(backend, num_layers=2, num_query_groups=groups), vocab_size=64,
+                         max_sequence_length=24)
         loss = model(tokens, position_ids, None, labels=tokens.roll(-1, 1)).mean()
         loss.backward()
         results[backend] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+        assert len(calls) == (2 if backend == "unfused" else 0)  # one call per layer
     torch.testing.assert_close(results["unfused"][0], results["flash"][0], rtol=1e-6, atol=1e-6)
     for a, e in zip(results["unfused"][1], results["flash"][1]):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-6)

@@ -19,8 +19,10 @@ Dropout is Megatron's attention dropout on the probabilities: each block draws i
 from the current CPU/CUDA generator (the caller forks the model-parallel stream under TP), keeps
 it (one byte per probability) for backward, and scales the kept probabilities by 1 / (1 - p).
 
-Layouts are Megatron's: q, k, v [s, b, heads, d] (any strides), output [s, b, heads * d]. Every
-query head has its own key/value head (no grouped-query attention) and there is no explicit mask.
+Layouts are Megatron's: q [s, b, heads, d], k, v [sk, b, groups, d] (any strides), output
+[s, b, heads * d]. With grouped-query attention (groups < heads) query head j reads key/value
+group j // (heads / groups), Megatron's grouping: keys and values are repeated per head before
+the products (autograd sums their gradients back per group). There is no explicit mask.
 """
 
 import torch
@@ -121,18 +123,26 @@ class BlockedAttentionFunction(torch.autograd.Function):
         return to_layout(grad_q), to_layout(grad_k), to_layout(grad_v), None, None, None, None
 
 
+def _repeat_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[s, b, groups, d] -> [s, b, heads, d], group g serving heads g * heads/groups onwards."""
+    s, b, groups, d = x.shape
+    return x.unsqueeze(3).expand(s, b, groups, heads // groups, d).reshape(s, b, heads, d)
+
+
 def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                       causal: bool, block_rows: int = 128, dropout_p: float = 0.0) -> torch.Tensor:
-    """Attention of query/key/value [s, b, heads, d] (equal head counts) -> [s, b, heads * d].
+    """Attention of query [s, b, heads, d], key/value [sk, b, groups, d] -> [s, b, heads * d].
 
     ``causal``: position i attends to keys 0..i (needs equal query and key lengths); otherwise
     every query attends to every key. ``block_rows``: query rows per causal block (128 measured
     best at head dim 64 on CPU). ``dropout_p``: attention dropout on the probabilities (pass 0
     outside training).
     """
-    if query.dim() != 4 or key.shape != value.shape or query.shape[1:] != key.shape[1:]:
-        raise ValueError(f"blocked attention needs q [s, b, n, d] and k, v [sk, b, n, d] with the same "
-                         f"b, n, d; got {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if (query.dim() != 4 or key.shape != value.shape or key.dim() != 4 or query.shape[1] != key.shape[1]
+            or query.shape[3] != key.shape[3] or query.shape[2] % key.shape[2] != 0):
+        raise ValueError(f"blocked attention needs q [s, b, n, d] and k, v [sk, b, g, d] with the same b "
+                         f"and d and g dividing n; got {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}")
     if causal and key.shape[0] != query.shape[0]:
         raise ValueError(f"causal attention needs equal query and key lengths, got {query.shape[0]} "
                          f"and {key.shape[0]}")
@@ -140,5 +150,7 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"block_rows must be positive, got {block_rows}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if key.shape[2] != query.shape[2]:
+        key, value = _repeat_groups(key, query.shape[2]), _repeat_groups(value, query.shape[2])
     return BlockedAttentionFunction.apply(query, key, value, float(scale), bool(causal), int(block_rows),
                                           float(dropout_p))

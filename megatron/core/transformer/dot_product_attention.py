@@ -1,4 +1,9 @@
-"""Core attention softmax(q k^T * scale + mask) v through ``F.scaled_dot_product_attention``.
+"""Core attention softmax(q k^T * scale + mask) v: torch's ``F.scaled_dot_product_attention``
+(SDPA) or the unfused blocked attention of blocked_attention.py.
+
+``config.attention_backend`` picks the kernel: 'flash'/'fused' always SDPA; 'unfused'/'local'
+the unfused path wherever it applies (no mask tensor, fp32/fp64), SDPA elsewhere; 'auto' the
+unfused path where it applies on CPU up to UNFUSED_AUTO_MAX_SEQ tokens, SDPA otherwise.
 
 Inputs are in Megatron's [s, b, heads, d] layout; they are handed to SDPA as strided
 [b, heads, s, d] views (no copies). SDPA's CPU and CUDA kernels return the output in the
@@ -8,7 +13,7 @@ Masks follow Megatron: a boolean ``attention_mask`` broadcastable to [b, 1, s, s
 means "masked out". With ``attention_mask=None`` the mask type decides: causal masks use SDPA's
 ``is_causal`` path (which skips the masked blocks), ``no_mask`` attends everywhere. Grouped-query
 attention uses SDPA's ``enable_gqa`` (query head j reads key/value group j // (heads / groups),
-Megatron's grouping), without repeating keys and values.
+Megatron's grouping), without repeating keys and values; the unfused path repeats them.
 """
 
 import math
@@ -117,7 +122,6 @@ class DotProductAttention(MegatronModule):
             return False
         applies = (attention_mask is None
                    and query.dtype in (torch.float32, torch.float64)
-                   and key.shape[2] == query.shape[2]
                    and (mask_type == AttnMaskType.no_mask
                         or (mask_type == AttnMaskType.causal and key.shape[0] == query.shape[0])))
         if backend in ("unfused", "local"):

@@ -108,7 +108,7 @@ class TransformerConfig(ModelParallelConfig):
     """Attention kernel (``--attention-backend``): 'flash' and 'fused' run torch's
     scaled_dot_product_attention; 'unfused' and 'local' materialise the scores
     (megatron/core/transformer/blocked_attention.py) wherever that path applies (no explicit
-    mask, no grouped-query attention, fp32/fp64) and SDPA elsewhere;
+    mask, fp32/fp64) and SDPA elsewhere;
     'auto' takes the unfused path on CPU up to ``UNFUSED_AUTO_MAX_SEQ`` tokens (where it was
     measured faster) and SDPA otherwise."""
 

@@ -18,7 +18,7 @@ def _add_network_size_args(parser):
     g.int('--num-attention-heads', None, 'Number of attention heads.')
     g.str('--attention-backend', 'auto', 'Attention kernel: flash/fused run torch '
           'scaled_dot_product_attention; unfused/local materialise the scores where they can '
-          '(no mask tensor, no GQA, fp32); auto takes unfused on CPU up to '
+          '(no mask tensor, fp32); auto takes unfused on CPU up to '
           'seq 1024 and SDPA otherwise.', choices=ATTENTION_BACKENDS)
     g.int('--kv-channels', None, 'Per-head projection size. Default: hidden-size // '
           'num-attention-heads.')
