@@ -4,10 +4,12 @@
     python benchmarks/attention_cpu.py                       # seq 256, 512, 1024, 2048
     python benchmarks/attention_cpu.py --seqs 256 --threads 1
     python benchmarks/attention_cpu.py --dropout 0.1          # Megatron's default attention dropout
+    python benchmarks/attention_cpu.py --heads 8 --groups 2   # grouped-query attention
 
 The two kernels ``--attention-backend`` chooses between, on the inputs the attention layer gives
-them: q, k, v as strided views of one fused QKV projection [s, b, heads, 3, d], output
-[s, b, heads * d], gradient flowing back into the projection.
+them: q, k, v as strided views of one fused QKV projection [s, b, heads, 3, d] (with ``--groups``,
+Megatron's grouped layout [s, b, groups, heads/groups + 2, d]), output [s, b, heads * d],
+gradient flowing back into the projection.
 
   sdpa     F.scaled_dot_product_attention(is_causal=True) (what 'flash'/'fused', and 'auto' above
            UNFUSED_AUTO_MAX_SEQ, run)
@@ -45,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=2048, help="sequence length x batch, kept fixed")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--groups", type=int, default=None,
+                   help="key/value head groups (grouped-query attention); default: one per head")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=os.cpu_count())
@@ -53,6 +57,10 @@ def parse_args(argv=None):
     for name in ("tokens", "heads", "head_dim", "rounds", "reps", "threads"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.groups is None:
+        args.groups = args.heads
+    if args.groups <= 0 or args.heads % args.groups:
+        p.error(f"--groups ({args.groups}) must be positive and divide --heads ({args.heads})")
     if not 0.0 <= args.dropout < 1.0:
         p.error(f"--dropout must be in [0, 1), got {args.dropout}")
     for seq in args.seqs:
@@ -64,7 +72,8 @@ def parse_args(argv=None):
 def sdpa(q, k, v, scale, dropout):
     s, b, n, d = q.shape
     out = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3),
-                                         is_causal=True, scale=scale, dropout_p=dropout)
+                                         is_causal=True, scale=scale, dropout_p=dropout,
+                                         enable_gqa=k.shape[2] != n)
     return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
 
@@ -73,16 +82,18 @@ def unfused(q, k, v, scale, dropout):
 
 
 def measure(args, seq):
-    batch, n, d = args.tokens // seq, args.heads, args.head_dim
+    batch, n, d, groups = args.tokens // seq, args.heads, args.head_dim, args.groups
     gen = torch.Generator().manual_seed(seq)
-    mixed = torch.randn(seq, batch, n, 3, d, generator=gen).requires_grad_()
+    per_group = n // groups
+    mixed = torch.randn(seq, batch, groups, per_group + 2, d, generator=gen).requires_grad_()
     grad = torch.randn(seq, batch, n * d, generator=gen)
     scale = 1.0 / d ** 0.5
     kernels = {"sdpa": sdpa, "unfused": unfused}
 
     def run(kernel):
         mixed.grad = None
-        out = kernel(*mixed.unbind(3), scale, args.dropout)
+        query, key, value = torch.split(mixed, [per_group, 1, 1], dim=3)
+        out = kernel(query.reshape(seq, batch, n, d), key.squeeze(3), value.squeeze(3), scale, args.dropout)
         out.backward(grad)
         return out.detach(), mixed.grad
 
@@ -106,7 +117,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     allocator = "on" if configure_cpu_allocator("cpu") else "off"
     print(f"torch {torch.__version__}, {args.threads} threads, allocator setting {allocator}, "
-          f"{args.heads} heads x {args.head_dim}, {args.tokens} tokens per batch, fp32, causal, "
+          f"{args.heads} heads x {args.head_dim}, {args.groups} key/value groups, {args.tokens} tokens per batch, "
+          f"fp32, causal, "
           f"attention dropout {args.dropout}; "
           f"'auto' takes the unfused path up to seq {UNFUSED_AUTO_MAX_SEQ}; 1-min load {os.getloadavg()[0]:.2f}")
     print(f"{'seq':>5} {'batch':>5}  {'sdpa ms':>8}  {'unfused ms':>10}  {'sdpa/unfused':>12}  "
