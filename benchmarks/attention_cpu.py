@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron.core.transformer.blocked_attention import blocked_attention  # noqa: E402
+from megatron.core.transformer.blocked_attention import (  # noqa: E402
+    DEFAULT_BLOCK_ROWS, _row_blocks, blocked_attention)
 from megatron.core.transformer.dot_product_attention import UNFUSED_AUTO_MAX_SEQ  # noqa: E402
 from megatron.training.cpu_allocator import configure_cpu_allocator  # noqa: E402
 
@@ -107,8 +108,8 @@ def measure(args, seq):
                 run(kernel)
             times[name].append((time.perf_counter() - start) / args.reps * 1e3)
     # fp32 probabilities, plus a one-byte keep mask each with dropout
-    saved = batch * n * sum(min(r0 + 128, seq) * (min(r0 + 128, seq) - r0) for r0 in range(0, seq, 128)) * (
-        5 if args.dropout else 4)
+    probabilities = sum((r1 - r0) * keys for r0, r1, keys in _row_blocks(seq, seq, DEFAULT_BLOCK_ROWS, True))
+    saved = batch * n * probabilities * (5 if args.dropout else 4)
     return {name: statistics.median(t) for name, t in times.items()}, diff, saved
 
 

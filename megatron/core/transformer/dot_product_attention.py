@@ -73,21 +73,24 @@ class DotProductAttention(MegatronModule):
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None
                 ) -> torch.Tensor:
         """query [sq, b, np, d], key/value [sk, b, ng, d] -> context [sq, b, np * d]."""
-        sq, b, np_, d = query.shape
         dropout_p = self.attention_dropout if self.training else 0.0
-        if self.cp_size > 1:
-            if attention_mask is not None:
-                raise ValueError("explicit attention masks (--reset-attention-mask) are not supported with "
-                                 "context parallelism (--context-parallel-size > 1)")
-            with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
+        if self.cp_size > 1 and attention_mask is not None:
+            raise ValueError("explicit attention masks (--reset-attention-mask) are not supported with "
+                             "context parallelism (--context-parallel-size > 1)")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        # Each TP rank holds different heads: their dropout masks come from per-rank streams.
+        with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
+            if self.cp_size > 1:
                 return ring_attention(query, key, value, self.cp_group, self.softmax_scale, dropout_p,
                                       self.training)
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if self._use_unfused(query, key, attention_mask, mask_type):
-            # Each TP rank holds different heads: their dropout masks come from per-rank streams.
-            with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
+            if self._use_unfused(query, key, attention_mask, mask_type):
                 return blocked_attention(query, key, value, self.softmax_scale,
                                          causal=mask_type == AttnMaskType.causal, dropout_p=dropout_p)
+            return self._sdpa(query, key, value, attention_mask, mask_type, dropout_p)
+
+    def _sdpa(self, query, key, value, attention_mask, mask_type, dropout_p) -> torch.Tensor:
+        """torch's scaled_dot_product_attention on [b, heads, s, d] views -> [sq, b, np * d]."""
+        sq, b, np_, d = query.shape
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
@@ -106,12 +109,10 @@ class DotProductAttention(MegatronModule):
                     f"got {sq} and {key.shape[0]}"
                 )
             is_causal = True
-        # Each TP rank holds different heads: their dropout masks come from per-rank streams.
-        with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
-            context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=self.softmax_scale, enable_gqa=k.shape[1] != np_,
-            )
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=self.softmax_scale, enable_gqa=k.shape[1] != np_,
+        )
         # [b, np, sq, d] -> [sq, b, np * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * d)
 
