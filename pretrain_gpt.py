@@ -1,4 +1,5 @@
 """Pretrain a GPT (or Llama-style) decoder: ``torchrun --nproc-per-node N pretrain_gpt.py <flags>``."""
+
 from functools import partial
 
 import torch
@@ -14,7 +15,9 @@ from megatron.training.training import ModelType, pretrain
 from megatron.training.utils import get_device
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, num_layers=None, layer_number_offset=0):
+def model_provider(
+    pre_process=True, post_process=True, vp_stage=None, num_layers=None, layer_number_offset=0
+):
     """Build the GPT model (or, with pipeline parallelism, this stage's chunk of ``num_layers``
     layers starting after ``layer_number_offset``) from the flags: local PyTorch implementation."""
     args = get_args()
@@ -59,10 +62,23 @@ def get_batch(data_iterator):
     state = get_parallel_state()
     if state.get_context_parallel_world_size() > 1:
         cut = get_batch_on_this_cp_rank(
-            {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "attention_mask": attention_mask,
-             "position_ids": position_ids},
-            state.get_context_parallel_world_size(), state.get_context_parallel_rank())
-        return cut["tokens"], cut["labels"], cut["loss_mask"], cut["attention_mask"], cut["position_ids"]
+            {
+                "tokens": tokens,
+                "labels": labels,
+                "loss_mask": loss_mask,
+                "attention_mask": attention_mask,
+                "position_ids": position_ids,
+            },
+            state.get_context_parallel_world_size(),
+            state.get_context_parallel_rank(),
+        )
+        return (
+            cut["tokens"],
+            cut["labels"],
+            cut["loss_mask"],
+            cut["attention_mask"],
+            cut["position_ids"],
+        )
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
@@ -81,8 +97,10 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         num_tokens = local_tokens.clone()
         torch.distributed.all_reduce(num_tokens, group=state.get_context_parallel_group())
     if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
-        raise RuntimeError(f"NaN or Inf loss on rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0} "
-                           f"at iteration {args.iteration + 1}")
+        raise RuntimeError(
+            f"NaN or Inf loss on rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0} "
+            f"at iteration {args.iteration + 1}"
+        )
     reported = torch.cat([loss.clone().detach().view(1), local_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": reported}
 
@@ -101,8 +119,13 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     args = get_args()
     tokenizer = get_tokenizer()
     blend, per_split = get_blend_and_blend_per_split(
-        args.data_path, args.data_args_path, args.per_split_data_args_path,
-        args.train_data_path, args.valid_data_path, args.test_data_path)
+        args.data_path,
+        args.data_args_path,
+        args.per_split_data_args_path,
+        args.train_data_path,
+        args.valid_data_path,
+        args.test_data_path,
+    )
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -123,12 +146,18 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     dataset_type = MockGPTDataset if config.mock else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
-        dataset_type, train_val_test_num_samples, lambda: True, config).build()
+        dataset_type, train_val_test_num_samples, lambda: True, config
+    ).build()
     print_rank_0("> finished creating GPT datasets ...")
     return train_ds, valid_ds, test_ds
 
 
 if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
-    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    pretrain(
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+    )

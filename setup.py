@@ -1,4 +1,5 @@
 """Installable package for the Megatron-LM-compatible framework."""
+
 from setuptools import find_packages, setup
 
 setup(

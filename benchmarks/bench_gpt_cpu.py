@@ -56,6 +56,7 @@ RSS; then ours/hf and ours/plain as the median of the per-round ratios.
 hf and plain run with glibc's default allocator settings, as their users get them;
 ``--mallopt-baselines`` gives them the project's setting too (an allocator-neutral comparison).
 """
+
 import argparse
 import gc
 import math
@@ -77,45 +78,88 @@ FRAMEWORKS = ("ours", "hf", "plain")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer, once at the start")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps per trainer, once at the start"
+    )
     p.add_argument("--steps", type=int, default=2, help="timed steps per trainer per round")
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--time-limit", type=float, default=240.0,
-                   help="stop after the round that passes this many seconds of timed rounds (a shared "
-                        "machine can be slow); the rounds done so far are reported")
-    p.add_argument("--threads", type=int, default=os.cpu_count(),
-                   help="torch.set_num_threads in every worker (default: all cores)")
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=240.0,
+        help="stop after the round that passes this many seconds of timed rounds (a shared "
+        "machine can be slow); the rounds done so far are reported",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count(),
+        help="torch.set_num_threads in every worker (default: all cores)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--gelu", choices=("tanh", "exact"), default="tanh",
-                   help="tanh: GPT-2's GELU in its native form per framework; exact: erf GELU in all three")
+    p.add_argument(
+        "--gelu",
+        choices=("tanh", "exact"),
+        default="tanh",
+        help="tanh: GPT-2's GELU in its native form per framework; exact: erf GELU in all three",
+    )
     p.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
-    p.add_argument("--adam-impl", choices=("default", "foreach", "fused"), default="default",
-                   help="AdamW implementation for hf and plain (torch's default on CPU is the per-tensor "
-                        "loop); ours uses what get_megatron_optimizer builds")
-    p.add_argument("--no-ce-fusion", action="store_true",
-                   help="ours without cross_entropy_loss_fusion (--cross-entropy-loss-fusion off)")
-    p.add_argument("--attention-backend", choices=("auto", "flash", "unfused"), default="auto",
-                   help="ours' --attention-backend: auto (the default; the unfused blocked attention on "
-                        "CPU at these lengths), flash (torch's SDPA kernel, what hf and plain run)")
-    p.add_argument("--mallopt-baselines", action="store_true",
-                   help="apply the project's allocator setting (configure_cpu_allocator) to hf and plain too")
-    p.add_argument("--profile", choices=FRAMEWORKS, default=None,
-                   help="instead of the benchmark, profile this trainer in-process with torch.profiler "
-                        "and print the top ops by self CPU time")
+    p.add_argument(
+        "--adam-impl",
+        choices=("default", "foreach", "fused"),
+        default="default",
+        help="AdamW implementation for hf and plain (torch's default on CPU is the per-tensor "
+        "loop); ours uses what get_megatron_optimizer builds",
+    )
+    p.add_argument(
+        "--no-ce-fusion",
+        action="store_true",
+        help="ours without cross_entropy_loss_fusion (--cross-entropy-loss-fusion off)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=("auto", "flash", "unfused"),
+        default="auto",
+        help="ours' --attention-backend: auto (the default; the unfused blocked attention on "
+        "CPU at these lengths), flash (torch's SDPA kernel, what hf and plain run)",
+    )
+    p.add_argument(
+        "--mallopt-baselines",
+        action="store_true",
+        help="apply the project's allocator setting (configure_cpu_allocator) to hf and plain too",
+    )
+    p.add_argument(
+        "--profile",
+        choices=FRAMEWORKS,
+        default=None,
+        help="instead of the benchmark, profile this trainer in-process with torch.profiler "
+        "and print the top ops by self CPU time",
+    )
     p.add_argument("--profile-steps", type=int, default=3)
     args = p.parse_args(argv)
-    for name in ("layers", "hidden", "heads", "seq", "vocab", "micro_batch", "steps", "rounds", "threads"):
+    for name in (
+        "layers",
+        "hidden",
+        "heads",
+        "seq",
+        "vocab",
+        "micro_batch",
+        "steps",
+        "rounds",
+        "threads",
+    ):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
     if args.warmup < 0:
@@ -129,11 +173,14 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- shared pieces
 
+
 def make_batches(args, count=4):
     """``count`` fixed [b, s+1] token batches; every trainer cycles through the same ones."""
     gen = torch.Generator().manual_seed(args.seed)
-    return [torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
-            for _ in range(count)]
+    return [
+        torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen)
+        for _ in range(count)
+    ]
 
 
 def split(batch):
@@ -156,8 +203,10 @@ def decay_groups(model, args):
         if id(param) not in seen:
             seen.add(id(param))
             (decay if param.dim() > 1 else no_decay).append(param)
-    return [{"params": decay, "weight_decay": args.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "weight_decay": args.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def count_params(model):
@@ -170,37 +219,58 @@ def configure_allocator():
 
     if configure_cpu_allocator("cpu"):
         return "on"
-    return f"off ({ENV_VAR}={os.environ[ENV_VAR]})" if ENV_VAR in os.environ else "off (not applied)"
+    return (
+        f"off ({ENV_VAR}={os.environ[ENV_VAR]})" if ENV_VAR in os.environ else "off (not applied)"
+    )
 
 
 # ----------------------------------------------------------------------------- ours
+
 
 class OursTrainer:
     name = "ours"
 
     def __init__(self, args):
         from megatron.core.distributed.distributed_data_parallel import (
-            DistributedDataParallel, DistributedDataParallelConfig)
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
         from megatron.core.models.gpt import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         config = TransformerConfig(
-            num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-            hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-            normalization="LayerNorm", activation_func=F.gelu, add_bias_linear=True,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_attention_heads=args.heads,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            init_method_std=0.02,
+            normalization="LayerNorm",
+            activation_func=F.gelu,
+            add_bias_linear=True,
             bias_activation_fusion=args.gelu == "tanh",  # Megatron's default --bias-gelu-fusion
             cross_entropy_loss_fusion=not args.no_ce_fusion,  # --cross-entropy-loss-fusion
             attention_backend=args.attention_backend,  # --attention-backend (default auto)
         )
         torch.manual_seed(args.seed)
-        self.model = GPTModel(config, vocab_size=args.vocab, max_sequence_length=args.seq,
-                              share_embeddings_and_output_weights=True,
-                              position_embedding_type="learned_absolute")
+        self.model = GPTModel(
+            config,
+            vocab_size=args.vocab,
+            max_sequence_length=args.seq,
+            share_embeddings_and_output_weights=True,
+            position_embedding_type="learned_absolute",
+        )
         self.ddp = DistributedDataParallel(DistributedDataParallelConfig(), self.model)
-        opt_config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
-                                     adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
-                                     clip_grad=args.clip_grad)
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_eps=1e-8,
+            clip_grad=args.clip_grad,
+        )
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp])
         self.position_ids = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, -1)
 
@@ -228,18 +298,27 @@ def qkv_to_blocks(w, heads):
 def reference_weights(ours, args):
     """Our model's weights under neutral names, in [out, in] (nn.Linear) layout."""
     sd = {k: v.detach().clone() for k, v in ours.model.state_dict().items()}
-    out = {"wte": sd["embedding.word_embeddings.weight"],
-           "wpe": sd["embedding.position_embeddings.weight"],
-           "ln_f.weight": sd["decoder.final_layernorm.weight"],
-           "ln_f.bias": sd["decoder.final_layernorm.bias"]}
-    names = {"ln_1": "input_layernorm", "proj": "self_attention.linear_proj", "ln_2": "pre_mlp_layernorm",
-             "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
+    out = {
+        "wte": sd["embedding.word_embeddings.weight"],
+        "wpe": sd["embedding.position_embeddings.weight"],
+        "ln_f.weight": sd["decoder.final_layernorm.weight"],
+        "ln_f.bias": sd["decoder.final_layernorm.bias"],
+    }
+    names = {
+        "ln_1": "input_layernorm",
+        "proj": "self_attention.linear_proj",
+        "ln_2": "pre_mlp_layernorm",
+        "fc1": "mlp.linear_fc1",
+        "fc2": "mlp.linear_fc2",
+    }
     for i in range(args.layers):
         p = f"decoder.layers.{i}."
         for kind in ("weight", "bias"):
             for short, long in names.items():
                 out[f"{i}.{short}.{kind}"] = sd[f"{p}{long}.{kind}"]
-            out[f"{i}.qkv.{kind}"] = qkv_to_blocks(sd[f"{p}self_attention.linear_qkv.{kind}"], args.heads)
+            out[f"{i}.qkv.{kind}"] = qkv_to_blocks(
+                sd[f"{p}self_attention.linear_qkv.{kind}"], args.heads
+            )
     return out
 
 
@@ -254,8 +333,13 @@ class PeerTrainer:
     """A peer's plain training step: torch AdamW, norm clipping, no framework around it."""
 
     def set_optimizer(self, args):
-        self.optimizer = torch.optim.AdamW(decay_groups(self.model, args), lr=args.lr, betas=(0.9, 0.999),
-                                           eps=1e-8, **adamw_kwargs(args))
+        self.optimizer = torch.optim.AdamW(
+            decay_groups(self.model, args),
+            lr=args.lr,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            **adamw_kwargs(args),
+        )
         self.clip = args.clip_grad
 
     def step(self, tokens, labels):
@@ -269,6 +353,7 @@ class PeerTrainer:
 
 # ----------------------------------------------------------------------------- transformers
 
+
 class HFTrainer(PeerTrainer):
     name = "hf"
 
@@ -277,30 +362,55 @@ class HFTrainer(PeerTrainer):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         transformers.logging.set_verbosity_error()
-        cfg = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
-                         n_layer=args.layers, n_head=args.heads,
-                         activation_function="gelu_new" if args.gelu == "tanh" else "gelu",
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.02,
-                         layer_norm_epsilon=1e-5, tie_word_embeddings=True, use_cache=False,
-                         bos_token_id=None, eos_token_id=None)
+        cfg = GPT2Config(
+            vocab_size=args.vocab,
+            n_positions=args.seq,
+            n_embd=args.hidden,
+            n_layer=args.layers,
+            n_head=args.heads,
+            activation_function="gelu_new" if args.gelu == "tanh" else "gelu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            initializer_range=0.02,
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+            use_cache=False,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         try:
             self.model = GPT2LMHeadModel(cfg, attn_implementation="sdpa")
         except (TypeError, ValueError):
             cfg._attn_implementation = "sdpa"
             self.model = GPT2LMHeadModel(cfg)
-        self.info = (f"transformers {transformers.__version__}, attn_implementation "
-                     f"{getattr(self.model.config, '_attn_implementation', '?')}, "
-                     f"activation {self.model.config.activation_function}")
+        self.info = (
+            f"transformers {transformers.__version__}, attn_implementation "
+            f"{getattr(self.model.config, '_attn_implementation', '?')}, "
+            f"activation {self.model.config.activation_function}"
+        )
         self.model.train()
         # Conv1D stores [in, out]: transpose our [out, in] matrices.
-        sd = {"transformer.wte.weight": ref["wte"], "transformer.wpe.weight": ref["wpe"],
-              "transformer.ln_f.weight": ref["ln_f.weight"], "transformer.ln_f.bias": ref["ln_f.bias"]}
-        names = {"ln_1": "ln_1", "ln_2": "ln_2", "qkv": "attn.c_attn", "proj": "attn.c_proj",
-                 "fc1": "mlp.c_fc", "fc2": "mlp.c_proj"}
+        sd = {
+            "transformer.wte.weight": ref["wte"],
+            "transformer.wpe.weight": ref["wpe"],
+            "transformer.ln_f.weight": ref["ln_f.weight"],
+            "transformer.ln_f.bias": ref["ln_f.bias"],
+        }
+        names = {
+            "ln_1": "ln_1",
+            "ln_2": "ln_2",
+            "qkv": "attn.c_attn",
+            "proj": "attn.c_proj",
+            "fc1": "mlp.c_fc",
+            "fc2": "mlp.c_proj",
+        }
         for i in range(args.layers):
             for short, long in names.items():
                 weight = ref[f"{i}.{short}.weight"]
-                sd[f"transformer.h.{i}.{long}.weight"] = weight if weight.dim() == 1 else weight.t().contiguous()
+                sd[f"transformer.h.{i}.{long}.weight"] = (
+                    weight if weight.dim() == 1 else weight.t().contiguous()
+                )
                 sd[f"transformer.h.{i}.{long}.bias"] = ref[f"{i}.{short}.bias"]
         load_exact(self.model, sd, skip=("lm_head.weight",))
         if self.model.lm_head.weight.data_ptr() != self.model.transformer.wte.weight.data_ptr():
@@ -312,8 +422,8 @@ class HFTrainer(PeerTrainer):
         return self.model(input_ids=tokens, labels=labels, shift_labels=labels).loss
 
 
-
 # ----------------------------------------------------------------------------- plain PyTorch
+
 
 class Block(nn.Module):
     def __init__(self, h, heads, approximate):
@@ -325,7 +435,9 @@ class Block(nn.Module):
 
     def forward(self, x):  # [b, s, h]
         b, s, h = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.qkv(self.ln_1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        )
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
         return x + self.fc2(F.gelu(self.fc1(self.ln_2(x)), approximate=self.approximate))
@@ -337,7 +449,9 @@ class PlainGPT(nn.Module):
         approximate = "tanh" if args.gelu == "tanh" else "none"
         self.wte = nn.Embedding(args.vocab, args.hidden)
         self.wpe = nn.Embedding(args.seq, args.hidden)
-        self.blocks = nn.ModuleList(Block(args.hidden, args.heads, approximate) for _ in range(args.layers))
+        self.blocks = nn.ModuleList(
+            Block(args.hidden, args.heads, approximate) for _ in range(args.layers)
+        )
         self.ln_f = nn.LayerNorm(args.hidden)
 
     def forward(self, tokens, labels):
@@ -353,8 +467,12 @@ class PlainTrainer(PeerTrainer):
 
     def __init__(self, args, ref):
         self.model = PlainGPT(args)
-        sd = {"wte.weight": ref["wte"], "wpe.weight": ref["wpe"],
-              "ln_f.weight": ref["ln_f.weight"], "ln_f.bias": ref["ln_f.bias"]}
+        sd = {
+            "wte.weight": ref["wte"],
+            "wpe.weight": ref["wpe"],
+            "ln_f.weight": ref["ln_f.weight"],
+            "ln_f.bias": ref["ln_f.bias"],
+        }
         for i in range(args.layers):
             for key in ("ln_1", "ln_2", "qkv", "proj", "fc1", "fc2"):
                 for kind in ("weight", "bias"):
@@ -366,8 +484,8 @@ class PlainTrainer(PeerTrainer):
         return self.model(tokens, labels)
 
 
-
 # ----------------------------------------------------------------------------- workers
+
 
 def build_trainer(name, args):
     """Every process builds our model from the seed: it is the source of the shared weights."""
@@ -412,7 +530,10 @@ def worker(name, args, conn):
                 step += 1
             wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
             usage = resource.getrusage(resource.RUSAGE_SELF)
-            faults, peak_mib = usage.ru_minflt - faults0, usage.ru_maxrss / 1024  # ru_maxrss: KiB on Linux
+            faults, peak_mib = (
+                usage.ru_minflt - faults0,
+                usage.ru_maxrss / 1024,
+            )  # ru_maxrss: KiB on Linux
             gc.enable()
             conn.send((wall, cpu, best, loss, faults, peak_mib))
     except BaseException as exc:  # report, do not hang the parent
@@ -454,12 +575,15 @@ def check_same_model(ready):
         raise SystemExit("parameter counts differ: the comparison would not be fair")
     losses = [r[1] for r in ready.values()]
     if max(losses) - min(losses) > 1e-3:
-        raise SystemExit(f"first-batch losses differ by {max(losses) - min(losses):.2e}: "
-                         "the models are not the same function")
+        raise SystemExit(
+            f"first-batch losses differ by {max(losses) - min(losses):.2e}: "
+            "the models are not the same function"
+        )
 
 
 def profile(args):
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     torch.set_num_threads(args.threads)
     if args.profile == "ours" or args.mallopt_baselines:
@@ -471,8 +595,14 @@ def profile(args):
     with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for i in range(args.profile_steps):
             trainer.step(*split(batches[i % len(batches)]))
-    print(prof.key_averages(group_by_input_shape=True).table(
-        sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=45, max_shapes_column_width=60))
+    print(
+        prof.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total",
+            row_limit=30,
+            max_name_column_width=45,
+            max_shapes_column_width=60,
+        )
+    )
 
 
 def run_rounds(args, workers):
@@ -482,12 +612,17 @@ def run_rounds(args, workers):
     if args.warmup:
         for name in names:
             ask(workers, name, args.warmup)
-    res = {"rate": {n: [] for n in names}, "cpu_rate": {n: [] for n in names},
-           "best": {n: math.inf for n in names}, "faults": {n: [] for n in names}, "last_loss": {},
-           "peak_mib": {}}
+    res = {
+        "rate": {n: [] for n in names},
+        "cpu_rate": {n: [] for n in names},
+        "best": {n: math.inf for n in names},
+        "faults": {n: [] for n in names},
+        "last_loss": {},
+        "peak_mib": {},
+    }
     t_start = time.perf_counter()
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             wall, cpu, step_best, loss, nfaults, peak_mib = ask(workers, name, args.steps)
             res["rate"][name].append(args.steps * tokens_per_step / wall)
@@ -496,8 +631,12 @@ def run_rounds(args, workers):
             res["faults"][name].append(nfaults / args.steps)
             res["last_loss"][name] = loss
             res["peak_mib"][name] = peak_mib
-        print(f"round {r + 1}/{args.rounds}: "
-              + "  ".join(f"{n} {res['rate'][n][-1]:6.0f}" for n in names) + " tok/s", flush=True)
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + "  ".join(f"{n} {res['rate'][n][-1]:6.0f}" for n in names)
+            + " tok/s",
+            flush=True,
+        )
         res["rounds"] = r + 1
         if time.perf_counter() - t_start > args.time_limit and r + 1 < args.rounds:
             print(f"time limit of {args.time_limit:.0f} s reached: stopping after {r + 1} rounds")
@@ -508,44 +647,61 @@ def run_rounds(args, workers):
 
 def report(args, res, load_start):
     rate, cpu_rate, best, faults, last_loss, peak = (
-        res[k] for k in ("rate", "cpu_rate", "best", "faults", "last_loss", "peak_mib"))
+        res[k] for k in ("rate", "cpu_rate", "best", "faults", "last_loss", "peak_mib")
+    )
     tokens_per_step = args.micro_batch * args.seq
     # Same init, data, step count and optimizer: the runs must also train alike.
     print("loss after the last step: " + ", ".join(f"{n} {v:.4f}" for n, v in last_loss.items()))
     load_end = os.getloadavg()[0]
-    print(f"\n{res['rounds']} rounds x {args.steps} timed steps per trainer in {res['seconds']:.0f} s "
-          f"({tokens_per_step} tokens/step, {args.threads} threads; 1-min load average {load_start:.2f} "
-          f"before, {load_end:.2f} after (this run adds about {args.threads}), on {os.cpu_count()} CPUs)")
+    print(
+        f"\n{res['rounds']} rounds x {args.steps} timed steps per trainer in {res['seconds']:.0f} s "
+        f"({tokens_per_step} tokens/step, {args.threads} threads; 1-min load average {load_start:.2f} "
+        f"before, {load_end:.2f} after (this run adds about {args.threads}), on {os.cpu_count()} CPUs)"
+    )
     if load_start > 0.5 * os.cpu_count() or load_end > args.threads + 0.5 * os.cpu_count():
-        print("  note: other processes were using the CPUs; wall-clock figures are noisy, the "
-              "tok/CPU-s column (at --threads 1 especially) and the best-step ratio are the steadier figures")
-    print(f"  {'':6s} {'tok/s median':>12s} {'[min-max] over rounds':>22s} {'best step':>10s} "
-          f"{'tok/CPU-s':>10s} {'faults/step':>12s} {'peak RSS MiB':>13s}")
+        print(
+            "  note: other processes were using the CPUs; wall-clock figures are noisy, the "
+            "tok/CPU-s column (at --threads 1 especially) and the best-step ratio are the steadier figures"
+        )
+    print(
+        f"  {'':6s} {'tok/s median':>12s} {'[min-max] over rounds':>22s} {'best step':>10s} "
+        f"{'tok/CPU-s':>10s} {'faults/step':>12s} {'peak RSS MiB':>13s}"
+    )
     for n in rate:
         spread = f"[{min(rate[n]):.0f}-{max(rate[n]):.0f}]"
-        print(f"  {n:6s} {statistics.median(rate[n]):12.0f} {spread:>22s} {tokens_per_step / best[n]:10.0f} "
-              f"{statistics.median(cpu_rate[n]):10.0f} {statistics.median(faults[n]):12.0f} {peak[n]:13.0f}")
+        print(
+            f"  {n:6s} {statistics.median(rate[n]):12.0f} {spread:>22s} {tokens_per_step / best[n]:10.0f} "
+            f"{statistics.median(cpu_rate[n]):10.0f} {statistics.median(faults[n]):12.0f} {peak[n]:13.0f}"
+        )
     for other in ("hf", "plain"):
         if other in rate:
             per_round = [a / b for a, b in zip(rate["ours"], rate[other])]
             cpu_ratio = statistics.median(cpu_rate["ours"]) / statistics.median(cpu_rate[other])
-            print(f"  ours/{other:<5s} {statistics.median(per_round):.3f}  (median of per-round ratios: "
-                  f"{', '.join(f'{x:.2f}' for x in per_round)}; best-step ratio {best[other] / best['ours']:.3f}, "
-                  f"CPU-time ratio {cpu_ratio:.3f})")
+            print(
+                f"  ours/{other:<5s} {statistics.median(per_round):.3f}  (median of per-round ratios: "
+                f"{', '.join(f'{x:.2f}' for x in per_round)}; best-step ratio {best[other] / best['ours']:.3f}, "
+                f"CPU-time ratio {cpu_ratio:.3f})"
+            )
     spread = max(last_loss.values()) - min(last_loss.values())
     if spread > 5e-3:
-        raise SystemExit(f"FAIL: the trainers' last losses differ by {spread:.2e}: they did not train the same "
-                         "model, so the figures above are not comparable")
+        raise SystemExit(
+            f"FAIL: the trainers' last losses differ by {spread:.2e}: they did not train the same "
+            "model, so the figures above are not comparable"
+        )
 
 
 def main(argv=None):
     args = parse_args(argv)
-    print(f"torch {torch.__version__}, {args.threads} threads per worker, cpu_count {os.cpu_count()}")
-    print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
-          f"vocab {args.vocab}, micro batch {args.micro_batch}, fp32, GELU {args.gelu}, "
-          f"baselines' AdamW impl {args.adam_impl}, ours cross_entropy_loss_fusion "
-          f"{'off' if args.no_ce_fusion else 'on'}, ours attention backend {args.attention_backend}"
-          f"{', project allocator setting for baselines' if args.mallopt_baselines else ''}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads per worker, cpu_count {os.cpu_count()}"
+    )
+    print(
+        f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
+        f"vocab {args.vocab}, micro batch {args.micro_batch}, fp32, GELU {args.gelu}, "
+        f"baselines' AdamW impl {args.adam_impl}, ours cross_entropy_loss_fusion "
+        f"{'off' if args.no_ce_fusion else 'on'}, ours attention backend {args.attention_backend}"
+        f"{', project allocator setting for baselines' if args.mallopt_baselines else ''}"
+    )
     if args.profile:
         profile(args)
         return

@@ -25,6 +25,7 @@ Usage: ``python tools/build_test_assets.py [--output-dir tests/data]``. The exac
 the CPython patch release the stdlib comes from (3.11.7 here); another release gives a slightly
 different, equally valid corpus, and the script says so.
 """
+
 import argparse
 import ast
 import io
@@ -43,9 +44,21 @@ MIN_DOC_CHARS = 40
 EOD = "<|endoftext|>"
 
 # Test suites, generated tables and vendored code carry little prose or a different licence.
-_EXCLUDED_PREFIXES = ("test/", "idlelib/idle_test/", "lib2to3/tests/", "tkinter/test/", "unittest/test/",
-                      "ctypes/test/", "distutils/tests/", "site-packages/", "encodings/", "pydoc_data/",
-                      "__phello__/", "ensurepip/_bundled/", "config-")
+_EXCLUDED_PREFIXES = (
+    "test/",
+    "idlelib/idle_test/",
+    "lib2to3/tests/",
+    "tkinter/test/",
+    "unittest/test/",
+    "ctypes/test/",
+    "distutils/tests/",
+    "site-packages/",
+    "encodings/",
+    "pydoc_data/",
+    "__phello__/",
+    "ensurepip/_bundled/",
+    "config-",
+)
 
 
 def _docstring(node) -> str:
@@ -67,8 +80,11 @@ def stdlib_documents(stdlib: Path):
         pieces = [("", _docstring(tree))]
         for node in tree.body:
             if isinstance(node, ast.ClassDef):
-                parts = [_docstring(node)] + [_docstring(n) for n in node.body
-                                              if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                parts = [_docstring(node)] + [
+                    _docstring(n)
+                    for n in node.body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                ]
                 pieces.append((node.name, "\n\n".join(p for p in parts if p)))
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 pieces.append((node.name, _docstring(node)))
@@ -81,6 +97,7 @@ def stdlib_documents(stdlib: Path):
 
 def topic_documents():
     from pydoc_data.topics import topics
+
     for title in sorted(topics):
         body = topics[title].strip()
         if body:
@@ -98,11 +115,17 @@ def write_jsonl(path: Path, records) -> int:
 
 def train_gpt2_bpe(texts, out_dir: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=GPT2_VOCAB_SIZE - 1, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=GPT2_VOCAB_SIZE - 1,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     vocab = dict(sorted(model["vocab"].items(), key=lambda kv: kv[1]))
@@ -121,6 +144,7 @@ def train_gpt2_bpe(texts, out_dir: Path):
 
 def write_hf_dir(vocab, merges, out_dir: Path):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -129,22 +153,44 @@ def write_hf_dir(vocab, merges, out_dir: Path):
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "tokenizer.json", "w", encoding="utf-8", newline="\n") as f:
         f.write(json.dumps(json.loads(tok.to_str()), ensure_ascii=False, sort_keys=True) + "\n")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOD, "eos_token": EOD,
-              "unk_token": EOD, "model_max_length": 1024, "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOD,
+        "eos_token": EOD,
+        "unk_token": EOD,
+        "model_max_length": 1024,
+        "clean_up_tokenization_spaces": False,
+    }
     with open(out_dir / "tokenizer_config.json", "w", encoding="utf-8", newline="\n") as f:
         f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def train_sentencepiece(texts, out_dir: Path):
     import sentencepiece as spm
+
     lines = [line for t in texts for line in t.split("\n") if line.strip()]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, vocab_size=SPM_VOCAB_SIZE, model_type="bpe",
-        character_coverage=1.0, byte_fallback=True, split_digits=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, max_sentence_length=16384,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, input_sentence_size=0,
-        shuffle_input_sentence=False, minloglevel=2)
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        vocab_size=SPM_VOCAB_SIZE,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        split_digits=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        max_sentence_length=16384,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=1,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        minloglevel=2,
+    )
     (out_dir / "spm.model").write_bytes(model.getvalue())
 
 
@@ -155,8 +201,10 @@ def train_wordpiece(texts, out_dir: Path):
     # ("\u2581x") becomes "x", any other piece "##x"; every character gets both forms.
     import sentencepiece as spm
     from tokenizers import normalizers, pre_tokenizers
-    normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
-                                            lowercase=True)
+
+    normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
+    )
     splitter = pre_tokenizers.BertPreTokenizer()
     lines, chars = [], set()
     for text in texts:
@@ -169,11 +217,23 @@ def train_wordpiece(texts, out_dir: Path):
     alphabet = sorted(chars)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, model_type="bpe",
-        vocab_size=WORDPIECE_VOCAB_SIZE - len(special) - len(alphabet), character_coverage=1.0,
-        normalization_rule_name="identity", split_digits=False, max_sentence_length=16384, num_threads=1,
-        input_sentence_size=0, shuffle_input_sentence=False, unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1,
-        minloglevel=2)
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=WORDPIECE_VOCAB_SIZE - len(special) - len(alphabet),
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        split_digits=False,
+        max_sentence_length=16384,
+        num_threads=1,
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        unk_id=0,
+        bos_id=-1,
+        eos_id=-1,
+        pad_id=-1,
+        minloglevel=2,
+    )
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
     vocab = dict.fromkeys(special + alphabet + ["##" + c for c in alphabet])
     for i in range(sp.get_piece_size()):
@@ -190,23 +250,32 @@ def train_wordpiece(texts, out_dir: Path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-dir", default=str(Path(__file__).resolve().parent.parent / "tests" / "data"))
+    parser.add_argument(
+        "--output-dir", default=str(Path(__file__).resolve().parent.parent / "tests" / "data")
+    )
     args = parser.parse_args(argv)
     # The Rust trainers are order-independent, but keep them single-threaded for byte-identical output.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if sys.version_info[:3] != BUILT_WITH_PYTHON:
-        print(f"note: the committed corpus was built from CPython {'.'.join(map(str, BUILT_WITH_PYTHON))}'s stdlib; "
-              f"this is {sys.version.split()[0]}, so the files will differ slightly", file=sys.stderr)
+        print(
+            f"note: the committed corpus was built from CPython {'.'.join(map(str, BUILT_WITH_PYTHON))}'s stdlib; "
+            f"this is {sys.version.split()[0]}, so the files will differ slightly",
+            file=sys.stderr,
+        )
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
 
     shutil.copyfile(stdlib / "LICENSE.txt", out / "LICENSE-python.txt")
     docs = list(stdlib_documents(stdlib))
-    n_docs = write_jsonl(out / "corpus.jsonl", ({"text": text, "source": src} for src, text in docs))
+    n_docs = write_jsonl(
+        out / "corpus.jsonl", ({"text": text, "source": src} for src, text in docs)
+    )
     topics = list(topic_documents())
-    n_topics = write_jsonl(out / "topics.jsonl", ({"title": title, "body": body} for title, body in topics))
+    n_topics = write_jsonl(
+        out / "topics.jsonl", ({"title": title, "body": body} for title, body in topics)
+    )
     texts = [text for _, text in docs] + [body for _, body in topics]
 
     vocab, merges = train_gpt2_bpe(texts, out)

@@ -9,6 +9,7 @@ itself is skipped if it lies in that directory). All inputs must share one token
 mismatch stops with an error naming both files. The output is written under temporary names
 and renamed at the end, so a failed merge leaves nothing that looks complete.
 """
+
 import argparse
 import os
 import sys
@@ -20,14 +21,24 @@ PARTIAL = ".partial"
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Merge the .bin/.idx datasets of a directory.",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description="Merge the .bin/.idx datasets of a directory.", allow_abbrev=False
+    )
     g = parser.add_argument_group("input data")
-    g.add_argument("--input", type=str, required=True, help="Directory holding <prefix>.bin/<prefix>.idx pairs.")
+    g.add_argument(
+        "--input",
+        type=str,
+        required=True,
+        help="Directory holding <prefix>.bin/<prefix>.idx pairs.",
+    )
     g = parser.add_argument_group("output data")
-    g.add_argument("--output-prefix", type=str, required=True, help="Prefix of the merged .bin/.idx.")
+    g.add_argument(
+        "--output-prefix", type=str, required=True, help="Prefix of the merged .bin/.idx."
+    )
     g = parser.add_argument_group("miscellaneous")
-    g.add_argument("--multimodal", action="store_true", help="The datasets carry per-sequence modes.")
+    g.add_argument(
+        "--multimodal", action="store_true", help="The datasets carry per-sequence modes."
+    )
     return parser.parse_args(argv)
 
 
@@ -49,7 +60,10 @@ def find_prefixes(directory: str, exclude: Optional[str] = None) -> List[str]:
             prefixes.append(prefix)
         else:
             missing = ({".bin", ".idx"} - stems[stem]).pop()
-            print(f"warning: skipping {prefix}{stems[stem].pop()}: no {prefix}{missing}", file=sys.stderr)
+            print(
+                f"warning: skipping {prefix}{stems[stem].pop()}: no {prefix}{missing}",
+                file=sys.stderr,
+            )
     if not prefixes:
         raise ValueError(f"--input {directory}: no <prefix>.bin/<prefix>.idx pairs found")
     return prefixes
@@ -62,14 +76,18 @@ def merge(prefixes: List[str], output_prefix: str, multimodal: bool = False) -> 
     first, dtype = dtypes[0]
     for prefix, other in dtypes[1:]:
         if other != dtype:
-            raise ValueError(f"dtype mismatch: {prefix}.idx holds {other.__name__} tokens but {first}.idx holds "
-                             f"{dtype.__name__}; re-run preprocess_data.py on one of them with the same tokenizer")
+            raise ValueError(
+                f"dtype mismatch: {prefix}.idx holds {other.__name__} tokens but {first}.idx holds "
+                f"{dtype.__name__}; re-run preprocess_data.py on one of them with the same tokenizer"
+            )
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     for ext in (".bin", ".idx"):
         if os.path.exists(output_prefix + ext):
             os.remove(output_prefix + ext)
-    builder = IndexedDatasetBuilder(output_prefix + ".bin" + PARTIAL, dtype=dtype, multimodal=multimodal)
+    builder = IndexedDatasetBuilder(
+        output_prefix + ".bin" + PARTIAL, dtype=dtype, multimodal=multimodal
+    )
     try:
         for prefix in prefixes:
             builder.add_index(prefix)

@@ -8,6 +8,7 @@ with TensorBoard event files. The figure has one subplot per metric (loss, learn
 grad norm, time per iteration) against iteration, one curve per run. Needs matplotlib
 (``pip install -e .[plot]``).
 """
+
 import argparse
 import os
 import sys
@@ -28,12 +29,19 @@ PANELS = (
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("inputs", nargs="+", help="log files and/or TensorBoard directories")
-    parser.add_argument("--labels", nargs="+", default=None,
-                        help="one legend label per input (default: the file or directory name)")
+    parser.add_argument(
+        "--labels",
+        nargs="+",
+        default=None,
+        help="one legend label per input (default: the file or directory name)",
+    )
     parser.add_argument("--output", default="training_curves.png", help="PNG to write")
     parser.add_argument("--title", default=None, help="figure title")
-    parser.add_argument("--loss-key", default=None,
-                        help="loss series to plot (default: 'lm loss', else the first loss)")
+    parser.add_argument(
+        "--loss-key",
+        default=None,
+        help="loss series to plot (default: 'lm loss', else the first loss)",
+    )
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.inputs):
         parser.error(f"--labels got {len(args.labels)} labels for {len(args.inputs)} inputs")
@@ -69,6 +77,7 @@ def _loss_name(run, requested):
 def plot_runs(runs, output, title=None, loss_key=None):
     """Draw the panels of PANELS for every run into ``output`` (PNG); returns the path."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -82,8 +91,14 @@ def plot_runs(runs, output, title=None, loss_key=None):
             steps = sorted(series)
             values = [series[step] for step in steps]
             positive = all(value > 0 for value in values)
-            axis.plot(steps, values, marker="." if len(steps) < 30 else None, label=label,
-                      linewidth=1.4, alpha=0.85)
+            axis.plot(
+                steps,
+                values,
+                marker="." if len(steps) < 30 else None,
+                label=label,
+                linewidth=1.4,
+                alpha=0.85,
+            )
             drawn = True
             if scale == "log" and not positive:
                 scale = "linear"
@@ -110,8 +125,11 @@ def main(argv=None):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("error: tools/plot_logs.py needs matplotlib: pip install -e .[plot] "
-              "(or pip install matplotlib -c constraints.txt)", file=sys.stderr)
+        print(
+            "error: tools/plot_logs.py needs matplotlib: pip install -e .[plot] "
+            "(or pip install matplotlib -c constraints.txt)",
+            file=sys.stderr,
+        )
         return 2
     try:
         runs = load_runs(args.inputs, args.labels)

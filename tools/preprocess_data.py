@@ -32,6 +32,7 @@ Differences from Megatron's tool, all deliberate:
   else the built-in splitter of ``megatron/core/tokenizers/sentence_splitter.py``.
 * ``--find-optimal-num-workers`` / ``--workers-to-check`` / ``--max-documents`` are not provided.
 """
+
 import argparse
 import collections
 import glob
@@ -73,39 +74,69 @@ class InputError(Exception):
 
 # --------------------------------------------------------------------------------------- flags
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Tokenize JSON lines into Megatron .bin/.idx datasets.",
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description="Tokenize JSON lines into Megatron .bin/.idx datasets.", allow_abbrev=False
+    )
     g = parser.add_argument_group("input data")
-    g.add_argument("--input", type=str, required=True,
-                   help="JSON-lines file (.gz allowed) or a glob of them, read in sorted order.")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="Keys to extract; one dataset per key.")
+    g.add_argument(
+        "--input",
+        type=str,
+        required=True,
+        help="JSON-lines file (.gz allowed) or a glob of them, read in sorted order.",
+    )
+    g.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="Keys to extract; one dataset per key."
+    )
     g.add_argument("--split-sentences", action="store_true", help="One sequence per sentence.")
-    g.add_argument("--keep-newlines", action="store_true",
-                   help="With --split-sentences, keep newlines between sentences.")
-    g.add_argument("--lang", type=str, default="english", help="NLTK punkt language for --split-sentences.")
+    g.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="With --split-sentences, keep newlines between sentences.",
+    )
+    g.add_argument(
+        "--lang", type=str, default="english", help="NLTK punkt language for --split-sentences."
+    )
     add_tokenizer_args(parser)  # the exact tokenizer flags of pretrain_gpt.py
     g = parser.add_argument_group("tokenization process")
-    g.add_argument("--append-eod", action="store_true", help="Append the end-of-document token to each document.")
+    g.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="Append the end-of-document token to each document.",
+    )
     g = parser.add_argument_group("output data")
     g.add_argument("--output-prefix", type=str, required=True, help="Prefix of the output files.")
     g = parser.add_argument_group("runtime")
     g.add_argument("--workers", type=int, required=True, help="Tokenizing worker processes.")
-    g.add_argument("--partitions", type=int, default=1, help="Must divide --workers; the output does not depend on it.")
-    g.add_argument("--log-interval", type=int, default=1000, help="Report progress every N documents.")
-    g.add_argument("--keep-sequential-samples", action="store_true",
-                   help="Keep input order (always the case here; accepted for compatibility).")
+    g.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="Must divide --workers; the output does not depend on it.",
+    )
+    g.add_argument(
+        "--log-interval", type=int, default=1000, help="Report progress every N documents."
+    )
+    g.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="Keep input order (always the case here; accepted for compatibility).",
+    )
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     if args.partitions < 1:
         parser.error(f"--partitions must be at least 1, got {args.partitions}")
     if args.workers % args.partitions != 0:
-        parser.error(f"--workers {args.workers} must be divisible by --partitions {args.partitions}")
+        parser.error(
+            f"--workers {args.workers} must be divisible by --partitions {args.partitions}"
+        )
     if args.log_interval < 1:
         parser.error(f"--log-interval must be at least 1, got {args.log_interval}")
     if args.keep_newlines and not args.split_sentences:
-        print("note: --keep-newlines only changes --split-sentences output; documents always keep their newlines",
-              file=sys.stderr)
+        print(
+            "note: --keep-newlines only changes --split-sentences output; documents always keep their newlines",
+            file=sys.stderr,
+        )
     if len(set(args.json_keys)) != len(args.json_keys):
         parser.error(f"--json-keys names a key twice: {' '.join(args.json_keys)}")
     if args.tokenizer_type is None:
@@ -144,6 +175,7 @@ def _init_worker(args: argparse.Namespace, dtype, tokenizer=None) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if tokenizer is None:
         from megatron.training.tokenizer import build_tokenizer
+
         tokenizer = build_tokenizer(args)
     _Worker.tokenizer = tokenizer
     _Worker.keys = list(args.json_keys)
@@ -152,12 +184,13 @@ def _init_worker(args: argparse.Namespace, dtype, tokenizer=None) -> None:
     _Worker.splitter = None
     if args.split_sentences:
         from megatron.core.tokenizers.sentence_splitter import SentenceSplitter
+
         _Worker.splitter = SentenceSplitter(lang=args.lang, keep_newlines=args.keep_newlines)
 
 
 class KeyResult(NamedTuple):
-    tokens: np.ndarray             # all token ids of the batch for one key, in the dataset dtype
-    sequence_lengths: np.ndarray   # int32, one per non-empty sentence (or document)
+    tokens: np.ndarray  # all token ids of the batch for one key, in the dataset dtype
+    sequence_lengths: np.ndarray  # int32, one per non-empty sentence (or document)
     sequences_per_doc: np.ndarray  # int64, one per document
 
 
@@ -251,7 +284,9 @@ def _locate_tokenizer_error(lines: List[bytes], keys: List[str], k: int) -> Tupl
     return 0, f"key '{keys[k]}': the tokenizer rejected this batch"
 
 
-def _pack(tokens: np.ndarray, lengths: np.ndarray, counts: np.ndarray, eod: Optional[int]) -> KeyResult:
+def _pack(
+    tokens: np.ndarray, lengths: np.ndarray, counts: np.ndarray, eod: Optional[int]
+) -> KeyResult:
     """One key's sentences as documents: drop empty sentences, append EOD to each non-empty document.
 
     ``tokens`` are the sentences' ids back to back, ``lengths`` the ids per sentence, ``counts``
@@ -314,6 +349,7 @@ class _Outputs:
 
     def __init__(self, prefixes: Dict[str, str], dtype):
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
         self.prefixes = prefixes
         self.builders = {}
         for key, prefix in prefixes.items():
@@ -326,7 +362,9 @@ class _Outputs:
 
     def add(self, result: BatchResult) -> None:
         for key, packed in result.per_key.items():
-            self.builders[key].add_documents(packed.tokens, packed.sequence_lengths, packed.sequences_per_doc)
+            self.builders[key].add_documents(
+                packed.tokens, packed.sequence_lengths, packed.sequences_per_doc
+            )
             self.sequences += len(packed.sequence_lengths)
             self.tokens += len(packed.tokens)
 
@@ -358,7 +396,10 @@ def cpu_seconds() -> Tuple[float, float]:
     """CPU seconds (user + system) of this process and of its finished child processes."""
     if resource is None:
         return time.process_time(), 0.0
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
 
 
@@ -383,14 +424,21 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
     dtype = optimal_dtype(tokenizer.vocab_size)
     prefixes = output_prefixes(args)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    print(f"Tokenizer {args.tokenizer_type} (vocab size {tokenizer.vocab_size}, tokens stored as "
-          f"{np.dtype(dtype).name}); {len(files)} input file(s); {args.workers} worker(s)", file=sys.stderr)
+    print(
+        f"Tokenizer {args.tokenizer_type} (vocab size {tokenizer.vocab_size}, tokens stored as "
+        f"{np.dtype(dtype).name}); {len(files)} input file(s); {args.workers} worker(s)",
+        file=sys.stderr,
+    )
     if args.split_sentences:
         from megatron.core.tokenizers.sentence_splitter import SentenceSplitter
+
         backend = SentenceSplitter(lang=args.lang).backend
         if backend != "nltk-punkt" and args.lang != "english":
-            print(f"note: NLTK punkt is unavailable; the built-in sentence rules are English-oriented "
-                  f"(--lang {args.lang})", file=sys.stderr)
+            print(
+                f"note: NLTK punkt is unavailable; the built-in sentence rules are English-oriented "
+                f"(--lang {args.lang})",
+                file=sys.stderr,
+            )
         print(f"Sentence splitter: {backend}", file=sys.stderr)
 
     outputs = _Outputs(prefixes, dtype)
@@ -401,9 +449,14 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
     context = _mp_context()
     # Forked workers inherit the tokenizer built above instead of each reading the vocab again.
     inherited = tokenizer if context.get_start_method() == "fork" else None
-    executor = ProcessPoolExecutor(max_workers=args.workers, mp_context=context,
-                                   initializer=_init_worker, initargs=(args, dtype, inherited))
+    executor = ProcessPoolExecutor(
+        max_workers=args.workers,
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=(args, dtype, inherited),
+    )
     try:
+
         def collect_one():
             nonlocal documents, nbytes, next_report
             batch, future = pending.popleft()
@@ -416,8 +469,12 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
             nbytes += result.nbytes
             if documents >= next_report:
                 elapsed = max(time.time() - start, 1e-9)
-                print(f"Processed {documents} documents ({documents / elapsed:.2f} docs/s, "
-                      f"{nbytes / elapsed / 1024 / 1024:.2f} MB/s).", file=sys.stderr, flush=True)
+                print(
+                    f"Processed {documents} documents ({documents / elapsed:.2f} docs/s, "
+                    f"{nbytes / elapsed / 1024 / 1024:.2f} MB/s).",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 next_report = (documents // args.log_interval + 1) * args.log_interval
 
         window = args.workers * BATCHES_IN_FLIGHT_PER_WORKER
@@ -430,8 +487,10 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
         outputs.commit()
     except BrokenProcessPool:
         outputs.discard()
-        raise InputError("a worker process died unexpectedly (out of memory, killed, or failed to start); "
-                         "no output was written") from None
+        raise InputError(
+            "a worker process died unexpectedly (out of memory, killed, or failed to start); "
+            "no output was written"
+        ) from None
     except BaseException:
         outputs.discard()
         raise
@@ -441,10 +500,12 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
         executor.shutdown(wait=True, cancel_futures=True)
     elapsed = max(time.time() - start, 1e-9)
     main_cpu, workers_cpu = (now - then for now, then in zip(cpu_seconds(), cpu_start))
-    print(f"Done: {documents} documents, {outputs.sequences} sequences, {outputs.tokens} tokens in "
-          f"{elapsed:.1f} s ({documents / elapsed:.2f} docs/s, {nbytes / elapsed / 1024 / 1024:.2f} MB/s); "
-          f"CPU {main_cpu + workers_cpu:.2f} s (main process {main_cpu:.2f} s, workers {workers_cpu:.2f} s).",
-          file=sys.stderr)
+    print(
+        f"Done: {documents} documents, {outputs.sequences} sequences, {outputs.tokens} tokens in "
+        f"{elapsed:.1f} s ({documents / elapsed:.2f} docs/s, {nbytes / elapsed / 1024 / 1024:.2f} MB/s); "
+        f"CPU {main_cpu + workers_cpu:.2f} s (main process {main_cpu:.2f} s, workers {workers_cpu:.2f} s).",
+        file=sys.stderr,
+    )
     for prefix in prefixes.values():
         print(f"Wrote {prefix}.bin and {prefix}.idx", file=sys.stderr)
     return prefixes

@@ -15,6 +15,7 @@ base does not run yet (``--use-distributed-optimizer`` and the overlap flags) ar
 Megatron would and noted on stderr, so a plan can be checked before the feature lands; other
 refused flags are errors. Exit status 0, or 2 with ``error: <message>`` on stderr.
 """
+
 import os
 import sys
 from pathlib import Path
@@ -23,16 +24,25 @@ from typing import List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.training.arguments import (  # noqa: E402
-    NOT_SUPPORTED_YET, ArgumentValidationError, parse_args, validate_args)
+    NOT_SUPPORTED_YET,
+    ArgumentValidationError,
+    parse_args,
+    validate_args,
+)
 from megatron.training.dry_run import PRETRAIN_GPT_DEFAULTS, split_int_flag  # noqa: E402
 from megatron.training.theoretical_memory import (  # noqa: E402
-    compute_theoretical_memory, num_microbatches_from_args)
+    compute_theoretical_memory,
+    num_microbatches_from_args,
+)
 
 WORLD_SIZE_FLAG = "--world-size"
 # Refused by today's trainer but fully described by the memory model (MEGATRON_FACTS §10).
-ACCOUNTED_BEFORE_THEY_RUN = frozenset({
-    "num_distributed_optimizer_instances", "overlap_param_gather_with_optimizer_step",
-})
+ACCOUNTED_BEFORE_THEY_RUN = frozenset(
+    {
+        "num_distributed_optimizer_instances",
+        "overlap_param_gather_with_optimizer_step",
+    }
+)
 
 
 def split_world_size(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
@@ -44,8 +54,11 @@ def split_world_size(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
 
 
 def _not_yet_supported(args) -> List[str]:
-    return [dest for dest, (is_unsupported, _, _) in NOT_SUPPORTED_YET.items()
-            if hasattr(args, dest) and is_unsupported(getattr(args, dest), args)]
+    return [
+        dest
+        for dest, (is_unsupported, _, _) in NOT_SUPPORTED_YET.items()
+        if hasattr(args, dest) and is_unsupported(getattr(args, dest), args)
+    ]
 
 
 def validated_args(argv: Sequence[str], world_size: int):
@@ -61,22 +74,30 @@ def validated_args(argv: Sequence[str], world_size: int):
         # The refusal of unimplemented features is validate_args' last step: every rule before
         # it has passed and filled in the derived values.
         refused = _not_yet_supported(args)
-        if not str(exc).startswith("not supported yet") or not refused \
-                or not set(refused) <= ACCOUNTED_BEFORE_THEY_RUN:
+        if (
+            not str(exc).startswith("not supported yet")
+            or not refused
+            or not set(refused) <= ACCOUNTED_BEFORE_THEY_RUN
+        ):
             raise
         flags = ", ".join(NOT_SUPPORTED_YET[dest][1] for dest in refused)
-        return args, [f"note: {flags} not supported by this code base yet (a run stops at start-up); "
-                      "accounted here as in Megatron"]
+        return args, [
+            f"note: {flags} not supported by this code base yet (a run stops at start-up); "
+            "accounted here as in Megatron"
+        ]
 
 
 def _padded_vocab(args) -> Optional[str]:
     from megatron.training.tokenizer import build_tokenizer
+
     try:
         build_tokenizer(args)
     except Exception as exc:  # a tokenizer file that only exists on the cluster
         args.padded_vocab_size = None
-        return (f"note: the tokenizer could not be built here ({type(exc).__name__}: {exc}); "
-                "embedding and output layer counted as 0")
+        return (
+            f"note: the tokenizer could not be built here ({type(exc).__name__}: {exc}); "
+            "embedding and output layer counted as 0"
+        )
     return None
 
 
@@ -91,10 +112,12 @@ def report_lines(args) -> List[str]:
         recompute += f" ({args.recompute_method}, {args.recompute_num_layers} layers)"
     elif recompute == "selective":
         recompute += f" ({', '.join(args.recompute_modules or ['core_attn'])})"
-    lines = [f"theoretical memory per GPU: world size {args.world_size} = TP {tp} x PP {pp} x CP {cp} x DP {dp}"
-             f"{' (sequence parallel)' if args.sequence_parallel else ''}, {precision}, "
-             f"optimizer {args.optimizer}{' (distributed)' if args.use_distributed_optimizer else ''}, "
-             f"recompute {recompute}, {m} micro-batches of {args.micro_batch_size} x {args.seq_length} tokens"]
+    lines = [
+        f"theoretical memory per GPU: world size {args.world_size} = TP {tp} x PP {pp} x CP {cp} x DP {dp}"
+        f"{' (sequence parallel)' if args.sequence_parallel else ''}, {precision}, "
+        f"optimizer {args.optimizer}{' (distributed)' if args.use_distributed_optimizer else ''}, "
+        f"recompute {recompute}, {m} micro-batches of {args.micro_batch_size} x {args.seq_length} tokens"
+    ]
     for rank in range(pp):
         memory = compute_theoretical_memory(args, m, pp_rank=rank)
         if pp > 1:

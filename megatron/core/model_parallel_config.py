@@ -159,8 +159,13 @@ class ModelParallelConfig:
             )
         if self.fp16 and self.bf16:
             raise ValueError("fp16 and bf16 are mutually exclusive (--fp16 / --bf16)")
-        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
-            raise ValueError(f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
+        if (
+            not isinstance(self.params_dtype, torch.dtype)
+            or not self.params_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}"
+            )
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         if self.pipeline_dtype is None:

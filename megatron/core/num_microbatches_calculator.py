@@ -43,7 +43,9 @@ class NumMicroBatchesCalculator:
     def get_micro_batch_size(self) -> int:
         return self.micro_batch_size
 
-    def update(self, consumed_samples: int, consistency_check: bool = True, verbose: bool = False) -> None:
+    def update(
+        self, consumed_samples: int, consistency_check: bool = True, verbose: bool = False
+    ) -> None:
         raise NotImplementedError
 
 
@@ -59,8 +61,12 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         rank: int = 0,
     ):
         super().__init__()
-        global_batch_size = _check_positive("global batch size (--global-batch-size)", global_batch_size)
-        micro_batch_size = _check_positive("micro batch size (--micro-batch-size)", micro_batch_size)
+        global_batch_size = _check_positive(
+            "global batch size (--global-batch-size)", global_batch_size
+        )
+        micro_batch_size = _check_positive(
+            "micro batch size (--micro-batch-size)", micro_batch_size
+        )
         data_parallel_size = _check_positive("data parallel size", data_parallel_size)
         per_step = micro_batch_size * data_parallel_size
         if global_batch_size % per_step != 0:
@@ -78,8 +84,12 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         if running != global_batch_size and rank == 0:
             logger.info(
                 "decreasing global batch size from %d to %d (a multiple of micro batch size %d "
-                "times data parallel size %d)", global_batch_size, running, micro_batch_size,
-                data_parallel_size)
+                "times data parallel size %d)",
+                global_batch_size,
+                running,
+                micro_batch_size,
+                data_parallel_size,
+            )
         self.micro_batch_size = micro_batch_size
         self.current_global_batch_size = global_batch_size
         self.current_running_global_batch_size = running
@@ -87,7 +97,9 @@ class ConstantNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         if rank == 0:
             logger.info("setting number of micro-batches to constant %d", self.num_micro_batches)
 
-    def update(self, consumed_samples: int, consistency_check: bool = True, verbose: bool = False) -> None:
+    def update(
+        self, consumed_samples: int, consistency_check: bool = True, verbose: bool = False
+    ) -> None:
         pass
 
 
@@ -116,12 +128,22 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         try:
             start, incr, samples = (int(v) for v in rampup_batch_size)
         except (TypeError, ValueError):
-            raise ValueError(f"--rampup-batch-size values must be integers, got {rampup_batch_size!r}") from None
-        self.global_batch_size = _check_positive("global batch size (--global-batch-size)", global_batch_size)
-        self.micro_batch_size = _check_positive("micro batch size (--micro-batch-size)", micro_batch_size)
+            raise ValueError(
+                f"--rampup-batch-size values must be integers, got {rampup_batch_size!r}"
+            ) from None
+        self.global_batch_size = _check_positive(
+            "global batch size (--global-batch-size)", global_batch_size
+        )
+        self.micro_batch_size = _check_positive(
+            "micro batch size (--micro-batch-size)", micro_batch_size
+        )
         self.data_parallel_size = _check_positive("data parallel size", data_parallel_size)
-        self.start_global_batch_size = _check_positive("--rampup-batch-size start batch size", start)
-        self.batch_size_increment = _check_positive("--rampup-batch-size batch size increment", incr)
+        self.start_global_batch_size = _check_positive(
+            "--rampup-batch-size start batch size", start
+        )
+        self.batch_size_increment = _check_positive(
+            "--rampup-batch-size batch size increment", incr
+        )
         if samples < 0:
             raise ValueError(f"--rampup-batch-size ramp-up samples must be >= 0, got {samples}")
         self.rampup_samples = samples
@@ -148,16 +170,25 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         if rank == 0:
             logger.info(
                 "will use batch size rampup starting from global batch size %d to global batch size "
-                "%d with batch size increments %d over %d samples.", self.start_global_batch_size,
-                self.global_batch_size, self.batch_size_increment, self.rampup_samples)
+                "%d with batch size increments %d over %d samples.",
+                self.start_global_batch_size,
+                self.global_batch_size,
+                self.batch_size_increment,
+                self.rampup_samples,
+            )
         self.update(0, consistency_check=False)
 
-    def update(self, consumed_samples: int, consistency_check: bool = True, verbose: bool = False) -> None:
+    def update(
+        self, consumed_samples: int, consistency_check: bool = True, verbose: bool = False
+    ) -> None:
         if consumed_samples > self.rampup_samples:
             gbs = self.global_batch_size
         else:
             steps = int(consumed_samples / self.rampup_samples_per_increment)
-            gbs = min(self.start_global_batch_size + steps * self.batch_size_increment, self.global_batch_size)
+            gbs = min(
+                self.start_global_batch_size + steps * self.batch_size_increment,
+                self.global_batch_size,
+            )
         self.current_global_batch_size = gbs
         per_step = self.micro_batch_times_data_parallel_size
         if gbs % per_step != 0:
@@ -182,8 +213,11 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         self.current_running_global_batch_size = running
         self.num_micro_batches = running // per_step
         if verbose:
-            logger.info("setting number of micro-batches to %d (global batch size %d)",
-                        self.num_micro_batches, running)
+            logger.info(
+                "setting number of micro-batches to %d (global batch size %d)",
+                self.num_micro_batches,
+                running,
+            )
 
 
 def build_num_microbatches_calculator(
@@ -197,10 +231,20 @@ def build_num_microbatches_calculator(
     """Constant calculator without ramp-up, ramp-up calculator otherwise."""
     if rampup_batch_size is None:
         return ConstantNumMicroBatchesCalculator(
-            global_batch_size, micro_batch_size, data_parallel_size, decrease_batch_size_if_needed, rank)
+            global_batch_size,
+            micro_batch_size,
+            data_parallel_size,
+            decrease_batch_size_if_needed,
+            rank,
+        )
     return RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size, micro_batch_size, data_parallel_size, rampup_batch_size,
-        decrease_batch_size_if_needed, rank)
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        rampup_batch_size,
+        decrease_batch_size_if_needed,
+        rank,
+    )
 
 
 def simulate_rampup_train_iters(
@@ -222,8 +266,13 @@ def simulate_rampup_train_iters(
     if rampup_batch_size is None:
         return train_samples // global_batch_size
     calc = RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size, micro_batch_size, data_parallel_size, rampup_batch_size,
-        decrease_batch_size_if_needed, rank=-1)
+        global_batch_size,
+        micro_batch_size,
+        data_parallel_size,
+        rampup_batch_size,
+        decrease_batch_size_if_needed,
+        rank=-1,
+    )
     iterations = 0
     consumed = 0
     while consumed <= calc.rampup_samples and consumed <= train_samples:

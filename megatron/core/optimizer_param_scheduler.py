@@ -88,7 +88,9 @@ class OptimizerParamScheduler:
             )
         if self.lr_decay_style == "WSD":
             if self.wsd_decay_steps is None:
-                raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters/--lr-wsd-decay-samples")
+                raise ValueError(
+                    "--lr-decay-style WSD needs --lr-wsd-decay-iters/--lr-wsd-decay-samples"
+                )
             if self.wsd_decay_steps < 0:
                 raise ValueError(f"WSD decay steps must be >= 0, got {self.wsd_decay_steps}")
             if self.lr_wsd_decay_style not in WSD_DECAY_STYLES:
@@ -97,7 +99,9 @@ class OptimizerParamScheduler:
                     f"got {self.lr_wsd_decay_style!r}"
                 )
         if self.start_wd < 0.0:
-            raise ValueError(f"start weight decay (--start-weight-decay) must be >= 0, got {self.start_wd}")
+            raise ValueError(
+                f"start weight decay (--start-weight-decay) must be >= 0, got {self.start_wd}"
+            )
         if self.end_wd < self.start_wd:
             raise ValueError(
                 f"end weight decay (--end-weight-decay {self.end_wd}) must be >= start weight decay "
@@ -139,7 +143,9 @@ class OptimizerParamScheduler:
         min_lr = param_group.get("min_lr", self.min_lr)
 
         if self.lr_warmup_steps > 0 and self.num_steps <= self.lr_warmup_steps:
-            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(self.lr_warmup_steps)
+            return self.init_lr + (max_lr - self.init_lr) * float(self.num_steps) / float(
+                self.lr_warmup_steps
+            )
         if self.lr_decay_style == "constant":
             return max_lr
         if self.num_steps > self.lr_decay_steps:
@@ -149,7 +155,9 @@ class OptimizerParamScheduler:
             steps = max(self.num_steps, 1)
             return max(min_lr, max_lr * warmup**0.5 / steps**0.5)
 
-        ratio = float(self.num_steps - self.lr_warmup_steps) / float(self.lr_decay_steps - self.lr_warmup_steps)
+        ratio = float(self.num_steps - self.lr_warmup_steps) / float(
+            self.lr_decay_steps - self.lr_warmup_steps
+        )
         if self.lr_decay_style == "linear":
             coeff = 1.0 - ratio
         elif self.lr_decay_style == "cosine":
@@ -217,28 +225,46 @@ class OptimizerParamScheduler:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Restore progress; older key names (start_lr, warmup_iter, end_iter, ...) are accepted."""
         old_max_lr, old_min_lr = self.max_lr, self.min_lr
-        self.max_lr = float(self._check_and_set(
-            self.max_lr, self._first_key(state_dict, "start_lr", "max_lr"), "learning rate"))
-        self.min_lr = float(self._check_and_set(
-            self.min_lr, self._first_key(state_dict, "min_lr"), "minimum learning rate"))
+        self.max_lr = float(
+            self._check_and_set(
+                self.max_lr, self._first_key(state_dict, "start_lr", "max_lr"), "learning rate"
+            )
+        )
+        self.min_lr = float(
+            self._check_and_set(
+                self.min_lr, self._first_key(state_dict, "min_lr"), "minimum learning rate"
+            )
+        )
         self.lr_warmup_steps = self._check_and_set(
             self.lr_warmup_steps,
             self._first_key(state_dict, "warmup_iter", "warmup_steps", "lr_warmup_steps"),
-            "warmup iterations")
+            "warmup iterations",
+        )
         self.lr_decay_steps = self._check_and_set(
             self.lr_decay_steps,
             self._first_key(state_dict, "end_iter", "decay_steps", "lr_decay_steps"),
-            "total number of iterations")
+            "total number of iterations",
+        )
         self.lr_decay_style = self._check_and_set(
-            self.lr_decay_style, self._first_key(state_dict, "decay_style", "lr_decay_style"),
-            "learning rate decay style")
+            self.lr_decay_style,
+            self._first_key(state_dict, "decay_style", "lr_decay_style"),
+            "learning rate decay style",
+        )
         if "start_wd" in state_dict:
-            self.start_wd = float(self._check_and_set(self.start_wd, state_dict["start_wd"], "start weight decay"))
-            self.end_wd = float(self._check_and_set(self.end_wd, state_dict["end_wd"], "end weight decay"))
+            self.start_wd = float(
+                self._check_and_set(self.start_wd, state_dict["start_wd"], "start weight decay")
+            )
+            self.end_wd = float(
+                self._check_and_set(self.end_wd, state_dict["end_wd"], "end weight decay")
+            )
             self.wd_incr_steps = self._check_and_set(
-                self.wd_incr_steps, state_dict["wd_incr_steps"], "total number of weight decay iterations")
+                self.wd_incr_steps,
+                state_dict["wd_incr_steps"],
+                "total number of weight decay iterations",
+            )
             self.wd_incr_style = self._check_and_set(
-                self.wd_incr_style, state_dict["wd_incr_style"], "weight decay incr style")
+                self.wd_incr_style, state_dict["wd_incr_style"], "weight decay incr style"
+            )
         self._validate()
 
         # Groups built from the command line carry max_lr/min_lr; keep the non-decoupled ones in

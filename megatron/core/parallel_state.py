@@ -9,6 +9,7 @@ Rank arithmetic (:class:`RankGenerator`) is pure and unit-tested without process
 :func:`initialize_model_parallel` turns it into torch.distributed groups and returns a
 :class:`ParallelState` object; nothing here is module-level state, the caller owns the object.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -16,7 +17,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -75,7 +75,10 @@ class RankGenerator:
             base = sum(c * strides[d] for c, d in zip(fixed_coords, reversed(fixed_in_order)))
             group = []
             for varied_coords in itertools.product(*varied_ranges):
-                group.append(base + sum(c * strides[d] for c, d in zip(varied_coords, reversed(varied_in_order))))
+                group.append(
+                    base
+                    + sum(c * strides[d] for c, d in zip(varied_coords, reversed(varied_in_order)))
+                )
             groups.append(group)
         return groups
 
@@ -112,18 +115,28 @@ class ParallelLayout:
     def __post_init__(self):
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
-        model_size = self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+        model_size = (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
         if self.world_size % model_size != 0:
             raise ValueError(
                 f"world size ({self.world_size}) is not divisible by tensor-model-parallel size "
                 f"({self.tensor_model_parallel_size}) x pipeline-model-parallel size "
-                f"({self.pipeline_model_parallel_size}) x context-parallel size ({self.context_parallel_size})")
-        expert_model = self.expert_tensor_parallel_size * self.expert_model_parallel_size * self.pipeline_model_parallel_size
+                f"({self.pipeline_model_parallel_size}) x context-parallel size ({self.context_parallel_size})"
+            )
+        expert_model = (
+            self.expert_tensor_parallel_size
+            * self.expert_model_parallel_size
+            * self.pipeline_model_parallel_size
+        )
         if self.world_size % expert_model != 0:
             raise ValueError(
                 f"world size ({self.world_size}) is not divisible by expert-tensor-parallel size "
                 f"({self.expert_tensor_parallel_size}) x expert-model-parallel size "
-                f"({self.expert_model_parallel_size}) x pipeline-model-parallel size ({self.pipeline_model_parallel_size})")
+                f"({self.expert_model_parallel_size}) x pipeline-model-parallel size ({self.pipeline_model_parallel_size})"
+            )
 
     @property
     def order(self) -> str:
@@ -131,22 +144,39 @@ class ParallelLayout:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                                   * self.context_parallel_size)
+        return self.world_size // (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
 
     @property
     def expert_data_parallel_size(self) -> int:
-        return self.world_size // (self.expert_tensor_parallel_size * self.expert_model_parallel_size
-                                   * self.pipeline_model_parallel_size)
+        return self.world_size // (
+            self.expert_tensor_parallel_size
+            * self.expert_model_parallel_size
+            * self.pipeline_model_parallel_size
+        )
 
     def dense_grid(self) -> RankGenerator:
-        return RankGenerator(tp=self.tensor_model_parallel_size, ep=1, dp=self.data_parallel_size,
-                             pp=self.pipeline_model_parallel_size, cp=self.context_parallel_size, order=self.order)
+        return RankGenerator(
+            tp=self.tensor_model_parallel_size,
+            ep=1,
+            dp=self.data_parallel_size,
+            pp=self.pipeline_model_parallel_size,
+            cp=self.context_parallel_size,
+            order=self.order,
+        )
 
     def expert_grid(self) -> RankGenerator:
-        return RankGenerator(tp=self.expert_tensor_parallel_size, ep=self.expert_model_parallel_size,
-                             dp=self.expert_data_parallel_size, pp=self.pipeline_model_parallel_size, cp=1,
-                             order=self.order)
+        return RankGenerator(
+            tp=self.expert_tensor_parallel_size,
+            ep=self.expert_model_parallel_size,
+            dp=self.expert_data_parallel_size,
+            pp=self.pipeline_model_parallel_size,
+            cp=1,
+            order=self.order,
+        )
 
     def all_group_ranks(self) -> Dict[str, List[List[int]]]:
         """Rank lists of every group, keyed by Megatron's group names. Pure arithmetic."""
@@ -176,7 +206,9 @@ class ParallelLayout:
         groups["position-embedding"] = position_embedding
         # The expert grid must agree with the dense one on pipeline groups.
         if sorted(map(sorted, expert.get_ranks("pp"))) != sorted(map(sorted, groups["pp"])):
-            raise ValueError("expert and dense grids disagree on pipeline groups; check the parallel sizes")
+            raise ValueError(
+                "expert and dense grids disagree on pipeline groups; check the parallel sizes"
+            )
         return groups
 
 
@@ -232,7 +264,10 @@ class ParallelState:
         return self.get_pipeline_model_parallel_rank() == 0
 
     def is_pipeline_last_stage(self) -> bool:
-        return self.get_pipeline_model_parallel_rank() == self.get_pipeline_model_parallel_world_size() - 1
+        return (
+            self.get_pipeline_model_parallel_rank()
+            == self.get_pipeline_model_parallel_world_size() - 1
+        )
 
     def get_context_parallel_group(self):
         return self.group("cp")
@@ -328,8 +363,11 @@ def initialize_model_parallel(
         for ranks in rank_lists:
             group = None
             if initialized:
-                group = dist.group.WORLD if len(ranks) == world_size and ranks == list(range(world_size)) \
+                group = (
+                    dist.group.WORLD
+                    if len(ranks) == world_size and ranks == list(range(world_size))
                     else dist.new_group(ranks=ranks, **kwargs)
+                )
             if rank in ranks:
                 state.groups[name] = group
                 state.ranks[name] = ranks
@@ -340,7 +378,9 @@ def destroy_model_parallel(state: Optional[ParallelState]) -> None:
     """Destroy the non-default groups of ``state``."""
     if state is None or not (dist.is_available() and dist.is_initialized()):
         return
-    for group in set(g for g in state.groups.values() if g is not None and g is not dist.group.WORLD):
+    for group in set(
+        g for g in state.groups.values() if g is not None and g is not dist.group.WORLD
+    ):
         try:
             dist.destroy_process_group(group)
         except (ValueError, RuntimeError):
@@ -357,6 +397,7 @@ def live_gloo_worker_threads() -> int:
     process aborts with "terminate called without an active exception". Linux only (0 elsewhere).
     """
     import os
+
     task_dir = "/proc/self/task"
     if not os.path.isdir(task_dir):
         return 0

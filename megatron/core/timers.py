@@ -164,7 +164,9 @@ class Timers:
         if log_level is None:
             log_level = self._max_log_level
         if not 0 <= log_level <= self._max_log_level:
-            raise ValueError(f"timer '{name}': log level {log_level} is not in [0, {self._max_log_level}]")
+            raise ValueError(
+                f"timer '{name}': log level {log_level} is not in [0, {self._max_log_level}]"
+            )
         if log_level > self._log_level:
             return self._dummy_timer
         self._timers[name] = Timer(name)
@@ -172,7 +174,9 @@ class Timers:
         return self._timers[name]
 
     # ------------------------------------------------------------------ gathering
-    def _get_elapsed_time_all_ranks(self, names: List[str], reset: bool, barrier: bool) -> torch.Tensor:
+    def _get_elapsed_time_all_ranks(
+        self, names: List[str], reset: bool, barrier: bool
+    ) -> torch.Tensor:
         """A [world_size, len(names)] tensor of milliseconds; 0 where a rank has no such timer.
 
         Collective: every rank must call it with the same names.
@@ -209,7 +213,9 @@ class Timers:
         min_max = self._get_global_min_max_time(names, reset, barrier, normalizer)
         if not min_max:
             return None
-        lines = ["max time across ranks (ms):" if max_only else "(min, max) time across ranks (ms):"]
+        lines = [
+            "max time across ranks (ms):" if max_only else "(min, max) time across ranks (ms):"
+        ]
         for name, (t_min, t_max) in min_max.items():
             label = (name + " ").ljust(48, ".")
             if max_only:
@@ -291,7 +297,9 @@ class Timers:
         """
         if not normalizer > 0.0:
             raise ValueError(f"timers normalizer must be positive, got {normalizer}")
-        min_max = self._get_global_min_max_time(self._resolve_names(names), reset, barrier, normalizer)
+        min_max = self._get_global_min_max_time(
+            self._resolve_names(names), reset, barrier, normalizer
+        )
         if writer is not None:
             for name, (_, t_max) in min_max.items():
                 writer.add_scalar(name + "-time", t_max, iteration)

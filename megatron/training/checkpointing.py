@@ -14,6 +14,7 @@ Loading uses ``torch.load(weights_only=True)``: nothing in a checkpoint can run 
 stored as an ``argparse.Namespace`` holding only plain values (allow-listed for the loader);
 numpy's RNG state is stored as tensors and plain values.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,15 +50,25 @@ def checkpoint_dir(checkpoints_path: str, iteration, release: bool = False) -> s
     return os.path.join(checkpoints_path, "release" if release else "iter_{:07d}".format(iteration))
 
 
-def checkpoint_name(checkpoints_path: str, iteration, release: bool = False, tp_rank: int = 0, pp_rank: int = 0,
-                    pp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> str:
+def checkpoint_name(
+    checkpoints_path: str,
+    iteration,
+    release: bool = False,
+    tp_rank: int = 0,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> str:
     """``.../iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` as Megatron names it."""
     name = f"mp_rank_{tp_rank:02d}"
     if pp_size > 1:
         name += f"_{pp_rank:03d}"
     if ep_size > 1:
         name += f"_{ep_rank:03d}"
-    return os.path.join(checkpoint_dir(checkpoints_path, iteration, release), name, "model_optim_rng.pt")
+    return os.path.join(
+        checkpoint_dir(checkpoints_path, iteration, release), name, "model_optim_rng.pt"
+    )
 
 
 def _plain(value):
@@ -90,8 +101,13 @@ def _rng_state(tracker) -> dict:
     np_state = np.random.get_state()
     state = {
         "random_rng_state": random.getstate(),
-        "np_rng_state": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                         "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "np_rng_state": {
+            "name": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
         "torch_rng_state": torch.get_rng_state(),
         "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "rng_tracker_states": tracker.get_states() if tracker is not None else {},
@@ -103,8 +119,15 @@ def _set_rng_state(state: dict, tracker) -> None:
     random.setstate(_as_random_state(state["random_rng_state"]))
     np_state = state["np_rng_state"]
     if isinstance(np_state, dict):
-        np.random.set_state((np_state["name"], np_state["keys"].numpy().astype(np.uint32), np_state["pos"],
-                             np_state["has_gauss"], np_state["cached_gaussian"]))
+        np.random.set_state(
+            (
+                np_state["name"],
+                np_state["keys"].numpy().astype(np.uint32),
+                np_state["pos"],
+                np_state["has_gauss"],
+                np_state["cached_gaussian"],
+            )
+        )
     else:
         np.random.set_state(np_state)
     torch.set_rng_state(state["torch_rng_state"])
@@ -138,10 +161,16 @@ def _check_distributed_optimizer_file(path: str) -> None:
     if state.get_data_parallel_rank(with_context_parallel=True) == 0 and not os.path.isfile(path):
         missing.fill_(1.0)
     if dist.is_initialized() and state.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        dist.all_reduce(missing, op=dist.ReduceOp.MAX, group=state.get_data_parallel_group(with_context_parallel=True))
+        dist.all_reduce(
+            missing,
+            op=dist.ReduceOp.MAX,
+            group=state.get_data_parallel_group(with_context_parallel=True),
+        )
     if missing.item() > 0:
-        raise CheckpointError(f"{path} does not exist: the checkpoint was saved without "
-                              "--use-distributed-optimizer (or with --no-save-optim); pass --no-load-optim")
+        raise CheckpointError(
+            f"{path} does not exist: the checkpoint was saved without "
+            "--use-distributed-optimizer (or with --no-save-optim); pass --no-load-optim"
+        )
 
 
 def _load_distributed_optimizer_state(optimizer, path: str) -> None:
@@ -164,19 +193,29 @@ def _barrier():
         dist.barrier()
 
 
-def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
-                    num_floating_point_operations_so_far: float = 0.0) -> None:
+def save_checkpoint(
+    iteration: int,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    num_floating_point_operations_so_far: float = 0.0,
+) -> None:
     """Save this rank's shard; rank 0 updates the tracker once every rank is done."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     timers = global_vars.get_timers()
     if args.ckpt_format not in SAVE_FORMATS:
-        raise CheckpointError(f"--ckpt-format {args.ckpt_format} is not supported (use torch_dist or torch)")
+        raise CheckpointError(
+            f"--ckpt-format {args.ckpt_format} is not supported (use torch_dist or torch)"
+        )
     maybe_finalize_async_save(blocking=True)
     if args.ckpt_format == "torch_dist":
         from .checkpointing_dist import save_checkpoint_dist
+
         timers("save-checkpoint", log_level=0).start(barrier=True)
-        save_checkpoint_dist(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far)
+        save_checkpoint_dist(
+            iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+        )
         timers("save-checkpoint").stop(barrier=True)
         return
     save_dir = args.save
@@ -188,18 +227,29 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
     if not args.no_save_rng:
         rng_state = [_rng_state(tracker)]
         dp_group = state.get_data_parallel_group(with_context_parallel=True)
-        if dist.is_initialized() and state.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        if (
+            dist.is_initialized()
+            and state.get_data_parallel_world_size(with_context_parallel=True) > 1
+        ):
             gathered = [None] * state.get_data_parallel_world_size(with_context_parallel=True)
             dist.all_gather_object(gathered, rng_state[0], group=dp_group)
             rng_state = gathered
 
-    path = checkpoint_name(save_dir, iteration, tp_rank=state.get_tensor_model_parallel_rank(),
-                           pp_rank=state.get_pipeline_model_parallel_rank(),
-                           pp_size=state.get_pipeline_model_parallel_world_size(),
-                           ep_rank=state.get_expert_model_parallel_rank(),
-                           ep_size=state.get_expert_model_parallel_world_size())
+    path = checkpoint_name(
+        save_dir,
+        iteration,
+        tp_rank=state.get_tensor_model_parallel_rank(),
+        pp_rank=state.get_pipeline_model_parallel_rank(),
+        pp_size=state.get_pipeline_model_parallel_world_size(),
+        ep_rank=state.get_expert_model_parallel_rank(),
+        ep_size=state.get_expert_model_parallel_world_size(),
+    )
     is_writer = state.get_data_parallel_rank(with_context_parallel=True) == 0
-    if getattr(args, "use_distributed_optimizer", False) and not args.no_save_optim and optimizer is not None:
+    if (
+        getattr(args, "use_distributed_optimizer", False)
+        and not args.no_save_optim
+        and optimizer is not None
+    ):
         # Every DP rank owns a slice of the optimizer state: gather it (a collective) to DP rank 0.
         param_state = optimizer.get_parameter_state_dp_zero()
         if is_writer:
@@ -233,9 +283,16 @@ def save_checkpoint(iteration: int, model, optimizer, opt_param_scheduler,
         commit_tracker(save_dir, iteration)
     _barrier()
     timers("save-checkpoint").stop(barrier=True)
-    print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]".format(
-        iteration, save_dir, state.get_tensor_model_parallel_rank() + 1, state.get_tensor_model_parallel_world_size(),
-        state.get_pipeline_model_parallel_rank() + 1, state.get_pipeline_model_parallel_world_size()))
+    print_rank_0(
+        "  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]".format(
+            iteration,
+            save_dir,
+            state.get_tensor_model_parallel_rank() + 1,
+            state.get_tensor_model_parallel_world_size(),
+            state.get_pipeline_model_parallel_rank() + 1,
+            state.get_pipeline_model_parallel_world_size(),
+        )
+    )
     remove_unretained(args, save_dir, iteration)
 
 
@@ -282,8 +339,10 @@ def remove_unretained(args, save_dir: str, iteration: int) -> None:
         if unfinished or (interval and it % interval != 0):
             shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
             if not unfinished:
-                print(f"  removed checkpoint {os.path.join(save_dir, name)} (--save-retain-interval {interval})",
-                      flush=True)
+                print(
+                    f"  removed checkpoint {os.path.join(save_dir, name)} (--save-retain-interval {interval})",
+                    flush=True,
+                )
 
 
 def read_tracker(load_dir: str):
@@ -296,7 +355,9 @@ def read_tracker(load_dir: str):
     try:
         iteration = int(text)
     except ValueError:
-        raise CheckpointError(f"{path} holds '{text[:40]}', expected an iteration number or 'release'") from None
+        raise CheckpointError(
+            f"{path} holds '{text[:40]}', expected an iteration number or 'release'"
+        ) from None
     if iteration < 0:
         raise CheckpointError(f"{path} holds a negative iteration ({iteration})")
     return iteration, False
@@ -305,6 +366,7 @@ def read_tracker(load_dir: str):
 def detect_checkpoint_format(directory: str):
     """``torch_dist`` (metadata.json), ``torch`` (mp_rank_* entries), or None (Megatron's rule)."""
     from megatron.core.dist_checkpointing import is_distributed_checkpoint
+
     if not os.path.isdir(directory):
         return None
     if is_distributed_checkpoint(directory):
@@ -320,31 +382,46 @@ def format_to_load(args, directory: str) -> str:
     found = detect_checkpoint_format(directory)
     if found is None:
         if not os.path.isdir(directory):
-            raise CheckpointError(f"checkpoint directory {directory} does not exist (the tracker points at a "
-                                  "deleted checkpoint, or --ckpt-step names an iteration that was not saved)")
+            raise CheckpointError(
+                f"checkpoint directory {directory} does not exist (the tracker points at a "
+                "deleted checkpoint, or --ckpt-step names an iteration that was not saved)"
+            )
         if os.path.isfile(os.path.join(directory, ".metadata")):
-            raise CheckpointError(f"{directory} has no metadata.json: its torch_dist save did not finish")
-        raise CheckpointError(f"{directory} holds neither a torch_dist (metadata.json) nor a torch-format "
-                              "(mp_rank_*) checkpoint")
+            raise CheckpointError(
+                f"{directory} has no metadata.json: its torch_dist save did not finish"
+            )
+        raise CheckpointError(
+            f"{directory} holds neither a torch_dist (metadata.json) nor a torch-format "
+            "(mp_rank_*) checkpoint"
+        )
     wanted = args.ckpt_format
-    if found == wanted or getattr(args, "auto_detect_ckpt_format", False) \
-            or getattr(args, "ckpt_convert_format", None) is not None:
+    if (
+        found == wanted
+        or getattr(args, "auto_detect_ckpt_format", False)
+        or getattr(args, "ckpt_convert_format", None) is not None
+    ):
         return found
-    raise CheckpointError(f"{directory} is a {found}-format checkpoint but --ckpt-format is {wanted}: pass "
-                          f"--ckpt-format {found} or --auto-detect-ckpt-format")
+    raise CheckpointError(
+        f"{directory} is a {found}-format checkpoint but --ckpt-format is {wanted}: pass "
+        f"--ckpt-format {found} or --auto-detect-ckpt-format"
+    )
 
 
 def _load_file(path: str) -> dict:
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} does not exist (the tracker points at an incomplete "
-                              "or deleted checkpoint, or it was saved with another parallel layout)")
+        raise CheckpointError(
+            f"checkpoint file {path} does not exist (the tracker points at an incomplete "
+            "or deleted checkpoint, or it was saved with another parallel layout)"
+        )
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
         reason = next((l for l in lines if "Unpickler error" in l), lines[0] if lines else "")
-        raise CheckpointError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {reason}") from None
+        raise CheckpointError(
+            f"cannot read checkpoint file {path}: {type(exc).__name__}: {reason}"
+        ) from None
 
 
 def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
@@ -352,8 +429,11 @@ def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
     own = chunk.state_dict()
     missing = [k for k in own if k not in saved]
     unexpected = [k for k in saved if k not in own]
-    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in saved and torch.is_tensor(saved[k]) and saved[k].shape != own[k].shape]
+    shapes = [
+        f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in saved and torch.is_tensor(saved[k]) and saved[k].shape != own[k].shape
+    ]
     problems = []
     if shapes:
         problems.append("shape mismatches: " + "; ".join(shapes[:5]))
@@ -365,11 +445,21 @@ def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
         raise CheckpointError(f"checkpoint {path} does not fit this model ({' | '.join(problems)})")
 
 
-_MODEL_ARGS_TO_CHECK = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                        "padded_vocab_size", "max_position_embeddings", "num_query_groups", "kv_channels")
+_MODEL_ARGS_TO_CHECK = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "padded_vocab_size",
+    "max_position_embeddings",
+    "num_query_groups",
+    "kv_channels",
+)
 
 
-def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True):
+def load_checkpoint(
+    model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True
+):
     """Load into ``model``/``optimizer``/``opt_param_scheduler``; returns (iteration, flops so far).
 
     A missing checkpoint directory or tracker starts training from scratch with a warning (so
@@ -380,11 +470,16 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     state = global_vars.get_parallel_state()
     load_dir = getattr(args, load_arg)
     if not os.path.isfile(tracker_path(load_dir)):
-        message = (f"WARNING: could not find the metadata file {tracker_path(load_dir)}"
-                   + ("" if os.path.isdir(load_dir) else f" (directory {load_dir} does not exist)"))
+        message = f"WARNING: could not find the metadata file {tracker_path(load_dir)}" + (
+            "" if os.path.isdir(load_dir) else f" (directory {load_dir} does not exist)"
+        )
         converting = getattr(args, "ckpt_convert_format", None) is not None
         if args.exit_on_missing_checkpoint or converting:
-            reason = "--ckpt-convert-format needs a checkpoint" if converting else "--exit-on-missing-checkpoint is set"
+            reason = (
+                "--ckpt-convert-format needs a checkpoint"
+                if converting
+                else "--exit-on-missing-checkpoint is set"
+            )
             print_rank_0(f">> {message}; exiting because {reason}")
             _barrier()
             sys.exit(1)
@@ -397,17 +492,34 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     fmt = format_to_load(args, checkpoint_dir(load_dir, iteration, release))
     if fmt == "torch_dist":
         from .checkpointing_dist import load_checkpoint_dist
-        print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration} (torch_dist format)")
-        iteration, flops, _ = load_checkpoint_dist(model, optimizer, opt_param_scheduler, load_dir, iteration, release)
-        print_rank_0("  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}".format(
-            load_dir, state.get_tensor_model_parallel_rank() + 1, state.get_tensor_model_parallel_world_size(),
-            state.get_pipeline_model_parallel_rank() + 1, state.get_pipeline_model_parallel_world_size(), iteration))
+
+        print_rank_0(
+            f" loading checkpoint from {load_dir} at iteration {iteration} (torch_dist format)"
+        )
+        iteration, flops, _ = load_checkpoint_dist(
+            model, optimizer, opt_param_scheduler, load_dir, iteration, release
+        )
+        print_rank_0(
+            "  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}".format(
+                load_dir,
+                state.get_tensor_model_parallel_rank() + 1,
+                state.get_tensor_model_parallel_world_size(),
+                state.get_pipeline_model_parallel_rank() + 1,
+                state.get_pipeline_model_parallel_world_size(),
+                iteration,
+            )
+        )
         return iteration, flops
-    path = checkpoint_name(load_dir, iteration, release, tp_rank=state.get_tensor_model_parallel_rank(),
-                           pp_rank=state.get_pipeline_model_parallel_rank(),
-                           pp_size=state.get_pipeline_model_parallel_world_size(),
-                           ep_rank=state.get_expert_model_parallel_rank(),
-                           ep_size=state.get_expert_model_parallel_world_size())
+    path = checkpoint_name(
+        load_dir,
+        iteration,
+        release,
+        tp_rank=state.get_tensor_model_parallel_rank(),
+        pp_rank=state.get_pipeline_model_parallel_rank(),
+        pp_size=state.get_pipeline_model_parallel_world_size(),
+        ep_rank=state.get_expert_model_parallel_rank(),
+        ep_size=state.get_expert_model_parallel_world_size(),
+    )
     print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
     state_dict = _load_file(path)
 
@@ -416,8 +528,10 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
         for name in _MODEL_ARGS_TO_CHECK:
             ours, theirs = getattr(args, name, None), getattr(ckpt_args, name, None)
             if ours is not None and theirs is not None and ours != theirs:
-                raise CheckpointError(f"checkpoint {path} was saved with --{name.replace('_', '-')} {theirs}, "
-                                      f"but this run uses {ours}")
+                raise CheckpointError(
+                    f"checkpoint {path} was saved with --{name.replace('_', '-')} {theirs}, "
+                    f"but this run uses {ours}"
+                )
 
     chunks = model if isinstance(model, list) else [model]
     for i, chunk in enumerate(chunks):
@@ -440,23 +554,30 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
 
     if not finetune and not args.no_load_optim:
         if "optimizer" not in state_dict:
-            raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with --no-save-optim?); "
-                                  "pass --no-load-optim or --finetune")
+            raise CheckpointError(
+                f"checkpoint {path} holds no optimizer state (saved with --no-save-optim?); "
+                "pass --no-load-optim or --finetune"
+            )
         saved_distributed = bool(getattr(ckpt_args, "use_distributed_optimizer", False))
-        if ckpt_args is not None and saved_distributed != bool(getattr(args, "use_distributed_optimizer", False)):
+        if ckpt_args is not None and saved_distributed != bool(
+            getattr(args, "use_distributed_optimizer", False)
+        ):
             raise CheckpointError(
                 f"checkpoint {path} was saved {'with' if saved_distributed else 'without'} "
                 f"--use-distributed-optimizer and this run is {'without' if saved_distributed else 'with'} it: "
                 "the torch format keeps the two optimizer states in different layouts; "
-                "pass --no-load-optim to start a fresh optimizer from the loaded weights")
+                "pass --no-load-optim to start a fresh optimizer from the loaded weights"
+            )
         if optimizer is not None:
             if getattr(args, "use_distributed_optimizer", False):
                 _check_distributed_optimizer_file(distrib_optim_path(path))
             try:
                 optimizer.load_state_dict(state_dict["optimizer"])
             except (KeyError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {path}: the optimizer state does not fit this run "
-                                      f"({type(exc).__name__}: {exc})") from None
+                raise CheckpointError(
+                    f"checkpoint {path}: the optimizer state does not fit this run "
+                    f"({type(exc).__name__}: {exc})"
+                ) from None
             if getattr(args, "use_distributed_optimizer", False):
                 _load_distributed_optimizer_state(optimizer, distrib_optim_path(path))
         if opt_param_scheduler is not None and "opt_param_scheduler" in state_dict:
@@ -468,15 +589,25 @@ def load_checkpoint(model, optimizer, opt_param_scheduler, load_arg: str = "load
     if not finetune and not args.no_load_rng and "rng_state" in state_dict:
         rng_states = state_dict["rng_state"]
         dp_rank = state.get_data_parallel_rank(with_context_parallel=True)
-        chosen = rng_states[dp_rank] if isinstance(rng_states, list) and dp_rank < len(rng_states) else (
-            rng_states[0] if isinstance(rng_states, list) else rng_states)
+        chosen = (
+            rng_states[dp_rank]
+            if isinstance(rng_states, list) and dp_rank < len(rng_states)
+            else (rng_states[0] if isinstance(rng_states, list) else rng_states)
+        )
         tracker = global_vars.get_rng_tracker()
         _set_rng_state(chosen, tracker)
 
     _barrier()
-    print_rank_0("  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}".format(
-        load_dir, state.get_tensor_model_parallel_rank() + 1, state.get_tensor_model_parallel_world_size(),
-        state.get_pipeline_model_parallel_rank() + 1, state.get_pipeline_model_parallel_world_size(), iteration))
+    print_rank_0(
+        "  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}".format(
+            load_dir,
+            state.get_tensor_model_parallel_rank() + 1,
+            state.get_tensor_model_parallel_world_size(),
+            state.get_pipeline_model_parallel_rank() + 1,
+            state.get_pipeline_model_parallel_world_size(),
+            iteration,
+        )
+    )
     return iteration, float(state_dict.get("num_floating_point_operations_so_far", 0.0))
 
 
@@ -489,7 +620,13 @@ def convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler) -> None:
     args.async_save = False
     args.save = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
     args.use_dist_ckpt = args.ckpt_format != "torch"
-    save_checkpoint(args.iteration, model, optimizer, opt_param_scheduler, args.num_floating_point_operations_so_far)
+    save_checkpoint(
+        args.iteration,
+        model,
+        optimizer,
+        opt_param_scheduler,
+        args.num_floating_point_operations_so_far,
+    )
     print_rank_0(f"> converted checkpoint: {source} -> {args.ckpt_format} (saved to {args.save})")
     _barrier()
     sys.exit(0)
@@ -498,15 +635,42 @@ def convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler) -> None:
 # Model-shape flags --use-checkpoint-args reads back (Megatron's list): the forced ones replace
 # the command line's value, the others fill in only flags left unset.
 _FORCED_CHECKPOINT_ARGS = (
-    "num_query_groups", "group_query_attention", "position_embedding_type", "add_position_embedding",
-    "use_rotary_position_embeddings", "rotary_percent", "rotary_interleaved", "rotary_base", "add_bias_linear",
-    "add_qkv_bias", "swiglu", "squared_relu", "untie_embeddings_and_output_weights", "apply_layernorm_1p",
-    "normalization", "qk_layernorm", "norm_epsilon")
-_UNSET_CHECKPOINT_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
-                          "kv_channels", "max_position_embeddings", "tokenizer_type", "padded_vocab_size",
-                          "vocab_size")
-_PARALLEL_CHECKPOINT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                             "virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+    "num_query_groups",
+    "group_query_attention",
+    "position_embedding_type",
+    "add_position_embedding",
+    "use_rotary_position_embeddings",
+    "rotary_percent",
+    "rotary_interleaved",
+    "rotary_base",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "swiglu",
+    "squared_relu",
+    "untie_embeddings_and_output_weights",
+    "apply_layernorm_1p",
+    "normalization",
+    "qk_layernorm",
+    "norm_epsilon",
+)
+_UNSET_CHECKPOINT_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "seq_length",
+    "num_attention_heads",
+    "kv_channels",
+    "max_position_embeddings",
+    "tokenizer_type",
+    "padded_vocab_size",
+    "vocab_size",
+)
+_PARALLEL_CHECKPOINT_ARGS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
+)
 
 
 def read_checkpoint_args(load_dir: str, ckpt_step=None):
@@ -521,6 +685,7 @@ def read_checkpoint_args(load_dir: str, ckpt_step=None):
     fmt = detect_checkpoint_format(directory)
     if fmt == "torch_dist":
         from megatron.core.dist_checkpointing import CheckpointingError, load_common
+
         try:
             return load_common(directory, safe_globals=[argparse.Namespace]).get("args")
         except CheckpointingError as exc:
@@ -528,7 +693,9 @@ def read_checkpoint_args(load_dir: str, ckpt_step=None):
     if fmt == "torch":
         first = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))[0]
         return _load_file(os.path.join(directory, first, "model_optim_rng.pt")).get("args")
-    format_to_load(argparse.Namespace(ckpt_format="torch_dist"), directory)  # raises the clear error
+    format_to_load(
+        argparse.Namespace(ckpt_format="torch_dist"), directory
+    )  # raises the clear error
     return None
 
 
@@ -543,9 +710,13 @@ def load_args_from_checkpoint(args, load_arg: str = "load"):
     say = print if getattr(args, "rank", 0) == 0 else (lambda *a, **k: None)
     saved = read_checkpoint_args(load_dir, getattr(args, "ckpt_step", None))
     if saved is None:
-        say(f"WARNING: no checkpoint in {load_dir} to read arguments from; using the command line's")
+        say(
+            f"WARNING: no checkpoint in {load_dir} to read arguments from; using the command line's"
+        )
         return args
-    names = [(n, True) for n in _FORCED_CHECKPOINT_ARGS] + [(n, False) for n in _UNSET_CHECKPOINT_ARGS]
+    names = [(n, True) for n in _FORCED_CHECKPOINT_ARGS] + [
+        (n, False) for n in _UNSET_CHECKPOINT_ARGS
+    ]
     if getattr(args, "use_mp_args_from_checkpoint_args", False):
         names += [(n, True) for n in _PARALLEL_CHECKPOINT_ARGS]
     for name, forced in names:
@@ -555,8 +726,10 @@ def load_args_from_checkpoint(args, load_arg: str = "load"):
         if theirs == ours:
             continue
         if not forced and ours is not None:
-            say(f" > keeping --{name.replace('_', '-')} {ours} from the command line (the checkpoint has {theirs})",
-                flush=True)
+            say(
+                f" > keeping --{name.replace('_', '-')} {ours} from the command line (the checkpoint has {theirs})",
+                flush=True,
+            )
             continue
         say(f" > setting {name} to {theirs} from checkpoint (was {ours})", flush=True)
         setattr(args, name, theirs)

@@ -16,6 +16,7 @@ dedicated gloo group; the save is committed (metadata.json, rename, tracker) by
 :func:`maybe_finalize_async_save`, which the training loop calls every iteration (it commits
 once every rank's writer is done), before the next save and at exit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,11 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing.async_save import AsyncSave
-from megatron.core.dist_checkpointing.optimizer_state import STATE_PREFIX, is_distributed, load_optimizer_common_state
+from megatron.core.dist_checkpointing.optimizer_state import (
+    STATE_PREFIX,
+    is_distributed,
+    load_optimizer_common_state,
+)
 
 from . import global_vars
 from .checkpointing import (
@@ -45,9 +50,20 @@ from .checkpointing import (
 from .utils import get_device, get_rank, print_rank_0
 
 TMP_SUFFIX = ".tmp"
-_MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "padded_vocab_size",
-               "max_position_embeddings", "num_query_groups", "kv_channels", "swiglu",
-               "untie_embeddings_and_output_weights", "add_bias_linear", "normalization")
+_MODEL_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "padded_vocab_size",
+    "max_position_embeddings",
+    "num_query_groups",
+    "kv_channels",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
+    "add_bias_linear",
+    "normalization",
+)
 
 
 class _AsyncState:
@@ -60,16 +76,22 @@ class _AsyncState:
 
 # ---------------------------------------------------------------------------------- helpers
 def _layout(state, num_chunks: int) -> dict:
-    return {"tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
-            "virtual_pipeline_model_parallel_size": num_chunks if num_chunks > 1 else None,
-            "context_parallel_size": state.get_context_parallel_world_size(),
-            "data_parallel_size": state.get_data_parallel_world_size()}
+    return {
+        "tensor_model_parallel_size": state.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": state.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": num_chunks if num_chunks > 1 else None,
+        "context_parallel_size": state.get_context_parallel_world_size(),
+        "data_parallel_size": state.get_data_parallel_world_size(),
+    }
 
 
 def _coordinates(state) -> tuple:
-    return (state.get_pipeline_model_parallel_rank(), state.get_tensor_model_parallel_rank(),
-            state.get_data_parallel_rank(), state.get_context_parallel_rank())
+    return (
+        state.get_pipeline_model_parallel_rank(),
+        state.get_tensor_model_parallel_rank(),
+        state.get_data_parallel_rank(),
+        state.get_context_parallel_rank(),
+    )
 
 
 def _all_gather_object(obj) -> list:
@@ -82,8 +104,9 @@ def _all_gather_object(obj) -> list:
 
 def _sharded_model(model, state):
     chunks = [_unwrap(c) for c in (model if isinstance(model, list) else [model])]
-    entries, by_param = dc.model_sharded_state_dict(chunks, state.get_tensor_model_parallel_rank(),
-                                                    state.get_tensor_model_parallel_world_size())
+    entries, by_param = dc.model_sharded_state_dict(
+        chunks, state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
+    )
     return chunks, entries, by_param
 
 
@@ -94,7 +117,10 @@ def _merged_optimizer_common(optimizer) -> dict:
     groups, seen = [], set()
     for other in _all_gather_object(common["param_groups"]):
         for group in other:
-            signature = tuple(group.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"))
+            signature = tuple(
+                group.get(k)
+                for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+            )
             if signature not in seen:
                 seen.add(signature)
                 groups.append(group)
@@ -103,14 +129,18 @@ def _merged_optimizer_common(optimizer) -> dict:
 
 
 # ---------------------------------------------------------------------------------- save
-def save_checkpoint_dist(iteration: int, model, optimizer, opt_param_scheduler, flops: float) -> None:
+def save_checkpoint_dist(
+    iteration: int, model, optimizer, opt_param_scheduler, flops: float
+) -> None:
     """Write ``<save>/iter_XXXXXXX`` in torch_dist format (collective over all ranks)."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     maybe_finalize_async_save(blocking=True)
     save_dir = args.save
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format"
-                 + (" (asynchronously)" if args.async_save else ""))
+    print_rank_0(
+        f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format"
+        + (" (asynchronously)" if args.async_save else "")
+    )
     chunks, entries, by_param = _sharded_model(model, state)
     save_optim = not args.no_save_optim and optimizer is not None
     optim_entries: Dict[str, dc.ShardedTensor] = {}
@@ -121,21 +151,30 @@ def save_checkpoint_dist(iteration: int, model, optimizer, opt_param_scheduler, 
     over_dp = dict(entries)
     if save_optim and not is_distributed(optimizer):
         over_dp.update(optim_entries)
-    dc.spread_writes(over_dp, state.get_data_parallel_rank(with_context_parallel=True),
-                     state.get_data_parallel_world_size(with_context_parallel=True),
-                     fully_parallel=getattr(args, "ckpt_fully_parallel_save", True))
+    dc.spread_writes(
+        over_dp,
+        state.get_data_parallel_rank(with_context_parallel=True),
+        state.get_data_parallel_world_size(with_context_parallel=True),
+        fully_parallel=getattr(args, "ckpt_fully_parallel_save", True),
+    )
     sharded = {**entries, **optim_entries}
 
     rng = None
     if not args.no_save_rng:
-        rng = _all_gather_object({"coordinates": _coordinates(state), "state": _rng_state(global_vars.get_rng_tracker())})
+        rng = _all_gather_object(
+            {"coordinates": _coordinates(state), "state": _rng_state(global_vars.get_rng_tracker())}
+        )
     optim_common = _merged_optimizer_common(optimizer) if save_optim else None
     final_dir = checkpoint_dir(save_dir, iteration)
     work_dir = final_dir + TMP_SUFFIX
     if get_rank() == 0:
-        common = {"args": _checkpoint_args(args), "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                  "num_floating_point_operations_so_far": float(flops),
-                  "parallel_layout": _layout(state, len(chunks))}
+        common = {
+            "args": _checkpoint_args(args),
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "num_floating_point_operations_so_far": float(flops),
+            "parallel_layout": _layout(state, len(chunks)),
+        }
         if save_optim:
             common["optimizer"] = optim_common
             if opt_param_scheduler is not None:
@@ -180,6 +219,7 @@ def release_async_save_group() -> None:
 def _commit(save_dir: str, iteration: int) -> None:
     """Every rank has written its part: mark the checkpoint complete and move the tracker."""
     from .checkpointing import remove_unretained
+
     _barrier()
     final_dir = checkpoint_dir(save_dir, iteration)
     work_dir = final_dir + TMP_SUFFIX
@@ -197,9 +237,16 @@ def _commit(save_dir: str, iteration: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     state = global_vars.get_parallel_state()
-    print_rank_0("  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]".format(
-        iteration, save_dir, state.get_tensor_model_parallel_rank() + 1, state.get_tensor_model_parallel_world_size(),
-        state.get_pipeline_model_parallel_rank() + 1, state.get_pipeline_model_parallel_world_size()))
+    print_rank_0(
+        "  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]".format(
+            iteration,
+            save_dir,
+            state.get_tensor_model_parallel_rank() + 1,
+            state.get_tensor_model_parallel_world_size(),
+            state.get_pipeline_model_parallel_rank() + 1,
+            state.get_pipeline_model_parallel_world_size(),
+        )
+    )
     remove_unretained(global_vars.get_args(), save_dir, iteration)
 
 
@@ -226,9 +273,15 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     _AsyncState.pending = None
     if failed.item():
-        reason = f"{type(error).__name__}: {error}" if error is not None else "another rank's writer failed"
-        raise CheckpointError(f"asynchronous save of iteration {pending['iteration']} to "
-                              f"{pending['save_dir']} failed ({reason}); the previous checkpoint is kept")
+        reason = (
+            f"{type(error).__name__}: {error}"
+            if error is not None
+            else "another rank's writer failed"
+        )
+        raise CheckpointError(
+            f"asynchronous save of iteration {pending['iteration']} to "
+            f"{pending['save_dir']} failed ({reason}); the previous checkpoint is kept"
+        )
     _commit(pending["save_dir"], pending["iteration"])
     return True
 
@@ -243,7 +296,9 @@ def _args_hint(ckpt_args, args) -> str:
     return f"; the checkpoint was saved with {', '.join(diffs)}" if diffs else ""
 
 
-def load_checkpoint_dist(model, optimizer, opt_param_scheduler, load_dir: str, iteration: int, release: bool):
+def load_checkpoint_dist(
+    model, optimizer, opt_param_scheduler, load_dir: str, iteration: int, release: bool
+):
     """Load ``load_dir``'s checkpoint of ``iteration`` into this run's layout (collective).
 
     Returns (iteration to resume from, flops so far, the checkpoint's args).
@@ -265,8 +320,10 @@ def load_checkpoint_dist(model, optimizer, opt_param_scheduler, load_dir: str, i
     optim_load = None
     if load_optim:
         if "optimizer" not in common:
-            raise CheckpointError(f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim?); "
-                                  "pass --no-load-optim or --finetune")
+            raise CheckpointError(
+                f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim?); "
+                "pass --no-load-optim or --finetune"
+            )
         optim_common = common["optimizer"]
         load_optimizer_common_state(optimizer, optim_common)
         if optim_common.get("has_state", True):
@@ -278,16 +335,30 @@ def load_checkpoint_dist(model, optimizer, opt_param_scheduler, load_dir: str, i
 
     strictness = dc.StrictHandling(getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
     try:
-        result = dc.load(targets, directory, strictness=strictness,
-                         counts_as_unexpected=lambda key: load_optim or not key.startswith(STATE_PREFIX))
+        result = dc.load(
+            targets,
+            directory,
+            strictness=strictness,
+            counts_as_unexpected=lambda key: load_optim or not key.startswith(STATE_PREFIX),
+        )
     except dc.CheckpointingError as exc:
-        raise CheckpointError(str(exc) + (_args_hint(ckpt_args, args) if ckpt_args is not None else "")) from None
-    if strictness in (dc.StrictHandling.LOG_ALL, dc.StrictHandling.LOG_UNEXPECTED,
-                      dc.StrictHandling.RETURN_ALL, dc.StrictHandling.RETURN_UNEXPECTED):
+        raise CheckpointError(
+            str(exc) + (_args_hint(ckpt_args, args) if ckpt_args is not None else "")
+        ) from None
+    if strictness in (
+        dc.StrictHandling.LOG_ALL,
+        dc.StrictHandling.LOG_UNEXPECTED,
+        dc.StrictHandling.RETURN_ALL,
+        dc.StrictHandling.RETURN_UNEXPECTED,
+    ):
         if result.missing:
-            print_rank_0(f" > missing in checkpoint (kept their current values): {', '.join(result.missing)}")
+            print_rank_0(
+                f" > missing in checkpoint (kept their current values): {', '.join(result.missing)}"
+            )
         if result.unexpected:
-            print_rank_0(f" > unexpected in checkpoint (not loaded): {', '.join(result.unexpected)}")
+            print_rank_0(
+                f" > unexpected in checkpoint (not loaded): {', '.join(result.unexpected)}"
+            )
 
     if optim_load is not None:
         optim_load.finish()
@@ -315,15 +386,26 @@ def _restore_rng(common: dict, state, num_chunks: int) -> None:
     rule: with another TP/PP layout no rank has a counterpart and the RNG is left as seeded)."""
     saved = common.get("parallel_layout", {})
     ours = _layout(state, num_chunks)
-    same = all(saved.get(k) == ours[k] for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    same = all(
+        saved.get(k) == ours[k]
+        for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+    )
     if not same:
-        print_rank_0(" > RNG state not restored: the checkpoint was saved with TP={} PP={}, this run uses TP={} PP={}"
-                     .format(saved.get("tensor_model_parallel_size"), saved.get("pipeline_model_parallel_size"),
-                             ours["tensor_model_parallel_size"], ours["pipeline_model_parallel_size"]))
+        print_rank_0(
+            " > RNG state not restored: the checkpoint was saved with TP={} PP={}, this run uses TP={} PP={}".format(
+                saved.get("tensor_model_parallel_size"),
+                saved.get("pipeline_model_parallel_size"),
+                ours["tensor_model_parallel_size"],
+                ours["pipeline_model_parallel_size"],
+            )
+        )
         return
     pp, tp, dp, cp = _coordinates(state)
     by_coordinates = {tuple(e["coordinates"]): e["state"] for e in common["rng_state"]}
-    chosen = by_coordinates.get((pp, tp, dp, cp)) or by_coordinates.get((pp, tp, dp, 0)) \
+    chosen = (
+        by_coordinates.get((pp, tp, dp, cp))
+        or by_coordinates.get((pp, tp, dp, 0))
         or by_coordinates.get((pp, tp, 0, 0))
+    )
     if chosen is not None:
         _set_rng_state(chosen, global_vars.get_rng_tracker())

@@ -1,4 +1,5 @@
 """The one place where the global args become the config dataclasses of megatron.core."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,9 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig) -> T
         # Layout-independent init: every TP/PP/CP layout builds the one-process model's weights.
         "init_seed": args.seed,
         "params_dtype": args.params_dtype,
-        "bias_activation_fusion": bool(args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion),
+        "bias_activation_fusion": bool(
+            args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
+        ),
     }
     if args.swiglu:
         overrides["activation_func"] = F.silu
@@ -54,8 +57,9 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig) -> T
 
 
 def optimizer_config_from_args(args, timers=None) -> OptimizerConfig:
-    return _from_args(OptimizerConfig, args, timers=timers,
-                      min_lr=args.min_lr if args.min_lr is not None else 0.0)
+    return _from_args(
+        OptimizerConfig, args, timers=timers, min_lr=args.min_lr if args.min_lr is not None else 0.0
+    )
 
 
 def ddp_config_from_args(args) -> DistributedDataParallelConfig:
@@ -64,7 +68,9 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
         average_in_collective=bool(getattr(args, "ddp_average_in_collective", False)),
         overlap_grad_reduce=bool(args.overlap_grad_reduce),
         use_distributed_optimizer=bool(args.use_distributed_optimizer),
-        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)) and bool(args.use_distributed_optimizer),
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False))
+        and bool(args.use_distributed_optimizer),
         bucket_size=getattr(args, "ddp_bucket_size", None),
-        check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)) and not args.fp16,
+        check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False))
+        and not args.fp16,
     )

@@ -13,6 +13,7 @@ process ends.
 ``MEGATRON_CPU_MALLOPT=0`` in the environment turns this off. Nothing happens on a GPU device or
 where glibc's ``mallopt`` is not available (macOS, musl, Windows).
 """
+
 from __future__ import annotations
 
 import ctypes

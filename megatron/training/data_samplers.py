@@ -5,19 +5,29 @@
 micro-batch-sized slice. ``MegatronPretrainingRandomSampler`` ("cyclic") splits each epoch into
 one contiguous bucket per DP rank and walks a permutation of the bucket seeded by the epoch.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class MegatronPretrainingSampler:
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ):
         if total_samples <= 0:
             raise ValueError(f"no samples to consume (dataset has {total_samples})")
         if consumed_samples >= total_samples:
-            raise ValueError(f"consumed samples ({consumed_samples}) >= dataset size ({total_samples}); "
-                             "the dataset is exhausted")
+            raise ValueError(
+                f"consumed samples ({consumed_samples}) >= dataset size ({total_samples}); "
+                "the dataset is exhausted"
+            )
         if micro_batch_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError("bad micro batch size or data-parallel rank")
         self.total_samples = total_samples
@@ -32,7 +42,7 @@ class MegatronPretrainingSampler:
 
     def _slice(self, block):
         start = self.data_parallel_rank * self.micro_batch_size
-        return block[start:start + self.micro_batch_size]
+        return block[start : start + self.micro_batch_size]
 
     def __iter__(self):
         block = []
@@ -48,8 +58,16 @@ class MegatronPretrainingSampler:
 
 
 class MegatronPretrainingRandomSampler:
-    def __init__(self, dataset, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, data_sharding: bool = True):
+    def __init__(
+        self,
+        dataset,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        data_sharding: bool = True,
+    ):
         if total_samples <= 0:
             raise ValueError(f"no samples to consume (dataset has {total_samples})")
         self.dataset = dataset
@@ -80,7 +98,9 @@ class MegatronPretrainingRandomSampler:
         else:
             full = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
             order = torch.randperm(full, generator=generator).tolist()
-            indices = order[self.data_parallel_rank::self.data_parallel_size][current_epoch_samples // self.data_parallel_size:]
+            indices = order[self.data_parallel_rank :: self.data_parallel_size][
+                current_epoch_samples // self.data_parallel_size :
+            ]
         batch = []
         for idx in indices:
             batch.append(idx)
@@ -90,21 +110,38 @@ class MegatronPretrainingRandomSampler:
                 batch = []
 
 
-def build_pretraining_data_loader(dataset, consumed_samples: int, args, data_parallel_rank: int,
-                                  data_parallel_size: int):
+def build_pretraining_data_loader(
+    dataset, consumed_samples: int, args, data_parallel_rank: int, data_parallel_size: int
+):
     """A DataLoader over ``dataset`` that starts after ``consumed_samples`` samples."""
     if dataset is None or len(dataset) == 0:
         return None
     if args.dataloader_type == "single":
-        sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
-                                             data_parallel_rank, data_parallel_size)
+        sampler = MegatronPretrainingSampler(
+            len(dataset),
+            consumed_samples,
+            args.micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+        )
     elif args.dataloader_type == "cyclic":
-        sampler = MegatronPretrainingRandomSampler(dataset, len(dataset), consumed_samples, args.micro_batch_size,
-                                                   data_parallel_rank, data_parallel_size)
+        sampler = MegatronPretrainingRandomSampler(
+            dataset,
+            len(dataset),
+            consumed_samples,
+            args.micro_batch_size,
+            data_parallel_rank,
+            data_parallel_size,
+        )
     else:
         raise ValueError(f"not supported yet: --dataloader-type {args.dataloader_type}")
     # A private generator keeps DataLoader start-up from consuming the global torch RNG, so a
     # resumed run draws exactly the same dropout masks as an uninterrupted one.
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=args.num_workers, pin_memory=torch.cuda.is_available(),
-        persistent_workers=args.num_workers > 0, generator=torch.Generator())
+        dataset,
+        batch_sampler=sampler,
+        num_workers=args.num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=args.num_workers > 0,
+        generator=torch.Generator(),
+    )

@@ -10,14 +10,20 @@ flags, and the memory the model states (weights, gradients, optimizer) need per 
 is trained and torch.distributed is never initialized. Exit status: 0 when the flags are
 valid, 2 with ``error: <message>`` on stderr when they are not (the message a real run prints).
 """
+
 import sys
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
+
 # The formulas live in theoretical_memory (shared with the start-up report and
 # tools/report_theoretical_memory.py); re-exported here for existing callers.
 from megatron.training.theoretical_memory import (  # noqa: F401
-    ParameterCount, compute_theoretical_memory, count_parameters, model_state_bytes_per_param)
+    ParameterCount,
+    compute_theoretical_memory,
+    count_parameters,
+    model_state_bytes_per_param,
+)
 
 WORLD_SIZE_FLAG = "--dry-run-world-size"
 # pretrain_gpt.py passes the same defaults to pretrain().
@@ -63,6 +69,7 @@ def _human(count: float) -> str:
 def _padded_vocab(args):
     """Build the tokenizer like a real run does (it sets args.padded_vocab_size)."""
     from megatron.training.tokenizer import build_tokenizer
+
     try:
         build_tokenizer(args)
     except Exception as exc:  # a tokenizer file that only exists on the cluster
@@ -72,8 +79,11 @@ def _padded_vocab(args):
 
 def layout_lines(args, padded_vocab: Optional[int], vocab_problem: Optional[str]):
     """[(name, value)] describing the validated ``args``."""
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size)
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.context_parallel_size,
+    )
     dp, mbs, gbs = args.data_parallel_size, args.micro_batch_size, args.global_batch_size
     lines = [
         ("world size", args.world_size),
@@ -107,22 +117,34 @@ def layout_lines(args, padded_vocab: Optional[int], vocab_problem: Optional[str]
     lines.append(("padded vocab size", padded_vocab))
     lines.append(("parameters", f"{count.total} ({_human(count.total)})"))
     largest = count.largest_rank(tp, pp)
-    lines.append(("parameters on the largest model-parallel rank", f"{largest} ({_human(largest)})"))
+    lines.append(
+        ("parameters on the largest model-parallel rank", f"{largest} ({_human(largest)})")
+    )
     per_param = model_state_bytes_per_param(args)
-    lines.append(("model-state memory per GPU (GB)",
-                  f"{largest * per_param / 2**30:.2f} ({per_param:g} bytes/param: weights, "
-                  "grads, optimizer; activations not included)"))
+    lines.append(
+        (
+            "model-state memory per GPU (GB)",
+            f"{largest * per_param / 2**30:.2f} ({per_param:g} bytes/param: weights, "
+            "grads, optimizer; activations not included)",
+        )
+    )
     return lines
 
 
 def format_lines(lines) -> str:
     body = [f"  {name} {'.' * max(1, 48 - len(name))} {value}" for name, value in lines]
-    return "\n".join(["------------------------ dry run: layout ------------------------", *body,
-                      "-------------------- end of dry run: layout ---------------------"])
+    return "\n".join(
+        [
+            "------------------------ dry run: layout ------------------------",
+            *body,
+            "-------------------- end of dry run: layout ---------------------",
+        ]
+    )
 
 
 def main(argv=None) -> int:
     import os
+
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         world_size, megatron_argv = split_own_flags(argv)
@@ -144,8 +166,11 @@ def main(argv=None) -> int:
         # What rank 0 (first pipeline stage) prints at start-up; the breakdown per stage comes
         # from tools/report_theoretical_memory.py.
         print(compute_theoretical_memory(args).summary_line(), flush=True)
-    print(f"dry run OK: the flags are valid for {world_size} processes "
-          "(nothing was trained; torch.distributed was not initialized)", flush=True)
+    print(
+        f"dry run OK: the flags are valid for {world_size} processes "
+        "(nothing was trained; torch.distributed was not initialized)",
+        flush=True,
+    )
     return 0
 
 

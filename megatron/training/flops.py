@@ -9,14 +9,24 @@ with B the global batch size, s the sequence length, L layers, h hidden size, a 
 groups, d the head dimension (kv channels), f the FFN size and V the padded vocabulary. Like
 Megatron, causal masking is not discounted, so the figure is comparable with Megatron's logs.
 """
+
 from __future__ import annotations
 
 import os
 from typing import Optional
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), used for MFU when the device is recognised.
-_PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
-                     "B200": 2250.0, "GB200": 2500.0, "L40S": 362.0, "A10": 125.0}
+_PEAK_BF16_TFLOPS = {
+    "H100": 989.0,
+    "H200": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "B200": 2250.0,
+    "GB200": 2500.0,
+    "L40S": 362.0,
+    "A10": 125.0,
+}
 
 
 def num_floating_point_operations(args, batch_size: int) -> float:
@@ -27,10 +37,19 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     experts_routed_to = 1 if not getattr(args, "num_experts", None) else args.moe_router_topk
     gated = 1.5 if args.swiglu else 1.0
     h, s, L = args.hidden_size, args.seq_length, args.num_layers
-    return (12.0 * batch_size * s * L * h * h * (
-        (1 + groups / heads + s / h) * query_ratio
-        + (args.ffn_hidden_size / h) * experts_routed_to * gated
-        + args.padded_vocab_size / (2.0 * L * h)))
+    return (
+        12.0
+        * batch_size
+        * s
+        * L
+        * h
+        * h
+        * (
+            (1 + groups / heads + s / h) * query_ratio
+            + (args.ffn_hidden_size / h) * experts_routed_to * gated
+            + args.padded_vocab_size / (2.0 * L * h)
+        )
+    )
 
 
 def peak_tflops_per_device() -> Optional[float]:
@@ -39,6 +58,7 @@ def peak_tflops_per_device() -> Optional[float]:
     if override:
         return float(override)
     import torch
+
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name().upper()

@@ -2,6 +2,7 @@
 
 Megatron users reach these through ``get_args()`` and friends; ``megatron.core`` never does.
 """
+
 from typing import Any, Optional
 
 _GLOBALS = {}
@@ -10,7 +11,9 @@ _GLOBALS = {}
 def _get(name: str, required: bool = True):
     value = _GLOBALS.get(name)
     if required and value is None:
-        raise RuntimeError(f"{name} is not initialized; call initialize_megatron() or pretrain() first")
+        raise RuntimeError(
+            f"{name} is not initialized; call initialize_megatron() or pretrain() first"
+        )
     return value
 
 

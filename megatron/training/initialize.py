@@ -1,4 +1,5 @@
 """Start-up: arguments, torch.distributed, process groups, seeds, and the training globals."""
+
 from __future__ import annotations
 
 import gc
@@ -6,7 +7,6 @@ import os
 import random
 import signal
 import sys
-import time
 from datetime import timedelta
 
 import numpy as np
@@ -23,16 +23,29 @@ from .cpu_allocator import configure_cpu_allocator
 from .utils import get_device, print_rank_0
 
 
-def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unknown_args=False, argv=None,
-                        parsed_args=None):
+def initialize_megatron(
+    extra_args_provider=None,
+    args_defaults=None,
+    ignore_unknown_args=False,
+    argv=None,
+    parsed_args=None,
+):
     """Parse and validate flags, start torch.distributed, build groups, seed RNGs, set globals.
 
     Bad flags end the process with one ``error: ...`` line and exit code 2.
     """
     from .arguments import parse_and_validate_args, print_args
-    args = parsed_args if parsed_args is not None else parse_and_validate_args(
-        extra_args_provider=extra_args_provider, args_defaults=args_defaults or {},
-        ignore_unknown_args=ignore_unknown_args, argv=argv)
+
+    args = (
+        parsed_args
+        if parsed_args is not None
+        else parse_and_validate_args(
+            extra_args_provider=extra_args_provider,
+            args_defaults=args_defaults or {},
+            ignore_unknown_args=ignore_unknown_args,
+            argv=argv,
+        )
+    )
     global_vars.set_args(args)
     print_args("arguments", args)
     note = getattr(args, "transformer_impl_note", None)
@@ -40,11 +53,15 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
         print_rank_0(f" > {note}")
 
     _initialize_distributed(args)
-    configure_cpu_allocator(get_device())  # heap reuse for large CPU tensors; MEGATRON_CPU_MALLOPT=0 skips
+    configure_cpu_allocator(
+        get_device()
+    )  # heap reuse for large CPU tensors; MEGATRON_CPU_MALLOPT=0 skips
     state = initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+        virtual_pipeline_model_parallel_size=getattr(
+            args, "virtual_pipeline_model_parallel_size", None
+        ),
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
@@ -55,17 +72,27 @@ def initialize_megatron(extra_args_provider=None, args_defaults=None, ignore_unk
 
     global_vars.set_timers(Timers(args.timing_log_level, args.timing_log_option))
     from .tokenizer import build_tokenizer
+
     global_vars.set_tokenizer(build_tokenizer(args))
-    global_vars.set_num_microbatches_calculator(build_num_microbatches_calculator(
-        rank=args.rank, rampup_batch_size=args.rampup_batch_size, global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
-        decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False)))
+    global_vars.set_num_microbatches_calculator(
+        build_num_microbatches_calculator(
+            rank=args.rank,
+            rampup_batch_size=args.rampup_batch_size,
+            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            data_parallel_size=args.data_parallel_size,
+            decrease_batch_size_if_needed=getattr(args, "decrease_batch_size_if_needed", False),
+        )
+    )
     _update_train_iters(args)
     from .writers import build_tensorboard_writer, build_wandb_writer
+
     global_vars.set_tensorboard_writer(build_tensorboard_writer(args))
     global_vars.set_wandb_writer(build_wandb_writer(args))
     if args.exit_signal_handler:
-        global_vars.set_signal_handler(DistributedSignalHandler(getattr(args, "exit_signal", signal.SIGTERM)))
+        global_vars.set_signal_handler(
+            DistributedSignalHandler(getattr(args, "exit_signal", signal.SIGTERM))
+        )
     return args
 
 
@@ -91,6 +118,7 @@ def _clear_dtensor_caches():
     try:
         from torch.distributed.tensor import _redistribute
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
         _clear_sharding_prop_cache()
         _redistribute.clear_redistribute_planner_cache()
         _redistribute._gen_transform_infos.cache_clear()
@@ -127,8 +155,12 @@ def _initialize_distributed(args):
     if args.world_size == 1 and "MASTER_ADDR" not in os.environ:
         return  # plain `python pretrain_gpt.py`: a single process needs no process group
     import_torch_dynamo_before_process_groups()
-    dist.init_process_group(backend=backend, world_size=args.world_size, rank=args.rank,
-                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    dist.init_process_group(
+        backend=backend,
+        world_size=args.world_size,
+        rank=args.rank,
+        timeout=timedelta(minutes=args.distributed_timeout_minutes),
+    )
 
 
 def _set_random_seed(args, state):
@@ -142,9 +174,13 @@ def _set_random_seed(args, state):
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
     tracker = RNGStatesTracker()
-    model_parallel_manual_seed(tracker, seed, tp_rank=state.get_tensor_model_parallel_rank(),
-                               ep_rank=state.get_expert_model_parallel_rank(),
-                               etp_rank=state.get_expert_tensor_parallel_rank())
+    model_parallel_manual_seed(
+        tracker,
+        seed,
+        tp_rank=state.get_tensor_model_parallel_rank(),
+        ep_rank=state.get_expert_model_parallel_rank(),
+        etp_rank=state.get_expert_tensor_parallel_rank(),
+    )
     global_vars.set_rng_tracker(tracker)
 
 
@@ -156,10 +192,14 @@ def _update_train_iters(args):
         args.train_iters = args.train_samples // args.global_batch_size
     else:
         from megatron.core.num_microbatches_calculator import simulate_rampup_train_iters
+
         args.train_iters = simulate_rampup_train_iters(
-            train_samples=args.train_samples, global_batch_size=args.global_batch_size,
-            micro_batch_size=args.micro_batch_size, data_parallel_size=args.data_parallel_size,
-            rampup_batch_size=args.rampup_batch_size)
+            train_samples=args.train_samples,
+            global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
+            data_parallel_size=args.data_parallel_size,
+            rampup_batch_size=args.rampup_batch_size,
+        )
     print_rank_0(f"setting training iterations to {args.train_iters}")
 
 

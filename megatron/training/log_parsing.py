@@ -6,6 +6,7 @@ generically, so optional fields (throughput, grad norm, num zeros, params norm, 
 fields added later) never break parsing. ``LOG_LINE`` is the strict whole-line pattern for
 callers that want to check the exact format (tests/functional_tests/runner.py has its own).
 """
+
 import math
 import os
 import re
@@ -29,13 +30,15 @@ LOG_LINE = re.compile(
     r"(?: num zeros: [\d.]+ \|)?"
     r"(?: params norm: \d+\.\d{3} \|)?"
     r" number of skipped iterations: +(?P<skipped>\d+) \|"
-    r" number of nan iterations: +(?P<nan>\d+) \|$")
+    r" number of nan iterations: +(?P<nan>\d+) \|$"
+)
 
 # The part every version of the line shares; a launcher may put a prefix such as "[rank1]:"
 # in front of it, so it is searched for rather than anchored.
 _PREFIX = re.compile(
     r" \[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d+)?\]"
-    r" iteration +(?P<iteration>\d+)/ +(?P<train_iters>\d+) \|(?P<rest>.*)$")
+    r" iteration +(?P<iteration>\d+)/ +(?P<train_iters>\d+) \|(?P<rest>.*)$"
+)
 _FIELD = re.compile(r" ([^|:]+?): ([^|]*?) \|")
 
 # Field names of the log line -> short series names used by plots and callers.
@@ -98,8 +101,10 @@ def parse_log_line(line: str) -> Optional[Dict[str, float]]:
     match = _PREFIX.search(line.rstrip("\r\n"))
     if match is None:
         return None
-    values = {"iteration": float(match.group("iteration")),
-              "train_iters": float(match.group("train_iters"))}
+    values = {
+        "iteration": float(match.group("iteration")),
+        "train_iters": float(match.group("train_iters")),
+    }
     for name, text in _FIELD.findall(match.group("rest")):
         value = _number(text.strip())
         if value is not None:
@@ -156,8 +161,9 @@ def read_run(path: str) -> RunMetrics:
     """A log file, or a directory holding TensorBoard event files (searched recursively)."""
     if os.path.isdir(path):
         if not has_tensorboard_events(path):
-            raise ValueError(f"{path}: directory holds no TensorBoard event files "
-                             "(events.out.tfevents.*)")
+            raise ValueError(
+                f"{path}: directory holds no TensorBoard event files (events.out.tfevents.*)"
+            )
         return read_tensorboard_run(path)
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such log file or TensorBoard directory")

@@ -34,6 +34,7 @@ parallelism and selective recompute (the case its formula assumes) and counts 18
 whatever the precision; here activations are printed for every recompute choice and the bytes per
 parameter follow the precision, and the parameter count is exact for this code base's model.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,8 +67,13 @@ class ParameterCount:
 
     @property
     def total(self) -> int:
-        return (self.embedding + self.position_embedding + self.num_layers * self.per_layer
-                + self.final_norm + self.output_layer)
+        return (
+            self.embedding
+            + self.position_embedding
+            + self.num_layers * self.per_layer
+            + self.final_norm
+            + self.output_layer
+        )
 
     def layer_on_tp_rank(self, tp: int) -> int:
         """Parameters of one layer on one tensor-parallel rank."""
@@ -129,15 +135,19 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
 def layers_per_pipeline_rank(args) -> List[int]:
     """Decoder layers on each pipeline rank (all its model chunks), Megatron's split rules."""
     from megatron.core.pipeline_parallel.layer_split import compute_layer_split
+
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     if pp == 1:
         return [args.num_layers]
     split = compute_layer_split(
-        args.num_layers, pp, getattr(args, "virtual_pipeline_model_parallel_size", None),
+        args.num_layers,
+        pp,
+        getattr(args, "virtual_pipeline_model_parallel_size", None),
         getattr(args, "decoder_first_pipeline_num_layers", None),
         getattr(args, "decoder_last_pipeline_num_layers", None),
         bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+        bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+    )
     return [sum(split.counts[rank]) for rank in range(pp)]
 
 
@@ -197,19 +207,34 @@ def bytes_per_parameter(args) -> BytesPerParameter:
     if fully_sharded(args):
         # FSDP2 shards weights, gradients and optimizer state alike over data x context parallel
         # (the transient all-gathered layer is not counted, as Megatron's report does not).
-        shards = max(1, getattr(args, "data_parallel_size", 1) * getattr(args, "context_parallel_size", 1))
-        return BytesPerParameter(weight=weight / shards, grad=grad / shards, optimizer=optimizer / shards,
-                                 optimizer_unsharded=optimizer, shards=shards, params_sharded=True)
+        shards = max(
+            1, getattr(args, "data_parallel_size", 1) * getattr(args, "context_parallel_size", 1)
+        )
+        return BytesPerParameter(
+            weight=weight / shards,
+            grad=grad / shards,
+            optimizer=optimizer / shards,
+            optimizer_unsharded=optimizer,
+            shards=shards,
+            params_sharded=True,
+        )
     shards = optimizer_shards(args)
-    return BytesPerParameter(weight=weight, grad=grad, optimizer=optimizer / shards,
-                             optimizer_unsharded=optimizer, shards=shards)
+    return BytesPerParameter(
+        weight=weight,
+        grad=grad,
+        optimizer=optimizer / shards,
+        optimizer_unsharded=optimizer,
+        shards=shards,
+    )
 
 
 def fully_sharded(args) -> bool:
     """FSDP2: --use-torch-fsdp2, or --use-megatron-fsdp with the optim_grads_params strategy."""
     return bool(getattr(args, "use_torch_fsdp2", False)) or (
         bool(getattr(args, "use_megatron_fsdp", False))
-        and getattr(args, "data_parallel_sharding_strategy", "optim_grads_params") == "optim_grads_params")
+        and getattr(args, "data_parallel_sharding_strategy", "optim_grads_params")
+        == "optim_grads_params"
+    )
 
 
 def model_state_bytes_per_param(args) -> float:
@@ -312,8 +337,9 @@ def _full_recompute_layers(args, layers_per_chunk: List[int]):
     return inputs, whole, working
 
 
-def activation_components(args, num_microbatches: Optional[int] = None, pp_rank: int = 0,
-                          layers: Optional[int] = None) -> "OrderedDict[str, float]":
+def activation_components(
+    args, num_microbatches: Optional[int] = None, pp_rank: int = 0, layers: Optional[int] = None
+) -> "OrderedDict[str, float]":
     """Activation bytes on pipeline rank ``pp_rank`` at its peak, by component."""
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     tp = getattr(args, "tensor_model_parallel_size", 1)
@@ -330,7 +356,9 @@ def activation_components(args, num_microbatches: Optional[int] = None, pp_rank:
         vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
         chunks = [layers // vp + (1 if c < layers % vp else 0) for c in range(vp)]
         inputs, whole, working = _full_recompute_layers(args, chunks)
-        parts["transformer layers (checkpointed inputs)"] = inputs * _checkpointed_input_bytes(args) * in_flight
+        parts["transformer layers (checkpointed inputs)"] = (
+            inputs * _checkpointed_input_bytes(args) * in_flight
+        )
         parts["transformer layers (not recomputed)"] = whole * per_layer.total * in_flight
         parts["recompute working set (one chunk)"] = working * per_layer.total
     else:
@@ -342,7 +370,9 @@ def activation_components(args, num_microbatches: Optional[int] = None, pp_rank:
         parts["embedding (token ids, dropout mask)"] = (8 * s * b + mask) * in_flight
     if pp_rank == pp - 1:
         vocab = getattr(args, "padded_vocab_size", None) or 0
-        parts["output layer and loss (input, fp32 logits)"] = 4 * s * b * h / tp + 4 * s * b * vocab / tp
+        parts["output layer and loss (input, fp32 logits)"] = (
+            4 * s * b * h / tp + 4 * s * b * vocab / tp
+        )
     return parts
 
 
@@ -392,9 +422,11 @@ class TheoreticalMemory:
     def summary_line(self) -> str:
         """Megatron's line: ``Theoretical memory footprints: weight and optimizer=X MB, ...``."""
         mb = NUM_BYTES_IN_MEGABYTE
-        return (f"Theoretical memory footprints: weight and optimizer="
-                f"{self.weight_and_optimizer_bytes / mb:.2f} MB, activation={self.activation_bytes / mb:.2f} MB, "
-                f"total={self.total_bytes / mb:.2f} MB")
+        return (
+            f"Theoretical memory footprints: weight and optimizer="
+            f"{self.weight_and_optimizer_bytes / mb:.2f} MB, activation={self.activation_bytes / mb:.2f} MB, "
+            f"total={self.total_bytes / mb:.2f} MB"
+        )
 
     def breakdown_lines(self) -> List[str]:
         mb = NUM_BYTES_IN_MEGABYTE
@@ -415,14 +447,17 @@ class TheoreticalMemory:
         return lines
 
 
-def compute_theoretical_memory(args, num_microbatches: Optional[int] = None, pp_rank: int = 0
-                               ) -> TheoreticalMemory:
+def compute_theoretical_memory(
+    args, num_microbatches: Optional[int] = None, pp_rank: int = 0
+) -> TheoreticalMemory:
     """The theoretical memory of pipeline rank ``pp_rank`` for the validated ``args``
     (``args.padded_vocab_size`` must be set for the embedding terms; None counts them as 0)."""
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     tp = getattr(args, "tensor_model_parallel_size", 1)
     if not 0 <= pp_rank < pp:
-        raise ValueError(f"pipeline rank {pp_rank} out of range for --pipeline-model-parallel-size {pp}")
+        raise ValueError(
+            f"pipeline rank {pp_rank} out of range for --pipeline-model-parallel-size {pp}"
+        )
     if num_microbatches is None:
         num_microbatches = num_microbatches_from_args(args)
     layers = layers_per_pipeline_rank(args)[pp_rank]
@@ -437,9 +472,13 @@ def compute_theoretical_memory(args, num_microbatches: Optional[int] = None, pp_
     )
 
 
-def report_theoretical_memory(args, num_microbatches: Optional[int] = None, pp_rank: int = 0,
-                              verbose: bool = True, print_fn: Callable[[str], None] = print
-                              ) -> TheoreticalMemory:
+def report_theoretical_memory(
+    args,
+    num_microbatches: Optional[int] = None,
+    pp_rank: int = 0,
+    verbose: bool = True,
+    print_fn: Callable[[str], None] = print,
+) -> TheoreticalMemory:
     """Print Megatron's theoretical-memory line for pipeline rank ``pp_rank`` (the trainer calls
     it on rank 0, i.e. the first stage, whose activations are the largest), then the breakdown."""
     memory = compute_theoretical_memory(args, num_microbatches, pp_rank)

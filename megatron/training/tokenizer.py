@@ -17,6 +17,7 @@ Contract of :func:`build_tokenizer`:
   (new size: P)`` when ``args.rank == 0``;
 * returns the :class:`megatron.core.tokenizers.MegatronTokenizer`.
 """
+
 import math
 
 from megatron.core.tokenizers import MegatronTokenizer, build_tokenizer_from_options
@@ -24,14 +25,21 @@ from megatron.core.tokenizers import MegatronTokenizer, build_tokenizer_from_opt
 
 def _vocab_size_with_padding(orig_vocab_size: int, args, logging_enabled: bool = True) -> int:
     """Round the vocab up so the embedding splits evenly over tensor-parallel ranks in aligned rows."""
-    multiple = getattr(args, "make_vocab_size_divisible_by", 128) * getattr(args, "tensor_model_parallel_size", 1)
+    multiple = getattr(args, "make_vocab_size_divisible_by", 128) * getattr(
+        args, "tensor_model_parallel_size", 1
+    )
     if multiple < 1:
-        raise ValueError(f"--make-vocab-size-divisible-by times --tensor-model-parallel-size must be positive, "
-                         f"got {multiple}")
+        raise ValueError(
+            f"--make-vocab-size-divisible-by times --tensor-model-parallel-size must be positive, "
+            f"got {multiple}"
+        )
     after = int(math.ceil(orig_vocab_size / multiple) * multiple)
     if logging_enabled and getattr(args, "rank", 0) == 0:
-        print(f" > padded vocab (size: {orig_vocab_size}) with {after - orig_vocab_size} dummy tokens "
-              f"(new size: {after})", flush=True)
+        print(
+            f" > padded vocab (size: {orig_vocab_size}) with {after - orig_vocab_size} dummy tokens "
+            f"(new size: {after})",
+            flush=True,
+        )
     return after
 
 
@@ -46,9 +54,13 @@ def build_tokenizer(args) -> MegatronTokenizer:
         tokenizer_model=getattr(args, "tokenizer_model", None),
         vocab_size=getattr(args, "vocab_size", None),
         vocab_extra_ids=getattr(args, "vocab_extra_ids", 0),
-        tokenizer_hf_no_use_fast=(getattr(args, "tokenizer_hf_no_use_fast", False)
-                                  or getattr(args, "tokenizer_hf_use_fast", True) is False),
-        tokenizer_hf_include_special_tokens=getattr(args, "tokenizer_hf_include_special_tokens", True),
+        tokenizer_hf_no_use_fast=(
+            getattr(args, "tokenizer_hf_no_use_fast", False)
+            or getattr(args, "tokenizer_hf_use_fast", True) is False
+        ),
+        tokenizer_hf_include_special_tokens=getattr(
+            args, "tokenizer_hf_include_special_tokens", True
+        ),
         trust_remote_code=getattr(args, "trust_remote_code", False),
         null_tokenizer_eod_id=getattr(args, "null_tokenizer_eod_id", None),
         null_tokenizer_pad_id=getattr(args, "null_tokenizer_pad_id", -1),
@@ -57,8 +69,12 @@ def build_tokenizer(args) -> MegatronTokenizer:
     padded = getattr(args, "padded_vocab_size", None)
     if padded is not None:
         if padded < vocab_size:
-            raise ValueError(f"--padded-vocab-size {padded} is smaller than the tokenizer's vocab size {vocab_size}")
-    elif getattr(args, "no_pad_vocab_size", False) or getattr(args, "pad_vocab_size", True) is False:
+            raise ValueError(
+                f"--padded-vocab-size {padded} is smaller than the tokenizer's vocab size {vocab_size}"
+            )
+    elif (
+        getattr(args, "no_pad_vocab_size", False) or getattr(args, "pad_vocab_size", True) is False
+    ):
         padded = vocab_size
     else:
         padded = _vocab_size_with_padding(vocab_size, args)

@@ -1,4 +1,5 @@
 """The training loop: ``pretrain()`` and the steps of MEGATRON_FACTS §2."""
+
 from __future__ import annotations
 
 import enum
@@ -10,19 +11,24 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
-from megatron.core.distributed.torch_fully_sharded_data_parallel import broadcast_module_params
 from megatron.core.distributed.distributed_data_parallel import bucket_size_for_num_buckets
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.pipeline_parallel.layer_split import compute_layer_split
-from megatron.core.transformer.module import Float16Module
+from megatron.core.distributed.torch_fully_sharded_data_parallel import broadcast_module_params
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.tensor_parallel import allreduce_sequence_parallel_grads
+from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
+from megatron.core.tensor_parallel import allreduce_sequence_parallel_grads
+from megatron.core.transformer.module import Float16Module
 
 from . import global_vars
-from .checkpointing import (CheckpointError, convert_checkpoint_and_exit, load_checkpoint,
-                            maybe_finalize_async_save, save_checkpoint)
+from .checkpointing import (
+    CheckpointError,
+    convert_checkpoint_and_exit,
+    load_checkpoint,
+    maybe_finalize_async_save,
+    save_checkpoint,
+)
 from .checkpointing_dist import release_async_save_group
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
@@ -41,6 +47,7 @@ class ModelType(enum.Enum):
 
 def print_datetime(message: str) -> None:
     from datetime import datetime
+
     if dist.is_initialized():
         dist.barrier()
     print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
@@ -48,12 +55,26 @@ def print_datetime(message: str) -> None:
 
 # Errors caused by what the user gave us (files, flags): one line on stderr, exit code 1, no
 # traceback. Anything else is a bug and keeps its traceback.
-USER_INPUT_ERRORS = (CheckpointError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+USER_INPUT_ERRORS = (
+    CheckpointError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 
-def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type: ModelType,
-             forward_step_func: Callable, process_non_loss_data_func=None, extra_args_provider=None,
-             args_defaults=None, argv=None, **kwargs):
+def pretrain(
+    train_valid_test_dataset_provider: Callable,
+    model_provider: Callable,
+    model_type: ModelType,
+    forward_step_func: Callable,
+    process_non_loss_data_func=None,
+    extra_args_provider=None,
+    args_defaults=None,
+    argv=None,
+    **kwargs,
+):
     """Initialize, build model/optimizer/data, train, evaluate; the steps of §2.
 
     ``argv`` (default ``sys.argv[1:]``) lets tests run a training in-process. Returns nothing, like
@@ -61,8 +82,16 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     """
     owns_process_group = not dist.is_initialized()
     try:
-        exit_code = _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-                              process_non_loss_data_func, extra_args_provider, args_defaults, argv)
+        exit_code = _pretrain(
+            train_valid_test_dataset_provider,
+            model_provider,
+            model_type,
+            forward_step_func,
+            process_non_loss_data_func,
+            extra_args_provider,
+            args_defaults,
+            argv,
+        )
     except USER_INPUT_ERRORS as exc:
         # Not every rank may have failed: no teardown (its barrier could wait for ever).
         print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -77,18 +106,30 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         sys.exit(exit_code)
 
 
-def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
-              process_non_loss_data_func, extra_args_provider, args_defaults, argv):
+def _pretrain(
+    train_valid_test_dataset_provider,
+    model_provider,
+    model_type,
+    forward_step_func,
+    process_non_loss_data_func,
+    extra_args_provider,
+    args_defaults,
+    argv,
+):
     global _TRAIN_START_TIME
     start = torch.tensor([time.time()], dtype=torch.double)
-    initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv)
+    initialize_megatron(
+        extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv
+    )
     args = global_vars.get_args()
     timers = global_vars.get_timers()
     if dist.is_initialized():
         start = start.to(get_device())
         dist.all_reduce(start, op=dist.ReduceOp.MIN)
     _TRAIN_START_TIME = start.item()
-    print_rank_0("time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME))
+    print_rank_0(
+        "time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME)
+    )
     print_datetime("after megatron is initialized")
 
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
@@ -97,11 +138,14 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
     print_datetime("after model, optimizer, and learning rate scheduler are built")
     if args.rank == 0:
         from .theoretical_memory import report_theoretical_memory
+
         report_theoretical_memory(args, num_microbatches=global_vars.get_num_microbatches())
     config = get_model_config(model[0])
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-    train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(train_valid_test_dataset_provider)
+    train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(
+        train_valid_test_dataset_provider
+    )
     timers("train/valid/test-data-iterators-setup").stop()
     print_datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
@@ -112,10 +156,23 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
     exit_code = None
     if not args.skip_train and args.train_iters > 0:
         print_rank_0("training ...")
-        iteration, flops, exit_code = train(forward_step_func, model, optimizer, opt_param_scheduler, train_iter,
-                                            valid_iter, process_non_loss_data_func, config)
+        iteration, flops, exit_code = train(
+            forward_step_func,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            train_iter,
+            valid_iter,
+            process_non_loss_data_func,
+            config,
+        )
         print_datetime("after training is done")
-        if exit_code is None and args.save and iteration != 0 and iteration != args.last_saved_iteration:
+        if (
+            exit_code is None
+            and args.save
+            and iteration != 0
+            and iteration != args.last_saved_iteration
+        ):
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
             args.last_saved_iteration = iteration
     else:
@@ -124,11 +181,26 @@ def _pretrain(train_valid_test_dataset_provider, model_provider, model_type, for
 
     if exit_code is None:
         if args.do_valid:
-            evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step_func, valid_iter,
-                                       model, iteration, config, verbose=True)
+            evaluate_and_print_results(
+                f"iteration {iteration} on validation set",
+                forward_step_func,
+                valid_iter,
+                model,
+                iteration,
+                config,
+                verbose=True,
+            )
         if args.do_test:
-            evaluate_and_print_results(f"iteration {iteration} on test set", forward_step_func, test_iter,
-                                       model, iteration, config, verbose=True, test=True)
+            evaluate_and_print_results(
+                f"iteration {iteration} on test set",
+                forward_step_func,
+                test_iter,
+                model,
+                iteration,
+                config,
+                verbose=True,
+                test=True,
+            )
     _finish_writers()
     return exit_code
 
@@ -144,8 +216,12 @@ def _leave_process_group():
     release_async_save_group()
     leaked = teardown_process_groups()
     if leaked:
-        print(f"WARNING: {leaked} gloo worker thread(s) outlived the process-group teardown (something "
-              "still references a group); the process may abort at exit", file=sys.stderr, flush=True)
+        print(
+            f"WARNING: {leaked} gloo worker thread(s) outlived the process-group teardown (something "
+            "still references a group); the process may abort at exit",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _finish_writers():
@@ -158,24 +234,38 @@ def _finish_writers():
         wandb_writer.finish()
 
 
-def get_model(model_provider: Callable, model_type: ModelType = ModelType.encoder_or_decoder,
-              wrap_with_ddp: bool = True) -> List[torch.nn.Module]:
+def get_model(
+    model_provider: Callable,
+    model_type: ModelType = ModelType.encoder_or_decoder,
+    wrap_with_ddp: bool = True,
+) -> List[torch.nn.Module]:
     """Build this rank's model chunk(s), move them to the device, cast and wrap in DDP."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     if args.pipeline_model_parallel_size > 1:
         # One chunk per virtual stage, each with its slice of layers (Megatron's layer split).
         split = compute_layer_split(
-            args.num_layers, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size,
-            args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
-            args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split)
+            args.num_layers,
+            args.pipeline_model_parallel_size,
+            args.virtual_pipeline_model_parallel_size,
+            args.decoder_first_pipeline_num_layers,
+            args.decoder_last_pipeline_num_layers,
+            args.account_for_embedding_in_pipeline_split,
+            args.account_for_loss_in_pipeline_split,
+        )
         pp_rank = state.get_pipeline_model_parallel_rank()
         chunks = []
         for vp in range(split.num_chunks):
             kw = split.chunk_args(pp_rank, vp)
-            chunks.append(model_provider(pre_process=kw["pre_process"], post_process=kw["post_process"],
-                                         vp_stage=vp if split.num_chunks > 1 else None,
-                                         num_layers=kw["num_layers"], layer_number_offset=kw["layer_number_offset"]))
+            chunks.append(
+                model_provider(
+                    pre_process=kw["pre_process"],
+                    post_process=kw["post_process"],
+                    vp_stage=vp if split.num_chunks > 1 else None,
+                    num_layers=kw["num_layers"],
+                    layer_number_offset=kw["layer_number_offset"],
+                )
+            )
     else:
         model = model_provider(pre_process=True, post_process=True)
         chunks = model if isinstance(model, list) else [model]
@@ -184,8 +274,14 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
 
     if state.get_data_parallel_rank() == 0 and state.get_context_parallel_rank() == 0:
         num_params = sum(sum(p.nelement() for p in chunk.parameters()) for chunk in chunks)
-        print(" > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
-            state.get_tensor_model_parallel_rank(), state.get_pipeline_model_parallel_rank(), num_params), flush=True)
+        print(
+            " > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
+                state.get_tensor_model_parallel_rank(),
+                state.get_pipeline_model_parallel_rank(),
+                num_params,
+            ),
+            flush=True,
+        )
 
     device = get_device()
     chunks = [chunk.to(device) for chunk in chunks]
@@ -208,9 +304,14 @@ def get_model(model_provider: Callable, model_type: ModelType = ModelType.encode
         for chunk in chunks:
             if getattr(args, "data_parallel_random_init", False):
                 broadcast_module_params(chunk, dp_cp_group)
-            wrapped.append(TorchFullyShardedDataParallel(
-                ddp_config, chunk, dp_cp_group,
-                reshard_after_forward=getattr(args, "torch_fsdp2_reshard_after_forward", True)))
+            wrapped.append(
+                TorchFullyShardedDataParallel(
+                    ddp_config,
+                    chunk,
+                    dp_cp_group,
+                    reshard_after_forward=getattr(args, "torch_fsdp2_reshard_after_forward", True),
+                )
+            )
         return wrapped
     if args.ddp_num_buckets:
         ddp_config.bucket_size = bucket_size_for_num_buckets(chunks, args.ddp_num_buckets)
@@ -230,8 +331,10 @@ def uses_torch_fsdp2(args) -> bool:
     FSDP2; optim/optim_grads map onto the distributed optimizer, no_shard onto plain DDP)."""
     if getattr(args, "use_torch_fsdp2", False):
         return True
-    return bool(getattr(args, "use_megatron_fsdp", False)) and \
-        getattr(args, "data_parallel_sharding_strategy", None) == "optim_grads_params"
+    return (
+        bool(getattr(args, "use_megatron_fsdp", False))
+        and getattr(args, "data_parallel_sharding_strategy", None) == "optim_grads_params"
+    )
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
@@ -240,25 +343,44 @@ def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
     if args.train_iters is not None and args.train_samples is None:
         lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
         wd_incr_steps = args.train_iters * args.global_batch_size
-        wsd_decay_steps = (args.lr_wsd_decay_iters * args.global_batch_size
-                           if getattr(args, "lr_wsd_decay_iters", None) else None)
-        warmup_steps = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
-                        else args.lr_warmup_iters * args.global_batch_size)
+        wsd_decay_steps = (
+            args.lr_wsd_decay_iters * args.global_batch_size
+            if getattr(args, "lr_wsd_decay_iters", None)
+            else None
+        )
+        warmup_steps = (
+            args.lr_warmup_fraction * lr_decay_steps
+            if args.lr_warmup_fraction is not None
+            else args.lr_warmup_iters * args.global_batch_size
+        )
     else:
         lr_decay_steps = args.lr_decay_samples or args.train_samples
         wd_incr_steps = args.train_samples
         wsd_decay_steps = getattr(args, "lr_wsd_decay_samples", None)
-        warmup_steps = (args.lr_warmup_fraction * lr_decay_steps if args.lr_warmup_fraction is not None
-                        else args.lr_warmup_samples)
+        warmup_steps = (
+            args.lr_warmup_fraction * lr_decay_steps
+            if args.lr_warmup_fraction is not None
+            else args.lr_warmup_samples
+        )
     start_wd = args.start_weight_decay if args.start_weight_decay is not None else args.weight_decay
     end_wd = args.end_weight_decay if args.end_weight_decay is not None else args.weight_decay
     return OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=lr_decay_steps, lr_decay_style=args.lr_decay_style,
-        start_wd=start_wd, end_wd=end_wd, wd_incr_steps=wd_incr_steps, wd_incr_style=args.weight_decay_incr_style,
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=lr_decay_steps,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=start_wd,
+        end_wd=end_wd,
+        wd_incr_steps=wd_incr_steps,
+        wd_incr_style=args.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler, wsd_decay_steps=wsd_decay_steps,
-        lr_wsd_decay_style=args.lr_wsd_decay_style)
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=wsd_decay_steps,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
 
 
 def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
@@ -266,10 +388,15 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
     state = global_vars.get_parallel_state()
     timers = global_vars.get_timers()
     fsdp2 = uses_torch_fsdp2(args)
-    if fsdp2 and (args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None
-                  or args.save is not None):
-        raise ValueError("checkpoints of FSDP2-sharded models (--use-torch-fsdp2 / --use-megatron-fsdp) "
-                         "cannot be saved or loaded yet: drop --save/--load/--pretrained-checkpoint")
+    if fsdp2 and (
+        args.load is not None
+        or getattr(args, "pretrained_checkpoint", None) is not None
+        or args.save is not None
+    ):
+        raise ValueError(
+            "checkpoints of FSDP2-sharded models (--use-torch-fsdp2 / --use-megatron-fsdp) "
+            "cannot be saved or loaded yet: drop --save/--load/--pretrained-checkpoint"
+        )
     model = get_model(model_provider, model_type)
     stats_group = state.get_model_parallel_group() if state.size("mp") > 1 else None
     if fsdp2:
@@ -282,9 +409,12 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         chunks_to_optimize = model
     else:
         chunks_to_optimize = [chunk.module for chunk in model]
-    optimizer = get_megatron_optimizer(optimizer_config_from_args(args, timers), chunks_to_optimize,
-                                       model_parallel_group=stats_group,
-                                       tp_rank=state.get_tensor_model_parallel_rank())
+    optimizer = get_megatron_optimizer(
+        optimizer_config_from_args(args, timers),
+        chunks_to_optimize,
+        model_parallel_group=stats_group,
+        tp_rank=state.get_tensor_model_parallel_rank(),
+    )
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     for chunk in model:
         config = get_model_config(chunk)
@@ -298,7 +428,11 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
         timers("load-checkpoint", log_level=0).start(barrier=True)
         args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
-            model, optimizer, opt_param_scheduler, load_arg="load" if args.load is not None else "pretrained_checkpoint")
+            model,
+            optimizer,
+            opt_param_scheduler,
+            load_arg="load" if args.load is not None else "pretrained_checkpoint",
+        )
         timers("load-checkpoint").stop(barrier=True)
         timers.log(["load-checkpoint"])
     args.last_saved_iteration = args.iteration if args.iteration > 0 else None
@@ -310,7 +444,9 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
 def get_train_valid_test_num_samples():
     """Target sample counts of §6: train, valid, test."""
     args = global_vars.get_args()
-    train_samples = args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
+    train_samples = (
+        args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
+    )
     eval_iters = args.eval_iters
     eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
     if getattr(args, "full_validation", False):
@@ -330,8 +466,9 @@ def build_train_valid_test_data_iterators(provider: Callable):
     if args.iteration > 0 and args.consumed_train_samples == 0:
         args.consumed_train_samples = args.iteration * args.global_batch_size
     if args.iteration > 0 and args.consumed_valid_samples == 0 and args.eval_interval:
-        args.consumed_valid_samples = ((args.iteration // args.eval_interval) * args.eval_iters
-                                       * args.global_batch_size)
+        args.consumed_valid_samples = (
+            (args.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+        )
     train_n, valid_n, test_n = get_train_valid_test_num_samples()
     print_rank_0(" > datasets target sizes (minimum size):")
     print_rank_0("    train:      {}".format(train_n))
@@ -340,10 +477,19 @@ def build_train_valid_test_data_iterators(provider: Callable):
     train_ds, valid_ds, test_ds = provider([train_n, valid_n, test_n])
     dp_rank = state.get_data_parallel_rank()
     dp_size = state.get_data_parallel_world_size()
-    train_loader = build_pretraining_data_loader(train_ds, args.consumed_train_samples, args, dp_rank, dp_size)
-    valid_loader = build_pretraining_data_loader(valid_ds, args.consumed_valid_samples, args, dp_rank, dp_size) \
-        if valid_ds is not None and len(valid_ds) > args.consumed_valid_samples else None
-    test_loader = build_pretraining_data_loader(test_ds, 0, args, dp_rank, dp_size) if test_ds is not None else None
+    train_loader = build_pretraining_data_loader(
+        train_ds, args.consumed_train_samples, args, dp_rank, dp_size
+    )
+    valid_loader = (
+        build_pretraining_data_loader(valid_ds, args.consumed_valid_samples, args, dp_rank, dp_size)
+        if valid_ds is not None and len(valid_ds) > args.consumed_valid_samples
+        else None
+    )
+    test_loader = (
+        build_pretraining_data_loader(test_ds, 0, args, dp_rank, dp_size)
+        if test_ds is not None
+        else None
+    )
     args.do_train = train_loader is not None and args.train_iters > 0
     args.do_valid = valid_loader is not None and args.eval_iters > 0
     args.do_test = test_loader is not None and args.eval_iters > 0
@@ -352,6 +498,7 @@ def build_train_valid_test_data_iterators(provider: Callable):
         if loader is None:
             return None
         return iter(loader) if args.dataloader_type == "single" else _cyclic(loader)
+
     num_chunks = args.virtual_pipeline_model_parallel_size or 1
     if num_chunks == 1:
         return as_iter(train_loader), as_iter(valid_loader), as_iter(test_loader)
@@ -360,10 +507,16 @@ def build_train_valid_test_data_iterators(provider: Callable):
     def per_chunk(dataset, consumed):
         if dataset is None or len(dataset) <= consumed:
             return None
-        return [as_iter(build_pretraining_data_loader(dataset, consumed, args, dp_rank, dp_size))
-                for _ in range(num_chunks)]
-    return (per_chunk(train_ds, args.consumed_train_samples), per_chunk(valid_ds, args.consumed_valid_samples),
-            per_chunk(test_ds, 0))
+        return [
+            as_iter(build_pretraining_data_loader(dataset, consumed, args, dp_rank, dp_size))
+            for _ in range(num_chunks)
+        ]
+
+    return (
+        per_chunk(train_ds, args.consumed_train_samples),
+        per_chunk(valid_ds, args.consumed_valid_samples),
+        per_chunk(test_ds, 0),
+    )
 
 
 def _cyclic(loader):
@@ -380,19 +533,29 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     optimizer.zero_grad()
     for chunk in model:
         chunk.zero_grad_buffer()
-    forward_backward_func = get_forward_backward_func(args.pipeline_model_parallel_size,
-                                                      getattr(args, "virtual_pipeline_model_parallel_size", None))
+    forward_backward_func = get_forward_backward_func(
+        args.pipeline_model_parallel_size,
+        getattr(args, "virtual_pipeline_model_parallel_size", None),
+    )
     num_microbatches = global_vars.get_num_microbatches()
     timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
     losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-        forward_only=False, **_pipeline_kwargs(args, state))
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+        **_pipeline_kwargs(args, state),
+    )
     timers("forward-backward").stop()
 
     timers("all-grads-sync", log_level=1).start(barrier=args.barrier_with_L1_time)
     # DP reduction, tied-embedding sync across the first and last stage, per-token scaling.
-    num_tokens = config.last_num_tokens.to(get_device()) if config.calculate_per_token_loss else None
+    num_tokens = (
+        config.last_num_tokens.to(get_device()) if config.calculate_per_token_loss else None
+    )
     finalize_model_grads(model, state, num_tokens=num_tokens, timers=timers)
     if args.sequence_parallel:
         timers("layernorm-grads-all-reduce", log_level=1).start()
@@ -430,14 +593,24 @@ def _reduce_losses(losses_reduced, state):
         values = [x[key] for x in losses_reduced]
         first = values[0]
         if torch.is_tensor(first) and first.numel() == 2:
-            total = torch.vstack([v.detach().float().view(2) for v in values]).sum(0).to(get_device())
+            total = (
+                torch.vstack([v.detach().float().view(2) for v in values]).sum(0).to(get_device())
+            )
             if dist.is_initialized():
-                dist.all_reduce(total, group=state.get_data_parallel_group(with_context_parallel=True))
+                dist.all_reduce(
+                    total, group=state.get_data_parallel_group(with_context_parallel=True)
+                )
             result[key] = (total[0] / total[1]).item()
         else:
-            stacked = torch.stack([torch.as_tensor(v).float().view(()) for v in values]).mean().to(get_device())
+            stacked = (
+                torch.stack([torch.as_tensor(v).float().view(()) for v in values])
+                .mean()
+                .to(get_device())
+            )
             if dist.is_initialized():
-                dist.all_reduce(stacked, group=state.get_data_parallel_group(with_context_parallel=True))
+                dist.all_reduce(
+                    stacked, group=state.get_data_parallel_group(with_context_parallel=True)
+                )
                 stacked = stacked / state.get_data_parallel_world_size(with_context_parallel=True)
             result[key] = stacked.item()
     return result
@@ -451,8 +624,16 @@ def _params_norm(model) -> float:
     return total.sqrt().item()
 
 
-def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_iterator, valid_data_iterator,
-          process_non_loss_data_func, config):
+def train(
+    forward_step_func,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    train_data_iterator,
+    valid_data_iterator,
+    process_non_loss_data_func,
+    config,
+):
     """The loop; returns (iteration, flops so far, exit code or None)."""
     args = global_vars.get_args()
     timers = global_vars.get_timers()
@@ -468,10 +649,13 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         maybe_finalize_async_save(blocking=False)  # commits a finished --async-save checkpoint
         global_vars.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config)
+            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
+        )
         iteration += 1
         args.iteration = iteration
-        batch_size = args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
+        batch_size = (
+            args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
+        )
         args.consumed_train_samples += batch_size
         flops += num_floating_point_operations(args, batch_size)
         if skipped_iter:
@@ -479,19 +663,40 @@ def train(forward_step_func, model, optimizer, opt_param_scheduler, train_data_i
         loss_scale = optimizer.get_loss_scale().item()
         params_norm = _params_norm(model) if args.log_params_norm else None
         learning_rate = optimizer.param_groups[0]["lr"]
-        report_memory_flag = training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
-                                          report_memory_flag, skipped_iter, grad_norm, params_norm, num_zeros)
+        report_memory_flag = training_log(
+            loss_dict,
+            total_loss_dict,
+            learning_rate,
+            iteration,
+            loss_scale,
+            report_memory_flag,
+            skipped_iter,
+            grad_norm,
+            params_norm,
+            num_zeros,
+        )
 
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
-            evaluate_and_print_results(f"iteration {iteration}", forward_step_func, valid_data_iterator, model,
-                                       iteration, config, verbose=False)
-        exit_code = _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops)
+            evaluate_and_print_results(
+                f"iteration {iteration}",
+                forward_step_func,
+                valid_data_iterator,
+                model,
+                iteration,
+                config,
+                verbose=False,
+            )
+        exit_code = _checkpoint_and_decide_exit(
+            model, optimizer, opt_param_scheduler, iteration, flops
+        )
         if exit_code is not None:
             break
     return iteration, flops, exit_code
 
 
-def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration, flops) -> Optional[int]:
+def _checkpoint_and_decide_exit(
+    model, optimizer, opt_param_scheduler, iteration, flops
+) -> Optional[int]:
     """Save on the interval; on a signal, --exit-interval or --exit-duration-in-mins save and stop."""
     args = global_vars.get_args()
     handler = global_vars.get_signal_handler()
@@ -503,7 +708,9 @@ def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration
 
     if handler is not None and handler.signals_received():
         save()
-        print_datetime(f"exiting program after receiving {handler.sig.name if hasattr(handler.sig, 'name') else 'a signal'}")
+        print_datetime(
+            f"exiting program after receiving {handler.sig.name if hasattr(handler.sig, 'name') else 'a signal'}"
+        )
         return 0
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         save()
@@ -522,15 +729,19 @@ def _checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration
     return None
 
 
-def evaluate(forward_step_func, data_iterator, model, config, verbose: bool = False, eval_iters: int = None):
+def evaluate(
+    forward_step_func, data_iterator, model, config, verbose: bool = False, eval_iters: int = None
+):
     """Forward-only over --eval-iters batches; Σ loss / Σ tokens, reduced over DP×CP."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     for chunk in model:
         chunk.eval()
     eval_iters = eval_iters if eval_iters is not None else args.eval_iters
-    forward_backward_func = get_forward_backward_func(args.pipeline_model_parallel_size,
-                                                      getattr(args, "virtual_pipeline_model_parallel_size", None))
+    forward_backward_func = get_forward_backward_func(
+        args.pipeline_model_parallel_size,
+        getattr(args, "virtual_pipeline_model_parallel_size", None),
+    )
     totals = {}
     eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
     eval_mbs = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
@@ -539,10 +750,16 @@ def evaluate(forward_step_func, data_iterator, model, config, verbose: bool = Fa
         for step in range(eval_iters):
             if verbose:
                 print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
-            losses = forward_backward_func(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                                           model=model, num_microbatches=num_microbatches,
-                                           seq_length=args.seq_length, micro_batch_size=eval_mbs, forward_only=True,
-                                           **_pipeline_kwargs(args, state))
+            losses = forward_backward_func(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=num_microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=eval_mbs,
+                forward_only=True,
+                **_pipeline_kwargs(args, state),
+            )
             if state.is_pipeline_last_stage():
                 for loss in losses:
                     for key, value in loss.items():
@@ -561,8 +778,9 @@ def evaluate(forward_step_func, data_iterator, model, config, verbose: bool = Fa
     return result
 
 
-def evaluate_and_print_results(prefix, forward_step_func, data_iterator, model, iteration, config,
-                               verbose=False, test=False):
+def evaluate_and_print_results(
+    prefix, forward_step_func, data_iterator, model, iteration, config, verbose=False, test=False
+):
     args = global_vars.get_args()
     totals = evaluate(forward_step_func, data_iterator, model, config, verbose)
     return print_evaluation(prefix, totals, iteration, args.consumed_train_samples, test=test)

@@ -1,4 +1,5 @@
 """The per-interval log line, TensorBoard/W&B scalars, and the validation report (MEGATRON_FACTS §4)."""
+
 from __future__ import annotations
 
 import math
@@ -16,11 +17,25 @@ SKIPPED_KEY = "skipped iterations"
 NAN_KEY = "nan iterations"
 
 
-def format_log_line(*, timestamp: str, iteration: int, train_iters: int, consumed_samples: int,
-                    skipped_samples: int, elapsed_ms: float, throughput: Optional[float], learning_rate: float,
-                    batch_size: int, losses: Dict[str, float], loss_scale: float, grad_norm: Optional[float],
-                    num_zeros: Optional[int], params_norm: Optional[float], skipped_iters: int,
-                    nan_iters: int) -> str:
+def format_log_line(
+    *,
+    timestamp: str,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    skipped_samples: int,
+    elapsed_ms: float,
+    throughput: Optional[float],
+    learning_rate: float,
+    batch_size: int,
+    losses: Dict[str, float],
+    loss_scale: float,
+    grad_norm: Optional[float],
+    num_zeros: Optional[int],
+    params_norm: Optional[float],
+    skipped_iters: int,
+    nan_iters: int,
+) -> str:
     """Megatron's line, field for field: each field ends with ' |'."""
     line = f" [{timestamp}]"
     line += " iteration {:8d}/{:8d} |".format(iteration, train_iters)
@@ -50,8 +65,18 @@ def _scalar(value) -> float:
     return value.item() if torch.is_tensor(value) else float(value)
 
 
-def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                 skipped_iter, grad_norm, params_norm, num_zeros_in_grad) -> bool:
+def training_log(
+    loss_dict,
+    total_loss_dict,
+    learning_rate,
+    iteration,
+    loss_scale,
+    report_memory_flag,
+    skipped_iter,
+    grad_norm,
+    params_norm,
+    num_zeros_in_grad,
+) -> bool:
     """Accumulate this iteration's losses; every --log-interval print the line and reset.
 
     Returns the updated ``report_memory_flag`` (the CUDA memory line is printed once).
@@ -61,7 +86,9 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
     writer = global_vars.get_tensorboard_writer()
     wandb_writer = global_vars.get_wandb_writer()
 
-    total_loss_dict[ADVANCED_KEY] = total_loss_dict.get(ADVANCED_KEY, 0) + (0 if skipped_iter else 1)
+    total_loss_dict[ADVANCED_KEY] = total_loss_dict.get(ADVANCED_KEY, 0) + (
+        0 if skipped_iter else 1
+    )
     total_loss_dict[SKIPPED_KEY] = total_loss_dict.get(SKIPPED_KEY, 0) + skipped_iter
     got_nan = False
     for key, value in loss_dict.items():
@@ -71,16 +98,36 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
         got_nan = got_nan or math.isinf(value) or math.isnan(value)
     total_loss_dict[NAN_KEY] = total_loss_dict.get(NAN_KEY, 0) + int(got_nan)
 
-    batch_size = args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
+    batch_size = (
+        args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
+    )
     samples = args.consumed_train_samples
-    timers_to_log = ["forward-backward", "forward-compute", "backward-compute", "batch-generator",
-                     "forward-recv", "forward-send", "backward-recv", "backward-send",
-                     "forward-send-forward-recv", "forward-send-backward-recv", "backward-send-forward-recv",
-                     "backward-send-backward-recv", "forward-backward-send-forward-backward-recv",
-                     "layernorm-grads-all-reduce", "embedding-grads-all-reduce", "all-grads-sync",
-                     "params-all-gather", "optimizer-copy-to-main-grad", "optimizer-unscale-and-check-inf",
-                     "optimizer-clip-main-grad", "optimizer-count-zeros", "optimizer-inner-step",
-                     "optimizer-copy-main-to-model-params", "optimizer"]
+    timers_to_log = [
+        "forward-backward",
+        "forward-compute",
+        "backward-compute",
+        "batch-generator",
+        "forward-recv",
+        "forward-send",
+        "backward-recv",
+        "backward-send",
+        "forward-send-forward-recv",
+        "forward-send-backward-recv",
+        "backward-send-forward-recv",
+        "backward-send-backward-recv",
+        "forward-backward-send-forward-backward-recv",
+        "layernorm-grads-all-reduce",
+        "embedding-grads-all-reduce",
+        "all-grads-sync",
+        "params-all-gather",
+        "optimizer-copy-to-main-grad",
+        "optimizer-unscale-and-check-inf",
+        "optimizer-clip-main-grad",
+        "optimizer-count-zeros",
+        "optimizer-inner-step",
+        "optimizer-copy-main-to-model-params",
+        "optimizer",
+    ]
 
     if iteration % args.tensorboard_log_interval == 0:
         scalars = {
@@ -131,20 +178,35 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
             losses[key] = avg
     throughput = None
     if getattr(args, "log_throughput", False):
-        throughput = _log_throughput(args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer)
+        throughput = _log_throughput(
+            args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer
+        )
     line = format_log_line(
-        timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S"), iteration=iteration, train_iters=args.train_iters,
-        consumed_samples=args.consumed_train_samples, skipped_samples=getattr(args, "skipped_train_samples", 0),
-        elapsed_ms=elapsed_per_iteration * 1000.0, throughput=throughput, learning_rate=learning_rate,
-        batch_size=batch_size, losses=losses, loss_scale=loss_scale, grad_norm=grad_norm,
-        num_zeros=num_zeros_in_grad, params_norm=params_norm,
-        skipped_iters=total_loss_dict[SKIPPED_KEY], nan_iters=total_loss_dict[NAN_KEY])
+        timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
+        iteration=iteration,
+        train_iters=args.train_iters,
+        consumed_samples=args.consumed_train_samples,
+        skipped_samples=getattr(args, "skipped_train_samples", 0),
+        elapsed_ms=elapsed_per_iteration * 1000.0,
+        throughput=throughput,
+        learning_rate=learning_rate,
+        batch_size=batch_size,
+        losses=losses,
+        loss_scale=loss_scale,
+        grad_norm=grad_norm,
+        num_zeros=num_zeros_in_grad,
+        params_norm=params_norm,
+        skipped_iters=total_loss_dict[SKIPPED_KEY],
+        nan_iters=total_loss_dict[NAN_KEY],
+    )
     print_rank_last(line)
     if throughput is not None:
         tokens_per_sec = batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12)
         peak = peak_tflops_per_device()
-        extra = f" tokens per second: {tokens_per_sec:.1f} | tokens per second per GPU: " \
-                f"{tokens_per_sec / args.world_size:.1f} |"
+        extra = (
+            f" tokens per second: {tokens_per_sec:.1f} | tokens per second per GPU: "
+            f"{tokens_per_sec / args.world_size:.1f} |"
+        )
         if peak:
             extra += f" MFU: {100.0 * throughput / peak:.1f}% of {peak:.0f} TFLOP/s |"
         print_rank_last(extra)
@@ -157,7 +219,9 @@ def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scal
     return report_memory_flag
 
 
-def _log_throughput(args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer) -> float:
+def _log_throughput(
+    args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer
+) -> float:
     """TFLOP/s per GPU with Megatron's FLOP count; also tokens/s and MFU to TensorBoard / W&B."""
     flops = num_floating_point_operations(args, batch_size)
     tflops_per_gpu = flops / (max(elapsed_per_iteration, 1e-12) * 1e12 * args.world_size)
@@ -180,15 +244,23 @@ def report_memory(name: str) -> None:
     if state.get_data_parallel_rank() != 0:
         return
     mb = 1024.0 * 1024.0
-    line = "[Rank {}] {} memory (MB) | allocated: {:.2f} | max allocated: {:.2f} | reserved: {:.2f} | " \
-           "max reserved: {:.2f}".format(state.rank, name, torch.cuda.memory_allocated() / mb,
-                                         torch.cuda.max_memory_allocated() / mb, torch.cuda.memory_reserved() / mb,
-                                         torch.cuda.max_memory_reserved() / mb)
+    line = (
+        "[Rank {}] {} memory (MB) | allocated: {:.2f} | max allocated: {:.2f} | reserved: {:.2f} | "
+        "max reserved: {:.2f}".format(
+            state.rank,
+            name,
+            torch.cuda.memory_allocated() / mb,
+            torch.cuda.max_memory_allocated() / mb,
+            torch.cuda.memory_reserved() / mb,
+            torch.cuda.max_memory_reserved() / mb,
+        )
+    )
     print(line, flush=True)
 
 
-def print_evaluation(prefix: str, total_loss_dict: Dict[str, float], iteration: int, samples: int,
-                     test: bool = False) -> str:
+def print_evaluation(
+    prefix: str, total_loss_dict: Dict[str, float], iteration: int, samples: int, test: bool = False
+) -> str:
     """The validation/test block of §4; also writes the scalars to TensorBoard and W&B."""
     args = global_vars.get_args()
     writer = global_vars.get_tensorboard_writer()

@@ -7,11 +7,13 @@ tools that do not train (tools/preprocess_data.py reads the tokenizer flags from
 
 def get_rank() -> int:
     import torch.distributed as dist
+
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def get_world_size() -> int:
     import torch.distributed as dist
+
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
@@ -33,6 +35,7 @@ def print_rank_last(message: str) -> None:
 
 def get_device():
     import torch
+
     """The device this process computes on: its local GPU, or the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

@@ -1,4 +1,5 @@
 """TensorBoard and Weights & Biases writers, created on the last rank only (as Megatron does)."""
+
 from __future__ import annotations
 
 import os
@@ -10,9 +11,14 @@ def build_tensorboard_writer(args):
     if not args.tensorboard_dir or not is_last_rank():
         return None
     from torch.utils.tensorboard import SummaryWriter
+
     print_rank_0("> setting tensorboard ...")
-    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size
-                         if getattr(args, "tensorboard_queue_size", None) else 1000)
+    return SummaryWriter(
+        log_dir=args.tensorboard_dir,
+        max_queue=args.tensorboard_queue_size
+        if getattr(args, "tensorboard_queue_size", None)
+        else 1000,
+    )
 
 
 class WandbWriter:
@@ -37,10 +43,18 @@ def build_wandb_writer(args):
     if not args.wandb_exp_name:
         raise ValueError("--wandb-exp-name is required when --wandb-project is set")
     import wandb
+
     save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else "wandb")
     os.makedirs(save_dir, exist_ok=True)
-    config = {k: (v if isinstance(v, (int, float, str, bool, type(None), list, tuple)) else str(v))
-              for k, v in vars(args).items()}
-    run = wandb.init(dir=save_dir, name=args.wandb_exp_name, project=args.wandb_project,
-                     entity=getattr(args, "wandb_entity", None) or None, config=config)
+    config = {
+        k: (v if isinstance(v, (int, float, str, bool, type(None), list, tuple)) else str(v))
+        for k, v in vars(args).items()
+    }
+    run = wandb.init(
+        dir=save_dir,
+        name=args.wandb_exp_name,
+        project=args.wandb_project,
+        entity=getattr(args, "wandb_entity", None) or None,
+        config=config,
+    )
     return WandbWriter(run)

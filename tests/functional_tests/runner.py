@@ -1,4 +1,5 @@
 """Launch pretrain_gpt.py (through torchrun or a plain process) and read back its results."""
+
 import os
 import re
 import signal
@@ -24,16 +25,51 @@ LOG_LINE = re.compile(
     r"(?: num zeros: \d+ \|)?"
     r"(?: params norm: \d+\.\d{3} \|)?"
     r" number of skipped iterations: +(?P<skipped>\d+) \|"
-    r" number of nan iterations: +(?P<nan>\d+) \|$")
+    r" number of nan iterations: +(?P<nan>\d+) \|$"
+)
 
 TINY_MODEL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "5e-3", "--min-lr", "5e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500",
-    "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0", "--ckpt-format", "torch",
-    "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--seed", "1234",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "5e-3",
+    "--min-lr",
+    "5e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--lr-warmup-iters",
+    "2",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--ckpt-format",
+    "torch",
+    "--hidden-dropout",
+    "0.1",
+    "--attention-dropout",
+    "0.1",
+    "--seed",
+    "1234",
 ]
 
 
@@ -51,13 +87,28 @@ def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_
     if nproc is None:
         cmd = [sys.executable, str(REPO / script)] + list(args)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), str(REPO / script)] + list(args)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(_free_port()),
+            str(REPO / script),
+        ] + list(args)
     env = env_for_tests()
     env.update(extra_env or {})
     # A session of its own, so that a timeout kills torchrun's workers too, not only the launcher.
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
+    with subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -71,6 +122,7 @@ def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_
 
 def _free_port():
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -83,7 +135,10 @@ def parse_log_lines(stdout):
         m = LOG_LINE.match(line)
         if m:
             d = m.groupdict()
-            d["losses"] = {k.strip(): float(v) for k, v in re.findall(r" ([a-z][a-z _-]*): (\S+) \|", d["losses"])}
+            d["losses"] = {
+                k.strip(): float(v)
+                for k, v in re.findall(r" ([a-z][a-z _-]*): (\S+) \|", d["losses"])
+            }
             result[int(d["iteration"])] = d
     return result
 
@@ -91,6 +146,7 @@ def parse_log_lines(stdout):
 def read_tensorboard_scalars(logdir, tag):
     """{step: value} of one scalar tag from TensorBoard event files."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     return {e.step: e.value for e in acc.Scalars(tag)}
@@ -100,7 +156,10 @@ def train_metrics(args, nproc, tb_dir):
     """Run training with TensorBoard in ``tb_dir``; {'loss': {it: lm loss}, 'norm': {it: grad norm}}."""
     result = run_pretrain(list(args) + ["--tensorboard-dir", str(tb_dir)], nproc=nproc)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return {"loss": read_tensorboard_scalars(tb_dir, "lm loss"), "norm": read_tensorboard_scalars(tb_dir, "grad-norm")}
+    return {
+        "loss": read_tensorboard_scalars(tb_dir, "lm loss"),
+        "norm": read_tensorboard_scalars(tb_dir, "grad-norm"),
+    }
 
 
 def assert_same_training(got, ref, iterations, loss_rtol=1e-4, norm_rtol=1e-3):
@@ -108,5 +167,13 @@ def assert_same_training(got, ref, iterations, loss_rtol=1e-4, norm_rtol=1e-3):
     Adam and clipping hide a wrongly scaled gradient from the loss; the norm does not."""
     assert sorted(got["loss"]) == list(iterations), got
     for it in iterations:
-        assert abs(got["loss"][it] - ref["loss"][it]) <= loss_rtol * abs(ref["loss"][it]), (it, got, ref)
-        assert abs(got["norm"][it] - ref["norm"][it]) <= norm_rtol * abs(ref["norm"][it]), (it, got["norm"], ref["norm"])
+        assert abs(got["loss"][it] - ref["loss"][it]) <= loss_rtol * abs(ref["loss"][it]), (
+            it,
+            got,
+            ref,
+        )
+        assert abs(got["norm"][it] - ref["norm"][it]) <= norm_rtol * abs(ref["norm"][it]), (
+            it,
+            got["norm"],
+            ref["norm"],
+        )

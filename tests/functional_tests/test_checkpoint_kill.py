@@ -6,6 +6,7 @@ wraps one step of the save, so the process kills itself with SIGKILL during the 
 is marked complete; for ``torch`` as the shard starts to be written. Afterwards the tracker still names iteration 2, nothing named iteration 4 looks
 complete, and a resumed run trains iterations 3..6 with the straight run's losses.
 """
+
 import os
 import textwrap
 
@@ -14,10 +15,10 @@ import pytest
 from tests.functional_tests.runner import REPO, TINY_MODEL, read_tensorboard_scalars, run_pretrain
 
 MODEL = list(TINY_MODEL)
-del MODEL[MODEL.index("--ckpt-format"):MODEL.index("--ckpt-format") + 2]
+del MODEL[MODEL.index("--ckpt-format") : MODEL.index("--ckpt-format") + 2]
 BASE = MODEL + ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", "6"]
 
-KILLER = textwrap.dedent('''
+KILLER = textwrap.dedent("""
     import os, signal
     import {module} as target
     _real = target.{function}
@@ -30,7 +31,7 @@ KILLER = textwrap.dedent('''
         return _real(*args, **kwargs)
 
     target.{function} = _dies_on_second_save
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,9 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(straight, ckpt_format, tmp_p
     module, function, nth = CASES[ckpt_format]
     hook_dir = tmp_path / "hook"
     hook_dir.mkdir()
-    (hook_dir / "sitecustomize.py").write_text(KILLER.format(module=module, function=function, nth=nth))
+    (hook_dir / "sitecustomize.py").write_text(
+        KILLER.format(module=module, function=function, nth=nth)
+    )
     ckpt = tmp_path / "ckpt"
     flags = BASE + ["--ckpt-format", ckpt_format, "--save", str(ckpt), "--save-interval", "2"]
 
@@ -65,8 +68,9 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(straight, ckpt_format, tmp_p
     assert killed.returncode == -9, (killed.returncode, killed.stderr[-3000:])
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (ckpt / "iter_0000002").is_dir()
-    complete_4 = (ckpt / "iter_0000004" / "metadata.json").exists() or \
-        (ckpt / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").exists()
+    complete_4 = (ckpt / "iter_0000004" / "metadata.json").exists() or (
+        ckpt / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt"
+    ).exists()
     assert not complete_4
     if ckpt_format == "torch_dist":  # the kill came after iteration 4's data files were written
         assert list(ckpt.glob("iter_0000004*/*.distcp")), sorted(p.name for p in ckpt.iterdir())

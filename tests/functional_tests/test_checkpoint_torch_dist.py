@@ -9,6 +9,7 @@ order of floating-point sums differs between layouts). The last one saves asynch
 checkpoint is converted to the torch format (by 2 processes) and resumed once more. Bad input (another model, a
 missing data file) ends with one clear error line.
 """
+
 import shutil
 
 import pytest
@@ -18,11 +19,24 @@ from tests.functional_tests.runner import TINY_MODEL, read_tensorboard_scalars, 
 RTOL = 1e-5
 MODEL = list(TINY_MODEL)
 MODEL[MODEL.index("--num-layers") + 1] = "8"
-del MODEL[MODEL.index("--ckpt-format"):MODEL.index("--ckpt-format") + 2]  # the default: torch_dist
+del MODEL[
+    MODEL.index("--ckpt-format") : MODEL.index("--ckpt-format") + 2
+]  # the default: torch_dist
 BASE = MODEL + ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", "6"]
-SAVED_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                "--use-distributed-optimizer"]
-SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length", "--max-position-embeddings")
+SAVED_LAYOUT = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--use-distributed-optimizer",
+]
+SHAPE_FLAGS = (
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--seq-length",
+    "--max-position-embeddings",
+)
 
 
 def _run(args, nproc, tb=None):
@@ -41,38 +55,55 @@ def _assert_same_losses(got, ref, iterations):
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("torch_dist")
     ckpt = root / "ckpt"
-    losses, _ = _run(BASE + SAVED_LAYOUT + ["--save", str(ckpt), "--save-interval", "3"], 8, root / "tb")
+    losses, _ = _run(
+        BASE + SAVED_LAYOUT + ["--save", str(ckpt), "--save-interval", "3"], 8, root / "tb"
+    )
     assert sorted(losses) == list(range(1, 7))
     return ckpt, losses
 
 
 def test_checkpoint_layout(saved):
     from megatron.core.dist_checkpointing import read_dcp_metadata, tensor_shapes
+
     ckpt, _ = saved
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     directory = ckpt / "iter_0000003"
-    assert (directory / "metadata.json").read_text() == '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+    assert (
+        directory / "metadata.json"
+    ).read_text() == '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
     assert {f"__{r}_0.distcp" for r in range(8)} <= {p.name for p in directory.iterdir()}
     shapes = tensor_shapes(read_dcp_metadata(str(directory)))
     # Global names and global (TP=1) shapes; tied output weight stored once as the embedding.
     assert shapes["decoder.layers.7.self_attention.linear_qkv.weight"][0] == (192, 64)
-    assert shapes["optimizer.state.exp_avg_sq.decoder.layers.5.mlp.linear_fc1.weight"][0] == (256, 64)
-    assert shapes["embedding.word_embeddings.weight"][0] == (512, 64) and "output_layer.weight" not in shapes
-    assert not any(k.startswith("optimizer.state.fp32_param.") for k in shapes)  # fp32 weights are the masters
+    assert shapes["optimizer.state.exp_avg_sq.decoder.layers.5.mlp.linear_fc1.weight"][0] == (
+        256,
+        64,
+    )
+    assert (
+        shapes["embedding.word_embeddings.weight"][0] == (512, 64)
+        and "output_layer.weight" not in shapes
+    )
+    assert not any(
+        k.startswith("optimizer.state.fp32_param.") for k in shapes
+    )  # fp32 weights are the masters
     assert not list(ckpt.glob("*.tmp"))
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (None, ["--use-checkpoint-args"]),
-    (8, ["--tensor-model-parallel-size", "4", "--use-distributed-optimizer"]),
-    (4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-], ids=["tp1-no-distopt-checkpoint-args", "tp4-dp2-distopt", "cp2-pp2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (None, ["--use-checkpoint-args"]),
+        (8, ["--tensor-model-parallel-size", "4", "--use-distributed-optimizer"]),
+        (4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    ],
+    ids=["tp1-no-distopt-checkpoint-args", "tp4-dp2-distopt", "cp2-pp2"],
+)
 def test_resumes_at_another_layout(saved, nproc, layout, tmp_path):
     ckpt, straight = saved
     args = BASE + layout + ["--load", str(ckpt), "--ckpt-step", "3"]
     if "--use-checkpoint-args" in layout:
         for flag in SHAPE_FLAGS:
-            del args[args.index(flag):args.index(flag) + 2]
+            del args[args.index(flag) : args.index(flag) + 2]
     losses, result = _run(args, nproc, tmp_path / "tb")
     _assert_same_losses(losses, straight, range(4, 7))
     if "--use-checkpoint-args" in layout:
@@ -85,19 +116,57 @@ def test_async_save_convert_and_resume(saved, tmp_path):
     ckpt, straight = saved
     async_ckpt, converted = tmp_path / "async", tmp_path / "converted"
     # Loaded at TP=1 x PP=4 with virtual stages, and saved again from there.
-    losses, _ = _run(BASE + ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
-                             "--load", str(ckpt), "--ckpt-step", "3", "--save", str(async_ckpt), "--save-interval", "1",
-                             "--async-save", "--save-retain-interval", "2"], 4, tmp_path / "tb1")
+    losses, _ = _run(
+        BASE
+        + [
+            "--pipeline-model-parallel-size",
+            "4",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--load",
+            str(ckpt),
+            "--ckpt-step",
+            "3",
+            "--save",
+            str(async_ckpt),
+            "--save-interval",
+            "1",
+            "--async-save",
+            "--save-retain-interval",
+            "2",
+        ],
+        4,
+        tmp_path / "tb1",
+    )
     _assert_same_losses(losses, straight, range(4, 7))
     # Committed at exit; iteration 5 is outside the retain interval and was deleted after 6 was saved.
     assert (async_ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
-    assert sorted(p.name for p in async_ckpt.iterdir()) == ["iter_0000004", "iter_0000006",
-                                                           "latest_checkpointed_iteration.txt"]
-    _, result = _run(BASE + ["--load", str(async_ckpt), "--ckpt-step", "4", "--ckpt-convert-format", "torch",
-                             "--ckpt-convert-save", str(converted)], 2)  # DP=2: every rank ends the run
+    assert sorted(p.name for p in async_ckpt.iterdir()) == [
+        "iter_0000004",
+        "iter_0000006",
+        "latest_checkpointed_iteration.txt",
+    ]
+    _, result = _run(
+        BASE
+        + [
+            "--load",
+            str(async_ckpt),
+            "--ckpt-step",
+            "4",
+            "--ckpt-convert-format",
+            "torch",
+            "--ckpt-convert-save",
+            str(converted),
+        ],
+        2,
+    )  # DP=2: every rank ends the run
     assert "converted checkpoint: torch_dist -> torch" in result.stdout
     assert (converted / "torch" / "iter_0000004" / "mp_rank_00" / "model_optim_rng.pt").is_file()
-    losses, _ = _run(BASE + ["--load", str(converted / "torch"), "--auto-detect-ckpt-format"], None, tmp_path / "tb2")
+    losses, _ = _run(
+        BASE + ["--load", str(converted / "torch"), "--auto-detect-ckpt-format"],
+        None,
+        tmp_path / "tb2",
+    )
     _assert_same_losses(losses, straight, range(5, 7))
 
 

@@ -1,4 +1,5 @@
 """Bad input to pretrain_gpt.py: one clear line naming the flags, a non-zero exit, no hang."""
+
 import pytest
 
 from tests.functional_tests.runner import TINY_MODEL, run_pretrain
@@ -12,12 +13,19 @@ def _error_line(result):
     return lines[-1]
 
 
-@pytest.mark.parametrize("extra, env, words", [
-    (["--fp16", "--bf16"], {}, ["--fp16", "--bf16"]),
-    (["--tensor-model-parallel-size", "4"], {"WORLD_SIZE": "6"}, ["world size (6)", "tensor-model-parallel size (4)"]),
-    (["--num-attention-heads", "3", "--hidden-size", "63"], {"WORLD_SIZE": "2"}, []),
-    (["--save", "/tmp/never"], {}, ["--save-interval"]),
-])
+@pytest.mark.parametrize(
+    "extra, env, words",
+    [
+        (["--fp16", "--bf16"], {}, ["--fp16", "--bf16"]),
+        (
+            ["--tensor-model-parallel-size", "4"],
+            {"WORLD_SIZE": "6"},
+            ["world size (6)", "tensor-model-parallel size (4)"],
+        ),
+        (["--num-attention-heads", "3", "--hidden-size", "63"], {"WORLD_SIZE": "2"}, []),
+        (["--save", "/tmp/never"], {}, ["--save-interval"]),
+    ],
+)
 def test_contradicting_flags(extra, env, words, tmp_path):
     if extra[:2] == ["--num-attention-heads", "3"]:
         # heads (3) not divisible by TP (2): world 2, TP 2.
@@ -37,8 +45,10 @@ def test_unknown_flag_is_an_error():
 
 def test_load_from_missing_directory_warns_and_exit_on_missing_fails(tmp_path):
     missing = tmp_path / "nothing_here"
-    result = run_pretrain(TINY_MODEL + ["--train-iters", "3", "--load", str(missing),
-                                        "--exit-on-missing-checkpoint"], timeout=120)
+    result = run_pretrain(
+        TINY_MODEL + ["--train-iters", "3", "--load", str(missing), "--exit-on-missing-checkpoint"],
+        timeout=120,
+    )
     assert result.returncode != 0
     assert str(missing) in result.stdout + result.stderr
 

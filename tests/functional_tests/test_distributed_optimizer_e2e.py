@@ -2,10 +2,16 @@
 all-gather (--overlap-param-gather) through torchrun on CPU:
 the losses and grad norms equal the one-process run, and its sharded state resumes at another
 DP size."""
+
 import pytest
 import torch
 
-from tests.functional_tests.runner import TINY_MODEL, assert_same_training, run_pretrain, train_metrics
+from tests.functional_tests.runner import (
+    TINY_MODEL,
+    assert_same_training,
+    run_pretrain,
+    train_metrics,
+)
 
 BASE = TINY_MODEL + ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", "10"]
 DIST_OPT = ["--use-distributed-optimizer"]
@@ -20,14 +26,27 @@ def _assert_close(got, ref):
     assert_same_training(got, ref, range(1, 11))
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (2, DIST_OPT),
-    (2, DIST_OPT + ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-num-buckets", "3"]),
-    (2, ["--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--ddp-average-in-collective"]),
-    (4, DIST_OPT + ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
-    (4, DIST_OPT + ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]),
-], ids=["dp2-distopt", "dp2-distopt-overlap-grad-and-param-3buckets", "dp2-overlap-buckets-avg", "tp2-dp2-distopt",
-        "pp2-dp2-distopt"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, DIST_OPT),
+        (
+            2,
+            DIST_OPT
+            + ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-num-buckets", "3"],
+        ),
+        (2, ["--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--ddp-average-in-collective"]),
+        (4, DIST_OPT + ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
+        (4, DIST_OPT + ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]),
+    ],
+    ids=[
+        "dp2-distopt",
+        "dp2-distopt-overlap-grad-and-param-3buckets",
+        "dp2-overlap-buckets-avg",
+        "tp2-dp2-distopt",
+        "pp2-dp2-distopt",
+    ],
+)
 def test_layout_matches_one_process(reference, nproc, layout, tmp_path):
     _assert_close(train_metrics(BASE + layout, nproc, tmp_path), reference)
 
@@ -51,12 +70,16 @@ def test_distopt_checkpoint_resumes_at_another_dp_size(reference, tmp_path):
 
 def test_loading_plain_checkpoint_with_distopt_is_a_clear_error(tmp_path):
     ckpt = tmp_path / "ckpt"
-    result = run_pretrain(BASE + ["--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"], nproc=None)
+    result = run_pretrain(
+        BASE + ["--save", str(ckpt), "--save-interval", "2", "--exit-interval", "2"], nproc=None
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     result = run_pretrain(BASE + DIST_OPT + ["--load", str(ckpt)], nproc=None)
     assert result.returncode != 0
     assert "saved without --use-distributed-optimizer" in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     # Weights alone load into the distributed optimizer.
-    result = run_pretrain(BASE + DIST_OPT + ["--load", str(ckpt), "--no-load-optim", "--train-iters", "3"], nproc=None)
+    result = run_pretrain(
+        BASE + DIST_OPT + ["--load", str(ckpt), "--no-load-optim", "--train-iters", "3"], nproc=None
+    )
     assert result.returncode == 0, result.stderr[-3000:]

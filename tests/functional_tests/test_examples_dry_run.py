@@ -5,63 +5,140 @@ is the one the script means. Parameter counts are checked against published mode
 Pipeline parallelism is not built yet: a PP > 1 layout must either pass (once PP lands) or be
 refused with exactly one problem, "not supported yet: --pipeline-model-parallel-size <PP>",
 so everything else in those scripts is still validated."""
+
 import contextlib
 import io
 import os
 import re
 import subprocess
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
 # Variables the scripts read; cleared so the caller's environment cannot change the layouts.
-SCRIPT_ENV = ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TP", "PP",
-              "CP", "SP", "MBS", "GBS", "DATA_PATH", "CHECKPOINT_PATH", "TENSORBOARD_PATH",
-              "VOCAB_FILE", "MERGE_FILE", "VOCAB_SIZE", "TOKENIZER_MODEL", "SEQ_LENGTH", "LAYOUT",
-              "NUM_LAYERS", "HIDDEN_SIZE", "NUM_HEADS", "LOG_FILE", "WORLD_SIZE", "RANK",
-              "MAKE_VOCAB_SIZE_DIVISIBLE_BY", "PRECISION", "HIDDEN", "HEADS", "SEQ", "ITERS",
-              "MOCK", "NPROC", "RUN_DIR")
+SCRIPT_ENV = (
+    "GPUS_PER_NODE",
+    "NNODES",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TP",
+    "PP",
+    "CP",
+    "SP",
+    "MBS",
+    "GBS",
+    "DATA_PATH",
+    "CHECKPOINT_PATH",
+    "TENSORBOARD_PATH",
+    "VOCAB_FILE",
+    "MERGE_FILE",
+    "VOCAB_SIZE",
+    "TOKENIZER_MODEL",
+    "SEQ_LENGTH",
+    "LAYOUT",
+    "NUM_LAYERS",
+    "HIDDEN_SIZE",
+    "NUM_HEADS",
+    "LOG_FILE",
+    "WORLD_SIZE",
+    "RANK",
+    "MAKE_VOCAB_SIZE_DIVISIBLE_BY",
+    "PRECISION",
+    "HIDDEN",
+    "HEADS",
+    "SEQ",
+    "ITERS",
+    "MOCK",
+    "NPROC",
+    "RUN_DIR",
+)
 
 # id: (script, extra env, expected layout, expected parameters or None).
 # Layout: world size, TP, PP, CP, DP, micro-batch size, global batch size, sequence length.
 GPT2_LARGE_PARAMS = 774_030_080 + (50_304 - 50_257) * 1280  # HF gpt2-large + padded vocab rows
 CASES = {
-    "tiny_cpu_mock": ("examples/gpt3/tiny_cpu.sh", {"MOCK": "1"}, (2, 1, 1, 1, 2, 4, 16, 128), None),
-    "tiny_cpu_corpus": ("examples/gpt3/tiny_cpu.sh", {"DATA_PATH": "runs/data/x_text_document"},
-                        (2, 1, 1, 1, 2, 4, 16, 128), None),
+    "tiny_cpu_mock": (
+        "examples/gpt3/tiny_cpu.sh",
+        {"MOCK": "1"},
+        (2, 1, 1, 1, 2, 4, 16, 128),
+        None,
+    ),
+    "tiny_cpu_corpus": (
+        "examples/gpt3/tiny_cpu.sh",
+        {"DATA_PATH": "runs/data/x_text_document"},
+        (2, 1, 1, 1, 2, 4, 16, 128),
+        None,
+    ),
     "gpt3_125m": ("examples/gpt3/train_gpt3_125m.sh", {}, (8, 1, 1, 1, 8, 4, 256, 2048), None),
     "gpt3_345m": ("examples/gpt3/train_gpt3_345m.sh", {}, (8, 1, 1, 1, 8, 4, 256, 2048), None),
     "gpt3_857m": ("examples/gpt3/train_gpt3_857m.sh", {}, (8, 1, 1, 1, 8, 2, 256, 2048), None),
     "gpt3_1.3b": ("examples/gpt3/train_gpt3_1.3b.sh", {}, (8, 1, 1, 1, 8, 2, 512, 2048), None),
-    "gpt3_175b": ("examples/gpt3/train_gpt3_175b_distributed.sh", {},
-                  (1024, 8, 16, 1, 8, 1, 1536, 2048), None),
-    "gpt3_175b_pp1": ("examples/gpt3/train_gpt3_175b_distributed.sh", {"PP": "1", "NNODES": "8"},
-                      (64, 8, 1, 1, 8, 1, 1536, 2048), None),
-    "llama2_7b": ("examples/llama/train_llama2_7b.sh", {}, (8, 2, 1, 1, 4, 1, 1024, 4096),
-                  6_738_415_616),
+    "gpt3_175b": (
+        "examples/gpt3/train_gpt3_175b_distributed.sh",
+        {},
+        (1024, 8, 16, 1, 8, 1, 1536, 2048),
+        None,
+    ),
+    "gpt3_175b_pp1": (
+        "examples/gpt3/train_gpt3_175b_distributed.sh",
+        {"PP": "1", "NNODES": "8"},
+        (64, 8, 1, 1, 8, 1, 1536, 2048),
+        None,
+    ),
+    "llama2_7b": (
+        "examples/llama/train_llama2_7b.sh",
+        {},
+        (8, 2, 1, 1, 4, 1, 1024, 4096),
+        6_738_415_616,
+    ),
     "llama3_8b": ("examples/llama/train_llama3_8b.sh", {}, (8, 4, 1, 2, 1, 1, 128, 8192), None),
-    "llama3_8b_tp1": ("examples/llama/train_llama3_8b.sh", {"TP": "1", "CP": "1"},
-                      (8, 1, 1, 1, 8, 1, 128, 8192), 8_030_261_248),
+    "llama3_8b_tp1": (
+        "examples/llama/train_llama3_8b.sh",
+        {"TP": "1", "CP": "1"},
+        (8, 1, 1, 1, 8, 1, 128, 8192),
+        8_030_261_248,
+    ),
     "llama3_70b": ("examples/llama/train_llama3_70b.sh", {}, (64, 8, 4, 1, 2, 1, 256, 8192), None),
-    "llama3_70b_pp1": ("examples/llama/train_llama3_70b.sh",
-                       {"TP": "1", "PP": "1", "NNODES": "1"}, (8, 1, 1, 1, 8, 1, 256, 8192),
-                       70_553_706_496),
+    "llama3_70b_pp1": (
+        "examples/llama/train_llama3_70b.sh",
+        {"TP": "1", "PP": "1", "NNODES": "1"},
+        (8, 1, 1, 1, 8, 1, 256, 8192),
+        70_553_706_496,
+    ),
 }
-for _layout, _shape in {"baseline": (1, 1, 1, 1, 1), "dp2": (2, 1, 1, 1, 2),
-                        "tp2": (2, 2, 1, 1, 1), "sp2": (2, 2, 1, 1, 1),
-                        "cp2": (2, 1, 1, 2, 1), "pp2": (2, 1, 2, 1, 1)}.items():
-    CASES[f"gpt2large_{_layout}"] = ("examples/gpt2/train_gpt2_large.sh", {"LAYOUT": _layout},
-                                     _shape + (4, 32, 1024), GPT2_LARGE_PARAMS)
+for _layout, _shape in {
+    "baseline": (1, 1, 1, 1, 1),
+    "dp2": (2, 1, 1, 1, 2),
+    "tp2": (2, 2, 1, 1, 1),
+    "sp2": (2, 2, 1, 1, 1),
+    "cp2": (2, 1, 1, 2, 1),
+    "pp2": (2, 1, 2, 1, 1),
+}.items():
+    CASES[f"gpt2large_{_layout}"] = (
+        "examples/gpt2/train_gpt2_large.sh",
+        {"LAYOUT": _layout},
+        _shape + (4, 32, 1024),
+        GPT2_LARGE_PARAMS,
+    )
 
 # Published sizes of the GPT-3 paper (table 2.1), to 2 %: the counts are rounded there.
-GPT3_PAPER = {"gpt3_125m": 125e6, "gpt3_345m": 350e6, "gpt3_857m": 760e6, "gpt3_1.3b": 1.3e9,
-              "gpt3_175b_pp1": 175e9}
+GPT3_PAPER = {
+    "gpt3_125m": 125e6,
+    "gpt3_345m": 350e6,
+    "gpt3_857m": 760e6,
+    "gpt3_1.3b": 1.3e9,
+    "gpt3_175b_pp1": 175e9,
+}
 
-PP_REFUSED = re.compile(r"^error: not supported yet: --pipeline-model-parallel-size (\d+) "
-                        r"\([^;]*\)$", re.M)
+PP_REFUSED = re.compile(
+    r"^error: not supported yet: --pipeline-model-parallel-size (\d+) "
+    r"\([^;]*\)$",
+    re.M,
+)
 LAYOUT_LINE = re.compile(r"^  (.+?) \.+ (.+)$", re.M)
 
 
@@ -74,8 +151,14 @@ def _script_env(extra_env):
 def _run_for_real(case):
     """The script's DRY_RUN=1 mode as a user runs it (a fresh interpreter, ~2 s)."""
     script, extra_env, _, _ = CASES[case]
-    return subprocess.run(["bash", str(REPO / script)], cwd=REPO, env=_script_env(extra_env),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", str(REPO / script)],
+        cwd=REPO,
+        env=_script_env(extra_env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _make_stub(directory):
@@ -89,10 +172,12 @@ def _run_captured(script, extra_env, stub, capture):
     """The script with PYTHON pointing at a stub that records the dry-run command line; the
     dry run itself then runs in this process (importing torch once for all cases)."""
     from megatron.training.dry_run import main
+
     env = _script_env(extra_env)
     env.update(PYTHON=str(stub), CAPTURE_FILE=str(capture))
-    launched = subprocess.run(["bash", str(REPO / script)], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=60)
+    launched = subprocess.run(
+        ["bash", str(REPO / script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     assert launched.returncode == 0, launched.stderr
     world_size, module_flag, module, *argv = capture.read_text().split("\0")[:-1]
     assert (module_flag, module) == ("-m", "megatron.training.dry_run")
@@ -109,8 +194,10 @@ def _run_captured(script, extra_env, stub, capture):
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dry_run")
     stub = _make_stub(tmp)
-    return {case: _run_captured(script, env, stub, tmp / f"{case}.argv")
-            for case, (script, env, _, _) in CASES.items()}
+    return {
+        case: _run_captured(script, env, stub, tmp / f"{case}.argv")
+        for case, (script, env, _, _) in CASES.items()
+    }
 
 
 def _layout(stdout):
@@ -132,16 +219,26 @@ def test_dry_run_layout(results, case):
     assert result.returncode == 0, f"{script}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert "dry run OK" in result.stdout
     layout = _layout(result.stdout)
-    got = tuple(int(layout[name]) for name in (
-        "world size", "tensor model parallel size (TP)", "pipeline model parallel size (PP)",
-        "context parallel size (CP)", "data parallel size (DP)", "micro batch size",
-        "global batch size", "sequence length"))
+    got = tuple(
+        int(layout[name])
+        for name in (
+            "world size",
+            "tensor model parallel size (TP)",
+            "pipeline model parallel size (PP)",
+            "context parallel size (CP)",
+            "data parallel size (DP)",
+            "micro batch size",
+            "global batch size",
+            "sequence length",
+        )
+    )
     assert got == expected
     assert tp * pp * cp * dp == world
     assert int(layout["micro-batches per step"]) * mbs * dp == gbs
     assert int(layout["tokens per step"]) == gbs * seq
-    assert layout["sequence parallel"] == ("on" if case == "gpt2large_sp2" or (
-        tp > 1 and not case.startswith("gpt2large")) else "off")
+    assert layout["sequence parallel"] == (
+        "on" if case == "gpt2large_sp2" or (tp > 1 and not case.startswith("gpt2large")) else "off"
+    )
     total = int(layout["parameters"].split()[0])
     if params is not None:
         assert total == params
@@ -163,46 +260,94 @@ def test_dry_run_end_to_end_matches_in_process_result(results, case):
 
 def test_dry_run_rejects_bad_layouts_with_the_parser_message(tmp_path):
     """A world size that does not factor is refused by validate_args, as in a real run."""
-    result = _run_captured("examples/llama/train_llama2_7b.sh", {"GPUS_PER_NODE": "6", "TP": "4"},
-                           _make_stub(tmp_path), tmp_path / "argv")
+    result = _run_captured(
+        "examples/llama/train_llama2_7b.sh",
+        {"GPUS_PER_NODE": "6", "TP": "4"},
+        _make_stub(tmp_path),
+        tmp_path / "argv",
+    )
     assert result.returncode == 2
-    assert "error: world size (6) is not divisible by tensor-model-parallel size (4)" in result.stderr
+    assert (
+        "error: world size (6) is not divisible by tensor-model-parallel size (4)" in result.stderr
+    )
 
 
 def _args(argv):
     from megatron.training.arguments import parse_args, validate_args
+
     args = parse_args(argv=argv)
     args.world_size, args.rank = 1, 0
     return validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
 
 
-@pytest.mark.parametrize("flags", [
-    # GPT-2 style: learned positions, LayerNorm, biases, tied embeddings.
-    [],
-    # Llama style: RoPE, RMSNorm, SwiGLU, GQA, untied, no biases, plus qk-layernorm.
-    ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-     "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
-     "--disable-bias-linear", "--qk-layernorm", "--ffn-hidden-size", "80"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        # GPT-2 style: learned positions, LayerNorm, biases, tied embeddings.
+        [],
+        # Llama style: RoPE, RMSNorm, SwiGLU, GQA, untied, no biases, plus qk-layernorm.
+        [
+            "--position-embedding-type",
+            "rope",
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+            "--qk-layernorm",
+            "--ffn-hidden-size",
+            "80",
+        ],
+    ],
+)
 def test_parameter_formula_matches_the_built_model(flags):
     """count_parameters (a formula over the flags) equals the parameters of the GPTModel that
     pretrain_gpt.py's model provider builds from the same flags."""
     import torch
+
     from megatron.core.models.gpt import GPTModel
     from megatron.training.configs import core_transformer_config_from_args
     from megatron.training.dry_run import count_parameters
     from megatron.training.tokenizer import build_tokenizer
 
-    args = _args(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-                  "--seq-length", "16", "--max-position-embeddings", "24", "--micro-batch-size",
-                  "1", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-                  "--train-iters", "1", "--lr", "1e-3"] + flags)
+    args = _args(
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--max-position-embeddings",
+            "24",
+            "--micro-batch-size",
+            "1",
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+            "--train-iters",
+            "1",
+            "--lr",
+            "1e-3",
+        ]
+        + flags
+    )
     build_tokenizer(args)
     model = GPTModel(
-        config=core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
+        config=core_transformer_config_from_args(args),
+        vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    )
     built = sum(p.numel() for p in model.parameters())
     assert count_parameters(args, args.padded_vocab_size).total == built
     assert isinstance(built, int) and torch.is_tensor(next(model.parameters()))
@@ -210,14 +355,45 @@ def test_parameter_formula_matches_the_built_model(flags):
 
 def test_own_world_size_flag_is_stripped_before_megatron_parsing(capsys):
     from megatron.training.dry_run import main, split_own_flags
-    assert split_own_flags(["--dry-run-world-size", "4", "--num-layers", "2"]) == (4, ["--num-layers", "2"])
+
+    assert split_own_flags(["--dry-run-world-size", "4", "--num-layers", "2"]) == (
+        4,
+        ["--num-layers", "2"],
+    )
     assert split_own_flags(["--dry-run-world-size=16"]) == (16, [])
-    code = main(["--dry-run-world-size", "4", "--num-layers", "2", "--hidden-size", "32",
-                 "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings",
-                 "16", "--micro-batch-size", "2", "--global-batch-size", "16", "--mock-data",
-                 "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--train-iters", "1",
-                 "--tensor-model-parallel-size", "2"])
+    code = main(
+        [
+            "--dry-run-world-size",
+            "4",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "32",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--max-position-embeddings",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "16",
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+            "--train-iters",
+            "1",
+            "--tensor-model-parallel-size",
+            "2",
+        ]
+    )
     layout = _layout(capsys.readouterr().out)
     assert code == 0
-    assert (layout["world size"], layout["data parallel size (DP)"],
-            layout["micro-batches per step"]) == ("4", "2", "4")
+    assert (
+        layout["world size"],
+        layout["data parallel size (DP)"],
+        layout["micro-batches per step"],
+    ) == ("4", "2", "4")

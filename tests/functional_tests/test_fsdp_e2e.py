@@ -1,14 +1,28 @@
 """FSDP2 (--use-torch-fsdp2) through torchrun on CPU/gloo: the losses and grad norms of DP=2 equal
 the one-process run (no sharding) for 6 iterations. (--use-megatron-fsdp with optim_grads_params
 takes the same code path; its flag mapping is tested in tests/unit_tests/test_fsdp.py.)"""
+
 import pytest
 
-from tests.functional_tests.runner import TINY_MODEL, assert_same_training, run_pretrain, train_metrics
+from tests.functional_tests.runner import (
+    TINY_MODEL,
+    assert_same_training,
+    run_pretrain,
+    train_metrics,
+)
 
 ITERS = 6
 # FSDP2 needs untied embeddings and no gradient-accumulation fusion (MEGATRON_FACTS §3).
-BASE = TINY_MODEL + ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", str(ITERS),
-                     "--untie-embeddings-and-output-weights", "--no-gradient-accumulation-fusion"]
+BASE = TINY_MODEL + [
+    "--hidden-dropout",
+    "0.0",
+    "--attention-dropout",
+    "0.0",
+    "--train-iters",
+    str(ITERS),
+    "--untie-embeddings-and-output-weights",
+    "--no-gradient-accumulation-fusion",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +38,21 @@ def test_fsdp2_dp2_matches_one_process(reference, tmp_path):
 
 
 def test_fsdp2_refuses_checkpointing_with_a_clear_message(tmp_path):
-    result = run_pretrain(BASE + ["--use-torch-fsdp2", "--ckpt-format", "torch_dist", "--save", str(tmp_path),
-                                  "--save-interval", "2"], nproc=None)
+    result = run_pretrain(
+        BASE
+        + [
+            "--use-torch-fsdp2",
+            "--ckpt-format",
+            "torch_dist",
+            "--save",
+            str(tmp_path),
+            "--save-interval",
+            "2",
+        ],
+        nproc=None,
+    )
     assert result.returncode != 0
-    assert "--use-torch-fsdp2 does not support saving or loading checkpoints" in result.stderr, result.stderr[-2000:]
+    assert "--use-torch-fsdp2 does not support saving or loading checkpoints" in result.stderr, (
+        result.stderr[-2000:]
+    )
     assert "Traceback" not in result.stderr, result.stderr[-2000:]

@@ -1,12 +1,22 @@
 """Tensor, sequence and context parallel training through torchrun equals the one-process run."""
+
 import pytest
 
 from tests.functional_tests.runner import TINY_MODEL, read_tensorboard_scalars, run_pretrain
 
 NO_DROPOUT = ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", "10"]
-LLAMA_LIKE = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-              "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--group-query-attention",
-              "--num-query-groups", "2"]
+LLAMA_LIKE = [
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -16,19 +26,27 @@ def references(tmp_path_factory):
         tb = tmp_path_factory.mktemp(f"ref_{name}")
         result = run_pretrain(TINY_MODEL + NO_DROPOUT + extra + ["--tensorboard-dir", str(tb)])
         assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = (read_tensorboard_scalars(tb, "lm loss"), read_tensorboard_scalars(tb, "grad-norm"))
+        runs[name] = (
+            read_tensorboard_scalars(tb, "lm loss"),
+            read_tensorboard_scalars(tb, "grad-norm"),
+        )
     return runs
 
 
-@pytest.mark.parametrize("model, layout", [
-    ("gpt", ["--tensor-model-parallel-size", "2"]),
-    ("gpt", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    ("gpt", ["--context-parallel-size", "2"]),
-    ("llama", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-])
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("gpt", ["--tensor-model-parallel-size", "2"]),
+        ("gpt", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("gpt", ["--context-parallel-size", "2"]),
+        ("llama", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ],
+)
 def test_layout_matches_single_process(references, model, layout, tmp_path):
     extra = LLAMA_LIKE if model == "llama" else []
-    result = run_pretrain(TINY_MODEL + NO_DROPOUT + extra + layout + ["--tensorboard-dir", str(tmp_path)], nproc=2)
+    result = run_pretrain(
+        TINY_MODEL + NO_DROPOUT + extra + layout + ["--tensorboard-dir", str(tmp_path)], nproc=2
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     got = read_tensorboard_scalars(tmp_path, "lm loss")
     got_norm = read_tensorboard_scalars(tmp_path, "grad-norm")
@@ -37,4 +55,8 @@ def test_layout_matches_single_process(references, model, layout, tmp_path):
     for it in range(1, 11):
         assert abs(got[it] - ref[it]) <= 1e-4 * abs(ref[it]), (it, got[it], ref[it])
         # Adam and clipping hide a wrongly scaled gradient from the loss; the norm does not.
-        assert abs(got_norm[it] - ref_norm[it]) <= 1e-3 * abs(ref_norm[it]), (it, got_norm[it], ref_norm[it])
+        assert abs(got_norm[it] - ref_norm[it]) <= 1e-3 * abs(ref_norm[it]), (
+            it,
+            got_norm[it],
+            ref_norm[it],
+        )

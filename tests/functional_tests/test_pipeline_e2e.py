@@ -1,18 +1,36 @@
 """Pipeline parallelism through torchrun on CPU: every layout gives the one-process losses."""
+
 import pytest
 
-from tests.functional_tests.runner import TINY_MODEL, assert_same_training, read_tensorboard_scalars, run_pretrain
+from tests.functional_tests.runner import (
+    TINY_MODEL,
+    assert_same_training,
+    read_tensorboard_scalars,
+    run_pretrain,
+)
 
 EIGHT_LAYERS = [a for a in TINY_MODEL]
 EIGHT_LAYERS[EIGHT_LAYERS.index("--num-layers") + 1] = "8"
-BASE = EIGHT_LAYERS + ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", "10"]
+BASE = EIGHT_LAYERS + [
+    "--hidden-dropout",
+    "0.0",
+    "--attention-dropout",
+    "0.0",
+    "--train-iters",
+    "10",
+]
 
 
 def _losses(args, nproc, tb):
     result = run_pretrain(args + ["--tensorboard-dir", str(tb)], nproc=nproc)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return ({"loss": read_tensorboard_scalars(tb, "lm loss"), "norm": read_tensorboard_scalars(tb, "grad-norm")},
-            result)
+    return (
+        {
+            "loss": read_tensorboard_scalars(tb, "lm loss"),
+            "norm": read_tensorboard_scalars(tb, "grad-norm"),
+        },
+        result,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -24,17 +42,46 @@ def _assert_close(got, ref):
     assert_same_training(got, ref, range(1, 11))
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (2, ["--pipeline-model-parallel-size", "2"]),
-    # PP = 2 interleaved: both neighbours are the same rank (a deadlock once lived here).
-    (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"]),
-    (4, ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"]),
-    (4, ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "1",
-         "--decoder-last-pipeline-num-layers", "1"]),
-    (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    (8, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-         "--context-parallel-size", "2"]),
-], ids=["pp2", "pp2-interleaved", "pp4-interleaved", "pp4-uneven", "tp2-pp2-dp2", "tp2sp-pp2-cp2"])
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, ["--pipeline-model-parallel-size", "2"]),
+        # PP = 2 interleaved: both neighbours are the same rank (a deadlock once lived here).
+        (
+            2,
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+        ),
+        (
+            4,
+            ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+        ),
+        (
+            4,
+            [
+                "--pipeline-model-parallel-size",
+                "4",
+                "--decoder-first-pipeline-num-layers",
+                "1",
+                "--decoder-last-pipeline-num-layers",
+                "1",
+            ],
+        ),
+        (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+        (
+            8,
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--context-parallel-size",
+                "2",
+            ],
+        ),
+    ],
+    ids=["pp2", "pp2-interleaved", "pp4-interleaved", "pp4-uneven", "tp2-pp2-dp2", "tp2sp-pp2-cp2"],
+)
 def test_layout_matches_one_process(reference, nproc, layout, tmp_path):
     got, result = _losses(BASE + layout, nproc, tmp_path)
     _assert_close(got, reference)
@@ -51,12 +98,27 @@ def test_pp2_resume_matches_straight_run(reference, tmp_path):
     _assert_close({k: {**first[k], **second[k]} for k in first}, reference)
 
 
-@pytest.mark.parametrize("layout, words", [
-    (["--pipeline-model-parallel-size", "3"], ["8", "--pipeline-model-parallel-size (3)"]),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
-      "--global-batch-size", "3", "--micro-batch-size", "1"], ["micro"]),
-    (["--num-layers-per-virtual-pipeline-stage", "2"], ["--pipeline-model-parallel-size"]),
-], ids=["layers-not-divisible", "bad-microbatches-interleaved", "virtual-stages-pp1"])
+@pytest.mark.parametrize(
+    "layout, words",
+    [
+        (["--pipeline-model-parallel-size", "3"], ["8", "--pipeline-model-parallel-size (3)"]),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-layers-per-virtual-pipeline-stage",
+                "2",
+                "--global-batch-size",
+                "3",
+                "--micro-batch-size",
+                "1",
+            ],
+            ["micro"],
+        ),
+        (["--num-layers-per-virtual-pipeline-stage", "2"], ["--pipeline-model-parallel-size"]),
+    ],
+    ids=["layers-not-divisible", "bad-microbatches-interleaved", "virtual-stages-pp1"],
+)
 def test_bad_pipeline_flags_fail_before_process_groups(layout, words):
     env = {"WORLD_SIZE": "6" if "3" in layout else "2"}
     result = run_pretrain(BASE + layout, extra_env=env, timeout=120)

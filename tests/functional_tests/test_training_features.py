@@ -1,6 +1,6 @@
 """Training features run in-process (one process, no torchrun): logging backends, precision,
 batch-size ramp-up, and the SIGTERM handler (as a subprocess)."""
-import os
+
 import signal
 import subprocess
 import sys
@@ -9,8 +9,13 @@ import types
 import pytest
 
 from megatron.training import global_vars
-from tests.functional_tests.runner import (REPO, TINY_MODEL, env_for_tests, parse_log_lines,
-                                           read_tensorboard_scalars)
+from tests.functional_tests.runner import (
+    REPO,
+    TINY_MODEL,
+    env_for_tests,
+    parse_log_lines,
+    read_tensorboard_scalars,
+)
 
 sys.path.insert(0, str(REPO))
 import pretrain_gpt  # noqa: E402
@@ -18,9 +23,14 @@ import pretrain_gpt  # noqa: E402
 
 def _pretrain(argv, capsys):
     global_vars.reset_globals()
-    pretrain_gpt.pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                          pretrain_gpt.ModelType.encoder_or_decoder, pretrain_gpt.forward_step,
-                          args_defaults={"tokenizer_type": "GPT2BPETokenizer"}, argv=argv)
+    pretrain_gpt.pretrain(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        pretrain_gpt.model_provider,
+        pretrain_gpt.ModelType.encoder_or_decoder,
+        pretrain_gpt.forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        argv=argv,
+    )
     out = capsys.readouterr().out
     global_vars.reset_globals()
     return out
@@ -48,8 +58,20 @@ def fake_wandb(monkeypatch):
 
 
 def test_wandb_gets_metrics_without_tensorboard(fake_wandb, capsys, tmp_path):
-    _pretrain(TINY_MODEL + ["--train-iters", "4", "--wandb-project", "p", "--wandb-exp-name", "e",
-                            "--wandb-save-dir", str(tmp_path)], capsys)
+    _pretrain(
+        TINY_MODEL
+        + [
+            "--train-iters",
+            "4",
+            "--wandb-project",
+            "p",
+            "--wandb-exp-name",
+            "e",
+            "--wandb-save-dir",
+            str(tmp_path),
+        ],
+        capsys,
+    )
     steps = {step for step, metrics in fake_wandb.logged if "lm loss" in metrics}
     assert steps == {1, 2, 3, 4}
     assert all("learning-rate" in m for s, m in fake_wandb.logged if "lm loss" in m)
@@ -58,16 +80,40 @@ def test_wandb_gets_metrics_without_tensorboard(fake_wandb, capsys, tmp_path):
 
 def test_tensorboard_tags_and_validation(capsys, tmp_path):
     tb = tmp_path / "tb"
-    out = _pretrain(TINY_MODEL + ["--train-iters", "4", "--tensorboard-dir", str(tb), "--eval-interval", "2",
-                                  "--eval-iters", "1"], capsys)
-    for tag in ("learning-rate", "learning-rate vs samples", "batch-size", "lm loss", "lm loss vs samples",
-                "loss-scale", "grad-norm", "lm loss validation"):
+    out = _pretrain(
+        TINY_MODEL
+        + [
+            "--train-iters",
+            "4",
+            "--tensorboard-dir",
+            str(tb),
+            "--eval-interval",
+            "2",
+            "--eval-iters",
+            "1",
+        ],
+        capsys,
+    )
+    for tag in (
+        "learning-rate",
+        "learning-rate vs samples",
+        "batch-size",
+        "lm loss",
+        "lm loss vs samples",
+        "loss-scale",
+        "grad-norm",
+        "lm loss validation",
+    ):
         values = read_tensorboard_scalars(tb, tag)
         assert values, tag
     assert sorted(read_tensorboard_scalars(tb, "lm loss")) == [1, 2, 3, 4]
     assert sorted(read_tensorboard_scalars(tb, "lm loss validation")) == [2, 4]
     assert " validation loss at iteration 2 | lm loss value: " in out
-    block = [l for l in out.splitlines() if l.startswith(" validation loss at iteration 4 on validation set")]
+    block = [
+        l
+        for l in out.splitlines()
+        if l.startswith(" validation loss at iteration 4 on validation set")
+    ]
     assert block, out[-2000:]
     lines = out.splitlines()
     i = lines.index(block[0])
@@ -75,12 +121,14 @@ def test_tensorboard_tags_and_validation(capsys, tmp_path):
 
 
 def test_fp16_dynamic_loss_scale_skips_overflows_then_trains(capsys):
-    out = _pretrain(TINY_MODEL + ["--train-iters", "8", "--fp16", "--loss-scale-window", "1000"], capsys)
+    out = _pretrain(
+        TINY_MODEL + ["--train-iters", "8", "--fp16", "--loss-scale-window", "1000"], capsys
+    )
     lines = parse_log_lines(out)
-    assert float(lines[1]["loss_scale"]) <= 2.0 ** 32
+    assert float(lines[1]["loss_scale"]) <= 2.0**32
     # Starting at 2^32 fp16 gradients overflow: steps are skipped and the scale comes down.
     assert int(lines[8]["skipped"]) + sum(int(lines[i]["skipped"]) for i in range(1, 8)) > 0
-    assert float(lines[8]["loss_scale"]) < 2.0 ** 32
+    assert float(lines[8]["loss_scale"]) < 2.0**32
     assert all("lm loss" in lines[i]["losses"] for i in lines if not int(lines[i]["skipped"]))
 
 
@@ -94,24 +142,50 @@ def test_bf16_trains_with_unit_loss_scale(capsys):
 def test_rampup_batch_size_with_train_samples(capsys):
     argv = [a for a in TINY_MODEL]
     argv[argv.index("--global-batch-size") + 1] = "12"
-    argv += ["--train-samples", "120", "--rampup-batch-size", "4", "4", "32", "--lr-warmup-samples", "8"]
+    argv += [
+        "--train-samples",
+        "120",
+        "--rampup-batch-size",
+        "4",
+        "4",
+        "32",
+        "--lr-warmup-samples",
+        "8",
+    ]
     i = argv.index("--lr-warmup-iters")
-    del argv[i:i + 2]
+    del argv[i : i + 2]
     out = _pretrain(argv, capsys)
     lines = parse_log_lines(out)
     gbs = [int(lines[i]["gbs"]) for i in sorted(lines)]
     consumed = [int(lines[i]["consumed"]) for i in sorted(lines)]
     # 32 ramp samples over (12-4)/4 = 2 increments: 16 samples per increment.
     assert gbs[:4] == [4, 4, 4, 4] and gbs[4:6] == [8, 8] and set(gbs[6:]) == {12}
-    assert consumed[-1] <= 120 and consumed == [sum(gbs[:k + 1]) for k in range(len(gbs))]
+    assert consumed[-1] <= 120 and consumed == [sum(gbs[: k + 1]) for k in range(len(gbs))]
 
 
 def test_sigterm_saves_and_exits_zero(tmp_path):
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, str(REPO / "pretrain_gpt.py")] + TINY_MODEL + [
-        "--train-iters", "100000", "--exit-signal-handler", "--save", str(ckpt), "--save-interval", "100000"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env_for_tests(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    cmd = (
+        [sys.executable, str(REPO / "pretrain_gpt.py")]
+        + TINY_MODEL
+        + [
+            "--train-iters",
+            "100000",
+            "--exit-signal-handler",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "100000",
+        ]
+    )
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env_for_tests(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in proc.stdout:
             if " iteration        3/" in line:
@@ -129,8 +203,20 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
 
 def test_log_throughput_fields(capsys, tmp_path):
     import re
-    out = _pretrain(TINY_MODEL + ["--train-iters", "3", "--log-interval", "1", "--log-throughput", "--tensorboard-dir", str(tmp_path)],
-                    capsys)
+
+    out = _pretrain(
+        TINY_MODEL
+        + [
+            "--train-iters",
+            "3",
+            "--log-interval",
+            "1",
+            "--log-throughput",
+            "--tensorboard-dir",
+            str(tmp_path),
+        ],
+        capsys,
+    )
     lines = parse_log_lines(out)
     assert "throughput per GPU (TFLOP/s/GPU): " in out
     tokens = [float(m) for m in re.findall(r"^ tokens per second: (\S+) \|", out, flags=re.M)]
@@ -142,8 +228,20 @@ def test_log_throughput_fields(capsys, tmp_path):
 
 def test_real_wandb_offline_run_is_written(tmp_path):
     """The real wandb package in offline mode (no network): a run file appears in --wandb-save-dir."""
-    cmd = [sys.executable, str(REPO / "pretrain_gpt.py")] + TINY_MODEL + [
-        "--train-iters", "3", "--wandb-project", "p", "--wandb-exp-name", "e", "--wandb-save-dir", str(tmp_path)]
+    cmd = (
+        [sys.executable, str(REPO / "pretrain_gpt.py")]
+        + TINY_MODEL
+        + [
+            "--train-iters",
+            "3",
+            "--wandb-project",
+            "p",
+            "--wandb-exp-name",
+            "e",
+            "--wandb-save-dir",
+            str(tmp_path),
+        ]
+    )
     env = env_for_tests()
     env["WANDB_MODE"] = "offline"
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -1,4 +1,5 @@
 """Megatron argument namespaces for unit tests."""
+
 from megatron.training.arguments import parse_args
 
 

@@ -1,4 +1,5 @@
 """A one-process training state for checkpoint unit tests (both formats)."""
+
 import torch
 
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -12,10 +13,20 @@ from tests.unit_tests.args_utils import megatron_args
 
 def checkpoint_args(tmp_path, ckpt_format: str, **overrides):
     """Arguments of a one-process run saving to and loading from ``tmp_path/ckpt``."""
-    settings = dict(save=str(tmp_path / "ckpt"), load=str(tmp_path / "ckpt"), ckpt_format=ckpt_format,
-                    consumed_train_samples=0, consumed_valid_samples=0, skipped_train_samples=0,
-                    num_layers=2, hidden_size=8, params_dtype=torch.float32, rank=0, world_size=1,
-                    some_callable=print)
+    settings = dict(
+        save=str(tmp_path / "ckpt"),
+        load=str(tmp_path / "ckpt"),
+        ckpt_format=ckpt_format,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        skipped_train_samples=0,
+        num_layers=2,
+        hidden_size=8,
+        params_dtype=torch.float32,
+        rank=0,
+        world_size=1,
+        some_callable=print,
+    )
     return megatron_args(**{**settings, **overrides})
 
 
@@ -31,7 +42,17 @@ def setup_training_state(args, make_model, bf16: bool = False):
     global_vars.set_rng_tracker(tracker)
     model = make_model()
     opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=bf16), [model])
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=2,
-                                    lr_decay_steps=100, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
-                                    wd_incr_steps=100, wd_incr_style="constant")
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-3,
+        lr_warmup_steps=2,
+        lr_decay_steps=100,
+        lr_decay_style="cosine",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
+    )
     return model, opt, sched

@@ -1,11 +1,15 @@
 """Run a function in a small gloo world of spawned CPU processes."""
+
 import os
 import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-from megatron.training.initialize import import_torch_dynamo_before_process_groups, teardown_process_groups
+from megatron.training.initialize import (
+    import_torch_dynamo_before_process_groups,
+    teardown_process_groups,
+)
 
 
 def free_port() -> int:
@@ -16,8 +20,14 @@ def free_port() -> int:
 
 def _worker(rank, world_size, port, fn, args, errors):
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     import_torch_dynamo_before_process_groups()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -28,8 +38,10 @@ def _worker(rank, world_size, port, fn, args, errors):
     finally:
         leaked = teardown_process_groups()
     if leaked:
-        message = (f"rank {rank}: {leaked} gloo worker thread(s) outlived destroy_process_group(): something "
-                   "the test built still references a process group (a leaked model, hook or cache)")
+        message = (
+            f"rank {rank}: {leaked} gloo worker thread(s) outlived destroy_process_group(): something "
+            "the test built still references a process group (a leaked model, hook or cache)"
+        )
         errors.put(message)
         raise RuntimeError(message)
 
@@ -40,8 +52,13 @@ def run_distributed(fn, world_size: int, *args):
     errors = ctx.SimpleQueue()
     port = free_port()
     try:
-        mp.start_processes(_worker, args=(world_size, port, fn, args, errors), nprocs=world_size,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _worker,
+            args=(world_size, port, fn, args, errors),
+            nprocs=world_size,
+            start_method="spawn",
+            join=True,
+        )
     except mp.ProcessRaisedException as exc:
         details = errors.get() if not errors.empty() else str(exc)
         raise AssertionError(details) from None

@@ -8,7 +8,10 @@ import pytest
 
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.index_helpers import build_blending_indices, build_exhaustive_blending_indices
+from megatron.core.datasets.index_helpers import (
+    build_blending_indices,
+    build_exhaustive_blending_indices,
+)
 from megatron.core.datasets.utils import Split
 
 
@@ -42,7 +45,14 @@ def reference_exhaustive(sizes):
 
 @pytest.mark.parametrize(
     "weights",
-    [[0.5, 0.5], [0.3, 0.7], [0.2, 0.3, 0.5], [1.0], [0.25, 0.25, 0.25, 0.25], list(np.random.default_rng(0).random(9))],
+    [
+        [0.5, 0.5],
+        [0.3, 0.7],
+        [0.2, 0.3, 0.5],
+        [1.0],
+        [0.25, 0.25, 0.25, 0.25],
+        list(np.random.default_rng(0).random(9)),
+    ],
 )
 def test_blending_index_matches_reference(weights):
     weights = (np.array(weights) / np.sum(weights)).tolist()
@@ -80,10 +90,14 @@ def test_exhaustive_blending_matches_reference(sizes):
 
 def mock_datasets(tmp_path, sizes, seq_len=16):
     tok = SimpleNamespace(eod=0, pad=None, vocab_size=500, unique_identifiers={"class": "T"})
-    config = GPTDatasetConfig(random_seed=1, sequence_length=seq_len, tokenizer=tok, path_to_cache=str(tmp_path / "cache"))
+    config = GPTDatasetConfig(
+        random_seed=1, sequence_length=seq_len, tokenizer=tok, path_to_cache=str(tmp_path / "cache")
+    )
     low = MockGPTDataset.build_low_level_dataset(None, config)
     datasets = [
-        MockGPTDataset(low, None, np.arange(100 * k, 100 * k + 50, dtype=np.int32), n, Split.train, config)
+        MockGPTDataset(
+            low, None, np.arange(100 * k, 100 * k + 50, dtype=np.int32), n, Split.train, config
+        )
         for k, n in enumerate(sizes)
     ]
     return datasets, config
@@ -102,7 +116,8 @@ def test_blended_dataset_samples_and_cache(tmp_path):
         assert np.array_equal(sample["tokens"].numpy(), datasets[d][s]["tokens"].numpy())
     files = [f for f in os.listdir(tmp_path / "cache") if "BlendedDataset" in f]
     assert sorted(f.split("-", 1)[1] for f in files) == sorted(
-        "BlendedDataset-train-" + s for s in ["description.txt", "dataset_index.npy", "dataset_sample_index.npy"]
+        "BlendedDataset-train-" + s
+        for s in ["description.txt", "dataset_index.npy", "dataset_sample_index.npy"]
     )
     again = BlendedDataset(datasets, [3, 7], 120, config)  # the same normalized weights
     assert not again.built_anew_on_cache_miss
@@ -149,5 +164,7 @@ def test_compiled_loop_equals_python_loop():
             assert x.dtype == y.dtype
             np.testing.assert_array_equal(x, y)
     sizes = [40, 0, 3, 901]
-    for x, y in zip(build_exhaustive_blending_indices(sizes, accelerate=True), reference_exhaustive(sizes)):
+    for x, y in zip(
+        build_exhaustive_blending_indices(sizes, accelerate=True), reference_exhaustive(sizes)
+    ):
         np.testing.assert_array_equal(x, y)

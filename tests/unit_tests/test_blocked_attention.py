@@ -26,7 +26,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import blocked_attention as blocked_module
 from megatron.core.transformer import dot_product_attention as dpa_module
 from megatron.core.transformer.blocked_attention import blocked_attention
-from megatron.core.transformer.dot_product_attention import UNFUSED_AUTO_MAX_SEQ, DotProductAttention
+from megatron.core.transformer.dot_product_attention import (
+    UNFUSED_AUTO_MAX_SEQ,
+    DotProductAttention,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -65,17 +68,28 @@ def _value_and_grads(fn, q, k, v, grad):
 def test_causal_blocks_equal_explicit_float64(seq, block_rows):
     q, k, v, grad = _qkv(seq, seq)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    expected = _value_and_grads(lambda a, b_, c: _explicit_attention(a, b_, c, scale, True), q, k, v, grad)
-    actual = _value_and_grads(lambda a, b_, c: blocked_attention(a, b_, c, scale, causal=True,
-                                                                 block_rows=block_rows), q, k, v, grad)
+    expected = _value_and_grads(
+        lambda a, b_, c: _explicit_attention(a, b_, c, scale, True), q, k, v, grad
+    )
+    actual = _value_and_grads(
+        lambda a, b_, c: blocked_attention(a, b_, c, scale, causal=True, block_rows=block_rows),
+        q,
+        k,
+        v,
+        grad,
+    )
     for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_no_mask_with_longer_keys_equals_explicit_float64():
     q, k, v, grad = _qkv(5, 11)
-    expected = _value_and_grads(lambda a, b_, c: _explicit_attention(a, b_, c, 0.3, False), q, k, v, grad)
-    actual = _value_and_grads(lambda a, b_, c: blocked_attention(a, b_, c, 0.3, causal=False), q, k, v, grad)
+    expected = _value_and_grads(
+        lambda a, b_, c: _explicit_attention(a, b_, c, 0.3, False), q, k, v, grad
+    )
+    actual = _value_and_grads(
+        lambda a, b_, c: blocked_attention(a, b_, c, 0.3, causal=False), q, k, v, grad
+    )
     for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
 
@@ -85,11 +99,14 @@ def test_grouped_query_attention_equals_explicit_float64_with_repeated_groups():
     _, k, v, _ = _qkv(10, 10, n=2, seed=1)  # 2 groups of 3 query heads
 
     def explicit(a, b_, c):  # query head j reads group j // 3
-        return _explicit_attention(a, b_.repeat_interleave(3, dim=2), c.repeat_interleave(3, dim=2), 0.4, True)
+        return _explicit_attention(
+            a, b_.repeat_interleave(3, dim=2), c.repeat_interleave(3, dim=2), 0.4, True
+        )
 
     expected = _value_and_grads(explicit, q, k, v, grad)
-    actual = _value_and_grads(lambda a, b_, c: blocked_attention(a, b_, c, 0.4, causal=True, block_rows=4),
-                              q, k, v, grad)
+    actual = _value_and_grads(
+        lambda a, b_, c: blocked_attention(a, b_, c, 0.4, causal=True, block_rows=4), q, k, v, grad
+    )
     for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
 
@@ -102,7 +119,11 @@ def test_float32_strided_qkv_split_matches_sdpa():
 
     def sdpa(m):
         q, k, v = (x.permute(1, 2, 0, 3) for x in m.unbind(3))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, b, n * d)
+        return (
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            .permute(2, 0, 1, 3)
+            .reshape(s, b, n * d)
+        )
 
     def blocked(m):
         return blocked_attention(*m.unbind(3), 1.0 / math.sqrt(d), causal=True, block_rows=16)
@@ -129,14 +150,22 @@ def test_dropout_with_known_masks_equals_explicit_float64(monkeypatch):
         assert dropout_p == p_drop
         r0 = sum(c[0] for c in calls)
         calls.append(probs.shape[1:])
-        return pattern[:, r0:r0 + probs.shape[1], :probs.shape[2]].clone()
+        return pattern[:, r0 : r0 + probs.shape[1], : probs.shape[2]].clone()
 
     monkeypatch.setattr(blocked_module, "_dropout_keep", known_keep)
     full_keep = pattern.view(b, n, seq, seq).to(torch.float64)
-    expected = _value_and_grads(lambda a, b_, c: _explicit_attention(a, b_, c, 0.5, True, full_keep, p_drop),
-                                q, k, v, grad)
-    actual = _value_and_grads(lambda a, b_, c: blocked_attention(a, b_, c, 0.5, causal=True, block_rows=4,
-                                                                 dropout_p=p_drop), q, k, v, grad)
+    expected = _value_and_grads(
+        lambda a, b_, c: _explicit_attention(a, b_, c, 0.5, True, full_keep, p_drop), q, k, v, grad
+    )
+    actual = _value_and_grads(
+        lambda a, b_, c: blocked_attention(
+            a, b_, c, 0.5, causal=True, block_rows=4, dropout_p=p_drop
+        ),
+        q,
+        k,
+        v,
+        grad,
+    )
     assert [tuple(c) for c in calls] == [(4, 4), (4, 8), (3, 11)]
     for name, e, a in zip(("out", "dq", "dk", "dv"), expected, actual):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
@@ -169,9 +198,16 @@ def test_bad_shapes_are_refused_with_the_shapes():
 
 # ----------------------------------------------------------------------------- kernel choice
 
+
 def _config(backend, **kw):
-    base = dict(num_layers=1, hidden_size=32, num_attention_heads=4, attention_dropout=0.0,
-                hidden_dropout=0.0, attention_backend=backend)
+    base = dict(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        attention_backend=backend,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -187,9 +223,17 @@ def _count_unfused_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("backend,seq,expect", [
-    ("auto", 16, True), ("auto", UNFUSED_AUTO_MAX_SEQ + 1, False), ("unfused", UNFUSED_AUTO_MAX_SEQ + 1, True),
-    ("local", 16, True), ("flash", 16, False), ("fused", 16, False)])
+@pytest.mark.parametrize(
+    "backend,seq,expect",
+    [
+        ("auto", 16, True),
+        ("auto", UNFUSED_AUTO_MAX_SEQ + 1, False),
+        ("unfused", UNFUSED_AUTO_MAX_SEQ + 1, True),
+        ("local", 16, True),
+        ("flash", 16, False),
+        ("fused", 16, False),
+    ],
+)
 def test_backend_chooses_the_kernel(monkeypatch, backend, seq, expect):
     calls = _count_unfused_calls(monkeypatch)
     attn = DotProductAttention(_config(backend), layer_number=1)
@@ -214,7 +258,9 @@ def test_unfused_is_not_used_where_it_does_not_apply(monkeypatch, case):
     calls = _count_unfused_calls(monkeypatch)
     attn = DotProductAttention(_config("unfused"), layer_number=1)
     attn.train()
-    q, k, v, _ = _qkv(8, 8, b=1, n=4, d=8, dtype=torch.bfloat16 if case == "bf16" else torch.float32)
+    q, k, v, _ = _qkv(
+        8, 8, b=1, n=4, d=8, dtype=torch.bfloat16 if case == "bf16" else torch.float32
+    )
     mask = None
     if case == "mask_tensor":
         mask = torch.ones(8, 8, dtype=torch.bool).triu_(1)[None, None]
@@ -228,7 +274,9 @@ def test_no_mask_attention_uses_the_unfused_path_without_causal_mask(monkeypatch
     q, k, v, _ = _qkv(6, 6, b=1, n=4, d=8, dtype=torch.float32)
     out = attn(q, k, v, None)
     assert calls == [(False, 0.0)]
-    torch.testing.assert_close(out, _explicit_attention(q, k, v, 1 / math.sqrt(8), False), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        out, _explicit_attention(q, k, v, 1 / math.sqrt(8), False), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("groups", [None, 2])
@@ -239,8 +287,11 @@ def test_gpt_model_gives_the_same_loss_and_grads_with_either_kernel(monkeypatch,
     results = {}
     for backend in ("flash", "unfused"):
         torch.manual_seed(0)
-        model = GPTModel(_config(backend, num_layers=2, num_query_groups=groups), vocab_size=64,
-                         max_sequence_length=24)
+        model = GPTModel(
+            _config(backend, num_layers=2, num_query_groups=groups),
+            vocab_size=64,
+            max_sequence_length=24,
+        )
         loss = model(tokens, position_ids, None, labels=tokens.roll(-1, 1)).mean()
         loss.backward()
         results[backend] = (loss.detach(), [p.grad.clone() for p in model.parameters()])

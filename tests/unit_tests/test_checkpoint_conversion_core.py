@@ -1,4 +1,5 @@
 """Megatron -> Megatron resharding of torch-format checkpoints through convert.py (core loader/saver)."""
+
 import argparse
 import os
 import subprocess
@@ -37,14 +38,33 @@ def shard(ckpt, tp, pp, pp_size, sub="release"):
 def tp2pp2(tmp_path_factory):
     """A SwiGLU + GQA + qkv-bias model (the hardest TP layouts) saved at TP=2, PP=2."""
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                      max_position_embeddings=64, tie_word_embeddings=False)
+    config = transformers.Qwen2Config(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     hf = tmp_path_factory.mktemp("hf")
     transformers.Qwen2ForCausalLM(config).save_pretrained(hf)
     ckpt = tmp_path_factory.mktemp("tp2pp2")
-    run("--loader", "hf_llama", "--saver", "core", "--load-dir", hf, "--save-dir", ckpt,
-        "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2)
+    run(
+        "--loader",
+        "hf_llama",
+        "--saver",
+        "core",
+        "--load-dir",
+        hf,
+        "--save-dir",
+        ckpt,
+        "--target-tensor-parallel-size",
+        2,
+        "--target-pipeline-parallel-size",
+        2,
+    )
     return ckpt
 
 
@@ -64,8 +84,14 @@ def gather_by_hand(ckpt):
                 value = torch.cat([ga, gb, ua, ub])
             elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
                 value = torch.cat([a, b], dim=1)
-            elif name.endswith(("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight",
-                                "output_layer.weight")):
+            elif name.endswith(
+                (
+                    "linear_qkv.weight",
+                    "linear_qkv.bias",
+                    "word_embeddings.weight",
+                    "output_layer.weight",
+                )
+            ):
                 value = torch.cat([a, b], dim=0)
             else:
                 assert torch.equal(a, b), name
@@ -75,8 +101,20 @@ def gather_by_hand(ckpt):
 
 
 def test_tp2_pp2_to_tp1_pp1_equals_gathered_originals(tp2pp2, tmp_path):
-    run("--loader", "core", "--saver", "core", "--load-dir", tp2pp2, "--save-dir", tmp_path / "tp1",
-        "--target-tensor-parallel-size", 1, "--target-pipeline-parallel-size", 1)
+    run(
+        "--loader",
+        "core",
+        "--saver",
+        "core",
+        "--load-dir",
+        tp2pp2,
+        "--save-dir",
+        tmp_path / "tp1",
+        "--target-tensor-parallel-size",
+        1,
+        "--target-pipeline-parallel-size",
+        1,
+    )
     assert not (tmp_path / "tp1" / "release" / "mp_rank_00_000").exists()
     state = shard(tmp_path / "tp1", 0, 0, 1)
     expected = gather_by_hand(tp2pp2)
@@ -93,30 +131,68 @@ def test_tp2_pp2_to_tp1_pp1_equals_gathered_originals(tp2pp2, tmp_path):
     assert args.tensor_model_parallel_size == 1 and args.pipeline_model_parallel_size == 1
     assert args.padded_vocab_size == 128
     # The keys and shapes are exactly what our model builds from the saved args.
-    model = GPTModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
-                     max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
+    model = GPTModel(
+        core_transformer_config_from_args(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
     model.load_state_dict(got, strict=True)
 
 
 def test_virtual_stages_and_back_is_identical(tp2pp2, tmp_path):
     """TP=2·PP=2 -> TP=1·PP=2 with 2 virtual stages per rank -> TP=2·PP=2 again: bit-identical."""
-    run("--loader", "core", "--saver", "core", "--load-dir", tp2pp2, "--save-dir", tmp_path / "vpp",
-        "--target-tensor-parallel-size", 1, "--target-pipeline-parallel-size", 2,
-        "--target-num-virtual-stages-per-pipeline-rank", 2)
+    run(
+        "--loader",
+        "core",
+        "--saver",
+        "core",
+        "--load-dir",
+        tp2pp2,
+        "--save-dir",
+        tmp_path / "vpp",
+        "--target-tensor-parallel-size",
+        1,
+        "--target-pipeline-parallel-size",
+        2,
+        "--target-num-virtual-stages-per-pipeline-rank",
+        2,
+    )
     args = shard(tmp_path / "vpp", 0, 0, 2)["args"]
     split = compute_layer_split(4, 2, 2)
     config = core_transformer_config_from_args(args)
     for pp in range(2):
         state = shard(tmp_path / "vpp", 0, pp, 2)
-        assert "model" not in state and sorted(k for k in state if k.startswith("model")) == ["model0", "model1"]
+        assert "model" not in state and sorted(k for k in state if k.startswith("model")) == [
+            "model0",
+            "model1",
+        ]
         for chunk in range(2):
             kw = split.chunk_args(pp, chunk)
-            stage = GPTModel(config, vocab_size=args.padded_vocab_size, max_sequence_length=64,
-                             position_embedding_type="rope", share_embeddings_and_output_weights=False, **kw)
+            stage = GPTModel(
+                config,
+                vocab_size=args.padded_vocab_size,
+                max_sequence_length=64,
+                position_embedding_type="rope",
+                share_embeddings_and_output_weights=False,
+                **kw,
+            )
             stage.load_state_dict(state[f"model{chunk}"], strict=True)
-    run("--loader", "core", "--saver", "core", "--load-dir", tmp_path / "vpp", "--save-dir", tmp_path / "again",
-        "--target-tensor-parallel-size", 2, "--target-pipeline-parallel-size", 2)
+    run(
+        "--loader",
+        "core",
+        "--saver",
+        "core",
+        "--load-dir",
+        tmp_path / "vpp",
+        "--save-dir",
+        tmp_path / "again",
+        "--target-tensor-parallel-size",
+        2,
+        "--target-pipeline-parallel-size",
+        2,
+    )
     for tp in range(2):
         for pp in range(2):
             a, b = shard(tp2pp2, tp, pp, 2)["model"], shard(tmp_path / "again", tp, pp, 2)["model"]
@@ -127,24 +203,77 @@ def test_virtual_stages_and_back_is_identical(tp2pp2, tmp_path):
 
 def test_incomplete_checkpoint_is_refused(tp2pp2, tmp_path):
     import shutil
+
     broken = tmp_path / "broken"
     shutil.copytree(tp2pp2, broken)
     shutil.rmtree(broken / "release" / "mp_rank_01_001")
     with pytest.raises(ConversionError, match="incomplete"):
-        run("--loader", "core", "--saver", "core", "--load-dir", broken, "--save-dir", tmp_path / "x")
+        run(
+            "--loader",
+            "core",
+            "--saver",
+            "core",
+            "--load-dir",
+            broken,
+            "--save-dir",
+            tmp_path / "x",
+        )
     (broken / "latest_checkpointed_iteration.txt").write_text("banana")
     with pytest.raises(ConversionError, match="expected an iteration number"):
-        run("--loader", "core", "--saver", "core", "--load-dir", broken, "--save-dir", tmp_path / "x")
+        run(
+            "--loader",
+            "core",
+            "--saver",
+            "core",
+            "--load-dir",
+            broken,
+            "--save-dir",
+            tmp_path / "x",
+        )
 
 
 def test_command_line_runs_the_saver_in_a_child_process(tp2pp2, tmp_path):
     script = os.path.join(_TOOLS, "convert.py")
-    done = subprocess.run([sys.executable, script, "--model-type", "GPT", "--loader", "core", "--saver", "core",
-                           "--load-dir", str(tp2pp2), "--save-dir", str(tmp_path / "cli"),
-                           "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            script,
+            "--model-type",
+            "GPT",
+            "--loader",
+            "core",
+            "--saver",
+            "core",
+            "--load-dir",
+            str(tp2pp2),
+            "--save-dir",
+            str(tmp_path / "cli"),
+            "--target-tensor-parallel-size",
+            "1",
+            "--target-pipeline-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2" in done.stdout
     assert (tmp_path / "cli" / "release" / "mp_rank_00_001" / "model_optim_rng.pt").is_file()
-    assert convert.main(["--model-type", "GPT", "--loader", "core", "--saver", "nope", "--load-dir", str(tp2pp2),
-                         "--save-dir", str(tmp_path / "x")]) == 1
+    assert (
+        convert.main(
+            [
+                "--model-type",
+                "GPT",
+                "--loader",
+                "core",
+                "--saver",
+                "nope",
+                "--load-dir",
+                str(tp2pp2),
+                "--save-dir",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 1
+    )

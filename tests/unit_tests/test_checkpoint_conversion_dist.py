@@ -4,6 +4,7 @@ Two short training runs with identical settings, one saving ``--ckpt-format torc
 ``torch_dist``, must convert to byte-identical Hugging Face weights; transformers' GPT-2 built
 from them must give our model's logits (loaded from the torch-format shard) within 1e-4.
 """
+
 import argparse
 import os
 import sys
@@ -22,12 +23,44 @@ sys.path.insert(0, os.path.join(_REPO, "tools", "checkpoint"))
 sys.path.insert(0, _REPO)
 import convert  # noqa: E402
 from protocol import ConversionError  # noqa: E402
+
 from tests.functional_tests.runner import run_pretrain  # noqa: E402
 
-TRAIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "5e-3",
-         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "500", "--num-workers", "0",
-         "--log-interval", "1", "--eval-iters", "0", "--seed", "1234", "--train-iters", "2", "--save-interval", "2"]
+TRAIN = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--lr",
+    "5e-3",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "500",
+    "--num-workers",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--seed",
+    "1234",
+    "--train-iters",
+    "2",
+    "--save-interval",
+    "2",
+]
 
 
 def _train(save_dir, fmt):
@@ -36,8 +69,21 @@ def _train(save_dir, fmt):
 
 
 def _to_hf(load_dir, save_dir):
-    convert.convert(["--model-type", "GPT", "--loader", "core", "--saver", "hf_gpt2",
-                     "--load-dir", str(load_dir), "--save-dir", str(save_dir)], in_process=True)
+    convert.convert(
+        [
+            "--model-type",
+            "GPT",
+            "--loader",
+            "core",
+            "--saver",
+            "hf_gpt2",
+            "--load-dir",
+            str(load_dir),
+            "--save-dir",
+            str(save_dir),
+        ],
+        in_process=True,
+    )
     return load_file(os.path.join(save_dir, "model.safetensors"))
 
 
@@ -58,13 +104,18 @@ def test_torch_dist_to_hf_matches_torch_format_and_logits(checkpoints, tmp_path)
         assert torch.equal(from_dist[name], from_torch[name]), name
 
     with torch.serialization.safe_globals([argparse.Namespace]):
-        state = torch.load(checkpoints / "torch" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt",
-                           weights_only=True)
+        state = torch.load(
+            checkpoints / "torch" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt",
+            weights_only=True,
+        )
     args = state["args"]
-    model = GPTModel(core_transformer_config_from_args(args), vocab_size=args.padded_vocab_size,
-                     max_sequence_length=args.max_position_embeddings,
-                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type=args.position_embedding_type)
+    model = GPTModel(
+        core_transformer_config_from_args(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+    )
     model.load_state_dict(state["model"], strict=True)
     model.eval()
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf_dist")).eval()
@@ -81,6 +132,7 @@ def test_torch_dist_to_hf_matches_torch_format_and_logits(checkpoints, tmp_path)
 
 def test_incomplete_torch_dist_is_a_clear_error(checkpoints, tmp_path):
     import shutil
+
     broken = tmp_path / "broken"
     shutil.copytree(checkpoints / "dist", broken)
     os.remove(broken / "iter_0000002" / "common.pt")

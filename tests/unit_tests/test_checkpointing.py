@@ -1,6 +1,6 @@
 """torch-format checkpoints: layout, weights-only loading, exact round trip, crash safety, errors."""
+
 import argparse
-import os
 
 import pytest
 import torch
@@ -16,7 +16,10 @@ def _args(tmp_path, **kw):
 def _setup(tmp_path, seed=0, **kw):
     def make_model():
         torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2)
+        )
+
     return setup_training_state(_args(tmp_path, **kw), make_model)
 
 
@@ -26,7 +29,9 @@ def _train(model, opt, sched, steps, seed=7):
     for _ in range(steps):
         opt.zero_grad()
         x = torch.randn(4, 8, generator=g)
-        loss = torch.nn.functional.dropout(model(x), 0.5).pow(2).mean()  # dropout draws from the global RNG
+        loss = (
+            torch.nn.functional.dropout(model(x), 0.5).pow(2).mean()
+        )  # dropout draws from the global RNG
         loss.backward()
         opt.step()
         sched.step(4)
@@ -45,12 +50,21 @@ def test_round_trip_resumes_exactly(tmp_path):
     path = root / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
     with torch.serialization.safe_globals([argparse.Namespace]):
         sd = torch.load(path, weights_only=True)
-    assert {"args", "checkpoint_version", "iteration", "model", "optimizer", "opt_param_scheduler",
-            "rng_state"} <= set(sd)
+    assert {
+        "args",
+        "checkpoint_version",
+        "iteration",
+        "model",
+        "optimizer",
+        "opt_param_scheduler",
+        "rng_state",
+    } <= set(sd)
     assert sd["checkpoint_version"] == 3.0 and sd["iteration"] == 3
-    assert not hasattr(sd["args"], "some_callable"), "non-plain args are dropped so weights_only loading works"
+    assert not hasattr(sd["args"], "some_callable"), (
+        "non-plain args are dropped so weights_only loading works"
+    )
 
-    model2, opt2, sched2 = _setup(tmp_path, seed=99)   # different init, fresh optimizer
+    model2, opt2, sched2 = _setup(tmp_path, seed=99)  # different init, fresh optimizer
     torch.manual_seed(12345)  # scramble the RNG: the checkpoint must restore it
     iteration, _ = checkpointing.load_checkpoint(model2, opt2, sched2)
     assert iteration == 3
@@ -68,13 +82,15 @@ def test_interrupted_save_keeps_previous_tracker(tmp_path, monkeypatch):
     def crash(obj, f, *a, **k):
         real_save(obj, f, *a, **k)
         raise KeyboardInterrupt("killed mid-save")
+
     monkeypatch.setattr(torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         checkpointing.save_checkpoint(2, model, opt, sched)
     root = tmp_path / "ckpt"
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
-    assert not (root / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").exists(), \
+    assert not (root / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").exists(), (
         "an interrupted file keeps its temporary name"
+    )
     monkeypatch.setattr(torch, "save", real_save)
     model2, opt2, sched2 = _setup(tmp_path, seed=5)
     assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
@@ -84,11 +100,15 @@ def test_wrong_model_gives_readable_mismatch(tmp_path):
     model, opt, sched = _setup(tmp_path)
     checkpointing.save_checkpoint(1, model, opt, sched)
     global_vars.set_args(_args(tmp_path))
-    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2))
+    other = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2)
+    )
     with pytest.raises(checkpointing.CheckpointError) as err:
         checkpointing.load_checkpoint(other, None, None)
     msg = str(err.value)
-    assert "does not fit this model" in msg and "0.weight: checkpoint (8, 8) vs model (16, 8)" in msg
+    assert (
+        "does not fit this model" in msg and "0.weight: checkpoint (8, 8) vs model (16, 8)" in msg
+    )
 
 
 def test_missing_directory_starts_from_scratch(tmp_path):

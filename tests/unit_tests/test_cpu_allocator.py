@@ -19,7 +19,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.par
 def calls(monkeypatch):
     """Replace glibc's mallopt with a recorder that accepts every value."""
     recorded = []
-    monkeypatch.setattr(cpu_allocator, "_libc_mallopt", lambda: lambda p, v: recorded.append((p, v)) or 1)
+    monkeypatch.setattr(
+        cpu_allocator, "_libc_mallopt", lambda: lambda p, v: recorded.append((p, v)) or 1
+    )
     monkeypatch.delenv(cpu_allocator.ENV_VAR, raising=False)
     return recorded
 
@@ -27,7 +29,7 @@ def calls(monkeypatch):
 def test_sets_both_thresholds_on_cpu(calls):
     assert cpu_allocator.configure_cpu_allocator(torch.device("cpu")) is True
     assert calls == [(-3, 1 << 30), (-1, (1 << 31) - 1)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-    assert all(v < 2 ** 31 for _, v in calls)  # mallopt takes a C int
+    assert all(v < 2**31 for _, v in calls)  # mallopt takes a C int
     calls.clear()
     assert cpu_allocator.configure_cpu_allocator("cpu") is True and len(calls) == 2
 
@@ -77,8 +79,14 @@ def _faults(env_value):
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_CPU_MALLOPT"}
     if env_value is not None:
         env["MEGATRON_CPU_MALLOPT"] = env_value
-    out = subprocess.run([sys.executable, "-c", _CHILD, ROOT], env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, ROOT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
     return int(out[0]), int(out[1])
 
 

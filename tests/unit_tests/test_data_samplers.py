@@ -1,7 +1,11 @@
 """Samplers: the exact index order of Megatron and exact resumption from consumed samples."""
+
 import pytest
 
-from megatron.training.data_samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
+from megatron.training.data_samplers import (
+    MegatronPretrainingRandomSampler,
+    MegatronPretrainingSampler,
+)
 
 
 def test_single_sampler_slices_blocks_per_rank():

@@ -19,7 +19,9 @@ from megatron.core.datasets.utils import (
 )
 from tests.unit_tests.dist_utils import run_distributed
 
-TOK = SimpleNamespace(eod=0, pad=None, vocab_size=1000, unique_identifiers={"class": "TestTokenizer"})
+TOK = SimpleNamespace(
+    eod=0, pad=None, vocab_size=1000, unique_identifiers={"class": "TestTokenizer"}
+)
 
 
 def write_dataset(prefix, num_docs, seed):
@@ -66,11 +68,21 @@ def test_config_rules():
     with pytest.raises(ValueError, match="--split"):
         GPTDatasetConfig(random_seed=1, sequence_length=8, tokenizer=TOK, blend=(["a"], None))
     with pytest.raises(ValueError, match="incompatible"):
-        GPTDatasetConfig(random_seed=1, sequence_length=8, tokenizer=TOK, blend=(["a"], None), split="1",
-                         blend_per_split=[(["a"], None), None, None])
+        GPTDatasetConfig(
+            random_seed=1,
+            sequence_length=8,
+            tokenizer=TOK,
+            blend=(["a"], None),
+            split="1",
+            blend_per_split=[(["a"], None), None, None],
+        )
     with pytest.raises(ValueError, match="2 prefixes but 1 weights"):
-        GPTDatasetConfig(random_seed=1, sequence_length=8, tokenizer=TOK, blend=(["a", "b"], [1.0]), split="1")
-    per_split = GPTDatasetConfig(random_seed=1, sequence_length=8, tokenizer=TOK, blend_per_split=[(["a"], None), None, None])
+        GPTDatasetConfig(
+            random_seed=1, sequence_length=8, tokenizer=TOK, blend=(["a", "b"], [1.0]), split="1"
+        )
+    per_split = GPTDatasetConfig(
+        random_seed=1, sequence_length=8, tokenizer=TOK, blend_per_split=[(["a"], None), None, None]
+    )
     assert not per_split.mock and per_split.split_matrix is None
 
 
@@ -79,13 +91,21 @@ def test_config_rules():
 
 def config_for(tmp_path, **kw):
     kw.setdefault("split", "80,15,5")
-    return GPTDatasetConfig(random_seed=1234, sequence_length=16, tokenizer=TOK, path_to_cache=str(tmp_path / "cache"), **kw)
+    return GPTDatasetConfig(
+        random_seed=1234,
+        sequence_length=16,
+        tokenizer=TOK,
+        path_to_cache=str(tmp_path / "cache"),
+        **kw,
+    )
 
 
 def test_single_prefix_splits(tmp_path):
     prefix = write_dataset(str(tmp_path / "a"), 101, 0)
     config = config_for(tmp_path, blend=([prefix], None))
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [200, 20, 5], lambda: True, config).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [200, 20, 5], lambda: True, config
+    ).build()
     assert all(isinstance(d, GPTDataset) for d in (train, valid, test))
     bounds = [0, round(0.8 * 101), round(0.95 * 101), 101]
     for d, lo, hi in zip((train, valid, test), bounds[:-1], bounds[1:]):
@@ -94,7 +114,9 @@ def test_single_prefix_splits(tmp_path):
     assert train.index_split == Split.train and test.index_split == Split.test
     # a zero-width split is None
     config = config_for(tmp_path, blend=([prefix], None), split="100,0,0")
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [10, 10, 10], lambda: True, config).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [10, 10, 10], lambda: True, config
+    ).build()
     assert train is not None and valid is None and test is None
 
 
@@ -114,14 +136,23 @@ def test_weighted_blend_sizes(tmp_path):
         counts = np.bincount(blend.dataset_index, minlength=2)
         assert np.all(np.abs(counts - np.array([0.25, 0.75]) * len(blend)) <= 1)
     sample = datasets[0][3]
-    assert set(sample) == {"dataset_id", "tokens", "labels", "attention_mask", "loss_mask", "position_ids"}
+    assert set(sample) == {
+        "dataset_id",
+        "tokens",
+        "labels",
+        "attention_mask",
+        "loss_mask",
+        "position_ids",
+    }
 
 
 def test_unweighted_blend_uses_one_epoch_each(tmp_path):
     a = write_dataset(str(tmp_path / "a"), 50, 1)
     b = write_dataset(str(tmp_path / "b"), 150, 2)
     config = config_for(tmp_path, blend=([a, b], None))
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [10**6, 3, None], lambda: True, config).build()
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [10**6, 3, None], lambda: True, config
+    ).build()
     lengths = [len(d) for d in train.datasets]
     assert all(d.num_samples is None for d in train.datasets)
     assert len(train) == sum(lengths)  # the target exceeds one epoch of everything
@@ -134,10 +165,15 @@ def test_blend_per_split(tmp_path):
     b = write_dataset(str(tmp_path / "b"), 60, 2)
     c = write_dataset(str(tmp_path / "c"), 60, 3)
     config = GPTDatasetConfig(
-        random_seed=1, sequence_length=16, tokenizer=TOK, path_to_cache=str(tmp_path / "cache"),
+        random_seed=1,
+        sequence_length=16,
+        tokenizer=TOK,
+        path_to_cache=str(tmp_path / "cache"),
         blend_per_split=[([a, b], [0.5, 0.5]), ([c], None), None],
     )
-    train, valid, test = BlendedMegatronDatasetBuilder(GPTDataset, [100, 10, 10], lambda: True, config).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        GPTDataset, [100, 10, 10], lambda: True, config
+    ).build()
     assert isinstance(train, BlendedDataset) and len(train) == 100
     assert isinstance(valid, GPTDataset) and valid.dataset_path == c and len(valid.indices) == 60
     assert test is None
@@ -145,7 +181,9 @@ def test_blend_per_split(tmp_path):
 
 def test_mock_build():
     config = GPTDatasetConfig(random_seed=1, sequence_length=32, tokenizer=TOK)
-    train, valid, test = BlendedMegatronDatasetBuilder(MockGPTDataset, [50, 5, 2], lambda: True, config).build()
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        MockGPTDataset, [50, 5, 2], lambda: True, config
+    ).build()
     assert (len(train), len(valid), len(test)) == (50, 5, 2)
     assert train[0]["tokens"].shape == (32,)
 
@@ -185,8 +223,12 @@ def test_second_build_loads_the_cache(tmp_path):
 
 def _distributed_body(rank, world_size, tmp):
     prefix = os.path.join(tmp, "a")
-    config = GPTDatasetConfig(random_seed=7, sequence_length=16, tokenizer=TOK, blend=([prefix], None), split="90,10,0")
-    train, valid, _ = BlendedMegatronDatasetBuilder(GPTDataset, [50, 5, 0], lambda: True, config).build()
+    config = GPTDatasetConfig(
+        random_seed=7, sequence_length=16, tokenizer=TOK, blend=([prefix], None), split="90,10,0"
+    )
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [50, 5, 0], lambda: True, config
+    ).build()
     assert train.built_anew_on_cache_miss == (rank == 0)
     expected = np.load(os.path.join(tmp, "expected_sample_index.npy"))
     np.testing.assert_array_equal(train.sample_index, expected)
@@ -196,7 +238,13 @@ def _distributed_body(rank, world_size, tmp):
     if rank == 0:
         with open(bad + ".idx", "r+b") as f:
             f.write(b"XXXX")
-    config = GPTDatasetConfig(random_seed=7, sequence_length=16, tokenizer=TOK, blend=([bad, prefix], [0.5, 0.5]), split="1")
+    config = GPTDatasetConfig(
+        random_seed=7,
+        sequence_length=16,
+        tokenizer=TOK,
+        blend=([bad, prefix], [0.5, 0.5]),
+        split="1",
+    )
     with pytest.raises(Exception) as info:
         BlendedMegatronDatasetBuilder(GPTDataset, [20, 0, 0], lambda: True, config).build()
     if rank == 0:
@@ -208,9 +256,17 @@ def _distributed_body(rank, world_size, tmp):
 def test_distributed_cache_and_failure(tmp_path):
     prefix = write_dataset(str(tmp_path / "a"), 60, 1)
     write_dataset(str(tmp_path / "bad"), 60, 2)
-    config = GPTDatasetConfig(random_seed=7, sequence_length=16, tokenizer=TOK, blend=([prefix], None), split="90,10,0",
-                              path_to_cache=str(tmp_path / "elsewhere"))
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [50, 5, 0], lambda: True, config).build()
+    config = GPTDatasetConfig(
+        random_seed=7,
+        sequence_length=16,
+        tokenizer=TOK,
+        blend=([prefix], None),
+        split="90,10,0",
+        path_to_cache=str(tmp_path / "elsewhere"),
+    )
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [50, 5, 0], lambda: True, config
+    ).build()
     np.save(tmp_path / "expected_sample_index.npy", np.asarray(train.sample_index))
     run_distributed(_distributed_body, 2, str(tmp_path))
 
@@ -218,17 +274,25 @@ def test_distributed_cache_and_failure(tmp_path):
 def test_blend_from_flags_and_files(tmp_path):
     from megatron.core.datasets.utils import get_blend_and_blend_per_split
 
-    assert get_blend_and_blend_per_split(data_path=["0.3", "a", "0.7", "b"]) == ((["a", "b"], [0.3, 0.7]), None)
+    assert get_blend_and_blend_per_split(data_path=["0.3", "a", "0.7", "b"]) == (
+        (["a", "b"], [0.3, 0.7]),
+        None,
+    )
     args_file = tmp_path / "data_args.txt"
     args_file.write_text("0.3 a\n0.7 b\n")
-    assert get_blend_and_blend_per_split(data_args_path=str(args_file)) == ((["a", "b"], [0.3, 0.7]), None)
+    assert get_blend_and_blend_per_split(data_args_path=str(args_file)) == (
+        (["a", "b"], [0.3, 0.7]),
+        None,
+    )
     assert get_blend_and_blend_per_split(train_data_path=["t"], test_data_path=["x", "y"]) == (
-        None, [(["t"], None), None, (["x", "y"], None)]
+        None,
+        [(["t"], None), None, (["x", "y"], None)],
     )
     per_split = tmp_path / "per_split.json"
     per_split.write_text('{"train": "1 t1 2 t2", "valid": ["v"], "test": null}')
     assert get_blend_and_blend_per_split(per_split_data_args_path=str(per_split)) == (
-        None, [(["t1", "t2"], [1.0, 2.0]), (["v"], None), None]
+        None,
+        [(["t1", "t2"], [1.0, 2.0]), (["v"], None), None],
     )
     assert get_blend_and_blend_per_split() == (None, None)
     per_split.write_text("{not json")

@@ -1,4 +1,5 @@
 """DDP with contiguous gradient buffers: layout, in-place accumulation, averaging across ranks."""
+
 import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -46,7 +47,9 @@ def test_fp32_grad_buffer_for_bf16_params_uses_hooks():
 
 def _check_average(rank, world_size):
     model = _model()
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(), model, torch.distributed.group.WORLD)
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(), model, torch.distributed.group.WORLD
+    )
     ddp.zero_grad_buffer()
     for micro in range(2):
         ddp(_data(rank, micro)).pow(2).sum().backward()

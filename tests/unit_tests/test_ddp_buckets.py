@@ -1,4 +1,5 @@
 """DDP buckets: layout (reverse order, sizes, distributed-optimizer padding) and overlapped reduction."""
+
 import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -22,8 +23,10 @@ def _data(rank, micro, dtype=torch.float32):
 
 def test_buckets_follow_reverse_order_and_bucket_size():
     model = _model()
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model)
-    buffer, = ddp.buffers
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model
+    )
+    (buffer,) = ddp.buffers
     params = list(model.parameters())
     # Reverse order: b3(3) w3(24) b2(8) w2(64) -> 99 >= 60 closes; b1 w1 -> 72; b0 w0 -> 56.
     assert [len(b.params) for b in buffer.buckets] == [4, 2, 2]
@@ -42,9 +45,11 @@ def test_buckets_follow_reverse_order_and_bucket_size():
 
 def test_distributed_optimizer_padding_and_shared_embedding_bucket():
     model = _model()
-    model[2].weight.shared_embedding = True   # pretend this is the tied embedding of a PP end
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-    buffer, = ddp.buffers
+    model[2].weight.shared_embedding = True  # pretend this is the tied embedding of a PP end
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(use_distributed_optimizer=True), model
+    )
+    (buffer,) = ddp.buffers
     for p in model.parameters():
         start, end, _ = buffer.param_index_map[p]
         assert start % 64 == 0 and end - start == p.numel()
@@ -65,7 +70,9 @@ def _grads_after_iteration(ddp, model, rank, dtype=torch.float32, num_micro=3, e
         for micro in range(num_micro - 1):
             ddp(_data(rank, micro, dtype)).float().pow(2).sum().backward()
     if events is not None:
-        assert not [e for e in events if e.startswith("launch")], "no reduction may start inside no_sync"
+        assert not [e for e in events if e.startswith("launch")], (
+            "no reduction may start inside no_sync"
+        )
         events.clear()
     ddp(_data(rank, num_micro - 1, dtype)).float().pow(2).sum().backward()
     if events is not None:
@@ -78,17 +85,22 @@ def _check_overlap(rank, world_size):
     torch.set_num_threads(1)
     group = torch.distributed.group.WORLD
     ref_model = _model()
-    ref = _grads_after_iteration(DistributedDataParallel(DistributedDataParallelConfig(), ref_model, group),
-                                 ref_model, rank)
+    ref = _grads_after_iteration(
+        DistributedDataParallel(DistributedDataParallelConfig(), ref_model, group), ref_model, rank
+    )
 
     # Overlapped: identical gradients, and buckets launched while backward still runs.
     model = _model()
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model, group)
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model, group
+    )
     events = []
     for bucket in ddp.buffers[0].buckets:
+
         def launch(bucket=bucket, original=bucket.start_grad_sync):
             events.append(f"launch {bucket.index}")
             original()
+
         bucket.start_grad_sync = launch
     # A tensor hook on the first layer's weight runs when its gradient is computed: the very end
     # of backward (it is the last param backward reaches).
@@ -107,34 +119,52 @@ def _check_overlap(rank, world_size):
 
     # Averaging in the collective (gloo: sum, then divide) equals pre-scaling up to rounding.
     model = _model()
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60,
-                                                                average_in_collective=True), model, group)
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(
+            overlap_grad_reduce=True, bucket_size=60, average_in_collective=True
+        ),
+        model,
+        group,
+    )
     for g, r in zip(_grads_after_iteration(ddp, model, rank), ref):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
 
     # Reduce-scatter for the distributed optimizer: this rank's slice equals the all-reduced grads.
     model = _model()
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60,
-                                                                use_distributed_optimizer=True), model, group)
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(
+            overlap_grad_reduce=True, bucket_size=60, use_distributed_optimizer=True
+        ),
+        model,
+        group,
+    )
     _grads_after_iteration(ddp, model, rank)
-    buffer, = ddp.buffers
+    (buffer,) = ddp.buffers
     ref_flat = torch.zeros_like(buffer.grad_data)
     for p, r in zip(model.parameters(), ref):
         start, end, _ = buffer.param_index_map[p]
         ref_flat[start:end] = r.view(-1)
     for bucket in buffer.buckets:
         lo, hi = bucket.shard_range(rank)
-        torch.testing.assert_close(bucket.local_grad_shard(), ref_flat[bucket.offset + lo:bucket.offset + hi],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            bucket.local_grad_shard(),
+            ref_flat[bucket.offset + lo : bucket.offset + hi],
+            rtol=0,
+            atol=0,
+        )
 
     # bf16 params with fp32 grad accumulation (hook path): overlapped equals non-overlapped.
     grads = []
     for overlap in (False, True):
         model = _model(torch.bfloat16)
-        cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=60)
+        cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=60
+        )
         ddp = DistributedDataParallel(cfg, model, group)
         grads.append(_grads_after_iteration(ddp, model, rank, dtype=torch.bfloat16))
-        assert all(p.grad is None and p.main_grad.dtype == torch.float32 for p in model.parameters())
+        assert all(
+            p.grad is None and p.main_grad.dtype == torch.float32 for p in model.parameters()
+        )
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -148,8 +178,11 @@ def test_dropped_wrapper_is_freed_and_its_hooks_fall_back_to_plain_autograd():
     # its buffers and process groups) alive for ever, out of the garbage collector's reach.
     import gc
     import weakref
+
     model = _model()
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model)
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model
+    )
     ref = weakref.ref(ddp)
     del ddp
     gc.collect()

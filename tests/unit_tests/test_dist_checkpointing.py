@@ -4,6 +4,7 @@ strictness, async save, retention, format detection, --use-checkpoint-args.
 Multi-process resharding (TP/DP layouts) is in test_dist_checkpointing_parallel.py and,
 end to end, in tests/functional_tests/test_checkpoint_torch_dist.py.
 """
+
 import argparse
 import json
 import os
@@ -34,9 +35,11 @@ def _model(seed, width=8, extra=None, dtype=torch.float32):
 
 
 def _setup(tmp_path, seed=0, dtype=torch.float32, model=None, **kw):
-    return setup_training_state(_args(tmp_path, **kw),
-                                lambda: model if model is not None else _model(seed, dtype=dtype),
-                                bf16=dtype == torch.bfloat16)
+    return setup_training_state(
+        _args(tmp_path, **kw),
+        lambda: model if model is not None else _model(seed, dtype=dtype),
+        bf16=dtype == torch.bfloat16,
+    )
 
 
 def _train(model, opt, sched, steps, seed=7):
@@ -46,7 +49,9 @@ def _train(model, opt, sched, steps, seed=7):
     for _ in range(steps):
         opt.zero_grad()
         x = torch.randn(4, 8, generator=g).to(dtype)
-        loss = torch.nn.functional.dropout(model(x).float(), 0.5).pow(2).mean()  # dropout uses the global RNG
+        loss = (
+            torch.nn.functional.dropout(model(x).float(), 0.5).pow(2).mean()
+        )  # dropout uses the global RNG
         loss.backward()
         opt.step()
         sched.step(4)
@@ -68,13 +73,25 @@ def test_strided_tensor_parallel_shard_maps_to_global_blocks():
         for chunk in entry.chunks:
             rows = slice(chunk.global_offset[0], chunk.global_offset[0] + chunk.shape[0])
             assert torch.equal(entry.view(chunk), full[rows])
-    assert [c.global_offset for c in dc.tensor_parallel_sharded("w", local, 0, 1, 2, stride=2).chunks] == [(2, 0), (6, 0)]
+    assert [
+        c.global_offset for c in dc.tensor_parallel_sharded("w", local, 0, 1, 2, stride=2).chunks
+    ] == [(2, 0), (6, 0)]
 
 
 def test_global_names_of_a_later_pipeline_stage_with_tied_embeddings():
-    cfg = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True)
-    last = GPTModel(cfg, vocab_size=64, max_sequence_length=8, pre_process=False, post_process=True,
-                    share_embeddings_and_output_weights=True, num_layers=2, layer_number_offset=2)
+    cfg = TransformerConfig(
+        num_layers=4, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True
+    )
+    last = GPTModel(
+        cfg,
+        vocab_size=64,
+        max_sequence_length=8,
+        pre_process=False,
+        post_process=True,
+        share_embeddings_and_output_weights=True,
+        num_layers=2,
+        layer_number_offset=2,
+    )
     entries, by_param = dc.model_sharded_state_dict([last])
     layers = sorted({k.split(".")[2] for k in entries if k.startswith("decoder.layers.")})
     assert layers == ["2", "3"]
@@ -82,19 +99,31 @@ def test_global_names_of_a_later_pipeline_stage_with_tied_embeddings():
     tied = entries["embedding.word_embeddings.weight"]
     assert tied.replica and tied.data.data_ptr() == last.output_layer.weight.data_ptr()
     assert not entries["decoder.layers.3.mlp.linear_fc1.weight"].replica
-    assert by_param[id(last.decoder.layers[1].mlp.linear_fc1.weight)].key == "decoder.layers.3.mlp.linear_fc1.weight"
+    assert (
+        by_param[id(last.decoder.layers[1].mlp.linear_fc1.weight)].key
+        == "decoder.layers.3.mlp.linear_fc1.weight"
+    )
 
 
 @pytest.mark.parametrize("fully_parallel", [True, False])
 def test_each_replicated_entry_has_exactly_one_writer(fully_parallel):
     def entries():
-        return {f"t{i}": dc.replicated(f"t{i}", torch.zeros(i + 1), replica=i == 3) for i in range(6)}
+        return {
+            f"t{i}": dc.replicated(f"t{i}", torch.zeros(i + 1), replica=i == 3) for i in range(6)
+        }
+
     per_rank = []
     for dp_rank in range(3):
         e = entries()
         dc.spread_writes(e, dp_rank, 3, fully_parallel=fully_parallel)
         per_rank.append({k for k, v in e.items() if not v.replica})
-    assert sorted(k for keys in per_rank for k in keys) == ["t0", "t1", "t2", "t4", "t5"]  # once each; t3 is a replica
+    assert sorted(k for keys in per_rank for k in keys) == [
+        "t0",
+        "t1",
+        "t2",
+        "t4",
+        "t5",
+    ]  # once each; t3 is a replica
     if fully_parallel:
         assert all(per_rank)  # the writes are spread over the replicas
     else:
@@ -112,14 +141,20 @@ def test_round_trip_resumes_exactly(tmp_path, dtype):
     directory = _iter_dir(tmp_path, 3)
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert json.loads((directory / "metadata.json").read_text()) == {
-        "sharded_backend": "torch_dist", "sharded_backend_version": 1}
+        "sharded_backend": "torch_dist",
+        "sharded_backend_version": 1,
+    }
     assert {".metadata", "__0_0.distcp", "common.pt", "metadata.json"} == set(os.listdir(directory))
     with torch.serialization.safe_globals([argparse.Namespace]):
         common = torch.load(directory / "common.pt", weights_only=True)
     assert common["iteration"] == 3 and common["num_floating_point_operations_so_far"] == 12.5
     assert not hasattr(common["args"], "some_callable")
     keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(directory))))
-    assert {"0.weight", "optimizer.state.exp_avg.0.weight", "optimizer.state.exp_avg_sq.2.bias"} <= keys
+    assert {
+        "0.weight",
+        "optimizer.state.exp_avg.0.weight",
+        "optimizer.state.exp_avg_sq.2.bias",
+    } <= keys
     assert ("optimizer.state.fp32_param.0.weight" in keys) == (dtype == torch.bfloat16)
 
     model2, opt2, sched2 = _setup(tmp_path, seed=99, dtype=dtype)
@@ -156,6 +191,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     def crash(*a, **k):
         real_save(*a, **k)
         raise KeyboardInterrupt("killed after writing the data files")
+
     monkeypatch.setattr(serialization.dcp, "save", crash)
     _train(model, opt, sched, 1)
     with pytest.raises(KeyboardInterrupt):
@@ -177,16 +213,23 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     # The next successful save clears the unfinished one.
     global_vars.get_args().ckpt_step = None
     checkpointing.save_checkpoint(3, model2, opt2, sched2)
-    assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(root)) == [
+        "iter_0000001",
+        "iter_0000003",
+        "latest_checkpointed_iteration.txt",
+    ]
 
 
-@pytest.mark.parametrize("damage, words", [
-    ("no-metadata-json", ["iter_0000001 has no metadata.json", "did not finish"]),
-    ("no-data-file", ["__0_0.distcp is missing", "damaged"]),
-    ("truncated-data-file", ["__0_0.distcp is truncated"]),
-    ("no-common", ["common.pt is missing"]),
-    ("no-dcp-metadata", [".metadata is missing"]),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("no-metadata-json", ["iter_0000001 has no metadata.json", "did not finish"]),
+        ("no-data-file", ["__0_0.distcp is missing", "damaged"]),
+        ("truncated-data-file", ["__0_0.distcp is truncated"]),
+        ("no-common", ["common.pt is missing"]),
+        ("no-dcp-metadata", [".metadata is missing"]),
+    ],
+)
 def test_damaged_checkpoint_names_the_file(tmp_path, damage, words):
     model, opt, sched = _setup(tmp_path)
     _train(model, opt, sched, 1)
@@ -198,7 +241,7 @@ def test_damaged_checkpoint_names_the_file(tmp_path, damage, words):
         (directory / "__0_0.distcp").unlink()
     elif damage == "truncated-data-file":
         data = (directory / "__0_0.distcp").read_bytes()
-        (directory / "__0_0.distcp").write_bytes(data[:len(data) // 2])
+        (directory / "__0_0.distcp").write_bytes(data[: len(data) // 2])
     elif damage == "no-common":
         (directory / "common.pt").unlink()
     else:
@@ -217,7 +260,9 @@ def test_checkpoint_of_another_model_lists_the_mismatches(tmp_path):
     with pytest.raises(checkpointing.CheckpointError) as err:
         checkpointing.load_checkpoint(other, opt2, sched2)
     msg = str(err.value)
-    assert "does not fit this model" in msg and "0.weight: checkpoint (8, 8) vs model (16, 8)" in msg
+    assert (
+        "does not fit this model" in msg and "0.weight: checkpoint (8, 8) vs model (16, 8)" in msg
+    )
     assert "--hidden-size 8 (this run: 16)" in msg
 
 
@@ -229,17 +274,21 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     class Payload:
         def __reduce__(self):
             return (os.system, (f"touch {marker}",))
+
     (_iter_dir(tmp_path, 1) / ".metadata").write_bytes(pickle.dumps(Payload()))
     model2, opt2, sched2 = _setup(tmp_path, seed=5)
-    with pytest.raises(checkpointing.CheckpointError, match="is not allowed in checkpoint metadata"):
+    with pytest.raises(
+        checkpointing.CheckpointError, match="is not allowed in checkpoint metadata"
+    ):
         checkpointing.load_checkpoint(model2, opt2, sched2)
     assert not marker.exists()
 
 
 # ------------------------------------------------------------------ --dist-ckpt-strictness
 def _load_with(tmp_path, strictness, extra):
-    model, _, _ = _setup(tmp_path, model=_model(5, extra=extra), dist_ckpt_strictness=strictness,
-                         no_load_optim=True)
+    model, _, _ = _setup(
+        tmp_path, model=_model(5, extra=extra), dist_ckpt_strictness=strictness, no_load_optim=True
+    )
     before = [p.detach().clone() for p in model.parameters()]
     checkpointing.load_checkpoint(model, None, None)
     return model, before
@@ -252,21 +301,32 @@ def test_strictness_for_missing_and_unexpected_keys(tmp_path, capsys):
 
     # The model has a layer the checkpoint lacks (missing keys).
     for strictness in ("assume_ok_unexpected", "raise_all"):
-        with pytest.raises(checkpointing.CheckpointError, match=r"missing in checkpoint: 3\.bias, 3\.weight"):
+        with pytest.raises(
+            checkpointing.CheckpointError, match=r"missing in checkpoint: 3\.bias, 3\.weight"
+        ):
             _load_with(tmp_path, strictness, extra=4)
     loaded, before = _load_with(tmp_path, "log_all", extra=4)
-    assert torch.equal(loaded[0].weight, reference["0.weight"]) and torch.equal(loaded[3].weight, before[-2])
-    assert "missing in checkpoint (kept their current values): 3.bias, 3.weight" in capsys.readouterr().out
+    assert torch.equal(loaded[0].weight, reference["0.weight"]) and torch.equal(
+        loaded[3].weight, before[-2]
+    )
+    assert (
+        "missing in checkpoint (kept their current values): 3.bias, 3.weight"
+        in capsys.readouterr().out
+    )
 
     # The checkpoint has a layer the model lacks (unexpected keys).
     for strictness in ("raise_unexpected", "raise_all"):
-        with pytest.raises(checkpointing.CheckpointError, match=r"unexpected in checkpoint: 2\.bias, 2\.weight"):
+        with pytest.raises(
+            checkpointing.CheckpointError, match=r"unexpected in checkpoint: 2\.bias, 2\.weight"
+        ):
             _load_with(tmp_path, strictness, extra=2)
     for strictness in ("assume_ok_unexpected", "log_unexpected", "ignore_all"):
         loaded, _ = _load_with(tmp_path, strictness, extra=2)
         assert torch.equal(loaded[0].weight, reference["0.weight"])
     out = capsys.readouterr().out
-    assert out.count("unexpected in checkpoint (not loaded): 2.bias, 2.weight") == 1  # log_unexpected only
+    assert (
+        out.count("unexpected in checkpoint (not loaded): 2.bias, 2.weight") == 1
+    )  # log_unexpected only
 
 
 # ------------------------------------------------------------------ --async-save
@@ -300,16 +360,21 @@ def test_async_save_writes_the_state_of_its_iteration(tmp_path):
 
 def test_async_staging_copies_every_written_chunk():
     from megatron.core.dist_checkpointing.async_save import stage
+
     full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
     local = shard_of(full, 0, 1, 2, stride=2)
-    staged = stage({"w": dc.tensor_parallel_sharded("w", local, 0, 1, 2, stride=2),
-                    "r": dc.replicated("r", torch.ones(2), replica=True)})
+    staged = stage(
+        {
+            "w": dc.tensor_parallel_sharded("w", local, 0, 1, 2, stride=2),
+            "r": dc.replicated("r", torch.ones(2), replica=True),
+        }
+    )
     assert list(staged) == ["w"]  # replicas are not written, so not copied
     local.zero_()
     chunks = staged["w"].chunks
     assert [c.global_offset for c in chunks] == [(2, 0), (6, 0)]
     for chunk in chunks:
-        rows = full[chunk.global_offset[0]:chunk.global_offset[0] + chunk.shape[0]]
+        rows = full[chunk.global_offset[0] : chunk.global_offset[0] + chunk.shape[0]]
         assert torch.equal(staged["w"].view(chunk), rows)
 
 
@@ -322,8 +387,14 @@ def test_retention_keeps_multiples_the_newest_and_the_tracked(tmp_path):
     (root / "latest_checkpointed_iteration.txt").write_text("6")
     args = argparse.Namespace(save_retain_interval=4)
     checkpointing.remove_unretained(args, str(root), 10)
-    assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000006", "iter_0000008", "iter_0000010",
-                                        "iter_0000012", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(root)) == [
+        "iter_0000004",
+        "iter_0000006",
+        "iter_0000008",
+        "iter_0000010",
+        "iter_0000012",
+        "latest_checkpointed_iteration.txt",
+    ]
 
 
 def test_save_with_retention_interval(tmp_path):
@@ -331,25 +402,61 @@ def test_save_with_retention_interval(tmp_path):
     for it in (1, 2, 3, 4, 5):
         checkpointing.save_checkpoint(it, model, opt, sched)
     assert sorted(n for n in os.listdir(tmp_path / "ckpt") if n.startswith("iter_")) == [
-        "iter_0000002", "iter_0000004", "iter_0000005"]
+        "iter_0000002",
+        "iter_0000004",
+        "iter_0000005",
+    ]
 
 
 # ------------------------------------------------------------------ --use-checkpoint-args
 def test_use_checkpoint_args_reads_model_flags(tmp_path, capsys):
     from megatron.training.arguments import parse_and_validate_args
+
     directory = tmp_path / "ckpt" / "iter_0000007"
     directory.mkdir(parents=True)
-    saved = argparse.Namespace(num_layers=6, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-                               swiglu=True, seq_length=32, max_position_embeddings=64, kv_channels=16)
+    saved = argparse.Namespace(
+        num_layers=6,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=256,
+        swiglu=True,
+        seq_length=32,
+        max_position_embeddings=64,
+        kv_channels=16,
+    )
     dc.save_common({"args": saved, "iteration": 7}, str(directory))
     dc.write_metadata_json(str(directory))
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("7")
-    args = parse_and_validate_args(argv=[
-        "--use-checkpoint-args", "--load", str(tmp_path / "ckpt"), "--num-layers", "2",
-        "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "1", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])
-    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.swiglu, args.ffn_hidden_size) == (
-        2, 64, 4, True, 256)
+    args = parse_and_validate_args(
+        argv=[
+            "--use-checkpoint-args",
+            "--load",
+            str(tmp_path / "ckpt"),
+            "--num-layers",
+            "2",
+            "--micro-batch-size",
+            "1",
+            "--lr",
+            "1e-3",
+            "--train-iters",
+            "1",
+            "--mock-data",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "100",
+        ]
+    )
+    assert (
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.swiglu,
+        args.ffn_hidden_size,
+    ) == (2, 64, 4, True, 256)
     out = capsys.readouterr().out
-    assert "setting hidden_size to 64 from checkpoint" in out and "setting swiglu to True from checkpoint" in out
+    assert (
+        "setting hidden_size to 64 from checkpoint" in out
+        and "setting swiglu to True from checkpoint" in out
+    )
     assert "keeping --num-layers 2 from the command line (the checkpoint has 6)" in out

@@ -7,6 +7,7 @@ master weight and keep their slice, so the TP=2 model holds exactly its shards);
 shard must equal ``shard_of`` of the reference, bit for bit. The save planner's check that the
 chunks tile each tensor exactly once is exercised with deliberately bad sharding.
 """
+
 import os
 
 import pytest
@@ -21,12 +22,16 @@ from tests.unit_tests.dist_utils import run_distributed
 
 
 def _model(tp, group, seed):
-    cfg = TransformerConfig(num_layers=1, hidden_size=12, num_attention_heads=4, tensor_model_parallel_size=tp)
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=12, num_attention_heads=4, tensor_model_parallel_size=tp
+    )
     torch.manual_seed(seed)
     init = lambda w: w.normal_(0, 0.3)  # noqa: E731
     model = torch.nn.Module()
     model.fc1 = ColumnParallelLinear(12, 16, config=cfg, init_method=init, stride=2, tp_group=group)
-    model.fc2 = RowParallelLinear(16, 12, config=cfg, init_method=init, input_is_parallel=True, tp_group=group)
+    model.fc2 = RowParallelLinear(
+        16, 12, config=cfg, init_method=init, input_is_parallel=True, tp_group=group
+    )
     model.norm = torch.nn.LayerNorm(12)
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1)
@@ -64,7 +69,9 @@ def _worker(rank, world, directory):
     chunks = dc.read_dcp_metadata(directory).state_dict_metadata
     assert len(chunks["fc1.weight"].chunks) == 4 and len(chunks["fc2.weight"].chunks) == 2
     assert len(chunks["norm.weight"].chunks) == 1 and len(chunks["fc2.bias"].chunks) == 1
-    assert sorted(n for n in os.listdir(directory) if n.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(n for n in os.listdir(directory) if n.endswith(".distcp")) == [
+        f"__{r}_0.distcp" for r in range(4)
+    ]
 
     state4 = initialize_model_parallel(tensor_model_parallel_size=4)
     for tp, group, new_rank in ((4, state4.get_tensor_model_parallel_group(), rank), (1, None, 0)):
@@ -75,11 +82,14 @@ def _worker(rank, world, directory):
 
     # Every rank claims the same replicated tensor: it would be written four times.
     twice = {"x": dc.replicated("x", torch.ones(3))}
-    with pytest.raises(dc.CheckpointingError, match="chunk at \\(0,\\) is written by rank 0 and rank 1"):
+    with pytest.raises(
+        dc.CheckpointingError, match="chunk at \\(0,\\) is written by rank 0 and rank 1"
+    ):
         dc.save(twice, directory + "_bad1")
     # A TP shard nobody saves leaves a hole.
-    hole = {"y": dc.tensor_parallel_sharded("y", torch.ones(2, 3), 0, tp_rank, 2,
-                                            replica=rank != 0)}
+    hole = {
+        "y": dc.tensor_parallel_sharded("y", torch.ones(2, 3), 0, tp_rank, 2, replica=rank != 0)
+    }
     with pytest.raises(dc.CheckpointingError, match="y: chunks cover 6 of its 12 elements"):
         dc.save(hole, directory + "_bad2")
 

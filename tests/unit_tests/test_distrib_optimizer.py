@@ -3,6 +3,7 @@ its state per rank, and a distrib_optim.pt saved at DP=2 that resumes at DP=4 an
 
 --overlap-param-gather: the same training as the synchronous gather (bit for bit); after a step
 every bucket's gather is pending, and the forward's pre-hooks leave none pending."""
+
 import os
 
 import torch
@@ -19,8 +20,13 @@ SAVE_AFTER = 5
 
 def _model(dtype=torch.float32):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 3)).to(dtype)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 3),
+    ).to(dtype)
 
 
 def _local_batch(step, rank, world_size, dtype=torch.float32):
@@ -36,12 +42,25 @@ def _local_batch(step, rank, world_size, dtype=torch.float32):
 def _build(distributed, group, dtype=torch.float32, overlap_param_gather=False):
     model = _model(dtype)
     ddp = DistributedDataParallel(
-        DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=distributed,
-                                      bucket_size=2000, grad_reduce_in_fp32=dtype != torch.float32,
-                                      overlap_param_gather=overlap_param_gather),
-        model, group)
-    config = OptimizerConfig(lr=2e-2, weight_decay=0.1, clip_grad=0.3, use_distributed_optimizer=distributed,
-                             bf16=dtype == torch.bfloat16, params_dtype=dtype, log_num_zeros_in_grad=True)
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed,
+            overlap_grad_reduce=distributed,
+            bucket_size=2000,
+            grad_reduce_in_fp32=dtype != torch.float32,
+            overlap_param_gather=overlap_param_gather,
+        ),
+        model,
+        group,
+    )
+    config = OptimizerConfig(
+        lr=2e-2,
+        weight_decay=0.1,
+        clip_grad=0.3,
+        use_distributed_optimizer=distributed,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        log_num_zeros_in_grad=True,
+    )
     chunks = [ddp] if distributed else [model]
     return model, ddp, get_megatron_optimizer(config, chunks)
 
@@ -64,7 +83,11 @@ def _train_step(model, ddp, optimizer, step, rank, world_size, dtype=torch.float
 def _state_bytes(optimizer):
     total = 0
     for state in optimizer.optimizer.state.values():
-        total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        total += sum(
+            v.numel() * v.element_size()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
     return total
 
 
@@ -89,12 +112,17 @@ def _check_world(rank, world_size, ckpt_dir):
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (step, loss, ref_loss)
         assert abs(norm - ref_norm) <= 1e-6 * ref_norm, (step, norm, ref_norm)
         assert _train_step(ov_model, ov_ddp, ov_opt, step, rank, world_size) == (loss, norm), step
-        assert all(b.param_gather_work is not None for b in ov_buckets), "gathers are launched, not waited"
+        assert all(b.param_gather_work is not None for b in ov_buckets), (
+            "gathers are launched, not waited"
+        )
         if step == SAVE_AFTER - 1 and world_size == 2:
             opt_state = opt.state_dict()
             param_state = opt.get_parameter_state_dp_zero()
             if rank == 0:
-                torch.save({"model": model.state_dict(), "optimizer": opt_state}, os.path.join(ckpt_dir, "model_optim_rng.pt"))
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": opt_state},
+                    os.path.join(ckpt_dir, "model_optim_rng.pt"),
+                )
                 torch.save(param_state, os.path.join(ckpt_dir, "distrib_optim.pt"))
             else:
                 assert param_state is None

@@ -20,11 +20,15 @@ sqrt(v), magnifies those last bits from step to step (gradient norm against the 
 norm and parameter comparisons use 1e-4, while FSDP against DDP on the same halves stays at 1e-5
 (measured: 5e-16).
 """
+
 import pytest
 import torch
 
-from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                       TorchFullyShardedDataParallel)
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+)
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -39,11 +43,23 @@ TOLERANCES = {torch.float64: (1e-6, 1e-12, 1e-12), torch.float32: (1e-5, 1e-4, 1
 
 
 def _build(dtype=torch.float32):
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                               hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+    )
     torch.manual_seed(1234)
-    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
+    return GPTModel(
+        config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    )
 
 
 def _micro_batch(iteration, micro, world):
@@ -59,7 +75,9 @@ def _loss(model, tokens, labels):
 
 
 def _rel_err(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+    return (
+        (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)
+    ).item()
 
 
 def _worker(rank, world, dtype):
@@ -73,15 +91,27 @@ def _worker(rank, world, dtype):
     ref = _build(dtype)
     ref_opt = get_megatron_optimizer(opt_config, [ref])
     module = _build(dtype)
-    marked = {n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", None) is not None}
-    fsdp = TorchFullyShardedDataParallel(DistributedDataParallelConfig(), module,
-                                         state.get_data_parallel_group(with_context_parallel=True))
-    opt = get_megatron_optimizer(opt_config, [fsdp.local_shards()], model_parallel_group=state.group("tp-dp-cp"))
+    marked = {
+        n
+        for n, p in module.named_parameters()
+        if getattr(p, "tensor_model_parallel", None) is not None
+    }
+    fsdp = TorchFullyShardedDataParallel(
+        DistributedDataParallelConfig(),
+        module,
+        state.get_data_parallel_group(with_context_parallel=True),
+    )
+    opt = get_megatron_optimizer(
+        opt_config, [fsdp.local_shards()], model_parallel_group=state.group("tp-dp-cp")
+    )
 
     # The issue's reference: plain DDP at the same DP=2 on the same local halves.
     ddp_module = _build(dtype)
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(), ddp_module,
-                                  state.get_data_parallel_group(with_context_parallel=True))
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(),
+        ddp_module,
+        state.get_data_parallel_group(with_context_parallel=True),
+    )
     ddp_opt = get_megatron_optimizer(opt_config, [ddp_module])
 
     ref_params = dict(ref.named_parameters())
@@ -91,7 +121,9 @@ def _worker(rank, world, dtype):
         total = torch.tensor([local.numel()])
         torch.distributed.all_reduce(total)
         assert int(total) == ref_params[name].numel(), name
-        assert local.numel() <= -(-ref_params[name].shape[0] // world) * ref_params[name][0].numel(), name
+        assert (
+            local.numel() <= -(-ref_params[name].shape[0] // world) * ref_params[name][0].numel()
+        ), name
     assert len(fsdp.sharded_units) == LAYERS
 
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -131,7 +163,11 @@ def _worker(rank, world, dtype):
         ddp.finish_grad_sync()
         _, ddp_norm, _ = ddp_opt.step()
         assert abs(norm - ddp_norm) <= ddp_rtol * ddp_norm, (iteration, norm, ddp_norm)
-        assert abs(local_loss.item() / world - ref_loss) <= loss_rtol * abs(ref_loss), (iteration, local_loss, ref_loss)
+        assert abs(local_loss.item() / world - ref_loss) <= loss_rtol * abs(ref_loss), (
+            iteration,
+            local_loss,
+            ref_loss,
+        )
         assert abs(norm - ref_norm) <= ref_rtol * ref_norm, (iteration, norm, ref_norm)
 
     ddp_params = dict(ddp_module.named_parameters())
@@ -155,30 +191,60 @@ def test_fsdp2_dp2_matches_one_process_with_accumulation_and_clipping(dtype):
 
 def test_fsdp2_needs_torch_distributed_and_refuses_the_distributed_optimizer():
     import pytest
+
     with pytest.raises(ValueError, match="use-torch-fsdp2 needs torch.distributed"):
         TorchFullyShardedDataParallel(DistributedDataParallelConfig(), _build())
     with pytest.raises(ValueError, match="cannot be combined with --use-distributed-optimizer"):
-        TorchFullyShardedDataParallel(DistributedDataParallelConfig(use_distributed_optimizer=True), _build())
+        TorchFullyShardedDataParallel(
+            DistributedDataParallelConfig(use_distributed_optimizer=True), _build()
+        )
 
 
 # ------------------------------------------------------------------ flags
-_ARGV = ['--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4', '--max-position-embeddings',
-         '128', '--seq-length', '128', '--micro-batch-size', '2', '--train-iters', '10', '--lr', '1e-3',
-         '--mock-data', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '128']
-_FSDP2 = ['--use-torch-fsdp2', '--no-gradient-accumulation-fusion', '--untie-embeddings-and-output-weights']
+_ARGV = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--max-position-embeddings",
+    "128",
+    "--seq-length",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+]
+_FSDP2 = [
+    "--use-torch-fsdp2",
+    "--no-gradient-accumulation-fusion",
+    "--untie-embeddings-and-output-weights",
+]
 
 
 def _validate(monkeypatch, *extra, world_size=2):
     from megatron.training.arguments import parse_args, validate_args
-    monkeypatch.setenv('WORLD_SIZE', str(world_size))
-    monkeypatch.setenv('RANK', '0')
-    monkeypatch.delenv('CUDA_DEVICE_MAX_CONNECTIONS', raising=False)
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     return validate_args(parse_args(argv=_ARGV + [str(a) for a in extra]))
 
 
 def _error(monkeypatch, *extra, world_size=2):
     import pytest
+
     from megatron.training.arguments import ArgumentValidationError
+
     with pytest.raises(ArgumentValidationError) as info:
         _validate(monkeypatch, *extra, world_size=world_size)
     return str(info.value)
@@ -190,38 +256,75 @@ def test_fsdp_flags_and_sharding_strategy_mapping(monkeypatch):
     args = _validate(monkeypatch, *_FSDP2)  # default --ckpt-format torch_dist
     assert uses_torch_fsdp2(args) and not args.use_distributed_optimizer
     # --use-megatron-fsdp: the strategy picks the machinery (and the optimizer).
-    mfsdp = ['--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor', '--use-distributed-optimizer']
-    for strategy, dist_opt, fsdp2 in (('no_shard', False, False), ('optim', True, False),
-                                      ('optim_grads', True, False), ('optim_grads_params', False, True)):
-        extra = mfsdp + ['--data-parallel-sharding-strategy', strategy]
+    mfsdp = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--use-distributed-optimizer"]
+    for strategy, dist_opt, fsdp2 in (
+        ("no_shard", False, False),
+        ("optim", True, False),
+        ("optim_grads", True, False),
+        ("optim_grads_params", False, True),
+    ):
+        extra = mfsdp + ["--data-parallel-sharding-strategy", strategy]
         if fsdp2:
             extra += _FSDP2[1:]
         args = _validate(monkeypatch, *extra)
-        assert (args.use_distributed_optimizer, uses_torch_fsdp2(args)) == (dist_opt, fsdp2), strategy
-    args = _validate(monkeypatch, '--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor',
-                     '--data-parallel-sharding-strategy', 'optim', '--overlap-grad-reduce', '--overlap-param-gather')
+        assert (args.use_distributed_optimizer, uses_torch_fsdp2(args)) == (dist_opt, fsdp2), (
+            strategy
+        )
+    args = _validate(
+        monkeypatch,
+        "--use-megatron-fsdp",
+        "--ckpt-format",
+        "fsdp_dtensor",
+        "--data-parallel-sharding-strategy",
+        "optim",
+        "--overlap-grad-reduce",
+        "--overlap-param-gather",
+    )
     assert args.use_distributed_optimizer and args.overlap_param_gather
 
 
 def test_fsdp_flag_errors_name_the_flags(monkeypatch):
-    assert '--data-parallel-sharding-strategy optim needs --use-megatron-fsdp' in _error(
-        monkeypatch, '--data-parallel-sharding-strategy', 'optim')
-    assert '--data-parallel-sharding-strategy no_shard cannot be used with --use-torch-fsdp2' in _error(
-        monkeypatch, *_FSDP2, '--data-parallel-sharding-strategy', 'no_shard')
-    assert '--use-torch-fsdp2 does not support saving or loading checkpoints' in _error(
-        monkeypatch, *_FSDP2, '--save', '/tmp/x', '--save-interval', '5')
-    assert '--use-torch-fsdp2 does not support --log-params-norm' in _error(monkeypatch, *_FSDP2, '--log-params-norm')
-    assert '--use-torch-fsdp2 does not support pipeline parallelism' in _error(
-        monkeypatch, *_FSDP2, '--pipeline-model-parallel-size', '2')
-    assert ('--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params does not support tied '
-            'embeddings') in _error(monkeypatch, '--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor',
-                                    '--no-gradient-accumulation-fusion')
-    assert '--use-torch-fsdp2 does not support --fp16' in _error(monkeypatch, *_FSDP2, '--fp16')
-    assert '--use-megatron-fsdp cannot save or load checkpoints yet' in _error(
-        monkeypatch, '--use-megatron-fsdp', '--ckpt-format', 'fsdp_dtensor', '--data-parallel-sharding-strategy',
-        'optim', '--load', '/tmp/x')
-    monkeypatch.setenv('CUDA_DEVICE_MAX_CONNECTIONS', '1')
-    from megatron.training.arguments import parse_args, validate_args, ArgumentValidationError
+    assert "--data-parallel-sharding-strategy optim needs --use-megatron-fsdp" in _error(
+        monkeypatch, "--data-parallel-sharding-strategy", "optim"
+    )
+    assert (
+        "--data-parallel-sharding-strategy no_shard cannot be used with --use-torch-fsdp2"
+        in _error(monkeypatch, *_FSDP2, "--data-parallel-sharding-strategy", "no_shard")
+    )
+    assert "--use-torch-fsdp2 does not support saving or loading checkpoints" in _error(
+        monkeypatch, *_FSDP2, "--save", "/tmp/x", "--save-interval", "5"
+    )
+    assert "--use-torch-fsdp2 does not support --log-params-norm" in _error(
+        monkeypatch, *_FSDP2, "--log-params-norm"
+    )
+    assert "--use-torch-fsdp2 does not support pipeline parallelism" in _error(
+        monkeypatch, *_FSDP2, "--pipeline-model-parallel-size", "2"
+    )
+    assert (
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params does not support tied "
+        "embeddings"
+    ) in _error(
+        monkeypatch,
+        "--use-megatron-fsdp",
+        "--ckpt-format",
+        "fsdp_dtensor",
+        "--no-gradient-accumulation-fusion",
+    )
+    assert "--use-torch-fsdp2 does not support --fp16" in _error(monkeypatch, *_FSDP2, "--fp16")
+    assert "--use-megatron-fsdp cannot save or load checkpoints yet" in _error(
+        monkeypatch,
+        "--use-megatron-fsdp",
+        "--ckpt-format",
+        "fsdp_dtensor",
+        "--data-parallel-sharding-strategy",
+        "optim",
+        "--load",
+        "/tmp/x",
+    )
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     import pytest
-    with pytest.raises(ArgumentValidationError, match='CUDA_DEVICE_MAX_CONNECTIONS=1'):
+
+    from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
+
+    with pytest.raises(ArgumentValidationError, match="CUDA_DEVICE_MAX_CONNECTIONS=1"):
         validate_args(parse_args(argv=_ARGV + _FSDP2))

@@ -30,8 +30,11 @@ def _reference_ce(hidden, weight, target, grad_loss):
     h = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     logits = h.reshape(-1, h.shape[-1]) @ w.t()
-    loss = F.cross_entropy(logits.float() if logits.dtype != torch.float64 else logits, target.reshape(-1),
-                           reduction="none").view(target.shape)
+    loss = F.cross_entropy(
+        logits.float() if logits.dtype != torch.float64 else logits,
+        target.reshape(-1),
+        reduction="none",
+    ).view(target.shape)
     loss.backward(grad_loss)
     return loss.detach(), h.grad, w.grad
 
@@ -49,7 +52,9 @@ def _ce_inputs(dtype, n_rows=(3, 5), hidden=16, vocab=37, scale=1.0, seed=0):
     h = torch.randn(*n_rows, hidden, generator=g, dtype=torch.float64).to(dtype) * scale
     w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64).to(dtype)
     target = torch.randint(0, vocab, n_rows, generator=g)
-    grad_loss = torch.rand(*n_rows, generator=g, dtype=torch.float64).to(torch.float32 if dtype != torch.float64 else dtype)
+    grad_loss = torch.rand(*n_rows, generator=g, dtype=torch.float64).to(
+        torch.float32 if dtype != torch.float64 else dtype
+    )
     return h, w, target, grad_loss
 
 
@@ -64,7 +69,9 @@ def test_linear_cross_entropy_float64_matches_torch(scale):
 
 
 def test_linear_cross_entropy_float32_matches_torch():
-    h, w, target, grad_loss = _ce_inputs(torch.float32, n_rows=(64, 4), hidden=64, vocab=1000, scale=3.0)
+    h, w, target, grad_loss = _ce_inputs(
+        torch.float32, n_rows=(64, 4), hidden=64, vocab=1000, scale=3.0
+    )
     expected = _reference_ce(h, w, target, grad_loss)
     actual = _fused_ce(h, w, target, grad_loss)
     assert actual[0].dtype == torch.float32 and actual[0].shape == (64, 4)
@@ -109,13 +116,27 @@ VOCAB, SEQ, BATCH = 64, 16, 2
 
 
 def _gpt(fusion, tied=True, tp=1, sp=False, pg_collection=None, **extra):
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                               hidden_dropout=0.0, attention_dropout=0.0, cross_entropy_loss_fusion=fusion,
-                               tensor_model_parallel_size=tp, sequence_parallel=sp, **extra)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        cross_entropy_loss_fusion=fusion,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        **extra,
+    )
     torch.manual_seed(1234)
-    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, pg_collection=pg_collection,
-                    share_embeddings_and_output_weights=tied,
-                    position_embedding_type="learned_absolute" if tied else "rope")
+    return GPTModel(
+        config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pg_collection=pg_collection,
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="learned_absolute" if tied else "rope",
+    )
 
 
 def _batch():
@@ -127,13 +148,17 @@ def _batch():
 
 
 def _rel_err(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+    return (
+        (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)
+    ).item()
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_gpt_model_fused_loss_equals_unfused(tied):
     tokens, position_ids, labels = _batch()
-    weights = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(3))  # a loss mask-like weighting
+    weights = torch.rand(
+        BATCH, SEQ, generator=torch.Generator().manual_seed(3)
+    )  # a loss mask-like weighting
     results = []
     for fusion in (False, True):
         model = _gpt(fusion, tied)
@@ -155,11 +180,15 @@ def test_gpt_model_fused_loss_float64():
     """A float64 model keeps its loss in float64 (the unfused path computes it in fp32): the
     reference is F.cross_entropy on the model's own float64 logits."""
     tokens, position_ids, labels = _batch()
-    weights = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    weights = torch.rand(
+        BATCH, SEQ, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
     ref = _gpt(False, params_dtype=torch.float64)
     logits = ref(tokens, position_ids, None)
     assert logits.dtype == torch.float64
-    ref_losses = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view(BATCH, SEQ)
+    ref_losses = F.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none"
+    ).view(BATCH, SEQ)
     (ref_losses * weights).sum().backward()
     model = _gpt(True, params_dtype=torch.float64)
     losses = model(tokens, position_ids, None, labels=labels)
@@ -201,6 +230,7 @@ def test_gpt_model_fused_loss_vocab_parallel_tp2():
 
 # ----------------------------------------------------------------------------- GELU
 
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gelu_tanh_float64_matches_torch(with_bias):
     g = torch.Generator().manual_seed(0)
@@ -217,7 +247,9 @@ def test_gelu_tanh_float64_matches_torch(with_bias):
     for a, e in zip(grads, ref_grads):
         torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
     # Second derivative is not provided; the first one is checked numerically as well.
-    assert torch.autograd.gradcheck(lambda t: BiasGeLUTanhFunction.apply(t, None), (x[:1, :1, :8].detach().requires_grad_(),))
+    assert torch.autograd.gradcheck(
+        lambda t: BiasGeLUTanhFunction.apply(t, None), (x[:1, :1, :8].detach().requires_grad_(),)
+    )
 
 
 def test_gelu_tanh_float32_no_grad_and_fallbacks():
@@ -240,5 +272,7 @@ def test_mlp_uses_tanh_gelu_under_bias_activation_fusion():
     x = torch.randn(5, 2, 16)
     out, _ = fused(x)
     h = F.linear(x, fused.linear_fc1.weight, fused.linear_fc1.bias)
-    expected = F.linear(F.gelu(h, approximate="tanh"), fused.linear_fc2.weight, fused.linear_fc2.bias)
+    expected = F.linear(
+        F.gelu(h, approximate="tanh"), fused.linear_fc2.weight, fused.linear_fc2.bias
+    )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

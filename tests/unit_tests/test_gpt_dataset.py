@@ -21,7 +21,9 @@ EOD = 0
 
 
 def tokenizer(pad=None, vocab_size=1000):
-    return SimpleNamespace(eod=EOD, pad=pad, vocab_size=vocab_size, unique_identifiers={"class": "TestTokenizer"})
+    return SimpleNamespace(
+        eod=EOD, pad=pad, vocab_size=vocab_size, unique_identifiers={"class": "TestTokenizer"}
+    )
 
 
 def write_dataset(prefix, lengths, seed=0):
@@ -118,8 +120,12 @@ def reference_text(ds, doc_index, shuffle, i, seq_len, extra=1, pad=-1):
 def make_config(tmp_path, seq_len=10, seed=1234, **kw):
     kw.setdefault("tokenizer", tokenizer())
     return GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_len, blend=([str(tmp_path / "d")], None), split="1",
-        path_to_cache=str(tmp_path / "cache"), **kw,
+        random_seed=seed,
+        sequence_length=seq_len,
+        blend=([str(tmp_path / "d")], None),
+        split="1",
+        path_to_cache=str(tmp_path / "cache"),
+        **kw,
     )
 
 
@@ -137,7 +143,9 @@ LENGTHS = [37, 5, 120, 1, 64, 0, 33, 250, 8, 2, 99, 17, 40, 3, 71]  # 750 tokens
         (200, 16, 5, True),
     ],
 )
-def test_indices_and_tokens_match_reference(tmp_path, num_samples, seq_len, expect_epochs, expect_separate):
+def test_indices_and_tokens_match_reference(
+    tmp_path, num_samples, seq_len, expect_epochs, expect_separate
+):
     ds = write_dataset(str(tmp_path / "d"), LENGTHS)
     documents = np.arange(2, len(LENGTHS), dtype=np.int32)  # a split that skips the first sequences
     config = make_config(tmp_path, seq_len=seq_len)
@@ -227,7 +235,10 @@ def test_partial_validation_sequence_is_padded(tmp_path):
     np.testing.assert_array_equal(sample["loss_mask"].numpy(), (text[1:] != -1).astype(np.float32))
     # the same split with the default drops that sample
     config = make_config(tmp_path, seq_len=16)
-    assert len(GPTDataset(ds, str(tmp_path / "d"), documents, None, Split.valid, config)) == (750 - 1) // 16
+    assert (
+        len(GPTDataset(ds, str(tmp_path / "d"), documents, None, Split.valid, config))
+        == (750 - 1) // 16
+    )
 
 
 def test_no_extra_token(tmp_path):
@@ -235,7 +246,9 @@ def test_no_extra_token(tmp_path):
     documents = np.arange(len(LENGTHS), dtype=np.int32)
     config = make_config(tmp_path, seq_len=12, add_extra_token_to_sequence=False)
     gpt = GPTDataset(ds, str(tmp_path / "d"), documents, 100, Split.train, config)
-    doc_index, sample_index, shuffle, _, _ = reference_indices(ds.sequence_lengths, documents, 100, 12, 1234, extra=0)
+    doc_index, sample_index, shuffle, _, _ = reference_indices(
+        ds.sequence_lengths, documents, 100, 12, 1234, extra=0
+    )
     np.testing.assert_array_equal(gpt.sample_index, sample_index)
     np.testing.assert_array_equal(gpt.shuffle_index, shuffle)
     for i in range(0, len(gpt), 7):
@@ -243,7 +256,11 @@ def test_no_extra_token(tmp_path):
         sample = gpt[i]
         np.testing.assert_array_equal(sample["tokens"].numpy(), text)
         np.testing.assert_array_equal(sample["labels"].numpy()[:-1], text[1:])
-        assert sample["labels"][-1] == 0 and sample["loss_mask"][-1] == 0 and sample["loss_mask"][:-1].all()
+        assert (
+            sample["labels"][-1] == 0
+            and sample["loss_mask"][-1] == 0
+            and sample["loss_mask"][:-1].all()
+        )
 
 
 # --- masks and position ids ----------------------------------------------------------------------
@@ -274,16 +291,23 @@ def reference_masks(tokens, reset_position_ids, reset_attention_mask, eod_mask_l
 def test_reset_and_eod_flags(tmp_path, reset_position_ids, reset_attention_mask, eod_mask_loss):
     ds = write_dataset(str(tmp_path / "d"), [5, 3, 9, 1, 12, 7, 4, 6, 2, 8])
     config = make_config(
-        tmp_path, seq_len=16, reset_position_ids=reset_position_ids,
-        reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
+        tmp_path,
+        seq_len=16,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
     )
-    gpt = GPTDataset(ds, str(tmp_path / "d"), np.arange(10, dtype=np.int32), 20, Split.train, config)
+    gpt = GPTDataset(
+        ds, str(tmp_path / "d"), np.arange(10, dtype=np.int32), 20, Split.train, config
+    )
     saw_eod = False
     for i in range(len(gpt)):
         sample = gpt[i]
         tokens = sample["tokens"].numpy()
         saw_eod |= bool((tokens == EOD).any())
-        mask, loss, pos = reference_masks(tokens, reset_position_ids, reset_attention_mask, eod_mask_loss)
+        mask, loss, pos = reference_masks(
+            tokens, reset_position_ids, reset_attention_mask, eod_mask_loss
+        )
         np.testing.assert_array_equal(sample["attention_mask"].numpy(), mask)
         np.testing.assert_array_equal(sample["loss_mask"].numpy(), loss)
         np.testing.assert_array_equal(sample["position_ids"].numpy(), pos)
@@ -293,7 +317,14 @@ def test_reset_and_eod_flags(tmp_path, reset_position_ids, reset_attention_mask,
 def test_no_attention_mask_and_cached_masks_are_not_shared(tmp_path):
     ds = write_dataset(str(tmp_path / "d"), LENGTHS)
     documents = np.arange(len(LENGTHS), dtype=np.int32)
-    gpt = GPTDataset(ds, str(tmp_path / "d"), documents, 10, Split.train, make_config(tmp_path, create_attention_mask=False))
+    gpt = GPTDataset(
+        ds,
+        str(tmp_path / "d"),
+        documents,
+        10,
+        Split.train,
+        make_config(tmp_path, create_attention_mask=False),
+    )
     sample = gpt[0]
     assert "attention_mask" not in sample
     sample["loss_mask"].zero_()
@@ -305,9 +336,23 @@ def test_no_attention_mask_and_cached_masks_are_not_shared(tmp_path):
 def test_pad_id(tmp_path):
     ds = write_dataset(str(tmp_path / "d"), LENGTHS)
     documents = np.arange(len(LENGTHS), dtype=np.int32)
-    collide = GPTDataset(ds, str(tmp_path / "d"), documents, 5, Split.train, make_config(tmp_path, tokenizer=tokenizer(pad=EOD)))
+    collide = GPTDataset(
+        ds,
+        str(tmp_path / "d"),
+        documents,
+        5,
+        Split.train,
+        make_config(tmp_path, tokenizer=tokenizer(pad=EOD)),
+    )
     assert collide._pad_token_id == -1  # pad == eod would hide every EOD label
-    own = GPTDataset(ds, str(tmp_path / "d"), documents, 5, Split.train, make_config(tmp_path, tokenizer=tokenizer(pad=999)))
+    own = GPTDataset(
+        ds,
+        str(tmp_path / "d"),
+        documents,
+        5,
+        Split.train,
+        make_config(tmp_path, tokenizer=tokenizer(pad=999)),
+    )
     assert own._pad_token_id == 999
 
 
@@ -319,7 +364,10 @@ def test_cache_files_and_reuse(tmp_path):
     assert first.built_anew_on_cache_miss
     names = sorted(os.listdir(tmp_path / "cache"))
     base = f"{first.unique_description_hash}-GPTDataset-train-"
-    assert names == sorted(base + s for s in ["description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"])
+    assert names == sorted(
+        base + s
+        for s in ["description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"]
+    )
     assert open(tmp_path / "cache" / (base + "description.txt")).read() == first.unique_description
     second = GPTDataset(ds, str(tmp_path / "d"), documents, 50, Split.train, config)
     assert not second.built_anew_on_cache_miss
@@ -328,13 +376,24 @@ def test_cache_files_and_reuse(tmp_path):
         np.testing.assert_array_equal(getattr(first, name), getattr(second, name))
         assert getattr(first, name).dtype == getattr(second, name).dtype
     # a different seed is a different cache entry
-    third = GPTDataset(ds, str(tmp_path / "d"), documents, 50, Split.train, make_config(tmp_path, seed=5))
-    assert third.built_anew_on_cache_miss and third.unique_description_hash != first.unique_description_hash
+    third = GPTDataset(
+        ds, str(tmp_path / "d"), documents, 50, Split.train, make_config(tmp_path, seed=5)
+    )
+    assert (
+        third.built_anew_on_cache_miss
+        and third.unique_description_hash != first.unique_description_hash
+    )
 
 
 def test_default_cache_directory_is_under_the_prefix(tmp_path):
     ds = write_dataset(str(tmp_path / "d"), LENGTHS)
-    config = GPTDatasetConfig(random_seed=1, sequence_length=8, blend=([str(tmp_path / "d")], None), split="1", tokenizer=tokenizer())
+    config = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=8,
+        blend=([str(tmp_path / "d")], None),
+        split="1",
+        tokenizer=tokenizer(),
+    )
     GPTDataset(ds, str(tmp_path / "d"), np.arange(4, dtype=np.int32), 3, Split.train, config)
     assert len(os.listdir(tmp_path / "d" / "cache" / "GPTDataset_indices")) == 4
 
@@ -342,7 +401,14 @@ def test_default_cache_directory_is_under_the_prefix(tmp_path):
 def test_empty_split_with_samples_requested_is_a_clear_error(tmp_path):
     ds = write_dataset(str(tmp_path / "d"), LENGTHS)
     with pytest.raises(ValueError, match="no tokens"):
-        GPTDataset(ds, str(tmp_path / "d"), np.arange(0, dtype=np.int32), 5, Split.test, make_config(tmp_path))
+        GPTDataset(
+            ds,
+            str(tmp_path / "d"),
+            np.arange(0, dtype=np.int32),
+            5,
+            Split.test,
+            make_config(tmp_path),
+        )
 
 
 # --- mock ----------------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ VOCAB = 61
 SEQ = 12
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _single_thread():
     """Tiny tensors: one intra-op thread is faster and immune to contention from other processes."""
@@ -26,9 +25,15 @@ def _single_thread():
     yield
     torch.set_num_threads(threads)
 
+
 def make_config(**overrides):
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                attention_dropout=0.0)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     base.update(overrides)
     return TransformerConfig(**base)
 
@@ -66,14 +71,22 @@ def test_names_learned_absolute_layernorm_gelu_biases():
     }
     for n in range(2):
         p = f"decoder.layers.{n}."
-        expected.update({
-            p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
-            p + "self_attention.linear_qkv.weight": (3 * h, h), p + "self_attention.linear_qkv.bias": (3 * h,),
-            p + "self_attention.linear_proj.weight": (h, h), p + "self_attention.linear_proj.bias": (h,),
-            p + "pre_mlp_layernorm.weight": (h,), p + "pre_mlp_layernorm.bias": (h,),
-            p + "mlp.linear_fc1.weight": (ffn, h), p + "mlp.linear_fc1.bias": (ffn,),
-            p + "mlp.linear_fc2.weight": (h, ffn), p + "mlp.linear_fc2.bias": (h,),
-        })
+        expected.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "input_layernorm.bias": (h,),
+                p + "self_attention.linear_qkv.weight": (3 * h, h),
+                p + "self_attention.linear_qkv.bias": (3 * h,),
+                p + "self_attention.linear_proj.weight": (h, h),
+                p + "self_attention.linear_proj.bias": (h,),
+                p + "pre_mlp_layernorm.weight": (h,),
+                p + "pre_mlp_layernorm.bias": (h,),
+                p + "mlp.linear_fc1.weight": (ffn, h),
+                p + "mlp.linear_fc1.bias": (ffn,),
+                p + "mlp.linear_fc2.weight": (h, ffn),
+                p + "mlp.linear_fc2.bias": (h,),
+            }
+        )
     assert shapes(model) == expected
     assert set(model.state_dict()) == set(expected)  # tied: no output_layer.weight anywhere
     for param in model.parameters():
@@ -82,9 +95,17 @@ def test_names_learned_absolute_layernorm_gelu_biases():
 
 
 def test_names_rope_rmsnorm_swiglu_gqa_no_bias_untied():
-    config = make_config(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-                         add_bias_linear=False, ffn_hidden_size=48)
+    config = make_config(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        ffn_hidden_size=48,
+    )
     model = make_model(config=config, position_embedding_type="rope")
     d = 8
     p = "decoder.layers.0."
@@ -104,14 +125,17 @@ def test_names_rope_rmsnorm_swiglu_gqa_no_bias_untied():
 
 
 def test_names_qk_layernorm_and_qkv_bias_only():
-    config = make_config(num_layers=1, qk_layernorm=True, add_bias_linear=False, add_qkv_bias=True,
-                         kv_channels=16)
+    config = make_config(
+        num_layers=1, qk_layernorm=True, add_bias_linear=False, add_qkv_bias=True, kv_channels=16
+    )
     model = make_model(config=config, position_embedding_type="none")
     p = "decoder.layers.0.self_attention."
     s = shapes(model)
     assert s[p + "q_layernorm.weight"] == (16,) and s[p + "q_layernorm.bias"] == (16,)
     assert s[p + "k_layernorm.weight"] == (16,) and s[p + "k_layernorm.bias"] == (16,)
-    assert s[p + "linear_qkv.weight"] == (3 * 4 * 16, 32) and s[p + "linear_qkv.bias"] == (3 * 4 * 16,)
+    assert s[p + "linear_qkv.weight"] == (3 * 4 * 16, 32) and s[p + "linear_qkv.bias"] == (
+        3 * 4 * 16,
+    )
     assert s[p + "linear_proj.weight"] == (32, 64)
     assert p + "linear_proj.bias" not in s
     assert "decoder.layers.0.mlp.linear_fc1.bias" not in s
@@ -128,7 +152,9 @@ def test_forward_shapes_and_loss_matches_cross_entropy():
     assert logits.shape == (3, SEQ, VOCAB) and logits.dtype == torch.float32
     losses = model(tokens, pos, None, labels=labels)
     assert losses.shape == (3, SEQ) and losses.dtype == torch.float32
-    expected = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none").view(3, SEQ)
+    expected = F.cross_entropy(
+        logits.reshape(-1, VOCAB), labels.reshape(-1), reduction="none"
+    ).view(3, SEQ)
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -217,8 +243,9 @@ def _textbook_rope(x, rot, base, interleaved, llama3_factor=None):
     return out
 
 
-def reference_logits(model, cfg, tokens, position_ids, attention_mask=None, rope=None, tied=False,
-                     gelu_tanh=False):
+def reference_logits(
+    model, cfg, tokens, position_ids, attention_mask=None, rope=None, tied=False, gelu_tanh=False
+):
     """Plain float64 forward written from the model's state dict, independent of its code."""
     sd = {k: v.detach().double() for k, v in model.state_dict().items()}
     b, s = tokens.shape
@@ -243,9 +270,9 @@ def reference_logits(model, cfg, tokens, position_ids, attention_mask=None, rope
         for g in range(ng):
             base = g * (npg + 2) * d
             for j in range(npg):
-                q[:, :, g * npg + j] = qkv[..., base + j * d: base + (j + 1) * d]
-            k[:, :, g] = qkv[..., base + npg * d: base + (npg + 1) * d]
-            v[:, :, g] = qkv[..., base + (npg + 1) * d: base + (npg + 2) * d]
+                q[:, :, g * npg + j] = qkv[..., base + j * d : base + (j + 1) * d]
+            k[:, :, g] = qkv[..., base + npg * d : base + (npg + 1) * d]
+            v[:, :, g] = qkv[..., base + (npg + 1) * d : base + (npg + 2) * d]
         if cfg.qk_layernorm:
             q = _ref_norm(q, sd, p + "self_attention.q_layernorm", cfg)
             k = _ref_norm(k, sd, p + "self_attention.k_layernorm", cfg)
@@ -274,7 +301,9 @@ def reference_logits(model, cfg, tokens, position_ids, attention_mask=None, rope
         elif cfg.activation_func is squared_relu:
             hmid = torch.clamp(hmid, min=0) ** 2
         elif gelu_tanh:
-            hmid = 0.5 * hmid * (1 + torch.tanh(math.sqrt(2 / math.pi) * (hmid + 0.044715 * hmid ** 3)))
+            hmid = (
+                0.5 * hmid * (1 + torch.tanh(math.sqrt(2 / math.pi) * (hmid + 0.044715 * hmid**3)))
+            )
         else:
             hmid = 0.5 * hmid * (1 + torch.erf(hmid / math.sqrt(2)))
         mlp = hmid @ sd[p + "mlp.linear_fc2.weight"].T
@@ -297,23 +326,52 @@ def _perturb(model, seed=5):
 
 REFERENCE_CASES = {
     "gpt2_learned_layernorm_gelu_tied": (
-        dict(), dict(share_embeddings_and_output_weights=True), None, False),
+        dict(),
+        dict(share_embeddings_and_output_weights=True),
+        None,
+        False,
+    ),
     "llama_rope_rmsnorm_swiglu_gqa": (
-        dict(num_attention_heads=4, num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
-             activation_func=F.silu, add_bias_linear=False, ffn_hidden_size=40),
+        dict(
+            num_attention_heads=4,
+            num_query_groups=2,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            ffn_hidden_size=40,
+        ),
         dict(position_embedding_type="rope", rotary_base=500),
-        dict(rot=8, base=500, interleaved=False), False),
+        dict(rot=8, base=500, interleaved=False),
+        False,
+    ),
     "mqa_partial_interleaved_rope_qknorm_1p_llama3": (
-        dict(num_attention_heads=4, num_query_groups=1, kv_channels=12, qk_layernorm=True,
-             layernorm_zero_centered_gamma=True, add_bias_linear=False, add_qkv_bias=True),
-        dict(position_embedding_type="rope", rotary_percent=0.5, rope_scaling=True, rope_scaling_factor=8.0,
-             rotary_base=1e6),
-        dict(rot=6, base=1e6, interleaved=True, llama3_factor=8.0), False),
+        dict(
+            num_attention_heads=4,
+            num_query_groups=1,
+            kv_channels=12,
+            qk_layernorm=True,
+            layernorm_zero_centered_gamma=True,
+            add_bias_linear=False,
+            add_qkv_bias=True,
+        ),
+        dict(
+            position_embedding_type="rope",
+            rotary_percent=0.5,
+            rope_scaling=True,
+            rope_scaling_factor=8.0,
+            rotary_base=1e6,
+        ),
+        dict(rot=6, base=1e6, interleaved=True, llama3_factor=8.0),
+        False,
+    ),
     "post_ln_residual_squared_relu_no_pos": (
         dict(apply_residual_connection_post_layernorm=True, activation_func=squared_relu),
-        dict(position_embedding_type="none"), None, False),
-    "fused_bias_gelu_is_tanh": (
-        dict(bias_activation_fusion=True), dict(), None, True),
+        dict(position_embedding_type="none"),
+        None,
+        False,
+    ),
+    "fused_bias_gelu_is_tanh": (dict(bias_activation_fusion=True), dict(), None, True),
 }
 
 
@@ -327,8 +385,15 @@ def test_matches_float64_reference(case):
     _perturb(model)
     tokens, pos, _ = batch(b=2)
     logits = model(tokens, pos, None)
-    expected = reference_logits(model, cfg, tokens, pos, rope=rope, gelu_tanh=gelu_tanh,
-                                tied=model_kw.get("share_embeddings_and_output_weights", False))
+    expected = reference_logits(
+        model,
+        cfg,
+        tokens,
+        pos,
+        rope=rope,
+        gelu_tanh=gelu_tanh,
+        tied=model_kw.get("share_embeddings_and_output_weights", False),
+    )
     assert logits.dtype == torch.float64
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10)
 
@@ -343,12 +408,20 @@ def test_explicit_document_mask_matches_reference():
     mask[0, 0, 5:, :5] = True
     mask[1, 0, 8:, :8] = True
     logits = model(tokens, pos, mask)
-    expected = reference_logits(model, cfg, tokens, pos, attention_mask=mask,
-                                rope=dict(rot=8, base=10000, interleaved=False))
+    expected = reference_logits(
+        model,
+        cfg,
+        tokens,
+        pos,
+        attention_mask=mask,
+        rope=dict(rot=8, base=10000, interleaved=False),
+    )
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-10)
     # An explicit causal mask gives the same result as None (the fast is_causal path).
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(2, 1, SEQ, SEQ)
-    torch.testing.assert_close(model(tokens, pos, causal), model(tokens, pos, None), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        model(tokens, pos, causal), model(tokens, pos, None), rtol=0, atol=1e-12
+    )
 
 
 def test_rejects_non_bool_mask():
@@ -414,7 +487,9 @@ def test_same_seed_same_params_other_seed_differs():
     c = make_model(seed=8, position_embedding_type="rope").state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["decoder.layers.0.mlp.linear_fc1.weight"], c["decoder.layers.0.mlp.linear_fc1.weight"])
+    assert not torch.equal(
+        a["decoder.layers.0.mlp.linear_fc1.weight"], c["decoder.layers.0.mlp.linear_fc1.weight"]
+    )
 
 
 # ----------------------------------------------------------------------------- properties
@@ -439,8 +514,10 @@ def test_dropout_only_in_train_mode():
 
 @pytest.mark.parametrize("pe", ["learned_absolute", "rope"])
 def test_causal_later_tokens_do_not_change_earlier_logits(pe):
-    model = make_model(config=make_config(params_dtype=torch.float64, num_query_groups=2),
-                       position_embedding_type=pe)
+    model = make_model(
+        config=make_config(params_dtype=torch.float64, num_query_groups=2),
+        position_embedding_type=pe,
+    )
     tokens, pos, _ = batch(b=1)
     base = model(tokens, pos, None)
     changed = tokens.clone()
@@ -450,15 +527,20 @@ def test_causal_later_tokens_do_not_change_earlier_logits(pe):
     assert not torch.allclose(out[:, 7:], base[:, 7:])
 
 
-@pytest.mark.parametrize("recompute", [
-    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
-    dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
-    dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
-])
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+        dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1),
+        dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    ],
+)
 def test_recompute_gives_identical_loss_and_grads(recompute):
     dropout = dict(hidden_dropout=0.2, attention_dropout=0.2, num_layers=3)
     plain = make_model(seed=3, config=make_config(**dropout), position_embedding_type="rope")
-    again = make_model(seed=3, config=make_config(**dropout, **recompute), position_embedding_type="rope")
+    again = make_model(
+        seed=3, config=make_config(**dropout, **recompute), position_embedding_type="rope"
+    )
     tokens, pos, labels = batch()
     results = []
     for model in (plain, again):
@@ -475,29 +557,64 @@ def test_recompute_gives_identical_loss_and_grads(recompute):
 @pytest.mark.parametrize("tied", [False, True])
 def test_two_pipeline_stages_reproduce_the_full_model(tied):
     cfg = make_config(num_layers=3, params_dtype=torch.float64)
-    full = make_model(config=cfg, position_embedding_type="rope", share_embeddings_and_output_weights=tied)
-    first = GPTModel(cfg, VOCAB, SEQ, pre_process=True, post_process=False, num_layers=2,
-                     position_embedding_type="rope", share_embeddings_and_output_weights=tied)
-    last = GPTModel(cfg, VOCAB, SEQ, pre_process=False, post_process=True, num_layers=1, layer_number_offset=2,
-                    position_embedding_type="rope", share_embeddings_and_output_weights=tied)
+    full = make_model(
+        config=cfg, position_embedding_type="rope", share_embeddings_and_output_weights=tied
+    )
+    first = GPTModel(
+        cfg,
+        VOCAB,
+        SEQ,
+        pre_process=True,
+        post_process=False,
+        num_layers=2,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied,
+    )
+    last = GPTModel(
+        cfg,
+        VOCAB,
+        SEQ,
+        pre_process=False,
+        post_process=True,
+        num_layers=1,
+        layer_number_offset=2,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied,
+    )
     assert [layer.layer_number for layer in last.decoder.layers] == [3]
     assert not hasattr(first.decoder, "final_layernorm") or first.decoder.final_layernorm is None
     if tied:
         assert last.output_layer.weight.shared and torch.all(last.output_layer.weight == 0)
         assert first.embedding.word_embeddings.weight.shared_embedding
     sd = full.state_dict()
-    first.load_state_dict({k: v for k, v in sd.items() if k.startswith("embedding.")
-                           or k.startswith("decoder.layers.0.") or k.startswith("decoder.layers.1.")})
-    last_sd = {k.replace("decoder.layers.2.", "decoder.layers.0."): v for k, v in sd.items()
-               if k.startswith("decoder.layers.2.") or k.startswith("decoder.final_layernorm")}
-    last_sd["output_layer.weight"] = sd["embedding.word_embeddings.weight" if tied else "output_layer.weight"]
+    first.load_state_dict(
+        {
+            k: v
+            for k, v in sd.items()
+            if k.startswith("embedding.")
+            or k.startswith("decoder.layers.0.")
+            or k.startswith("decoder.layers.1.")
+        }
+    )
+    last_sd = {
+        k.replace("decoder.layers.2.", "decoder.layers.0."): v
+        for k, v in sd.items()
+        if k.startswith("decoder.layers.2.") or k.startswith("decoder.final_layernorm")
+    }
+    last_sd["output_layer.weight"] = sd[
+        "embedding.word_embeddings.weight" if tied else "output_layer.weight"
+    ]
     last.load_state_dict(last_sd)
     tokens, pos, labels = batch()
     hidden = first(tokens, pos, None)
     assert hidden.shape == (SEQ, 2, 32)
     last.set_input_tensor([hidden])
-    torch.testing.assert_close(last(None, None, None, labels=labels), full(tokens, pos, None, labels=labels),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        last(None, None, None, labels=labels),
+        full(tokens, pos, None, labels=labels),
+        rtol=0,
+        atol=1e-12,
+    )
 
 
 def test_float16_module_casts_and_keeps_names():
@@ -524,7 +641,9 @@ def test_rejects_unsupported_options():
 
 
 def test_small_model_learns_a_repeating_sequence():
-    cfg = make_config(num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu)
+    cfg = make_config(
+        num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu
+    )
     model = make_model(config=cfg, position_embedding_type="rope")
     g = torch.Generator().manual_seed(0)
     pattern = torch.randint(0, VOCAB, (5,), generator=g)

@@ -21,13 +21,13 @@ def test_constant_scaler_never_changes():
 
 def test_hysteresis_two_then_every_overflow_halves():
     s = DynamicGradScaler(initial_scale=1024.0, min_scale=1.0, growth_interval=1000, hysteresis=2)
-    s.update(True)      # hysteresis 2 -> 1: keep
+    s.update(True)  # hysteresis 2 -> 1: keep
     assert _scale(s) == 1024.0
-    s.update(True)      # 1 -> 0: halve
+    s.update(True)  # 1 -> 0: halve
     assert _scale(s) == 512.0
-    s.update(True)      # tracker not refilled by backoff: halve again
+    s.update(True)  # tracker not refilled by backoff: halve again
     assert _scale(s) == 256.0
-    s.update(False)     # a clean step does not refill the hysteresis either
+    s.update(False)  # a clean step does not refill the hysteresis either
     s.update(True)
     assert _scale(s) == 128.0
 
@@ -40,12 +40,12 @@ def test_growth_after_window_and_refills_hysteresis():
     s.update(False)
     s.update(False)
     assert _scale(s) == 4.0
-    s.update(False)      # third clean step in a row: grow
+    s.update(False)  # third clean step in a row: grow
     assert _scale(s) == 8.0
-    s.update(True)       # hysteresis was refilled: this overflow is tolerated
+    s.update(True)  # hysteresis was refilled: this overflow is tolerated
     assert _scale(s) == 8.0
     s.update(False)
-    s.update(False)      # growth tracker was reset by the overflow: only 2 clean steps
+    s.update(False)  # growth tracker was reset by the overflow: only 2 clean steps
     assert _scale(s) == 8.0
     s.update(False)
     assert _scale(s) == 16.0
@@ -97,9 +97,12 @@ def test_state_dict_round_trip_weights_only():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(initial_scale=0.0, min_scale=1.0), dict(initial_scale=1.0, min_scale=2.0),
-     dict(initial_scale=4.0, min_scale=1.0, hysteresis=0),
-     dict(initial_scale=4.0, min_scale=1.0, growth_interval=0)],
+    [
+        dict(initial_scale=0.0, min_scale=1.0),
+        dict(initial_scale=1.0, min_scale=2.0),
+        dict(initial_scale=4.0, min_scale=1.0, hysteresis=0),
+        dict(initial_scale=4.0, min_scale=1.0, growth_interval=0),
+    ],
 )
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):

@@ -19,7 +19,16 @@ from megatron.core.datasets.indexed_dataset import (
 )
 
 # Independent description of the format (MEGATRON_FACTS.md section 5).
-CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7, np.uint16: 8}
+CODES = {
+    np.uint8: 1,
+    np.int8: 2,
+    np.int16: 3,
+    np.int32: 4,
+    np.int64: 5,
+    np.float64: 6,
+    np.float32: 7,
+    np.uint16: 8,
+}
 
 
 def reference_idx_bytes(documents, dtype):
@@ -41,7 +50,11 @@ def reference_idx_bytes(documents, dtype):
 
 
 def reference_bin_bytes(documents, dtype):
-    return b"".join(np.asarray(s, dtype=dtype).astype(np.dtype(dtype).newbyteorder("<")).tobytes() for d in documents for s in d)
+    return b"".join(
+        np.asarray(s, dtype=dtype).astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+        for d in documents
+        for s in d
+    )
 
 
 DOCS = [[[5, 6, 7], [8]], [[9, 10, 11, 12]], [], [[1], [2], [3]], [[65000, 0]]]

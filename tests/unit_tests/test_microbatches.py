@@ -9,7 +9,9 @@ from megatron.core.num_microbatches_calculator import (
 
 
 def test_constant():
-    c = build_num_microbatches_calculator(0, None, global_batch_size=32, micro_batch_size=2, data_parallel_size=4)
+    c = build_num_microbatches_calculator(
+        0, None, global_batch_size=32, micro_batch_size=2, data_parallel_size=4
+    )
     assert isinstance(c, ConstantNumMicroBatchesCalculator)
     assert c.get() == 4
     assert c.get_current_global_batch_size() == 32
@@ -19,8 +21,11 @@ def test_constant():
 
 
 def test_constant_not_divisible():
-    with pytest.raises(ValueError, match=r"global batch size \(30\) is not divisible by micro batch size \(2\) "
-                                         r"times data parallel size \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"global batch size \(30\) is not divisible by micro batch size \(2\) "
+        r"times data parallel size \(4\)",
+    ):
         ConstantNumMicroBatchesCalculator(30, 2, 4)
 
 
@@ -50,20 +55,26 @@ def test_rampup_sequence():
 
 
 def test_rampup_consistency_check_hits_odd_size():
-    c = RampupBatchsizeNumMicroBatchesCalculator(16, 4, 1, [4, 2, 60])   # increment every 10 samples
+    c = RampupBatchsizeNumMicroBatchesCalculator(16, 4, 1, [4, 2, 60])  # increment every 10 samples
     c.update(15, consistency_check=False)
     assert c.get_current_global_batch_size() == 6
     with pytest.raises(ValueError, match=r"current global batch size \(6\) is not divisible"):
         c.update(15, consistency_check=True)
-    d = RampupBatchsizeNumMicroBatchesCalculator(16, 4, 1, [4, 2, 60], decrease_batch_size_if_needed=True)
+    d = RampupBatchsizeNumMicroBatchesCalculator(
+        16, 4, 1, [4, 2, 60], decrease_batch_size_if_needed=True
+    )
     d.update(15, consistency_check=True)
     assert d.get() == 1 and d.get_current_running_global_batch_size() == 4
 
 
 @pytest.mark.parametrize(
     "rampup, needle",
-    [([40, 8, 96], "must be >= the --rampup-batch-size start"), ([8, 5, 96], "divisible by the batch size increment"),
-     ([8, 8], "expects 3 values"), (["a", "8", "96"], "must be integers")],
+    [
+        ([40, 8, 96], "must be >= the --rampup-batch-size start"),
+        ([8, 5, 96], "divisible by the batch size increment"),
+        ([8, 8], "expects 3 values"),
+        (["a", "8", "96"], "must be integers"),
+    ],
 )
 def test_rampup_bad_arguments(rampup, needle):
     with pytest.raises(ValueError, match=needle):

@@ -25,33 +25,64 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.dist_utils import run_distributed
 
 RTOL = 1e-5
-VOCAB = 64          # padded vocabulary (divisible by TP); labels only use the first TRUE_VOCAB ids
+VOCAB = 64  # padded vocabulary (divisible by TP); labels only use the first TRUE_VOCAB ids
 TRUE_VOCAB = 50
 SEQ = 16
 BATCH = 2
 
 ARCHS = {
     # learned positions, LayerNorm, GeLU, biases, tied embedding/output
-    "gpt": (dict(num_attention_heads=4), dict(position_embedding_type="learned_absolute",
-                                              share_embeddings_and_output_weights=True)),
+    "gpt": (
+        dict(num_attention_heads=4),
+        dict(position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True),
+    ),
     # RoPE, RMSNorm, SwiGLU, GQA (2 groups), no biases, untied output layer
-    "llama": (dict(num_attention_heads=4, num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True,
-                   activation_func=F.silu, add_bias_linear=False),
-              dict(position_embedding_type="rope", share_embeddings_and_output_weights=False)),
+    "llama": (
+        dict(
+            num_attention_heads=4,
+            num_query_groups=2,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+        ),
+        dict(position_embedding_type="rope", share_embeddings_and_output_weights=False),
+    ),
     # GQA with 4 groups over 8 heads: one group per rank at TP=4
-    "gqa8": (dict(num_attention_heads=8, num_query_groups=4, normalization="RMSNorm", gated_linear_unit=True,
-                  activation_func=F.silu),
-             dict(position_embedding_type="rope", share_embeddings_and_output_weights=True)),
+    "gqa8": (
+        dict(
+            num_attention_heads=8,
+            num_query_groups=4,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+        ),
+        dict(position_embedding_type="rope", share_embeddings_and_output_weights=True),
+    ),
 }
 
 
 def build(arch, tp=1, cp=1, sp=False, pg_collection=None):
     cfg_kwargs, model_kwargs = ARCHS[arch]
-    config = TransformerConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, hidden_dropout=0.0,
-                               attention_dropout=0.0, tensor_model_parallel_size=tp, context_parallel_size=cp,
-                               sequence_parallel=sp, **cfg_kwargs)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
+        **cfg_kwargs,
+    )
     torch.manual_seed(1234)
-    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, pg_collection=pg_collection, **model_kwargs)
+    return GPTModel(
+        config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pg_collection=pg_collection,
+        **model_kwargs,
+    )
 
 
 def make_batch():
@@ -63,7 +94,9 @@ def make_batch():
 
 
 def rel_err(actual, expected):
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+    return (
+        (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)
+    ).item()
 
 
 def _full_param(param, tp_group):
@@ -92,7 +125,9 @@ def check_parity(arch, tp, cp, sp):
     assert sorted(ref_params) == sorted(n for n, _ in model.named_parameters()), tag
     for name, param in model.named_parameters():
         if getattr(param, "tensor_model_parallel", False):
-            expected = shard_of(ref_params[name].detach(), param.partition_dim, tp_rank, tp, param.partition_stride)
+            expected = shard_of(
+                ref_params[name].detach(), param.partition_dim, tp_rank, tp, param.partition_stride
+            )
         else:
             expected = ref_params[name].detach()
         assert torch.equal(param.detach(), expected), f"{tag}: initial shard of {name}"
@@ -102,7 +137,9 @@ def check_parity(arch, tp, cp, sp):
     loss_sum = losses.sum()
     (loss_sum / num_tokens).backward()
     total = C.all_reduce(loss_sum.detach().clone(), cp_group)
-    assert rel_err(total / num_tokens, ref_loss.detach()) <= RTOL, f"{tag}: loss {total / num_tokens} vs {ref_loss}"
+    assert rel_err(total / num_tokens, ref_loss.detach()) <= RTOL, (
+        f"{tag}: loss {total / num_tokens} vs {ref_loss}"
+    )
 
     if cp == 1:  # logits: this rank's vocab slice
         logits = model(local["tokens"], local["position_ids"], None).detach()
@@ -130,22 +167,40 @@ def _worker(rank, world_size, cases):
 
 
 def test_tp2_sp_and_cp2_match_single_process():
-    cases = [("gpt", 2, 1, False), ("llama", 2, 1, False), ("gpt", 2, 1, True), ("llama", 2, 1, True),
-             ("gpt", 1, 2, False), ("llama", 1, 2, False)]
+    cases = [
+        ("gpt", 2, 1, False),
+        ("llama", 2, 1, False),
+        ("gpt", 2, 1, True),
+        ("llama", 2, 1, True),
+        ("gpt", 1, 2, False),
+        ("llama", 1, 2, False),
+    ]
     run_distributed(_worker, 2, cases)
 
 
 def test_tp4_gqa_and_cp2_tp2_match_single_process():
-    cases = [("gqa8", 4, 1, False), ("gqa8", 4, 1, True), ("llama", 2, 2, False), ("gpt", 2, 2, True)]
+    cases = [
+        ("gqa8", 4, 1, False),
+        ("gqa8", 4, 1, True),
+        ("llama", 2, 2, False),
+        ("gpt", 2, 2, True),
+    ]
     run_distributed(_worker, 4, cases)
 
 
 def test_bad_layouts_have_clear_messages():
     with pytest.raises(ValueError, match="num-attention-heads.*tensor-model-parallel-size"):
-        TransformerConfig(num_layers=1, hidden_size=24, num_attention_heads=3, tensor_model_parallel_size=2)
+        TransformerConfig(
+            num_layers=1, hidden_size=24, num_attention_heads=3, tensor_model_parallel_size=2
+        )
     with pytest.raises(ValueError, match="num-query-groups.*tensor-model-parallel-size"):
-        TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=1,
-                          tensor_model_parallel_size=2)
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_query_groups=1,
+            tensor_model_parallel_size=2,
+        )
     with pytest.raises(ValueError, match="tensor-model-parallel-size"):
         build("gpt", tp=2)  # a TP=2 config without a TP group never runs unsplit
     with pytest.raises(ValueError, match="context-parallel-size"):

@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from megatron.core.optimizer import (
-    FP32Optimizer,
     Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
     OptimizerConfig,
     get_megatron_optimizer,
 )
@@ -88,15 +88,23 @@ def test_param_groups_weight_decay_and_keys():
 
 def test_decoupled_lr_groups_through_wrappers():
     wrapper = nn.Module()
-    wrapper.module = _model()          # names become module.embedding.word_embeddings.weight, ...
-    opt = get_megatron_optimizer(_config(decoupled_lr=5e-3, decoupled_min_lr=1e-4, min_lr=1e-5), [wrapper])
+    wrapper.module = _model()  # names become module.embedding.word_embeddings.weight, ...
+    opt = get_megatron_optimizer(
+        _config(decoupled_lr=5e-3, decoupled_min_lr=1e-4, min_lr=1e-5), [wrapper]
+    )
     names = {id(p): n for n, p in wrapper.named_parameters()}
     decoupled = [g for g in opt.param_groups if g["is_decoupled_lr"]]
     assert {names[id(p)] for g in decoupled for p in g["params"]} == {
-        "module.embedding.word_embeddings.weight", "module.output_layer.weight"}
+        "module.embedding.word_embeddings.weight",
+        "module.output_layer.weight",
+    }
     for g in opt.param_groups:
-        assert (g["max_lr"], g["min_lr"]) == ((5e-3, 1e-4) if g["is_decoupled_lr"] else (1e-2, 1e-5))
-    sched = OptimizerParamScheduler(opt, 0.0, 1e-2, 1e-5, 0, 100, "constant", 0.1, 0.1, 100, "constant")
+        assert (g["max_lr"], g["min_lr"]) == (
+            (5e-3, 1e-4) if g["is_decoupled_lr"] else (1e-2, 1e-5)
+        )
+    sched = OptimizerParamScheduler(
+        opt, 0.0, 1e-2, 1e-5, 0, 100, "constant", 0.1, 0.1, 100, "constant"
+    )
     for g in opt.param_groups:
         assert g["lr"] == (5e-3 if g["is_decoupled_lr"] else 1e-2)
     assert sched.get_lr({}) == 1e-2
@@ -110,12 +118,16 @@ def test_fp32_adam_bitwise_equals_torch_adamw(use_main_grad):
     opt = get_megatron_optimizer(config, [model])
     decay = [p for n, p in ref_model.named_parameters() if n not in NO_DECAY]
     no_decay = [p for n, p in ref_model.named_parameters() if n in NO_DECAY]
-    ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.8, 0.95), eps=1e-6)
+    ref = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+    )
     for step in range(5):
         opt.zero_grad()
         _loss(model, step).backward()
-        if use_main_grad:      # what DDP does: the reduced grad lives in main_grad
+        if use_main_grad:  # what DDP does: the reduced grad lives in main_grad
             for p in model.parameters():
                 p.main_grad = p.grad.clone()
                 p.grad = None
@@ -136,7 +148,7 @@ def test_no_weight_decay_on_bias_and_norm():
     opt = get_megatron_optimizer(_config(weight_decay=0.5, lr=0.1), [model])
     OptimizerParamScheduler(opt, 0.0, 0.1, 0.0, 0, 10, "constant", 0.5, 0.5, 10, "constant")
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)     # Adam step is 0: only decoupled weight decay moves params
+        p.grad = torch.zeros_like(p)  # Adam step is 0: only decoupled weight decay moves params
     opt.step()
     for n, p in model.named_parameters():
         if n in NO_DECAY:
@@ -148,15 +160,24 @@ def test_no_weight_decay_on_bias_and_norm():
 def test_clipping_matches_torch_clip_grad_norm():
     model = _model()
     ref_model = copy.deepcopy(model)
-    opt = get_megatron_optimizer(_config(optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0, lr=1.0,
-                                         clip_grad=0.05, log_num_zeros_in_grad=True), [model])
+    opt = get_megatron_optimizer(
+        _config(
+            optimizer="sgd",
+            sgd_momentum=0.0,
+            weight_decay=0.0,
+            lr=1.0,
+            clip_grad=0.05,
+            log_num_zeros_in_grad=True,
+        ),
+        [model],
+    )
     _loss(model, 0).backward()
     _loss(ref_model, 0).backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
     ok, norm, zeros = opt.step()
     assert ok
     assert norm == pytest.approx(ref_norm.item(), rel=1e-6)
-    assert norm > 0.05                 # so clipping really happened
+    assert norm > 0.05  # so clipping really happened
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-9)
     # Unused embedding rows have exactly-zero grads.
@@ -190,8 +211,16 @@ def test_norm_counts_shared_and_tp_duplicates_once():
 
 def test_fp16_skips_overflow_and_backs_off_after_hysteresis():
     model = _model(dtype=torch.float16)
-    cfg = _config(fp16=True, optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0, lr=0.5,
-                  initial_loss_scale=2.0**10, hysteresis=2, loss_scale_window=1000)
+    cfg = _config(
+        fp16=True,
+        optimizer="sgd",
+        sgd_momentum=0.0,
+        weight_decay=0.0,
+        lr=0.5,
+        initial_loss_scale=2.0**10,
+        hysteresis=2,
+        loss_scale_window=1000,
+    )
     opt = get_megatron_optimizer(cfg, [model])
     assert isinstance(opt, Float16OptimizerWithFloat16Params)
     assert opt.get_loss_scale().item() == 1024.0
@@ -207,23 +236,26 @@ def test_fp16_skips_overflow_and_backs_off_after_hysteresis():
 
     set_grads(bad=True)
     assert opt.step() == (False, None, None)
-    assert opt.get_loss_scale().item() == 1024.0          # first overflow: hysteresis
+    assert opt.get_loss_scale().item() == 1024.0  # first overflow: hysteresis
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     set_grads(bad=True)
     assert opt.step()[0] is False
-    assert opt.get_loss_scale().item() == 512.0           # second overflow: halved
+    assert opt.get_loss_scale().item() == 512.0  # second overflow: halved
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
     set_grads(bad=False)
     ok, _, _ = opt.step()
     assert ok
-    master_of = {id(p): m for hg, mg in zip(opt.float16_groups, opt.fp32_from_float16_groups)
-                 for p, m in zip(hg, mg)}
+    master_of = {
+        id(p): m
+        for hg, mg in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+        for p, m in zip(hg, mg)
+    }
     for p, b in zip(model.parameters(), before):
         m = master_of[id(p)]
         expected = b.float() - 0.5 * 0.25
-        assert torch.equal(m, expected)                   # unscaled exactly, updated in fp32
-        assert torch.equal(p, expected.half())            # copied back to the fp16 model
+        assert torch.equal(m, expected)  # unscaled exactly, updated in fp32
+        assert torch.equal(p, expected.half())  # copied back to the fp16 model
         assert p.dtype == torch.float16 and m.dtype == torch.float32
 
 
@@ -231,21 +263,22 @@ def test_bf16_keeps_fp32_master_weights():
     model = nn.Linear(4, 4, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         model.weight.fill_(1.0)
-    opt = get_megatron_optimizer(_config(bf16=True, optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0,
-                                         lr=1e-3), [model])
+    opt = get_megatron_optimizer(
+        _config(bf16=True, optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0, lr=1e-3), [model]
+    )
     assert opt.grad_scaler is None
     assert opt.get_loss_scale().item() == 1.0
     pure = torch.ones(4, 4, dtype=torch.bfloat16)
     for _ in range(10):
-        model.weight.main_grad = torch.ones(4, 4, dtype=torch.float32)   # DDP-style fp32 grad
+        model.weight.main_grad = torch.ones(4, 4, dtype=torch.float32)  # DDP-style fp32 grad
         assert opt.step()[0]
-        pure = pure - 1e-3 * torch.ones_like(pure)           # what a bf16-only update does
+        pure = pure - 1e-3 * torch.ones_like(pure)  # what a bf16-only update does
     master = opt.fp32_from_float16_groups[0][0]
     expected = torch.ones(4, 4)
     for _ in range(10):
         expected = expected - 1e-3
-    assert torch.equal(master, expected)                       # ~0.99 kept in fp32
-    assert torch.equal(pure, torch.ones_like(pure))            # each 1e-3 step is lost in bf16
+    assert torch.equal(master, expected)  # ~0.99 kept in fp32
+    assert torch.equal(pure, torch.ones_like(pure))  # each 1e-3 step is lost in bf16
     assert torch.equal(model.weight, master.bfloat16())
     assert model.weight[0, 0].item() < 1.0
 
@@ -289,7 +322,9 @@ def test_reload_model_params_and_load_errors():
         for p in model.parameters():
             p.fill_(0.5)
     opt.reload_model_params()
-    assert all(torch.equal(m, torch.full_like(m, 0.5)) for g in opt.fp32_from_float16_groups for m in g)
+    assert all(
+        torch.equal(m, torch.full_like(m, 0.5)) for g in opt.fp32_from_float16_groups for m in g
+    )
 
     other = get_megatron_optimizer(_config(bf16=True), [nn.Linear(3, 3).to(torch.bfloat16)])
     with pytest.raises(ValueError):
@@ -302,7 +337,9 @@ def test_timers_and_errors():
     opt = get_megatron_optimizer(_config(timers=timers, clip_grad=1.0), [model])
     _loss(model, 0).backward()
     opt.step()
-    text = timers.log(["optimizer-copy-to-main-grad", "optimizer-clip-main-grad", "optimizer-inner-step"])
+    text = timers.log(
+        ["optimizer-copy-to-main-grad", "optimizer-clip-main-grad", "optimizer-inner-step"]
+    )
     assert "optimizer-inner-step" in text and "optimizer-clip-main-grad" in text
     with pytest.raises(ValueError, match="--lr"):
         get_megatron_optimizer(OptimizerConfig(), [model])
@@ -329,16 +366,24 @@ def _worker(rank, port, queue):
         w.tensor_model_parallel = True
         b = nn.Parameter(torch.zeros(3))
         module = nn.ParameterList([w, b])
-        opt = get_megatron_optimizer(_config(clip_grad=1e9, log_num_zeros_in_grad=True), [module],
-                                     model_parallel_group=group, tp_rank=rank)
+        opt = get_megatron_optimizer(
+            _config(clip_grad=1e9, log_num_zeros_in_grad=True),
+            [module],
+            model_parallel_group=group,
+            tp_rank=rank,
+        )
         w.grad = torch.full((2, 3), float(rank + 1))
         w.grad[0, 0] = 0.0
         b.grad = torch.tensor([2.0, 0.0, 0.0])
         _, norm, zeros = opt.step()
 
         half = nn.Linear(2, 2).half()
-        opt16 = get_megatron_optimizer(_config(fp16=True, initial_loss_scale=4.0, hysteresis=1), [half],
-                                       model_parallel_group=group, tp_rank=rank)
+        opt16 = get_megatron_optimizer(
+            _config(fp16=True, initial_loss_scale=4.0, hysteresis=1),
+            [half],
+            model_parallel_group=group,
+            tp_rank=rank,
+        )
         for p in half.parameters():
             p.grad = torch.ones_like(p)
         if rank == 1:
@@ -357,6 +402,6 @@ def test_two_rank_norm_zeros_and_overflow():
     # w: 5 entries of 1 (rank 0) and 5 of 2 (rank 1); bias counted once (rank 0): [2, 0, 0].
     expected_norm = math.sqrt(5 * 1 + 5 * 4 + 4)
     for rank, norm, zeros, ok16, scale in results:
-        assert norm == pytest.approx(expected_norm, rel=1e-6)   # per-tensor norms are fp32
+        assert norm == pytest.approx(expected_norm, rel=1e-6)  # per-tensor norms are fp32
         assert zeros == 1 + 1 + 2
-        assert ok16 is False and scale == 2.0      # the NaN on rank 1 skips the step everywhere
+        assert ok16 is False and scale == 2.0  # the NaN on rank 1 skips the step everywhere

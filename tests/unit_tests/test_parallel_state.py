@@ -1,4 +1,5 @@
 """Rank-grid arithmetic (no processes) and group creation in a real gloo world."""
+
 import pytest
 
 from megatron.core.parallel_state import ParallelLayout, RankGenerator
@@ -7,8 +8,12 @@ from tests.unit_tests.dist_utils import run_distributed
 
 def test_world16_tp2_cp2_pp2_dp2_exact_groups():
     # rank = tp + 2*cp + 4*dp + 8*pp with the default order tp-cp-ep-dp-pp.
-    groups = ParallelLayout(world_size=16, tensor_model_parallel_size=2, context_parallel_size=2,
-                            pipeline_model_parallel_size=2).all_group_ranks()
+    groups = ParallelLayout(
+        world_size=16,
+        tensor_model_parallel_size=2,
+        context_parallel_size=2,
+        pipeline_model_parallel_size=2,
+    ).all_group_ranks()
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
     assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
@@ -17,7 +22,16 @@ def test_world16_tp2_cp2_pp2_dp2_exact_groups():
     assert groups["tp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert groups["mp"] == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
     assert groups["tp-dp-cp"] == [list(range(8)), list(range(8, 16))]
-    assert groups["embedding"] == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    assert groups["embedding"] == [
+        [0, 8],
+        [1, 9],
+        [2, 10],
+        [3, 11],
+        [4, 12],
+        [5, 13],
+        [6, 14],
+        [7, 15],
+    ]
     assert groups["position-embedding"] == [[r] for r in range(8)]
     # Dense model: expert grid with EP=1, ETP=TP -> expert-dp spans cp and dp of the dense grid.
     assert groups["ep"] == [[r] for r in range(16)]
@@ -27,8 +41,12 @@ def test_world16_tp2_cp2_pp2_dp2_exact_groups():
 
 def test_tp_pp_dp_mapping_puts_pp_before_dp():
     # order tp-cp-ep-pp-dp: rank = tp + 2*pp + 4*dp for TP2 PP2 DP2.
-    groups = ParallelLayout(world_size=8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                            use_tp_pp_dp_mapping=True).all_group_ranks()
+    groups = ParallelLayout(
+        world_size=8,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        use_tp_pp_dp_mapping=True,
+    ).all_group_ranks()
     assert groups["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -43,8 +61,12 @@ def test_expert_grid_with_ep():
 
 
 def test_every_rank_in_exactly_one_group_of_each_type():
-    groups = ParallelLayout(world_size=24, tensor_model_parallel_size=2, pipeline_model_parallel_size=3,
-                            context_parallel_size=2).all_group_ranks()
+    groups = ParallelLayout(
+        world_size=24,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=3,
+        context_parallel_size=2,
+    ).all_group_ranks()
     for name, rank_lists in groups.items():
         flat = sorted(r for ranks in rank_lists for r in ranks)
         if name in ("embedding", "position-embedding"):
@@ -59,11 +81,17 @@ def test_coordinates_invert_rank_formula():
         assert c["tp"] + 2 * c["cp"] + 4 * c["dp"] + 12 * c["pp"] == rank
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(world_size=6, tensor_model_parallel_size=4), ["world size (6)", "tensor-model-parallel size (4)"]),
-    (dict(world_size=8, pipeline_model_parallel_size=3), ["pipeline-model-parallel size (3)"]),
-    (dict(world_size=4, expert_model_parallel_size=3), ["expert-model-parallel size (3)"]),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (
+            dict(world_size=6, tensor_model_parallel_size=4),
+            ["world size (6)", "tensor-model-parallel size (4)"],
+        ),
+        (dict(world_size=8, pipeline_model_parallel_size=3), ["pipeline-model-parallel size (3)"]),
+        (dict(world_size=4, expert_model_parallel_size=3), ["expert-model-parallel size (3)"]),
+    ],
+)
 def test_bad_layouts_name_the_sizes(kwargs, words):
     with pytest.raises(ValueError) as err:
         ParallelLayout(**kwargs)
@@ -74,7 +102,9 @@ def test_bad_layouts_name_the_sizes(kwargs, words):
 def _check_groups(rank, world_size):
     import torch
     import torch.distributed as dist
+
     from megatron.core.parallel_state import initialize_model_parallel
+
     state = initialize_model_parallel(tensor_model_parallel_size=2)
     assert state.get_tensor_model_parallel_world_size() == 2
     assert state.get_data_parallel_world_size() == 2

@@ -38,13 +38,24 @@ def rel_err(a, b):
 
 
 def make_config(num_layers):
-    return TransformerConfig(num_layers=num_layers, hidden_size=HIDDEN, ffn_hidden_size=32, num_attention_heads=2,
-                             hidden_dropout=0.0, attention_dropout=0.0)
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=32,
+        num_attention_heads=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
 
 
 def build(config, tied, **kwargs):
-    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    share_embeddings_and_output_weights=tied, **kwargs)
+    return GPTModel(
+        config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=tied,
+        **kwargs,
+    )
 
 
 def make_batches(m, seed):
@@ -54,8 +65,14 @@ def make_batches(m, seed):
         tokens = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
         labels = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
         loss_mask = (torch.rand(MBS, SEQ, generator=g) > 0.2).float()
-        batches.append(dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
-                            position_ids=torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)))
+        batches.append(
+            dict(
+                tokens=tokens,
+                labels=labels,
+                loss_mask=loss_mask,
+                position_ids=torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ),
+            )
+        )
     return batches
 
 
@@ -87,7 +104,7 @@ def reference(full, batches):
 
 def stage_name_to_full(name, offset):
     if name.startswith("decoder.layers."):
-        rest = name[len("decoder.layers."):]
+        rest = name[len("decoder.layers.") :]
         idx, tail = rest.split(".", 1)
         return f"decoder.layers.{int(idx) + offset}.{tail}"
     if name == "output_layer.weight":
@@ -109,13 +126,19 @@ def check_events(events, pp, vp, m, forward_only, tag, group_size=None):
     for (kind, v, mb), e in by_key.items():
         if kind == "F" and v > 0:
             before = by_key[("F", v - 1, mb)]
-            assert e.start_ns >= before.end_ns, f"{tag}: F(v={v}, mb={mb}) started before F(v={v - 1}) ended"
+            assert e.start_ns >= before.end_ns, (
+                f"{tag}: F(v={v}, mb={mb}) started before F(v={v - 1}) ended"
+            )
         if kind == "B":
             own = by_key[("F", v, mb)]
-            assert e.start_ns >= own.end_ns, f"{tag}: B(v={v}, mb={mb}) started before its forward ended"
+            assert e.start_ns >= own.end_ns, (
+                f"{tag}: B(v={v}, mb={mb}) started before its forward ended"
+            )
             if v < nvs - 1:
                 after = by_key[("B", v + 1, mb)]
-                assert e.start_ns >= after.end_ns, f"{tag}: B(v={v}, mb={mb}) started before B(v={v + 1}) ended"
+                assert e.start_ns >= after.end_ns, (
+                    f"{tag}: B(v={v}, mb={mb}) started before B(v={v + 1}) ended"
+                )
     if forward_only:
         return
     # 1F1B memory bound: the micro-batches in flight on each rank never exceed warm-up + 1.
@@ -130,13 +153,18 @@ def check_events(events, pp, vp, m, forward_only, tag, group_size=None):
             bound = min(pp - stage, m)
         else:
             bound = min((pp - stage - 1) * 2 + (vp - 1) * group + 1, m * vp)
-        assert peak == bound, f"{tag}: stage {stage} had {peak} micro-batches in flight, 1F1B allows {bound}"
+        assert peak == bound, (
+            f"{tag}: stage {stage} had {peak} micro-batches in flight, 1F1B allows {bound}"
+        )
 
 
 def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=None):
-    tag = f"pp={pp} vp={vp} m={m} layers={num_layers} tied={tied} {split_kwargs or ''} G={group_size}"
-    state = initialize_model_parallel(pipeline_model_parallel_size=pp,
-                                      virtual_pipeline_model_parallel_size=vp if vp > 1 else None)
+    tag = (
+        f"pp={pp} vp={vp} m={m} layers={num_layers} tied={tied} {split_kwargs or ''} G={group_size}"
+    )
+    state = initialize_model_parallel(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None
+    )
     try:
         pp_rank = state.get_pipeline_model_parallel_rank()
         config = make_config(num_layers)
@@ -156,11 +184,17 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
                     p.copy_(full_state[stage_name_to_full(name, args["layer_number_offset"])])
             chunk.sync_shared_embedding(state.get_embedding_group())
             if tied and args["post_process"] and not args["pre_process"]:
-                assert torch.equal(chunk.output_layer.weight, full.embedding.word_embeddings.weight), tag
+                assert torch.equal(
+                    chunk.output_layer.weight, full.embedding.word_embeddings.weight
+                ), tag
             chunks.append(chunk)
             offsets.append(args["layer_number_offset"])
-        ddp = [DistributedDataParallel(DistributedDataParallelConfig(), c, state.get_data_parallel_group())
-               for c in chunks]
+        ddp = [
+            DistributedDataParallel(
+                DistributedDataParallelConfig(), c, state.get_data_parallel_group()
+            )
+            for c in chunks
+        ]
         batches = make_batches(m, seed=17)
         ref_losses, ref_grads = reference(full, batches)
 
@@ -170,9 +204,16 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
         for d in ddp:
             d.zero_grad_buffer()
         iters = [iter(batches) for _ in range(vp)]
-        losses = func(forward_step_func=forward_step_func, data_iterator=iters if vp > 1 else iters[0],
-                      model=ddp if vp > 1 else ddp[0], num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS,
-                      forward_only=False, pg_collection=state)
+        losses = func(
+            forward_step_func=forward_step_func,
+            data_iterator=iters if vp > 1 else iters[0],
+            model=ddp if vp > 1 else ddp[0],
+            num_microbatches=m,
+            seq_length=SEQ,
+            micro_batch_size=MBS,
+            forward_only=False,
+            pg_collection=state,
+        )
         finalize_model_grads(ddp, state)
 
         gathered = [None] * dist.get_world_size(state.get_pipeline_model_parallel_group())
@@ -198,9 +239,16 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
         events.clear()
         iters = [iter(batches) for _ in range(vp)]
         with torch.no_grad():
-            losses = func(forward_step_func=forward_step_func, data_iterator=iters if vp > 1 else iters[0],
-                          model=ddp if vp > 1 else ddp[0], num_microbatches=m, seq_length=SEQ,
-                          micro_batch_size=MBS, forward_only=True, pg_collection=state)
+            losses = func(
+                forward_step_func=forward_step_func,
+                data_iterator=iters if vp > 1 else iters[0],
+                model=ddp if vp > 1 else ddp[0],
+                num_microbatches=m,
+                seq_length=SEQ,
+                micro_batch_size=MBS,
+                forward_only=True,
+                pg_collection=state,
+            )
         dist.all_gather_object(gathered, events, group=state.get_pipeline_model_parallel_group())
         check_events([e for r in gathered for e in r], pp, vp, m, True, tag + " forward-only")
         if state.is_pipeline_last_stage():
@@ -216,11 +264,26 @@ def _world(rank, world_size):
     for m in (1, 4, 6):
         run_case(rank, pp=4, vp=1, m=m, num_layers=4, tied=True)
     # Uneven first/last stages and embedding/loss accounting.
-    run_case(rank, pp=4, vp=1, m=3, num_layers=6, tied=False,
-             split_kwargs=dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1))
-    run_case(rank, pp=4, vp=1, m=2, num_layers=6, tied=True,
-             split_kwargs=dict(account_for_embedding_in_pipeline_split=True,
-                               account_for_loss_in_pipeline_split=True))
+    run_case(
+        rank,
+        pp=4,
+        vp=1,
+        m=3,
+        num_layers=6,
+        tied=False,
+        split_kwargs=dict(decoder_first_pipeline_num_layers=1, decoder_last_pipeline_num_layers=1),
+    )
+    run_case(
+        rank,
+        pp=4,
+        vp=1,
+        m=2,
+        num_layers=6,
+        tied=True,
+        split_kwargs=dict(
+            account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True
+        ),
+    )
     # PP = 4 interleaved (2 chunks per rank): M = PP, 2*PP, and a group size G = 6 with remainder 4.
     run_case(rank, pp=4, vp=2, m=4, num_layers=8, tied=True)
     run_case(rank, pp=4, vp=2, m=8, num_layers=8, tied=False)

@@ -1,5 +1,6 @@
 """tools/plot_logs.py and megatron/training/log_parsing.py: parse the §4 log line and TensorBoard
 event files back into series equal to what was written, and draw them into a PNG."""
+
 import os
 import subprocess
 import sys
@@ -18,12 +19,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _line(iteration, loss, lr, grad_norm, elapsed_ms, *, extra_before_lr="", extra_after_norm=""):
     """A log line written by hand from MEGATRON_FACTS §4 (field formats and order)."""
-    return (f" [2026-01-02 03:04:05] iteration {iteration:8d}/{100:8d} |"
-            f" consumed samples: {iteration * 16:12d} |"
-            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |{extra_before_lr}"
-            f" learning rate: {lr:.6E} | global batch size: {16:5d} |"
-            f" lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} |{extra_after_norm}"
-            f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |")
+    return (
+        f" [2026-01-02 03:04:05] iteration {iteration:8d}/{100:8d} |"
+        f" consumed samples: {iteration * 16:12d} |"
+        f" elapsed time per iteration (ms): {elapsed_ms:.1f} |{extra_before_lr}"
+        f" learning rate: {lr:.6E} | global batch size: {16:5d} |"
+        f" lm loss: {loss:.6E} | loss scale: 1.0 | grad norm: {grad_norm:.3f} |{extra_after_norm}"
+        f" number of skipped iterations: {0:3d} | number of nan iterations: {0:3d} |"
+    )
 
 
 def _synthetic_run():
@@ -41,8 +44,15 @@ def _write_log(path):
     for i, it in enumerate(iterations):
         extra_before = " throughput per GPU (TFLOP/s/GPU): 12.3 |" if it == 20 else ""
         extra_after = " num zeros: 0 | params norm: 123.456 |" if it == 30 else ""
-        line = _line(it, losses[i], lrs[i], norms[i], times[i],
-                     extra_before_lr=extra_before, extra_after_norm=extra_after)
+        line = _line(
+            it,
+            losses[i],
+            lrs[i],
+            norms[i],
+            times[i],
+            extra_before_lr=extra_before,
+            extra_after_norm=extra_after,
+        )
         lines.append(("[rank1]:" + line) if it == 40 else line)  # a launcher prefix is tolerated
         lines.append("    forward-backward ...............................: (12.00, 13.00)")
     path.write_text("\n".join(lines) + "\n")
@@ -63,11 +73,25 @@ def test_synthetic_log_series_equal_inputs(tmp_path):
 
 def test_strict_regex_matches_the_hand_written_and_the_produced_line():
     from megatron.training.training_log import format_log_line
+
     produced = format_log_line(
-        timestamp="2026-01-02 03:04:05", iteration=7, train_iters=50, consumed_samples=56,
-        skipped_samples=0, elapsed_ms=33.25, throughput=None, learning_rate=3e-4, batch_size=8,
-        losses={"lm loss": 5.5}, loss_scale=1.0, grad_norm=0.75, num_zeros=None, params_norm=None,
-        skipped_iters=0, nan_iters=0)
+        timestamp="2026-01-02 03:04:05",
+        iteration=7,
+        train_iters=50,
+        consumed_samples=56,
+        skipped_samples=0,
+        elapsed_ms=33.25,
+        throughput=None,
+        learning_rate=3e-4,
+        batch_size=8,
+        losses={"lm loss": 5.5},
+        loss_scale=1.0,
+        grad_norm=0.75,
+        num_zeros=None,
+        params_norm=None,
+        skipped_iters=0,
+        nan_iters=0,
+    )
     for line in (produced, _line(10, 9.5, 1e-4, 3.25, 120.5)):
         assert LOG_LINE.match(line), line
     run = parse_log_lines([produced])
@@ -80,6 +104,7 @@ def test_strict_regex_matches_the_hand_written_and_the_produced_line():
 
 def _write_tensorboard(logdir):
     from torch.utils.tensorboard import SummaryWriter
+
     iterations, losses, lrs, norms, times = _synthetic_run()
     writer = SummaryWriter(log_dir=str(logdir))
     for i, it in enumerate(iterations):
@@ -96,8 +121,12 @@ def test_tensorboard_series_equal_inputs(tmp_path):
     iterations, losses, lrs, norms, times = _synthetic_run()
     run = read_run(str(_write_tensorboard(tmp_path / "tb")))
     # Event files store float32.
-    for name, values in (("lm loss", losses), ("learning_rate", lrs), ("grad_norm", norms),
-                         ("elapsed_ms", times)):
+    for name, values in (
+        ("lm loss", losses),
+        ("learning_rate", lrs),
+        ("grad_norm", norms),
+        ("elapsed_ms", times),
+    ):
         series = run.get(name)
         assert sorted(series) == iterations, name
         for it, expected in zip(iterations, values):
@@ -109,7 +138,9 @@ def test_plot_writes_png_with_both_kinds_of_input(tmp_path):
     log = _write_log(tmp_path / "a.log")
     tb = _write_tensorboard(tmp_path / "run_b" / "tensorboard")
     output = tmp_path / "out" / "curves.png"
-    assert plot_logs.main([str(log), str(tb), "--labels", "log", "tb", "--output", str(output)]) == 0
+    assert (
+        plot_logs.main([str(log), str(tb), "--labels", "log", "tb", "--output", str(output)]) == 0
+    )
     assert output.read_bytes()[:8] == PNG_MAGIC
     assert output.stat().st_size > 10_000
     runs = plot_logs.load_runs([str(log), str(tb)])
@@ -119,10 +150,20 @@ def test_plot_writes_png_with_both_kinds_of_input(tmp_path):
 def test_cli_errors_name_the_input(tmp_path):
     empty = tmp_path / "empty.log"
     empty.write_text("no log lines here\n")
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "plot_logs.py"), str(empty),
-                             str(tmp_path / "missing.log"), "--output", str(tmp_path / "x.png")],
-                            capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "plot_logs.py"),
+            str(empty),
+            str(tmp_path / "missing.log"),
+            "--output",
+            str(tmp_path / "x.png"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert result.returncode == 2
     assert str(empty) in result.stderr and "no training log lines" in result.stderr
     assert not (tmp_path / "x.png").exists()

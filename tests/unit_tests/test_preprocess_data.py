@@ -1,4 +1,5 @@
 """tools/preprocess_data.py: written ids equal direct tokenization; sentences; .gz/globs; bad input."""
+
 import gzip
 import importlib.util
 import json
@@ -12,22 +13,34 @@ import numpy as np
 import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from megatron.core.tokenizers.gpt2_bpe import (GPT2_CHUNK_PATTERN, GPT2_SPLIT_PATTERN, GPT2_WHITESPACE_CLASS,
-                                               GPT2BPETokenizer)
+from megatron.core.tokenizers.gpt2_bpe import (
+    GPT2_CHUNK_PATTERN,
+    GPT2_SPLIT_PATTERN,
+    GPT2_WHITESPACE_CLASS,
+    GPT2BPETokenizer,
+)
 from megatron.core.tokenizers.null_tokenizer import NullTokenizer
 from megatron.core.tokenizers.sentence_splitter import SentenceSplitter
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
 DATA = os.path.join(ROOT, "tests", "data")
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
-GPT2_FLAGS = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", os.path.join(DATA, "gpt2-vocab.json"),
-              "--merge-file", os.path.join(DATA, "gpt2-merges.txt")]
+GPT2_FLAGS = [
+    "--tokenizer-type",
+    "GPT2BPETokenizer",
+    "--vocab-file",
+    os.path.join(DATA, "gpt2-vocab.json"),
+    "--merge-file",
+    os.path.join(DATA, "gpt2-merges.txt"),
+]
 
 
 def _load_tool():
     spec = importlib.util.spec_from_file_location("preprocess_data", TOOL)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["preprocess_data"] = module  # forked workers unpickle the task function by this name
+    sys.modules["preprocess_data"] = (
+        module  # forked workers unpickle the task function by this name
+    )
     spec.loader.exec_module(module)
     return module
 
@@ -38,8 +51,9 @@ tool = _load_tool()
 @pytest.fixture(scope="module")
 def reference():
     """The plain-Python GPT-2 BPE: independent of the tool's cached fast path."""
-    return GPT2BPETokenizer(os.path.join(DATA, "gpt2-vocab.json"), os.path.join(DATA, "gpt2-merges.txt"),
-                            use_fast=False)
+    return GPT2BPETokenizer(
+        os.path.join(DATA, "gpt2-vocab.json"), os.path.join(DATA, "gpt2-merges.txt"), use_fast=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,24 +75,59 @@ def read(prefix):
 
 def test_document_level_ids_equal_direct_tokenization(tmp_path, lines, reference):
     path = tmp_path / "in.jsonl"
-    extra = [json.dumps({"text": ""}) + "\n", "\n", json.dumps({"text": "caf\u00e9 \U0001f600 <|endoftext|>"}) + "\n"]
+    extra = [
+        json.dumps({"text": ""}) + "\n",
+        "\n",
+        json.dumps({"text": "caf\u00e9 \U0001f600 <|endoftext|>"}) + "\n",
+    ]
     path.write_text("".join(lines + extra), encoding="utf-8")
     prefix = str(tmp_path / "out")
-    proc = subprocess.run([sys.executable, TOOL, "--input", str(path), "--output-prefix", prefix, *GPT2_FLAGS,
-                           "--append-eod", "--workers", "2", "--log-interval", "100"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            TOOL,
+            "--input",
+            str(path),
+            "--output-prefix",
+            prefix,
+            *GPT2_FLAGS,
+            "--append-eod",
+            "--workers",
+            "2",
+            "--log-interval",
+            "100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert "Processed 256 documents (" in proc.stderr and " docs/s, " in proc.stderr and " MB/s)." in proc.stderr
-    assert re.search(r"Done: 322 documents, .* MB/s\); CPU [\d.]+ s \(main process [\d.]+ s, workers [\d.]+ s\)",
-                     proc.stderr), proc.stderr
+    assert (
+        "Processed 256 documents (" in proc.stderr
+        and " docs/s, " in proc.stderr
+        and " MB/s)." in proc.stderr
+    )
+    assert re.search(
+        r"Done: 322 documents, .* MB/s\); CPU [\d.]+ s \(main process [\d.]+ s, workers [\d.]+ s\)",
+        proc.stderr,
+    ), proc.stderr
     docs, ds = read(prefix + "_text_document")
     assert ds.dtype == np.uint16
-    texts = [json.loads(line)["text"] for line in lines] + ["", "caf\u00e9 \U0001f600 <|endoftext|>"]
-    assert len(docs) == len(texts)  # the blank line is skipped, the empty text stays an empty document
+    texts = [json.loads(line)["text"] for line in lines] + [
+        "",
+        "caf\u00e9 \U0001f600 <|endoftext|>",
+    ]
+    assert len(docs) == len(
+        texts
+    )  # the blank line is skipped, the empty text stays an empty document
     for got, text in zip(docs, texts):
         expected = reference.tokenize(text)
         assert got == ([expected + [reference.eod]] if expected else [])
-    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out_text_document.bin", "out_text_document.idx"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "in.jsonl",
+        "out_text_document.bin",
+        "out_text_document.idx",
+    ]
 
 
 def test_no_eod_and_multiple_keys(tmp_path, capsys, reference):
@@ -86,8 +135,19 @@ def test_no_eod_and_multiple_keys(tmp_path, capsys, reference):
     with open(os.path.join(DATA, "topics.jsonl"), encoding="utf-8") as f:
         records = [json.loads(next(f)) for _ in range(6)]
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "t"), *GPT2_FLAGS,
-                              "--json-keys", "title", "body", "--workers", "1")
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "t"),
+        *GPT2_FLAGS,
+        "--json-keys",
+        "title",
+        "body",
+        "--workers",
+        "1",
+    )
     assert code == 0, err
     for key in ("title", "body"):
         docs, _ = read(str(tmp_path / f"t_{key}_document"))
@@ -97,15 +157,31 @@ def test_no_eod_and_multiple_keys(tmp_path, capsys, reference):
 def test_sentence_level_keeps_document_boundaries(tmp_path, capsys, lines, reference):
     path = tmp_path / "in.jsonl"
     path.write_text("".join(lines[:60]), encoding="utf-8")
-    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "s"), *GPT2_FLAGS,
-                              "--split-sentences", "--append-eod", "--workers", "2", "--partitions", "1")
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "s"),
+        *GPT2_FLAGS,
+        "--split-sentences",
+        "--append-eod",
+        "--workers",
+        "2",
+        "--partitions",
+        "1",
+    )
     assert code == 0, err
     docs, _ = read(str(tmp_path / "s_text_sentence"))
     splitter = SentenceSplitter(use_nltk=None)
     assert len(docs) == 60
     multi = 0
     for got, line in zip(docs, lines[:60]):
-        expected = [ids for ids in (reference.tokenize(s) for s in splitter.split(json.loads(line)["text"])) if ids]
+        expected = [
+            ids
+            for ids in (reference.tokenize(s) for s in splitter.split(json.loads(line)["text"]))
+            if ids
+        ]
         expected[-1] = expected[-1] + [reference.eod]  # EOD ends the document's last sentence
         assert got == expected
         multi += len(got) > 1
@@ -123,12 +199,36 @@ def test_gz_and_glob_with_partitions_equal_one_plain_file(tmp_path, capsys, line
     whole = tmp_path / "whole.jsonl"
     whole.write_text("".join(lines), encoding="utf-8")
     common = [*GPT2_FLAGS, "--append-eod", "--workers", "2"]
-    assert run_inprocess(capsys, "--input", str(shards / "*.jsonl*"), "--output-prefix", str(tmp_path / "g"),
-                         "--partitions", "2", *common)[0] == 0
-    assert run_inprocess(capsys, "--input", str(whole), "--output-prefix", str(tmp_path / "w"),
-                         "--partitions", "1", *common)[0] == 0
+    assert (
+        run_inprocess(
+            capsys,
+            "--input",
+            str(shards / "*.jsonl*"),
+            "--output-prefix",
+            str(tmp_path / "g"),
+            "--partitions",
+            "2",
+            *common,
+        )[0]
+        == 0
+    )
+    assert (
+        run_inprocess(
+            capsys,
+            "--input",
+            str(whole),
+            "--output-prefix",
+            str(tmp_path / "w"),
+            "--partitions",
+            "1",
+            *common,
+        )[0]
+        == 0
+    )
     for ext in (".bin", ".idx"):
-        assert (tmp_path / f"g_text_document{ext}").read_bytes() == (tmp_path / f"w_text_document{ext}").read_bytes()
+        assert (tmp_path / f"g_text_document{ext}").read_bytes() == (
+            tmp_path / f"w_text_document{ext}"
+        ).read_bytes()
 
 
 def test_malformed_json_line_stops_with_file_and_line(tmp_path, capsys, lines):
@@ -137,8 +237,16 @@ def test_malformed_json_line_stops_with_file_and_line(tmp_path, capsys, lines):
     path.write_text("".join(bad), encoding="utf-8")
     # A complete-looking output of an earlier run must not survive a failed run either.
     (tmp_path / "out_text_document.idx").write_bytes(b"stale")
-    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "out"), *GPT2_FLAGS,
-                              "--workers", "2")
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        *GPT2_FLAGS,
+        "--workers",
+        "2",
+    )
     assert code == 1  # the CLI exits with this status (sys.exit(main()))
     assert f"{path}:300: malformed JSON" in err
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
@@ -147,16 +255,40 @@ def test_malformed_json_line_stops_with_file_and_line(tmp_path, capsys, lines):
 def test_missing_key_and_wrong_types(tmp_path, capsys):
     path = tmp_path / "in.jsonl"
     path.write_text('{"text": "fine"}\n{"body": "no text key"}\n', encoding="utf-8")
-    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *GPT2_FLAGS,
-                              "--workers", "1")
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        *GPT2_FLAGS,
+        "--workers",
+        "1",
+    )
     assert code == 1 and f"{path}:2: missing key 'text'" in err and "'body'" in err
     path.write_text('{"text": "fine"}\n[1, 2]\n', encoding="utf-8")
-    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *GPT2_FLAGS,
-                              "--workers", "1")
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        *GPT2_FLAGS,
+        "--workers",
+        "1",
+    )
     assert code == 1 and f"{path}:2: expected a JSON object" in err
     path.write_text('{"text": 7}\n', encoding="utf-8")
-    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *GPT2_FLAGS,
-                              "--workers", "1")
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        *GPT2_FLAGS,
+        "--workers",
+        "1",
+    )
     assert code == 1 and f"{path}:1: key 'text' holds int" in err
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]
 
@@ -164,41 +296,103 @@ def test_missing_key_and_wrong_types(tmp_path, capsys):
 def test_empty_and_missing_inputs(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n", encoding="utf-8")
-    code, err = run_inprocess(capsys, "--input", str(empty), "--output-prefix", str(tmp_path / "o"), *GPT2_FLAGS,
-                              "--workers", "1")
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(empty),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        *GPT2_FLAGS,
+        "--workers",
+        "1",
+    )
     assert code == 1 and f"{empty}: empty input" in err
     assert sorted(os.listdir(tmp_path)) == ["empty.jsonl"]
-    code, err = run_inprocess(capsys, "--input", str(tmp_path / "none*.jsonl"), "--output-prefix",
-                              str(tmp_path / "o"), *GPT2_FLAGS, "--workers", "1")
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(tmp_path / "none*.jsonl"),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        *GPT2_FLAGS,
+        "--workers",
+        "1",
+    )
     assert code == 1 and "no file matches" in err
     with pytest.raises(SystemExit):
-        tool.main(["--input", str(empty), "--output-prefix", "x", *GPT2_FLAGS, "--workers", "3", "--partitions", "2"])
+        tool.main(
+            [
+                "--input",
+                str(empty),
+                "--output-prefix",
+                "x",
+                *GPT2_FLAGS,
+                "--workers",
+                "3",
+                "--partitions",
+                "2",
+            ]
+        )
     assert "--workers 3 must be divisible by --partitions 2" in capsys.readouterr().err
 
 
 def test_null_tokenizer_rejects_text_with_its_line(tmp_path, capsys):
     path = tmp_path / "ids.jsonl"
     path.write_text('{"text": "1 2 3"}\n{"text": "4 five"}\n', encoding="utf-8")
-    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "n"),
-                              "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--workers", "1")
-    assert code == 1 and f"{path}:2: key 'text': NullTokenizer expects whitespace-separated integers" in err
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "n"),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "10",
+        "--workers",
+        "1",
+    )
+    assert (
+        code == 1
+        and f"{path}:2: key 'text': NullTokenizer expects whitespace-separated integers" in err
+    )
 
 
 def test_lines_orjson_rejects_read_as_json_reads_them(tmp_path, capsys, reference):
     path = tmp_path / "in.jsonl"
     texts = ["bom", "nan", "big", "dup"]
-    path.write_bytes(b'\xef\xbb\xbf{"text": "bom"}\n{"text": "nan", "x": NaN}\n'
-                     b'{"text": "big", "n": 123456789012345678901234567890}\n{"text": "a", "text": "dup"}\n')
-    code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *GPT2_FLAGS,
-                              "--workers", "1")
+    path.write_bytes(
+        b'\xef\xbb\xbf{"text": "bom"}\n{"text": "nan", "x": NaN}\n'
+        b'{"text": "big", "n": 123456789012345678901234567890}\n{"text": "a", "text": "dup"}\n'
+    )
+    code, err = run_inprocess(
+        capsys,
+        "--input",
+        str(path),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        *GPT2_FLAGS,
+        "--workers",
+        "1",
+    )
     assert code == 0, err
     assert read(str(tmp_path / "o_text_document"))[0] == [[reference.tokenize(t)] for t in texts]
-    for line, message in [('{"text": 123456789012345678901234567890}', "1: key 'text' holds int"),
-                          ('{"text": "\\ud800"}', "1: key 'text': 'utf-8' codec can't encode"),
-                          ('{"text": "x"} {}', "1: malformed JSON: Extra data (column 15)")]:
+    for line, message in [
+        ('{"text": 123456789012345678901234567890}', "1: key 'text' holds int"),
+        ('{"text": "\\ud800"}', "1: key 'text': 'utf-8' codec can't encode"),
+        ('{"text": "x"} {}', "1: malformed JSON: Extra data (column 15)"),
+    ]:
         path.write_text(line + "\n", encoding="utf-8")
-        code, err = run_inprocess(capsys, "--input", str(path), "--output-prefix", str(tmp_path / "o"), *GPT2_FLAGS,
-                                  "--workers", "1")
+        code, err = run_inprocess(
+            capsys,
+            "--input",
+            str(path),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            *GPT2_FLAGS,
+            "--workers",
+            "1",
+        )
         assert code == 1 and f"{path}:{message}" in err, err
 
 
@@ -214,14 +408,36 @@ def test_chunks_split_like_the_text_and_packed_ids_equal_the_reference(reference
     import regex
 
     rng = random.Random(0)
-    alphabet = ([chr(c) for c in range(128)] + list(" \t\n\r'sdlmtrve") * 6  # favour the tricky pieces
-                + ["\x1c", "\x85", "\xa0", "\u2003", "\u3000", "\u2028", "\u00e9", "e\u0301", "\u4e2d", "\U0001f600",
-                   "\u0663", "\u00b2", "\u00bd"])
-    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40))) for _ in range(1500)]
+    alphabet = (
+        [chr(c) for c in range(128)]
+        + list(" \t\n\r'sdlmtrve") * 6  # favour the tricky pieces
+        + [
+            "\x1c",
+            "\x85",
+            "\xa0",
+            "\u2003",
+            "\u3000",
+            "\u2028",
+            "\u00e9",
+            "e\u0301",
+            "\u4e2d",
+            "\U0001f600",
+            "\u0663",
+            "\u00b2",
+            "\u00bd",
+        ]
+    )
+    texts = [
+        "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40))) for _ in range(1500)
+    ]
     chunker, gpt2_split = re.compile(GPT2_CHUNK_PATTERN), regex.compile(GPT2_SPLIT_PATTERN)
     for text in texts:  # the claim the fast path rests on
-        assert [p for chunk in chunker.findall(text) for p in gpt2_split.findall(chunk)] == gpt2_split.findall(text)
-    fast = GPT2BPETokenizer(os.path.join(DATA, "gpt2-vocab.json"), os.path.join(DATA, "gpt2-merges.txt"))
+        assert [
+            p for chunk in chunker.findall(text) for p in gpt2_split.findall(chunk)
+        ] == gpt2_split.findall(text)
+    fast = GPT2BPETokenizer(
+        os.path.join(DATA, "gpt2-vocab.json"), os.path.join(DATA, "gpt2-merges.txt")
+    )
     fast._CHUNK_CACHE_LIMIT = 50  # exercise the cache reset too
     expected = [reference.tokenize(t) for t in texts]
     for _ in range(2):  # cold, then warm caches
@@ -248,9 +464,9 @@ def test_pack_equals_a_document_loop(eod):
         want_tokens, want_lengths, want_counts, t, s = [], [], [], 0, 0
         for count in counts:
             kept = []
-            for n in lengths[s:s + count]:
+            for n in lengths[s : s + count]:
                 if n:
-                    kept.append(tokens[t:t + n].tolist())
+                    kept.append(tokens[t : t + n].tolist())
                 t += n
             s += count
             if kept and eod is not None:
@@ -259,21 +475,30 @@ def test_pack_equals_a_document_loop(eod):
             want_lengths += [len(seq) for seq in kept]
             want_counts.append(len(kept))
         assert got.tokens.dtype == np.uint16 and got.tokens.tolist() == want_tokens
-        assert got.sequence_lengths.tolist() == want_lengths and got.sequences_per_doc.tolist() == want_counts
+        assert (
+            got.sequence_lengths.tolist() == want_lengths
+            and got.sequences_per_doc.tolist() == want_counts
+        )
 
 
 def test_add_documents_writes_what_add_document_writes(tmp_path):
     rng = np.random.default_rng(1)
-    docs = [[rng.integers(0, 500, size=n) for n in rng.integers(1, 9, size=k)] for k in (2, 0, 1, 3, 0)]
+    docs = [
+        [rng.integers(0, 500, size=n) for n in rng.integers(1, 9, size=k)] for k in (2, 0, 1, 3, 0)
+    ]
     one = IndexedDatasetBuilder(str(tmp_path / "one.bin"), dtype=np.uint16)
     for doc in docs:
-        one.add_document(np.concatenate(doc) if doc else np.zeros(0, np.int64), [len(seq) for seq in doc])
+        one.add_document(
+            np.concatenate(doc) if doc else np.zeros(0, np.int64), [len(seq) for seq in doc]
+        )
     one.finalize(str(tmp_path / "one.idx"))
     bulk = IndexedDatasetBuilder(str(tmp_path / "bulk.bin"), dtype=np.uint16)
     split = 2
     for part in (docs[:split], docs[split:]):
         seqs = [seq for doc in part for seq in doc]
-        bulk.add_documents(np.concatenate(seqs), [len(seq) for seq in seqs], [len(doc) for doc in part])
+        bulk.add_documents(
+            np.concatenate(seqs), [len(seq) for seq in seqs], [len(doc) for doc in part]
+        )
     with pytest.raises(ValueError, match="must agree"):
         bulk.add_documents(np.arange(3), [2], [1])
     with pytest.raises(ValueError, match="must agree"):
@@ -286,15 +511,28 @@ def test_add_documents_writes_what_add_document_writes(tmp_path):
 # ------------------------------------------------------------------------------ sentence splitter
 def test_builtin_sentence_rules():
     split = SentenceSplitter(use_nltk=False).split
-    text = ('Dr. Smith met J. R. Tolkien. "Hello!" he said. See Fig. 3, e.g. the plot... Then 3 cats ran? Yes.'
-            '\n\nno capital after a blank line\nstill the same sentence. end')
-    assert split(text) == ["Dr. Smith met J. R. Tolkien.", '"Hello!" he said.', "See Fig. 3, e.g. the plot...",
-                           "Then 3 cats ran?", "Yes.", "no capital after a blank line\nstill the same sentence. end"]
+    text = (
+        'Dr. Smith met J. R. Tolkien. "Hello!" he said. See Fig. 3, e.g. the plot... Then 3 cats ran? Yes.'
+        "\n\nno capital after a blank line\nstill the same sentence. end"
+    )
+    assert split(text) == [
+        "Dr. Smith met J. R. Tolkien.",
+        '"Hello!" he said.',
+        "See Fig. 3, e.g. the plot...",
+        "Then 3 cats ran?",
+        "Yes.",
+        "no capital after a blank line\nstill the same sentence. end",
+    ]
     assert split("") == [] and split("  \n ") == []
 
 
 def test_keep_newlines():
     text = "First one.\nSecond one. Third one.\n\nFourth"
-    assert SentenceSplitter(use_nltk=False).split(text) == ["First one.", "Second one.", "Third one.", "Fourth"]
+    assert SentenceSplitter(use_nltk=False).split(text) == [
+        "First one.",
+        "Second one.",
+        "Third one.",
+        "Fourth",
+    ]
     kept = SentenceSplitter(use_nltk=False, keep_newlines=True).split(text)
     assert kept == ["First one.\n", "Second one.", "Third one.\n\n", "Fourth"]

@@ -34,10 +34,16 @@ NONE = {}
 SELECTIVE = dict(recompute_granularity="selective")
 SELECTIVE_MLP = dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
 SELECTIVE_MLP_ONLY = dict(recompute_granularity="selective", recompute_modules=["mlp"])
-FULL_UNIFORM_1 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-FULL_UNIFORM_3 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
+FULL_UNIFORM_1 = dict(
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+)
+FULL_UNIFORM_3 = dict(
+    recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3
+)
 FULL_BLOCK_2 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
-FULL_BLOCK_ALL = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=LAYERS)
+FULL_BLOCK_ALL = dict(
+    recompute_granularity="full", recompute_method="block", recompute_num_layers=LAYERS
+)
 FULL_BLOCK_0 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=0)
 
 
@@ -50,8 +56,14 @@ def _single_thread():
 
 
 def build(recompute, dropout=0.1, **model_kwargs):
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4,
-                               hidden_dropout=dropout, attention_dropout=dropout, **recompute)
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
+        **recompute,
+    )
     torch.manual_seed(1234)
     model_kwargs.setdefault("position_embedding_type", "rope")
     model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, **model_kwargs)
@@ -79,10 +91,29 @@ def reference():
     return loss_and_grads(build(NONE))
 
 
-@pytest.mark.parametrize("recompute", [SELECTIVE, SELECTIVE_MLP, SELECTIVE_MLP_ONLY, FULL_UNIFORM_1,
-                                       FULL_UNIFORM_3, FULL_BLOCK_2, FULL_BLOCK_ALL, FULL_BLOCK_0],
-                         ids=["selective", "selective_mlp", "selective_mlp_only", "uniform1", "uniform3",
-                              "block2", "block_all", "block0"])
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        SELECTIVE,
+        SELECTIVE_MLP,
+        SELECTIVE_MLP_ONLY,
+        FULL_UNIFORM_1,
+        FULL_UNIFORM_3,
+        FULL_BLOCK_2,
+        FULL_BLOCK_ALL,
+        FULL_BLOCK_0,
+    ],
+    ids=[
+        "selective",
+        "selective_mlp",
+        "selective_mlp_only",
+        "uniform1",
+        "uniform3",
+        "block2",
+        "block_all",
+        "block0",
+    ],
+)
 def test_recompute_gives_bitwise_identical_loss_and_gradients(reference, recompute):
     ref_loss, ref_grads = reference
     loss, grads = loss_and_grads(build(recompute))
@@ -97,8 +128,10 @@ def test_the_comparison_can_fail_dropout_is_really_on(reference):
     ref_loss, ref_grads = reference
     loss, grads = loss_and_grads(build(FULL_UNIFORM_1), dropout_seed=12)
     assert not torch.equal(loss, ref_loss)
-    assert not torch.equal(grads["decoder.layers.0.self_attention.linear_qkv.weight"],
-                           ref_grads["decoder.layers.0.self_attention.linear_qkv.weight"])
+    assert not torch.equal(
+        grads["decoder.layers.0.self_attention.linear_qkv.weight"],
+        ref_grads["decoder.layers.0.self_attention.linear_qkv.weight"],
+    )
 
 
 def test_recompute_is_off_in_eval_mode():
@@ -122,6 +155,7 @@ def _saved_bytes_hooks(model):
         if storage.data_ptr() not in params and storage.nbytes() > 0:
             seen[storage.data_ptr()] = storage.nbytes()
         return tensor
+
     return seen, (pack, lambda tensor: tensor)
 
 
@@ -139,9 +173,16 @@ def saved_activation_bytes(model) -> int:
 
 @pytest.fixture(scope="module")
 def saved():
-    cases = {"none": NONE, "selective": SELECTIVE, "selective_mlp": SELECTIVE_MLP,
-             "uniform1": FULL_UNIFORM_1, "uniform3": FULL_UNIFORM_3, "block2": FULL_BLOCK_2,
-             "block_all": FULL_BLOCK_ALL, "block0": FULL_BLOCK_0}
+    cases = {
+        "none": NONE,
+        "selective": SELECTIVE,
+        "selective_mlp": SELECTIVE_MLP,
+        "uniform1": FULL_UNIFORM_1,
+        "uniform3": FULL_UNIFORM_3,
+        "block2": FULL_BLOCK_2,
+        "block_all": FULL_BLOCK_ALL,
+        "block0": FULL_BLOCK_0,
+    }
     return {name: saved_activation_bytes(build(recompute)) for name, recompute in cases.items()}
 
 
@@ -165,17 +206,32 @@ def test_full_recompute_keeps_about_one_hidden_state_per_layer(saved):
     per_layer_none = layers_none / LAYERS
     assert per_layer_none > 10 * hidden_state
     # Removing the recompute of one layer (block 2 vs all 4) adds two layers' activations back.
-    assert saved["block2"] - saved["block_all"] == pytest.approx(2 * (per_layer_none - hidden_state), rel=0.05)
+    assert saved["block2"] - saved["block_all"] == pytest.approx(
+        2 * (per_layer_none - hidden_state), rel=0.05
+    )
 
 
 # ------------------------------------------------------------------ tensor parallelism (TP=2)
 def _build_tp(recompute, tp_state, tracker, sp=False, distribute=False):
-    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, hidden_dropout=0.1,
-                               attention_dropout=0.1, tensor_model_parallel_size=2, sequence_parallel=sp,
-                               distribute_saved_activations=distribute, **recompute)
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        tensor_model_parallel_size=2,
+        sequence_parallel=sp,
+        distribute_saved_activations=distribute,
+        **recompute,
+    )
     torch.manual_seed(1234)
-    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
-                     pg_collection=tp_state)
+    model = GPTModel(
+        config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        pg_collection=tp_state,
+    )
     config.rng_tracker = tracker
     model.train()
     return model
@@ -209,8 +265,13 @@ def _tp_worker(rank, world_size):
     state = initialize_model_parallel(tensor_model_parallel_size=2)
     tp_rank = state.get_tensor_model_parallel_rank()
     tracker = tp_random.RNGStatesTracker("cpu")
-    all_choices = (("selective", SELECTIVE), ("selective_mlp", SELECTIVE_MLP), ("uniform1", FULL_UNIFORM_1),
-                   ("uniform3", FULL_UNIFORM_3), ("block2", FULL_BLOCK_2))
+    all_choices = (
+        ("selective", SELECTIVE),
+        ("selective_mlp", SELECTIVE_MLP),
+        ("uniform1", FULL_UNIFORM_1),
+        ("uniform3", FULL_UNIFORM_3),
+        ("block2", FULL_BLOCK_2),
+    )
     for sp, choices in ((False, all_choices), (True, all_choices[1:3])):
         reference = _tp_loss_and_grads(_build_tp(NONE, state, tracker, sp), tracker, tp_rank)
         for name, recompute in choices:
@@ -221,8 +282,9 @@ def _tp_worker(rank, world_size):
     # recomputed masks equal (the first layer's QKV gradient sees every later layer's dropout).
     reference = _tp_loss_and_grads(_build_tp(NONE, state, tracker), tracker, tp_rank)
     key = "decoder.layers.0.self_attention.linear_qkv.weight"
-    _, other_seed = _tp_loss_and_grads(_build_tp(FULL_UNIFORM_1, state, tracker), tracker, tp_rank,
-                                       tracker_seed=99)
+    _, other_seed = _tp_loss_and_grads(
+        _build_tp(FULL_UNIFORM_1, state, tracker), tracker, tp_rank, tracker_seed=99
+    )
     assert not torch.equal(other_seed[key], reference[1][key])
     restore = tp_random.RNGSnapshot.restore
 
@@ -233,9 +295,12 @@ def _tp_worker(rank, world_size):
             restore(snapshot)
         finally:
             snapshot.tracker = tracker_
+
     tp_random.RNGSnapshot.restore = restore_without_tracker
     try:
-        _, unreplayed = _tp_loss_and_grads(_build_tp(FULL_UNIFORM_1, state, tracker), tracker, tp_rank)
+        _, unreplayed = _tp_loss_and_grads(
+            _build_tp(FULL_UNIFORM_1, state, tracker), tracker, tp_rank
+        )
     finally:
         tp_random.RNGSnapshot.restore = restore
     assert not torch.equal(unreplayed[key], reference[1][key])
@@ -246,8 +311,11 @@ def _tp_worker(rank, world_size):
         for name, recompute in (("uniform1", FULL_UNIFORM_1), ("block2", FULL_BLOCK_2)):
             model = _build_tp(recompute, state, tracker, distribute=distribute)
             seen, hooks = _saved_bytes_hooks(model)
-            _assert_same(_tp_loss_and_grads(model, tracker, tp_rank, hooks=hooks), reference,
-                         f"distribute={distribute} {name}")
+            _assert_same(
+                _tp_loss_and_grads(model, tracker, tp_rank, hooks=hooks),
+                reference,
+                f"distribute={distribute} {name}",
+            )
             saved[distribute, name] = sum(seen.values())
     hidden_state = SEQ * BATCH * HIDDEN * 4  # one fp32 [s, b, h] chunk input
     for name, checkpoints in (("uniform1", LAYERS), ("block2", 2)):
@@ -260,39 +328,89 @@ def test_tp2_recompute_with_dropout_and_distributed_saved_activations_match():
 
 
 def test_distribute_saved_activations_needs_full_recompute():
-    with pytest.raises(ValueError, match="distribute-saved-activations.*recompute-granularity full"):
-        TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, distribute_saved_activations=True,
-                          recompute_granularity="selective")
+    with pytest.raises(
+        ValueError, match="distribute-saved-activations.*recompute-granularity full"
+    ):
+        TransformerConfig(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            distribute_saved_activations=True,
+            recompute_granularity="selective",
+        )
 
 
 # ------------------------------------------------------------------ flags
-_ARGV = ['--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4', '--max-position-embeddings',
-         '128', '--seq-length', '128', '--micro-batch-size', '2', '--train-iters', '10', '--lr', '1e-3',
-         '--mock-data', '--tokenizer-type', 'NullTokenizer', '--vocab-size', '128']
+_ARGV = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--max-position-embeddings",
+    "128",
+    "--seq-length",
+    "128",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+]
 
 
 def _validate(monkeypatch, *extra, world_size=2):
     from megatron.training.arguments import parse_args, validate_args
-    monkeypatch.setenv('WORLD_SIZE', str(world_size))
-    monkeypatch.setenv('RANK', '0')
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
     return validate_args(parse_args(argv=_ARGV + [str(a) for a in extra]))
 
 
 def test_recompute_flags_with_tensor_parallel_dropout(monkeypatch):
     from megatron.training.arguments import ArgumentValidationError
 
-    full = ['--recompute-granularity', 'full', '--recompute-method', 'uniform', '--recompute-num-layers', 1]
-    tp2 = ['--tensor-model-parallel-size', 2, '--attention-dropout', 0.1, '--hidden-dropout', 0.1]
+    full = [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        1,
+    ]
+    tp2 = ["--tensor-model-parallel-size", 2, "--attention-dropout", 0.1, "--hidden-dropout", 0.1]
     # Accepted now that recomputation replays the tracker streams.
-    assert _validate(monkeypatch, *tp2, '--sequence-parallel', '--recompute-activations').recompute_granularity \
-        == 'selective'
-    assert _validate(monkeypatch, *tp2, *full, '--distribute-saved-activations').distribute_saved_activations
+    assert (
+        _validate(
+            monkeypatch, *tp2, "--sequence-parallel", "--recompute-activations"
+        ).recompute_granularity
+        == "selective"
+    )
+    assert _validate(
+        monkeypatch, *tp2, *full, "--distribute-saved-activations"
+    ).distribute_saved_activations
     for extra, message in (
-            ((*tp2, *full, '--distribute-saved-activations', '--sequence-parallel'),
-             '--distribute-saved-activations cannot be used with --sequence-parallel'),
-            ((*tp2, '--recompute-activations', '--distribute-saved-activations'),
-             '--distribute-saved-activations needs --recompute-granularity full (got selective)'),
-            ((*full, '--distribute-saved-activations'),
-             '--distribute-saved-activations needs --tensor-model-parallel-size > 1')):
+        (
+            (*tp2, *full, "--distribute-saved-activations", "--sequence-parallel"),
+            "--distribute-saved-activations cannot be used with --sequence-parallel",
+        ),
+        (
+            (*tp2, "--recompute-activations", "--distribute-saved-activations"),
+            "--distribute-saved-activations needs --recompute-granularity full (got selective)",
+        ),
+        (
+            (*full, "--distribute-saved-activations"),
+            "--distribute-saved-activations needs --tensor-model-parallel-size > 1",
+        ),
+    ):
         with pytest.raises(ArgumentValidationError, match=re.escape(message)):
-            _validate(monkeypatch, *extra, world_size=2 if '--tensor-model-parallel-size' in extra else 1)
+            _validate(
+                monkeypatch, *extra, world_size=2 if "--tensor-model-parallel-size" in extra else 1
+            )

@@ -94,7 +94,11 @@ def test_model_parallel_seeds():
     assert seeds.expert_parallel == 1234 + 1024 + 200 + 1
     tracker = RNGStatesTracker("cpu")
     model_parallel_manual_seed(tracker, 1234, tp_rank=1)
-    assert set(tracker.get_states()) == {"data-parallel-rng", "model-parallel-rng", "expert-parallel-rng"}
+    assert set(tracker.get_states()) == {
+        "data-parallel-rng",
+        "model-parallel-rng",
+        "expert-parallel-rng",
+    }
     # The default generator was seeded with the data-parallel seed.
     assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(1234)))
     with tracker.fork("model-parallel-rng"):

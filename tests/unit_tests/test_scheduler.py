@@ -18,14 +18,24 @@ WARMUP, DECAY = 100, 1000
 
 def _sched(style="linear", opt=None, warmup=WARMUP, **kw):
     args = dict(
-        init_lr=INIT_LR, max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=warmup, lr_decay_steps=DECAY,
-        lr_decay_style=style, start_wd=0.1, end_wd=0.1, wd_incr_steps=DECAY, wd_incr_style="constant",
+        init_lr=INIT_LR,
+        max_lr=MAX_LR,
+        min_lr=MIN_LR,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=DECAY,
+        lr_decay_style=style,
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=DECAY,
+        wd_incr_style="constant",
     )
     args.update(kw)
     return OptimizerParamScheduler(opt or _MockOptimizer(), **args)
 
 
-def _reference_lr(n, style, wsd_steps=None, wsd_style=None, warmup=WARMUP, max_lr=MAX_LR, min_lr=MIN_LR):
+def _reference_lr(
+    n, style, wsd_steps=None, wsd_style=None, warmup=WARMUP, max_lr=MAX_LR, min_lr=MIN_LR
+):
     """The §11 formulas, written out independently of the implementation."""
     if warmup > 0 and n <= warmup:
         return INIT_LR + (max_lr - INIT_LR) * n / warmup
@@ -46,8 +56,12 @@ def _reference_lr(n, style, wsd_steps=None, wsd_style=None, warmup=WARMUP, max_l
             c = 1.0
         else:
             q = (n - start) / wsd_steps
-            c = {"linear": 1 - q, "cosine": (math.cos(math.pi * q) + 1) / 2,
-                 "exponential": 2 * 0.5**q - 1, "minus_sqrt": 1 - math.sqrt(q)}[wsd_style]
+            c = {
+                "linear": 1 - q,
+                "cosine": (math.cos(math.pi * q) + 1) / 2,
+                "exponential": 2 * 0.5**q - 1,
+                "minus_sqrt": 1 - math.sqrt(q),
+            }[wsd_style]
     return min_lr + c * (max_lr - min_lr)
 
 
@@ -71,7 +85,9 @@ def test_wsd_decay_styles(wsd_style):
     s = _sched("WSD", wsd_decay_steps=200, lr_wsd_decay_style=wsd_style)
     for n in CHECK_POINTS:
         s.num_steps = n
-        assert s.get_lr({}) == pytest.approx(_reference_lr(n, "WSD", 200, wsd_style), rel=1e-12, abs=1e-15)
+        assert s.get_lr({}) == pytest.approx(
+            _reference_lr(n, "WSD", 200, wsd_style), rel=1e-12, abs=1e-15
+        )
     # Stable phase holds max_lr; end of decay reaches min_lr.
     s.num_steps = 800
     assert s.get_lr({}) == MAX_LR
@@ -81,18 +97,22 @@ def test_wsd_decay_styles(wsd_style):
 
 def test_no_warmup_and_samples_semantics():
     s = _sched("linear", warmup=0)
-    assert s.get_lr({}) == MAX_LR          # n=0, no warmup branch
-    s.step(64)                             # one iteration of gbs 64 = 64 samples
+    assert s.get_lr({}) == MAX_LR  # n=0, no warmup branch
+    s.step(64)  # one iteration of gbs 64 = 64 samples
     assert s.num_steps == 64
     assert s.get_lr({}) == pytest.approx(_reference_lr(64, "linear", warmup=0))
 
 
 def test_group_max_min_lr_and_multipliers():
     groups = [{"wd_mult": 1.0}, {"wd_mult": 0.0, "max_lr": 5e-3, "min_lr": 1e-4, "lr_mult": 0.5}]
-    s = _sched("cosine", opt=_MockOptimizer(groups), start_wd=0.0, end_wd=0.2, wd_incr_style="linear")
+    s = _sched(
+        "cosine", opt=_MockOptimizer(groups), start_wd=0.0, end_wd=0.2, wd_incr_style="linear"
+    )
     s.step(550)
     assert groups[0]["lr"] == pytest.approx(_reference_lr(550, "cosine"))
-    assert groups[1]["lr"] == pytest.approx(0.5 * _reference_lr(550, "cosine", max_lr=5e-3, min_lr=1e-4))
+    assert groups[1]["lr"] == pytest.approx(
+        0.5 * _reference_lr(550, "cosine", max_lr=5e-3, min_lr=1e-4)
+    )
     assert groups[0]["weight_decay"] == pytest.approx(0.2 * 550 / DECAY)
     assert groups[1]["weight_decay"] == 0.0
 
@@ -114,16 +134,30 @@ def test_weight_decay_styles(style):
 
 @pytest.mark.parametrize(
     "kw, needle",
-    [(dict(lr_warmup_steps=1000), "warmup"), (dict(init_lr=1.0), "lr-warmup-init"),
-     (dict(min_lr=1.0), "--min-lr"), (dict(lr_decay_style="WSD"), "WSD"),
-     (dict(lr_decay_style="poly"), "lr-decay-style"), (dict(start_wd=0.2, end_wd=0.1), "weight decay"),
-     (dict(start_wd=0.0, end_wd=0.1, wd_incr_style="constant"), "constant weight decay"),
-     (dict(override_opt_param_scheduler=True), "both set")],
+    [
+        (dict(lr_warmup_steps=1000), "warmup"),
+        (dict(init_lr=1.0), "lr-warmup-init"),
+        (dict(min_lr=1.0), "--min-lr"),
+        (dict(lr_decay_style="WSD"), "WSD"),
+        (dict(lr_decay_style="poly"), "lr-decay-style"),
+        (dict(start_wd=0.2, end_wd=0.1), "weight decay"),
+        (dict(start_wd=0.0, end_wd=0.1, wd_incr_style="constant"), "constant weight decay"),
+        (dict(override_opt_param_scheduler=True), "both set"),
+    ],
 )
 def test_invalid_arguments(kw, needle):
-    args = dict(init_lr=INIT_LR, max_lr=MAX_LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP, lr_decay_steps=DECAY,
-                lr_decay_style="linear", start_wd=0.1, end_wd=0.1, wd_incr_steps=DECAY,
-                wd_incr_style="constant")
+    args = dict(
+        init_lr=INIT_LR,
+        max_lr=MAX_LR,
+        min_lr=MIN_LR,
+        lr_warmup_steps=WARMUP,
+        lr_decay_steps=DECAY,
+        lr_decay_style="linear",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=DECAY,
+        wd_incr_style="constant",
+    )
     args.update(kw)
     with pytest.raises(ValueError, match=needle):
         OptimizerParamScheduler(_MockOptimizer(), **args)
@@ -136,8 +170,18 @@ def test_state_dict_round_trip():
     torch.save(s.state_dict(), buf)
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
-    assert set(sd) == {"max_lr", "lr_warmup_steps", "num_steps", "lr_decay_style", "lr_decay_steps",
-                       "min_lr", "start_wd", "end_wd", "wd_incr_style", "wd_incr_steps"}
+    assert set(sd) == {
+        "max_lr",
+        "lr_warmup_steps",
+        "num_steps",
+        "lr_decay_style",
+        "lr_decay_steps",
+        "min_lr",
+        "start_wd",
+        "end_wd",
+        "wd_incr_style",
+        "wd_incr_steps",
+    }
     t = _sched("cosine", use_checkpoint_opt_param_scheduler=False)
     t.load_state_dict(sd)
     assert t.num_steps == 321
@@ -148,16 +192,28 @@ def test_state_dict_round_trip():
 
 
 def test_old_key_names():
-    old = {"start_lr": MAX_LR, "min_lr": MIN_LR, "warmup_iter": WARMUP, "end_iter": DECAY,
-           "decay_style": "linear", "num_iters": 400}
+    old = {
+        "start_lr": MAX_LR,
+        "min_lr": MIN_LR,
+        "warmup_iter": WARMUP,
+        "end_iter": DECAY,
+        "decay_style": "linear",
+        "num_iters": 400,
+    }
     t = _sched("linear", use_checkpoint_opt_param_scheduler=False)
     t.load_state_dict(old)
     assert t.num_steps == 400
     assert t.get_lr({}) == pytest.approx(_reference_lr(400, "linear"))
-    mid = {"max_lr": MAX_LR, "min_lr": MIN_LR, "warmup_steps": WARMUP, "decay_steps": DECAY,
-           "lr_decay_style": "linear", "num_steps": 7}
+    mid = {
+        "max_lr": MAX_LR,
+        "min_lr": MIN_LR,
+        "warmup_steps": WARMUP,
+        "decay_steps": DECAY,
+        "lr_decay_style": "linear",
+        "num_steps": 7,
+    }
     t.load_state_dict(mid)
-    assert t.num_steps == 7     # loading is idempotent, not additive
+    assert t.num_steps == 7  # loading is idempotent, not additive
 
 
 def test_mismatch_policies():
@@ -167,14 +223,20 @@ def test_mismatch_policies():
     with pytest.raises(ValueError, match="learning rate"):
         strict.load_state_dict(dict(sd))
 
-    groups = [{"max_lr": MAX_LR, "min_lr": MIN_LR, "is_decoupled_lr": False},
-              {"max_lr": 7e-3, "min_lr": MIN_LR, "is_decoupled_lr": True}]
-    from_ckpt = _sched("linear", opt=_MockOptimizer(groups), use_checkpoint_opt_param_scheduler=True)
+    groups = [
+        {"max_lr": MAX_LR, "min_lr": MIN_LR, "is_decoupled_lr": False},
+        {"max_lr": 7e-3, "min_lr": MIN_LR, "is_decoupled_lr": True},
+    ]
+    from_ckpt = _sched(
+        "linear", opt=_MockOptimizer(groups), use_checkpoint_opt_param_scheduler=True
+    )
     from_ckpt.load_state_dict(dict(sd))
     assert from_ckpt.max_lr == 2e-3
-    assert groups[0]["max_lr"] == 2e-3       # plain groups follow the checkpoint's LR
-    assert groups[1]["max_lr"] == 7e-3       # decoupled LR is not part of the scheduler state
+    assert groups[0]["max_lr"] == 2e-3  # plain groups follow the checkpoint's LR
+    assert groups[1]["max_lr"] == 7e-3  # decoupled LR is not part of the scheduler state
 
-    override = _sched("linear", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+    override = _sched(
+        "linear", use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True
+    )
     override.load_state_dict(dict(sd))
     assert override.max_lr == MAX_LR

@@ -14,6 +14,7 @@
 * tools/report_theoretical_memory.py on a Llama-3 8B flag set for 8 GPUs with TP=2: the printed
   numbers equal the module's, and the parameter count equals a meta-device build of the model.
 """
+
 import contextlib
 import io
 import re
@@ -26,21 +27,61 @@ import torch
 
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.theoretical_memory import (
-    NUM_BYTES_IN_MEGABYTE, bytes_per_parameter, compute_theoretical_memory, layer_activation_bytes,
-    microbatches_in_flight)
+    NUM_BYTES_IN_MEGABYTE,
+    bytes_per_parameter,
+    compute_theoretical_memory,
+    layer_activation_bytes,
+    microbatches_in_flight,
+)
 from tests.unit_tests.dist_utils import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import report_theoretical_memory as tool  # noqa: E402
 
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
-        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--mock-data",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "200", "--make-vocab-size-divisible-by", "8",
-        "--train-iters", "1", "--lr", "1e-3", "--attention-dropout", "0", "--hidden-dropout", "0"]
-LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-         "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
-         "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "160"]
+TINY = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "200",
+    "--make-vocab-size-divisible-by",
+    "8",
+    "--train-iters",
+    "1",
+    "--lr",
+    "1e-3",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
+LLAMA = [
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--ffn-hidden-size",
+    "160",
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -53,6 +94,7 @@ def _single_thread():
 
 def make_args(argv, world_size=1):
     from megatron.training.tokenizer import build_tokenizer
+
     args = parse_args(argv=list(argv))
     args.world_size, args.rank = world_size, 0
     validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
@@ -69,23 +111,37 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
-    from megatron.training.configs import (core_transformer_config_from_args, ddp_config_from_args,
-                                           optimizer_config_from_args)
+    from megatron.training.configs import (
+        core_transformer_config_from_args,
+        ddp_config_from_args,
+        optimizer_config_from_args,
+    )
+
     config = core_transformer_config_from_args(args)
     torch.manual_seed(0)
-    model = GPTModel(config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                     pre_process=pre_process, post_process=post_process,
-                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                     position_embedding_type=args.position_embedding_type, num_layers=num_layers,
-                     pg_collection=state)
+    model = GPTModel(
+        config,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        num_layers=num_layers,
+        pg_collection=state,
+    )
     if args.fp16 or args.bf16:
         model = Float16Module(config, model)
-    dp_group = state.get_data_parallel_group(with_context_parallel=True) if state is not None else None
+    dp_group = (
+        state.get_data_parallel_group(with_context_parallel=True) if state is not None else None
+    )
     ddp = DistributedDataParallel(ddp_config_from_args(args), model, dp_group)
     optimizer = get_megatron_optimizer(
-        optimizer_config_from_args(args), [model],
+        optimizer_config_from_args(args),
+        [model],
         model_parallel_group=state.get_model_parallel_group() if state is not None else None,
-        tp_rank=state.get_tensor_model_parallel_rank() if state is not None else 0)
+        tp_rank=state.get_tensor_model_parallel_rank() if state is not None else 0,
+    )
 
     s, b = args.seq_length, args.micro_batch_size
     g = torch.Generator().manual_seed(1)
@@ -135,8 +191,11 @@ def measured_bytes(model, optimizer):
 
 
 def assert_matches(report, measured, rel=0.10):
-    expected = {"weights": report.weight_bytes, "gradients": report.gradient_bytes,
-                "optimizer": report.optimizer_bytes}
+    expected = {
+        "weights": report.weight_bytes,
+        "gradients": report.gradient_bytes,
+        "optimizer": report.optimizer_bytes,
+    }
     for kind in expected:
         assert measured[kind] == pytest.approx(expected[kind], rel=rel), (kind, measured, expected)
     assert sum(measured.values()) == pytest.approx(report.weight_and_optimizer_bytes, rel=rel)
@@ -168,18 +227,23 @@ def test_pipeline_stages_hold_their_embedding_and_output_layer(tied):
     """PP=2: stage 0 has the embedding, stage 1 the final norm and the output layer (with tied
     embeddings, its own copy of the word embedding). Each stage is built in this process."""
     flags = TINY + ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--bf16"]
-    args = make_args(flags + ([] if tied else ["--untie-embeddings-and-output-weights"]), world_size=2)
+    args = make_args(
+        flags + ([] if tied else ["--untie-embeddings-and-output-weights"]), world_size=2
+    )
     for rank, (pre, post) in enumerate([(True, False), (False, True)]):
         report = compute_theoretical_memory(args, pp_rank=rank)
         model, optimizer = build_and_step(args, pre_process=pre, post_process=post, num_layers=2)
         assert sum(p.numel() for p in model.parameters()) == report.parameters
         assert_matches(report, measured_bytes(model, optimizer))
-    assert compute_theoretical_memory(args, pp_rank=1).activations.keys() != \
-        compute_theoretical_memory(args, pp_rank=0).activations.keys()
+    assert (
+        compute_theoretical_memory(args, pp_rank=1).activations.keys()
+        != compute_theoretical_memory(args, pp_rank=0).activations.keys()
+    )
 
 
 def _tp2_worker(rank, world_size, argv, results):
     from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+
     args = make_args(argv, world_size=world_size)
     state = initialize_model_parallel(tensor_model_parallel_size=2)
     try:
@@ -199,17 +263,20 @@ def test_tensor_parallel_shard_matches_a_spawned_tp2_world():
 
 
 # ----------------------------------------------------------------------------- bytes per parameter
-@pytest.mark.parametrize("precision,plain,sharded", [
-    ([], 16, 8), (["--bf16"], 18, 6), (["--fp16"], 20, 4)])
+@pytest.mark.parametrize(
+    "precision,plain,sharded", [([], 16, 8), (["--bf16"], 18, 6), (["--fp16"], 20, 4)]
+)
 def test_distributed_optimizer_bytes_per_parameter(precision, plain, sharded):
     """MEGATRON_FACTS §10: fp32 16 -> 8 + 8/d, bf16 + fp32 grads 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d,
     d = data parallel x context parallel (the group the distributed optimizer shards over)."""
     base = TINY + precision + ["--global-batch-size", "16"]
     args, _ = tool.validated_args(base, 8)
     assert bytes_per_parameter(args).total == plain
-    for extra, d in ((["--use-distributed-optimizer"], 8),
-                     (["--use-distributed-optimizer", "--context-parallel-size", "2"], 8),
-                     (["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], 4)):
+    for extra, d in (
+        (["--use-distributed-optimizer"], 8),
+        (["--use-distributed-optimizer", "--context-parallel-size", "2"], 8),
+        (["--use-distributed-optimizer", "--tensor-model-parallel-size", "2"], 4),
+    ):
         args, notes = tool.validated_args(base + extra, 8)
         assert bytes_per_parameter(args).total == pytest.approx(sharded + (plain - sharded) / d)
         assert bytes_per_parameter(args).shards == d
@@ -218,26 +285,66 @@ def test_distributed_optimizer_bytes_per_parameter(precision, plain, sharded):
 @pytest.mark.parametrize("precision,plain", [([], 16), (["--bf16"], 18)])
 def test_fsdp2_shards_everything_over_data_parallel(precision, plain):
     """FSDP2 (ZeRO-3): weights, gradients and optimizer state all divided by DP x CP."""
-    base = TINY + precision + ["--global-batch-size", "16", "--untie-embeddings-and-output-weights",
-                               "--no-gradient-accumulation-fusion", "--ckpt-format", "torch_dist"]
-    for extra, d in ((["--use-torch-fsdp2"], 8), (["--use-torch-fsdp2", "--tensor-model-parallel-size", "2"], 4)):
+    base = (
+        TINY
+        + precision
+        + [
+            "--global-batch-size",
+            "16",
+            "--untie-embeddings-and-output-weights",
+            "--no-gradient-accumulation-fusion",
+            "--ckpt-format",
+            "torch_dist",
+        ]
+    )
+    for extra, d in (
+        (["--use-torch-fsdp2"], 8),
+        (["--use-torch-fsdp2", "--tensor-model-parallel-size", "2"], 4),
+    ):
         args, _ = tool.validated_args(base + extra, 8)
         per = bytes_per_parameter(args)
         assert per.total == pytest.approx(plain / d) and per.shards == d and per.params_sharded
 
 
 def test_sgd_without_momentum_keeps_no_state():
-    assert bytes_per_parameter(make_args(TINY + ["--optimizer", "sgd", "--sgd-momentum", "0"])).total == 8
+    assert (
+        bytes_per_parameter(make_args(TINY + ["--optimizer", "sgd", "--sgd-momentum", "0"])).total
+        == 8
+    )
 
 
 # ----------------------------------------------------------------------------- activations
 def _gpt_argv():
     # Dropout off only because validation refuses recompute with TP and dropout today; the
     # formula counts the dropout masks regardless, as Megatron's does.
-    return ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "512",
-            "--max-position-embeddings", "512", "--micro-batch-size", "2", "--mock-data", "--tokenizer-type",
-            "NullTokenizer", "--vocab-size", "1000", "--train-iters", "1", "--lr", "1e-3", "--bf16",
-            "--attention-dropout", "0", "--hidden-dropout", "0"]
+    return [
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "256",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "512",
+        "--max-position-embeddings",
+        "512",
+        "--micro-batch-size",
+        "2",
+        "--mock-data",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "1000",
+        "--train-iters",
+        "1",
+        "--lr",
+        "1e-3",
+        "--bf16",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    ]
 
 
 def _gpt(extra=(), world_size=1):
@@ -251,27 +358,55 @@ def test_layer_activation_formula_matches_the_paper():
     assert layer_activation_bytes(_gpt()).total == sbh * (34 + 5 * a * s / h)
     t = 4
     tp = ["--tensor-model-parallel-size", "4"]
-    assert layer_activation_bytes(_gpt(tp, 4)).total == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-    assert layer_activation_bytes(_gpt(tp + ["--sequence-parallel"], 4)).total == \
-        pytest.approx(sbh / t * (34 + 5 * a * s / h))
-    assert layer_activation_bytes(_gpt(tp + ["--sequence-parallel", "--recompute-activations"], 4)).total == \
-        pytest.approx(sbh / t * 34)
+    assert layer_activation_bytes(_gpt(tp, 4)).total == pytest.approx(
+        sbh * (10 + 24 / t + 5 * a * s / (h * t))
+    )
+    assert layer_activation_bytes(_gpt(tp + ["--sequence-parallel"], 4)).total == pytest.approx(
+        sbh / t * (34 + 5 * a * s / h)
+    )
+    assert layer_activation_bytes(
+        _gpt(tp + ["--sequence-parallel", "--recompute-activations"], 4)
+    ).total == pytest.approx(sbh / t * 34)
     # fp32 doubles everything but the three 1-byte dropout masks (2 sbh + a s^2 b).
     fp32 = make_args([x for x in _gpt_argv() if x != "--bf16"])
-    assert layer_activation_bytes(fp32).total == pytest.approx(2 * sbh * (34 + 5 * a * s / h) - 2 * sbh - a * s * s * b)
+    assert layer_activation_bytes(fp32).total == pytest.approx(
+        2 * sbh * (34 + 5 * a * s / h) - 2 * sbh - a * s * s * b
+    )
 
 
 def test_full_recompute_keeps_only_the_chunk_inputs():
     s, b, h = 512, 2, 256
     none = compute_theoretical_memory(_gpt())
-    uniform = compute_theoretical_memory(_gpt(["--recompute-granularity", "full", "--recompute-method", "uniform",
-                                               "--recompute-num-layers", "2"]))
+    uniform = compute_theoretical_memory(
+        _gpt(
+            [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "2",
+            ]
+        )
+    )
     per_layer = layer_activation_bytes(_gpt()).total
-    assert uniform.activations["transformer layers (checkpointed inputs)"] == 4 * 2 * s * b * h  # 8 layers / 2
+    assert (
+        uniform.activations["transformer layers (checkpointed inputs)"] == 4 * 2 * s * b * h
+    )  # 8 layers / 2
     assert uniform.activations["recompute working set (one chunk)"] == 2 * per_layer
     assert none.activations["transformer layers"] == 8 * per_layer
-    block = compute_theoretical_memory(_gpt(["--recompute-granularity", "full", "--recompute-method", "block",
-                                             "--recompute-num-layers", "3"]))
+    block = compute_theoretical_memory(
+        _gpt(
+            [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "block",
+                "--recompute-num-layers",
+                "3",
+            ]
+        )
+    )
     assert block.activations["transformer layers (checkpointed inputs)"] == 3 * 2 * s * b * h
     assert block.activations["transformer layers (not recomputed)"] == 5 * per_layer
     assert uniform.activation_bytes < block.activation_bytes < none.activation_bytes
@@ -281,8 +416,17 @@ def test_microbatches_in_flight_of_the_schedules():
     args = _gpt(["--pipeline-model-parallel-size", "4", "--global-batch-size", "16"], 4)
     assert [microbatches_in_flight(args, 8, r) for r in range(4)] == [4, 3, 2, 1]
     assert microbatches_in_flight(args, 2, 0) == 2
-    args = _gpt(["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1",
-                 "--global-batch-size", "16"], 4)
+    args = _gpt(
+        [
+            "--pipeline-model-parallel-size",
+            "4",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--global-batch-size",
+            "16",
+        ],
+        4,
+    )
     vp, pp = 2, 4
     # Megatron's interleaving penalty on the first stage: PP x (1 + (PP - 1) / (PP x VP)).
     assert microbatches_in_flight(args, 8, 0) == pytest.approx(pp * (1 + (pp - 1) / (pp * vp)))
@@ -310,14 +454,39 @@ def megatron_activation_formula(args, num_microbatches):
     return memory / tp
 
 
-@pytest.mark.parametrize("layout", [
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "4"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "4",
-     "--global-batch-size", "4"],
-    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
-     "--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "16"],
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--pipeline-model-parallel-size",
+            "4",
+        ],
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--pipeline-model-parallel-size",
+            "4",
+            "--global-batch-size",
+            "4",
+        ],
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "2",
+            "--global-batch-size",
+            "16",
+        ],
+    ],
+)
 def test_activations_equal_megatrons_formula_in_the_case_it_assumes(layout):
     args = _gpt(layout + ["--recompute-activations"], world_size=8)
     m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
@@ -329,8 +498,11 @@ def test_activations_equal_megatrons_formula_in_the_case_it_assumes(layout):
 def test_summary_line_is_megatrons():
     report = compute_theoretical_memory(_gpt())
     line = report.summary_line()
-    match = re.fullmatch(r"Theoretical memory footprints: weight and optimizer=(\d+\.\d\d) MB, "
-                         r"activation=(\d+\.\d\d) MB, total=(\d+\.\d\d) MB", line)
+    match = re.fullmatch(
+        r"Theoretical memory footprints: weight and optimizer=(\d+\.\d\d) MB, "
+        r"activation=(\d+\.\d\d) MB, total=(\d+\.\d\d) MB",
+        line,
+    )
     assert match, line
     wo, act, total = (float(x) for x in match.groups())
     assert wo == round(report.weight_and_optimizer_bytes / NUM_BYTES_IN_MEGABYTE, 2)
@@ -338,17 +510,58 @@ def test_summary_line_is_megatrons():
 
 
 # ----------------------------------------------------------------------------- the tool
-LLAMA3_8B = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
-             "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
-             "--seq-length", "8192", "--max-position-embeddings", "8192", "--position-embedding-type", "rope",
-             "--rotary-base", "500000", "--normalization", "RMSNorm", "--swiglu",
-             "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--attention-dropout", "0.0",
-             "--hidden-dropout", "0.0", "--micro-batch-size", "1", "--global-batch-size", "128",
-             "--train-iters", "10", "--lr", "3e-4", "--bf16", "--mock-data", "--tokenizer-type",
-             "NullTokenizer", "--vocab-size", "128256", "--tensor-model-parallel-size", "2",
-             "--sequence-parallel"]
-SUMMARY = re.compile(r"^Theoretical memory footprints: weight and optimizer=([\d.]+) MB, "
-                     r"activation=([\d.]+) MB, total=([\d.]+) MB$", re.M)
+LLAMA3_8B = [
+    "--num-layers",
+    "32",
+    "--hidden-size",
+    "4096",
+    "--ffn-hidden-size",
+    "14336",
+    "--num-attention-heads",
+    "32",
+    "--group-query-attention",
+    "--num-query-groups",
+    "8",
+    "--seq-length",
+    "8192",
+    "--max-position-embeddings",
+    "8192",
+    "--position-embedding-type",
+    "rope",
+    "--rotary-base",
+    "500000",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--attention-dropout",
+    "0.0",
+    "--hidden-dropout",
+    "0.0",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "128",
+    "--train-iters",
+    "10",
+    "--lr",
+    "3e-4",
+    "--bf16",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128256",
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+]
+SUMMARY = re.compile(
+    r"^Theoretical memory footprints: weight and optimizer=([\d.]+) MB, "
+    r"activation=([\d.]+) MB, total=([\d.]+) MB$",
+    re.M,
+)
 
 
 def _run_tool(argv):
@@ -363,17 +576,32 @@ def _tp_rank_parameters_of_meta_model(args):
     (tensor_model_parallel) are divided by TP, the rest are whole on every rank."""
     from megatron.core.models.gpt import GPTModel
     from megatron.training.configs import core_transformer_config_from_args
+
     tp = args.tensor_model_parallel_size
     args.tensor_model_parallel_size, args.sequence_parallel = 1, False
     config = core_transformer_config_from_args(args)
     args.tensor_model_parallel_size, args.sequence_parallel = tp, True
     config.init_model_with_meta_device = True
     config.__post_init__()
-    model = GPTModel(config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope")
-    names_split = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight",
-                   "word_embeddings.weight", "output_layer.weight")
-    return sum(p.numel() // tp if n.endswith(names_split) else p.numel() for n, p in model.named_parameters())
+    model = GPTModel(
+        config,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    names_split = (
+        "linear_qkv.weight",
+        "linear_proj.weight",
+        "linear_fc1.weight",
+        "linear_fc2.weight",
+        "word_embeddings.weight",
+        "output_layer.weight",
+    )
+    return sum(
+        p.numel() // tp if n.endswith(names_split) else p.numel()
+        for n, p in model.named_parameters()
+    )
 
 
 def test_tool_llama3_8b_on_8_gpus_tp2():
@@ -387,8 +615,11 @@ def test_tool_llama3_8b_on_8_gpus_tp2():
     args = make_args(argv, world_size=8)
     report = compute_theoretical_memory(args)
     mb = NUM_BYTES_IN_MEGABYTE
-    assert (wo, act, total) == (round(report.weight_and_optimizer_bytes / mb, 2),
-                                round(report.activation_bytes / mb, 2), round(report.total_bytes / mb, 2))
+    assert (wo, act, total) == (
+        round(report.weight_and_optimizer_bytes / mb, 2),
+        round(report.activation_bytes / mb, 2),
+        round(report.total_bytes / mb, 2),
+    )
     assert "TP 2 x PP 1 x CP 1 x DP 4" in out and "18 bytes/parameter" in out
     # Independent checks: the parameters per TP rank of the real model, 18 bytes each (bf16,
     # fp32 grads, Adam), and Megatron's activation formula (SP + selective recompute).
@@ -403,20 +634,33 @@ def test_tool_command_line_with_the_distributed_optimizer_and_pipeline_stages():
     """The script as users run it: the distributed optimizer shards the optimizer state, one
     report line per pipeline stage."""
     argv = [a if a != "128" else "64" for a in LLAMA3_8B] + [
-        "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"]
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "report_theoretical_memory.py"),
-                             "--world-size", "8"] + argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+        "--use-distributed-optimizer",
+        "--pipeline-model-parallel-size",
+        "2",
+    ]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "report_theoretical_memory.py"), "--world-size", "8"]
+        + argv,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "not supported" not in result.stderr, result.stderr
     assert len(SUMMARY.findall(result.stdout)) == 2
-    assert "12 bytes/parameter (weight 2 + gradient 4 + optimizer 6, optimizer sharded over 2 ranks)" \
+    assert (
+        "12 bytes/parameter (weight 2 + gradient 4 + optimizer 6, optimizer sharded over 2 ranks)"
         in result.stdout
+    )
 
 
 def test_tool_refuses_flags_it_cannot_account():
     code, _, err = _run_tool(["--world-size", "8"] + LLAMA3_8B + ["--num-experts", "8"])
     assert code == 2 and "error: not supported yet: --num-experts 8" in err
-    code, _, err = _run_tool(["--world-size", "6"] + LLAMA3_8B[:-3] + ["--tensor-model-parallel-size", "4"])
+    code, _, err = _run_tool(
+        ["--world-size", "6"] + LLAMA3_8B[:-3] + ["--tensor-model-parallel-size", "4"]
+    )
     assert code == 2 and "error:" in err
     code, _, err = _run_tool(["--world-size"])
     assert code == 2 and "--world-size needs a value" in err

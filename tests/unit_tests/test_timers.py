@@ -4,7 +4,6 @@ import socket
 import time
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -38,7 +37,7 @@ def test_timer_accumulates_and_resets():
     with pytest.raises(RuntimeError, match="already been started"):
         t.start()
     time.sleep(0.005)
-    assert t.elapsed() > 0.0          # reading a running timer keeps it running
+    assert t.elapsed() > 0.0  # reading a running timer keeps it running
     t.stop()
     assert t.active_time() > first
 
@@ -47,7 +46,7 @@ def test_levels_make_dummies():
     timers = Timers(log_level=1, log_option="minmax")
     assert isinstance(timers("forward-backward", log_level=1), Timer)
     assert isinstance(timers("batch-generator", log_level=2), DummyTimer)
-    assert isinstance(timers("no-level"), DummyTimer)    # default level is the max (2)
+    assert isinstance(timers("no-level"), DummyTimer)  # default level is the max (2)
     assert timers("forward-backward") is timers("forward-backward", log_level=1)
     with pytest.raises(ValueError, match="log level"):
         timers("forward-backward", log_level=0)
@@ -62,23 +61,27 @@ def test_minmax_format(capsys):
     _set_ms(timers, "forward-backward", 1234.5)
     _set_ms(timers, "optimizer", 20.0)
     timers("never-started", log_level=0)
-    text = timers.log(["forward-backward", "optimizer", "never-started", "unknown"], normalizer=10.0)
+    text = timers.log(
+        ["forward-backward", "optimizer", "never-started", "unknown"], normalizer=10.0
+    )
     lines = text.split("\n")
     assert lines[0] == "(min, max) time across ranks (ms):"
-    assert len(lines) == 3                        # zero and unknown timers are left out
+    assert len(lines) == 3  # zero and unknown timers are left out
     assert lines[1] == "    " + "forward-backward ".ljust(48, ".") + ": (123.45, 123.45)"
     for line in lines[1:]:
         m = LINE_MINMAX.match(line)
         assert m, line
         assert len(line.split(":")[0]) == 4 + 48
-    assert capsys.readouterr().out.strip() == text      # printed on the (only, last) rank
-    assert timers.log(["forward-backward"]) is None     # reset by the previous log
+    assert capsys.readouterr().out.strip() == text  # printed on the (only, last) rank
+    assert timers.log(["forward-backward"]) is None  # reset by the previous log
 
 
 def test_max_and_all_formats():
     timers = Timers(log_level=2, log_option="max")
     _set_ms(timers, "a-very-long-timer-name-that-is-longer-than-forty-eight-chars", 3.14159)
-    text = timers.get_all_timers_string(["a-very-long-timer-name-that-is-longer-than-forty-eight-chars"])
+    text = timers.get_all_timers_string(
+        ["a-very-long-timer-name-that-is-longer-than-forty-eight-chars"]
+    )
     assert text.split("\n")[0] == "max time across ranks (ms):"
     assert LINE_MAX.match(text.split("\n")[1])
     assert text.split("\n")[1].endswith(": 3.14")
@@ -103,7 +106,7 @@ def test_write():
     writer = _Writer()
     timers.write(["optimizer", "missing"], writer, iteration=7, normalizer=4.0)
     assert writer.scalars == [("optimizer-time", pytest.approx(10.0), 7)]
-    assert timers("optimizer").elapsed(reset=False) == pytest.approx(0.04)   # write does not reset
+    assert timers("optimizer").elapsed(reset=False) == pytest.approx(0.04)  # write does not reset
 
 
 def _free_port():
@@ -136,9 +139,21 @@ def test_across_two_ranks():
     assert results[0] == results[1]
     out = results[1]
     label = lambda n: "    " + (n + " ").ljust(48, ".")
-    assert out["minmax"] == ("(min, max) time across ranks (ms):\n" + label("both") + ": (10.00, 20.00)\n"
-                             + label("only-rank-1") + ": (7.00, 7.00)")
-    assert out["max"] == ("max time across ranks (ms):\n" + label("both") + ": 20.00\n"
-                          + label("only-rank-1") + ": 7.00")
-    assert out["all"] == ("times across ranks (ms):\n  both:\n     rank  0: 10.00\n     rank  1: 20.00\n"
-                          "  only-rank-1:\n     rank  1: 7.00")
+    assert out["minmax"] == (
+        "(min, max) time across ranks (ms):\n"
+        + label("both")
+        + ": (10.00, 20.00)\n"
+        + label("only-rank-1")
+        + ": (7.00, 7.00)"
+    )
+    assert out["max"] == (
+        "max time across ranks (ms):\n"
+        + label("both")
+        + ": 20.00\n"
+        + label("only-rank-1")
+        + ": 7.00"
+    )
+    assert out["all"] == (
+        "times across ranks (ms):\n  both:\n     rank  0: 10.00\n     rank  1: 20.00\n"
+        "  only-rank-1:\n     rank  1: 7.00"
+    )

@@ -1,4 +1,5 @@
 """Tokenizers: ids against independent references, round trips, special ids, build_tokenizer."""
+
 import json
 import math
 import os
@@ -6,13 +7,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.core.tokenizers import TOKENIZER_TYPES, MegatronTokenizer, build_tokenizer_from_options
+from megatron.core.tokenizers import (
+    TOKENIZER_TYPES,
+    MegatronTokenizer,
+    build_tokenizer_from_options,
+)
 from megatron.core.tokenizers.bert_wordpiece import BertWordPieceCase, BertWordPieceLowerCase
 from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer, bytes_to_unicode
 from megatron.core.tokenizers.huggingface import HuggingFaceTokenizer
 from megatron.core.tokenizers.null_tokenizer import NullTokenizer
 from megatron.core.tokenizers.sentencepiece_tokenizers import (
-    GPTSentencePieceTokenizer, Llama2Tokenizer, SentencePieceTokenizer)
+    GPTSentencePieceTokenizer,
+    Llama2Tokenizer,
+    SentencePieceTokenizer,
+)
 from megatron.training.tokenizer import _vocab_size_with_padding, build_tokenizer
 
 DATA = os.path.join(os.path.dirname(__file__), os.pardir, "data")
@@ -23,10 +31,18 @@ BERT_VOCAB = os.path.join(DATA, "bert-vocab.txt")
 HF_DIR = os.path.join(DATA, "hf-tokenizer")
 
 EDGE_CASES = [
-    "", " ", "  leading and trailing  ", "it's they'll we've I'm you'd she's", "tabs\tand\nnew\n\nlines\r\n",
-    "caf\u00e9 na\u00efve e\u0301 \u00c5ngstr\u00f6m", "\u4e2d\u6587 \u65e5\u672c\u8a9e",
+    "",
+    " ",
+    "  leading and trailing  ",
+    "it's they'll we've I'm you'd she's",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "caf\u00e9 na\u00efve e\u0301 \u00c5ngstr\u00f6m",
+    "\u4e2d\u6587 \u65e5\u672c\u8a9e",
     "emoji \U0001f600\U0001f44d\U0001f3fd",
-    "numbers 1234567 3.14159 0x1F", "non\u00a0breaking\u2003spaces\u3000", "<|endoftext|> in text", "a" * 300,
+    "numbers 1234567 3.14159 0x1F",
+    "non\u00a0breaking\u2003spaces\u3000",
+    "<|endoftext|> in text",
+    "a" * 300,
 ]
 
 
@@ -62,7 +78,10 @@ def test_gpt2_ascii_split_equals_unicode_split():
 
     from megatron.core.tokenizers.gpt2_bpe import GPT2_SPLIT_PATTERN, GPT2_SPLIT_PATTERN_ASCII
 
-    unicode_split, ascii_split = regex.compile(GPT2_SPLIT_PATTERN), re.compile(GPT2_SPLIT_PATTERN_ASCII, re.ASCII)
+    unicode_split, ascii_split = (
+        regex.compile(GPT2_SPLIT_PATTERN),
+        re.compile(GPT2_SPLIT_PATTERN_ASCII, re.ASCII),
+    )
     rng = random.Random(0)
     alphabet = [chr(c) for c in range(128)] + list(" \t\n'sdlmtrve") * 4  # favour the tricky pieces
     for _ in range(3000):
@@ -152,8 +171,13 @@ def test_sentencepiece_special_tokens(spm_processor):
     assert tok.inv_vocab[size + 7] == "<extra_id_2>"
     assert tok.vocab_size == size + 8
     text = "first part<MASK>second <extra_id_1> third"
-    assert tok.tokenize(text) == (spm_processor.encode("first part") + [tok.mask] + spm_processor.encode("second ")
-                                  + [tok.additional_special_tokens_ids[1]] + spm_processor.encode(" third"))
+    assert tok.tokenize(text) == (
+        spm_processor.encode("first part")
+        + [tok.mask]
+        + spm_processor.encode("second ")
+        + [tok.additional_special_tokens_ids[1]]
+        + spm_processor.encode(" third")
+    )
     assert tok.detokenize(tok.tokenize("a<SEP>b")) == "a <SEP> b"
 
 
@@ -165,7 +189,9 @@ def test_gpt_sentencepiece_and_llama2(spm_processor, corpus):
     llama = Llama2Tokenizer(SPM_MODEL)
     text = corpus[0]
     assert llama.tokenize(text) == [spm_processor.bos_id()] + spm_processor.encode(text)
-    assert llama.tokenize(text, bos=False, eos=True) == spm_processor.encode(text) + [spm_processor.eos_id()]
+    assert llama.tokenize(text, bos=False, eos=True) == spm_processor.encode(text) + [
+        spm_processor.eos_id()
+    ]
     assert llama.tokenize_batch([text]) == [llama.tokenize(text)]
     assert llama.detokenize(llama.tokenize(text)) == text
     assert llama.eod == llama.eos == 2 and llama.bos == 1
@@ -211,14 +237,23 @@ def test_bert_wordpiece_special_ids_and_round_trip():
     assert (tok.bos, tok.eos) == (n, n + 1)  # [BOS] / [EOS] appended as in Megatron
     assert tok.additional_special_tokens_ids == [n + 2, n + 3]
     assert tok.inv_vocab[n + 3] == "<extra_id_1>" and tok.vocab_size == n + 4
-    assert tok.detokenize(tok.tokenize("Return the Value, unchanged.")) == "return the value , unchanged ."
+    assert (
+        tok.detokenize(tok.tokenize("Return the Value, unchanged."))
+        == "return the value , unchanged ."
+    )
     with pytest.raises(NotImplementedError, match="eod"):
         tok.eod
     # BertWordPieceCase built from flags adds 100 sentinels unless --vocab-extra-ids says otherwise.
     case = build_tokenizer_from_options("BertWordPieceCase", vocab_file=BERT_VOCAB)
     assert len(case.additional_special_tokens_ids) == 100 and case.vocab_size == n + 102
-    assert len(build_tokenizer_from_options("BertWordPieceCase", vocab_file=BERT_VOCAB,
-                                            vocab_extra_ids=7).additional_special_tokens_ids) == 7
+    assert (
+        len(
+            build_tokenizer_from_options(
+                "BertWordPieceCase", vocab_file=BERT_VOCAB, vocab_extra_ids=7
+            ).additional_special_tokens_ids
+        )
+        == 7
+    )
 
 
 # ----------------------------------------------------------------------------------------- null
@@ -238,17 +273,32 @@ def test_null_tokenizer_classic_semantics():
 
 # ------------------------------------------------------------------------------ build_tokenizer
 def _args(**kw):
-    defaults = dict(rank=0, make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, padded_vocab_size=None,
-                    vocab_file=None, merge_file=None, tokenizer_model=None, vocab_size=None, vocab_extra_ids=0)
+    defaults = dict(
+        rank=0,
+        make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1,
+        padded_vocab_size=None,
+        vocab_file=None,
+        merge_file=None,
+        tokenizer_model=None,
+        vocab_size=None,
+        vocab_extra_ids=0,
+    )
     defaults.update(kw)
     return SimpleNamespace(**defaults)
 
 
-@pytest.mark.parametrize("vocab,divisible,tp", [(50257, 128, 1), (50257, 128, 2), (50257, 8, 4), (32000, 64, 8),
-                                                (8192, 128, 1), (2, 128, 1)])
+@pytest.mark.parametrize(
+    "vocab,divisible,tp",
+    [(50257, 128, 1), (50257, 128, 2), (50257, 8, 4), (32000, 64, 8), (8192, 128, 1), (2, 128, 1)],
+)
 def test_padded_vocab_rule(vocab, divisible, tp, capsys):
-    args = _args(tokenizer_type="NullTokenizer", vocab_size=vocab - 1, make_vocab_size_divisible_by=divisible,
-                 tensor_model_parallel_size=tp)
+    args = _args(
+        tokenizer_type="NullTokenizer",
+        vocab_size=vocab - 1,
+        make_vocab_size_divisible_by=divisible,
+        tensor_model_parallel_size=tp,
+    )
     tok = build_tokenizer(args)
     multiple = divisible * tp
     expected = math.ceil(vocab / multiple) * multiple
@@ -257,35 +307,58 @@ def test_padded_vocab_rule(vocab, divisible, tp, capsys):
     assert args.padded_vocab_size % multiple == 0 and 0 <= expected - vocab < multiple
     out = capsys.readouterr().out
     assert "> building NullTokenizer tokenizer ..." in out
-    assert f" > padded vocab (size: {vocab}) with {expected - vocab} dummy tokens (new size: {expected})" in out
+    assert (
+        f" > padded vocab (size: {vocab}) with {expected - vocab} dummy tokens (new size: {expected})"
+        in out
+    )
 
 
 def test_padded_vocab_gpt2_size_and_overrides(capsys):
     assert _vocab_size_with_padding(50257, _args()) == 50304
     assert _vocab_size_with_padding(50257, _args(tensor_model_parallel_size=2)) == 50432
     capsys.readouterr()
-    args = _args(tokenizer_type="GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES, rank=1,
-                 padded_vocab_size=9000)
+    args = _args(
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file=GPT2_VOCAB,
+        merge_file=GPT2_MERGES,
+        rank=1,
+        padded_vocab_size=9000,
+    )
     build_tokenizer(args)
     assert args.padded_vocab_size == 9000
     assert capsys.readouterr().out == ""  # only rank 0 prints
-    args = _args(tokenizer_type="GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES, pad_vocab_size=False,
-                 make_vocab_size_divisible_by=1000)
+    args = _args(
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file=GPT2_VOCAB,
+        merge_file=GPT2_MERGES,
+        pad_vocab_size=False,
+        make_vocab_size_divisible_by=1000,
+    )
     build_tokenizer(args)
     assert args.padded_vocab_size == 8192
     with pytest.raises(ValueError, match="--padded-vocab-size 100 is smaller"):
-        build_tokenizer(_args(tokenizer_type="GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES,
-                              padded_vocab_size=100))
+        build_tokenizer(
+            _args(
+                tokenizer_type="GPT2BPETokenizer",
+                vocab_file=GPT2_VOCAB,
+                merge_file=GPT2_MERGES,
+                padded_vocab_size=100,
+            )
+        )
 
 
 def test_missing_files_name_the_flag(tmp_path):
     missing = str(tmp_path / "nope.json")
     with pytest.raises(ValueError, match=f"--vocab-file {missing}: no such file"):
-        build_tokenizer(_args(tokenizer_type="GPT2BPETokenizer", vocab_file=missing, merge_file=GPT2_MERGES))
+        build_tokenizer(
+            _args(tokenizer_type="GPT2BPETokenizer", vocab_file=missing, merge_file=GPT2_MERGES)
+        )
     with pytest.raises(ValueError, match="needs --merge-file"):
         build_tokenizer(_args(tokenizer_type="GPT2BPETokenizer", vocab_file=GPT2_VOCAB))
     with pytest.raises(ValueError, match="--tokenizer-model .*no such file"):
-        build_tokenizer(_args(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(tmp_path / "x.model")))
+        build_tokenizer(
+            _args(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(tmp_path / "x.model"))
+        )
     with pytest.raises(ValueError, match="needs --vocab-size"):
         build_tokenizer(_args(tokenizer_type="NullTokenizer"))
     with pytest.raises(ValueError, match="not supported"):
@@ -295,12 +368,14 @@ def test_missing_files_name_the_flag(tmp_path):
 def test_every_type_builds_and_identifies_itself():
     files = dict(vocab_file=None, merge_file=None, tokenizer_model=None, vocab_size=None)
     per_type = {
-        "BertWordPieceLowerCase": dict(vocab_file=BERT_VOCAB), "BertWordPieceCase": dict(vocab_file=BERT_VOCAB),
+        "BertWordPieceLowerCase": dict(vocab_file=BERT_VOCAB),
+        "BertWordPieceCase": dict(vocab_file=BERT_VOCAB),
         "GPT2BPETokenizer": dict(vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES),
         "SentencePieceTokenizer": dict(tokenizer_model=SPM_MODEL),
         "GPTSentencePieceTokenizer": dict(tokenizer_model=SPM_MODEL),
         "Llama2Tokenizer": dict(tokenizer_model=SPM_MODEL),
-        "HuggingFaceTokenizer": dict(tokenizer_model=HF_DIR), "NullTokenizer": dict(vocab_size=1000),
+        "HuggingFaceTokenizer": dict(tokenizer_model=HF_DIR),
+        "NullTokenizer": dict(vocab_size=1000),
     }
     assert set(per_type) == set(TOKENIZER_TYPES)
     identities = set()

@@ -23,7 +23,11 @@ def cfg(**kw):
 
 def test_model_parallel_defaults():
     c = ModelParallelConfig()
-    assert (c.tensor_model_parallel_size, c.pipeline_model_parallel_size, c.context_parallel_size) == (1, 1, 1)
+    assert (
+        c.tensor_model_parallel_size,
+        c.pipeline_model_parallel_size,
+        c.context_parallel_size,
+    ) == (1, 1, 1)
     assert c.virtual_pipeline_model_parallel_size is None and c.sequence_parallel is False
     assert c.expert_model_parallel_size == 1 and c.expert_tensor_parallel_size == 1
     assert c.perform_initialization is True and c.use_cpu_initialization is False
@@ -48,7 +52,11 @@ def test_transformer_defaults_and_derived_fields():
     assert c.output_layer_init_method.std == pytest.approx(0.02 / math.sqrt(2 * 4))
     assert c.recompute_granularity is None
     explicit = cfg(ffn_hidden_size=100, kv_channels=16, num_query_groups=2)
-    assert (explicit.ffn_hidden_size, explicit.kv_channels, explicit.num_query_groups) == (100, 16, 2)
+    assert (explicit.ffn_hidden_size, explicit.kv_channels, explicit.num_query_groups) == (
+        100,
+        16,
+        2,
+    )
 
 
 def test_init_methods_draw_with_their_std():
@@ -62,28 +70,33 @@ def test_init_methods_draw_with_their_std():
 
 
 def test_query_key_layer_scaling_forces_fp32_softmax():
-    assert cfg(apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False).attention_softmax_in_fp32
+    assert cfg(
+        apply_query_key_layer_scaling=True, attention_softmax_in_fp32=False
+    ).attention_softmax_in_fp32
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_layers=0), "--num-layers"),
-    (dict(hidden_size=-1), "--hidden-size"),
-    (dict(num_attention_heads=6), "divisible by num_attention_heads"),
-    (dict(num_query_groups=3), "--num-query-groups"),
-    (dict(normalization="BatchNorm"), "--normalization"),
-    (dict(hidden_dropout=1.0), "--hidden-dropout"),
-    (dict(attention_dropout=-0.1), "--attention-dropout"),
-    (dict(layernorm_epsilon=0.0), "--norm-epsilon"),
-    (dict(init_method_std=0.0), "--init-method-std"),
-    (dict(tensor_model_parallel_size=3), "tensor_model_parallel_size"),
-    (dict(sequence_parallel=True), "--sequence-parallel"),
-    (dict(fp16=True, bf16=True), "--fp16"),
-    (dict(recompute_granularity="some"), "--recompute-granularity"),
-    (dict(recompute_granularity="full"), "--recompute-method"),
-    (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers"),
-    (dict(recompute_granularity="selective", recompute_method="block"), "--recompute-method"),
-    (dict(recompute_granularity="selective", recompute_modules=["moe"]), "--recompute-modules"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_layers=0), "--num-layers"),
+        (dict(hidden_size=-1), "--hidden-size"),
+        (dict(num_attention_heads=6), "divisible by num_attention_heads"),
+        (dict(num_query_groups=3), "--num-query-groups"),
+        (dict(normalization="BatchNorm"), "--normalization"),
+        (dict(hidden_dropout=1.0), "--hidden-dropout"),
+        (dict(attention_dropout=-0.1), "--attention-dropout"),
+        (dict(layernorm_epsilon=0.0), "--norm-epsilon"),
+        (dict(init_method_std=0.0), "--init-method-std"),
+        (dict(tensor_model_parallel_size=3), "tensor_model_parallel_size"),
+        (dict(sequence_parallel=True), "--sequence-parallel"),
+        (dict(fp16=True, bf16=True), "--fp16"),
+        (dict(recompute_granularity="some"), "--recompute-granularity"),
+        (dict(recompute_granularity="full"), "--recompute-method"),
+        (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers"),
+        (dict(recompute_granularity="selective", recompute_method="block"), "--recompute-method"),
+        (dict(recompute_granularity="selective", recompute_modules=["moe"]), "--recompute-modules"),
+    ],
+)
 def test_validation_errors_name_the_flag(kwargs, match):
     with pytest.raises(ValueError, match=match):
         cfg(**kwargs)
@@ -95,18 +108,28 @@ def test_valid_recompute_settings():
     cfg(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
 
 
-@pytest.mark.parametrize("module, cls", [
-    (model_parallel_config, ModelParallelConfig),
-    (transformer_config, TransformerConfig),
-])
+@pytest.mark.parametrize(
+    "module, cls",
+    [
+        (model_parallel_config, ModelParallelConfig),
+        (transformer_config, TransformerConfig),
+    ],
+)
 def test_every_field_has_a_docstring(module, cls):
     tree = ast.parse(inspect.getsource(module))
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     documented = set()
     for stmt, following in zip(node.body, node.body[1:]):
-        if isinstance(stmt, ast.AnnAssign) and isinstance(following, ast.Expr) \
-                and isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
             documented.add(stmt.target.id)
     own = {f.name for f in dataclasses.fields(cls)} - (
-        {f.name for f in dataclasses.fields(ModelParallelConfig)} if cls is TransformerConfig else set())
+        {f.name for f in dataclasses.fields(ModelParallelConfig)}
+        if cls is TransformerConfig
+        else set()
+    )
     assert own and own <= documented, sorted(own - documented)

@@ -10,10 +10,12 @@ from megatron.core.models.common.embeddings import LanguageModelEmbedding, Rotar
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.norms import LayerNorm, RMSNorm, build_norm
-from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb, llama3_scale_inv_freq
+from megatron.core.transformer.rotary_pos_embedding import (
+    apply_rotary_pos_emb,
+    llama3_scale_inv_freq,
+)
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,9 +26,16 @@ def _single_thread():
     yield
     torch.set_num_threads(threads)
 
+
 def cfg(**kw):
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
-                attention_dropout=0.0, params_dtype=torch.float64)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float64,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -84,8 +93,10 @@ def test_rope_seq_len_interpolation_and_llama3_scaling():
     assert mid.any() and torch.all(scaled[mid] < inv[mid]) and torch.all(scaled[mid] > inv[mid] / 8)
 
 
-@pytest.mark.parametrize("kwargs", [dict(rotary_percent=0.0), dict(rotary_percent=1.5),
-                                    dict(kv_channels=6, rotary_percent=0.5)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(rotary_percent=0.0), dict(rotary_percent=1.5), dict(kv_channels=6, rotary_percent=0.5)],
+)
 def test_rope_rejects_bad_settings(kwargs):
     kwargs.setdefault("kv_channels", 8)
     with pytest.raises(ValueError):
@@ -156,7 +167,14 @@ def test_gqa_attention_equals_mha_with_repeated_kv_heads():
 
 
 def test_swiglu_mlp_uses_gate_then_up_halves():
-    mlp = MLP(cfg(gated_linear_unit=True, activation_func=F.silu, ffn_hidden_size=24, add_bias_linear=False))
+    mlp = MLP(
+        cfg(
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            ffn_hidden_size=24,
+            add_bias_linear=False,
+        )
+    )
     assert mlp.linear_fc1.weight.shape == (48, 32)
     x = torch.randn(5, 2, 32, dtype=torch.float64)
     gate = x @ mlp.linear_fc1.weight[:24].T
@@ -170,8 +188,13 @@ def test_swiglu_mlp_uses_gate_then_up_halves():
 
 
 def test_block_layer_numbers_final_norm_and_input_tensor():
-    block = TransformerBlock(cfg(num_layers=8), num_layers=3, layer_number_offset=4, pre_process=False,
-                             post_process=False)
+    block = TransformerBlock(
+        cfg(num_layers=8),
+        num_layers=3,
+        layer_number_offset=4,
+        pre_process=False,
+        post_process=False,
+    )
     assert [layer.layer_number for layer in block.layers] == [5, 6, 7]
     assert [layer.self_attention.core_attention.layer_number for layer in block.layers] == [5, 6, 7]
     assert block.final_layernorm is None

@@ -9,6 +9,7 @@ a child process; the messages are described in ``protocol.py``. Plugins: ``core`
 checkpoints at any TP/PP, and torch_dist ones as a loader; ``mcore`` and ``megatron`` are aliases),
 ``hf_gpt2`` (GPT-2) and ``hf_llama`` (Llama 2/3, Mistral, Qwen2). Everything runs on the CPU, offline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,25 +46,49 @@ def load_plugin(kind: str, name: str):
             continue
         entry = "load_checkpoint" if kind == "loader" else "save_checkpoint"
         if not hasattr(module, entry) or not hasattr(module, "add_arguments"):
-            raise ConversionError(f"module {module_name} is not a checkpoint {kind} plugin "
-                                  f"(it lacks add_arguments / {entry})")
+            raise ConversionError(
+                f"module {module_name} is not a checkpoint {kind} plugin "
+                f"(it lacks add_arguments / {entry})"
+            )
         return module
-    raise ConversionError(f"unknown --{kind} '{name}': no module {kind}_{name} in {_HERE}; "
-                          f"available: {', '.join(PLUGINS)}")
+    raise ConversionError(
+        f"unknown --{kind} '{name}': no module {kind}_{name} in {_HERE}; "
+        f"available: {', '.join(PLUGINS)}"
+    )
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(description="Megatron checkpoint converter", allow_abbrev=False,
-                                     conflict_handler="resolve")
-    parser.add_argument("--model-type", type=str, required=True, choices=["GPT", "BERT"],
-                        help="Type of the model (only GPT is supported).")
-    parser.add_argument("--loader", type=str, default="core", help="Loader plugin (module loader_<name>).")
-    parser.add_argument("--saver", type=str, default="core", help="Saver plugin (module saver_<name>).")
-    parser.add_argument("--load-dir", type=str, required=True, help="Directory to load the model from.")
-    parser.add_argument("--save-dir", type=str, required=True, help="Directory to save the model to.")
-    parser.add_argument("--max-queue-size", type=int, default=50, help="Maximum messages in flight.")
-    parser.add_argument("--no-checking", action="store_false", dest="checking",
-                        help="Do not fail on tensors the saver does not know.")
+    parser = argparse.ArgumentParser(
+        description="Megatron checkpoint converter", allow_abbrev=False, conflict_handler="resolve"
+    )
+    parser.add_argument(
+        "--model-type",
+        type=str,
+        required=True,
+        choices=["GPT", "BERT"],
+        help="Type of the model (only GPT is supported).",
+    )
+    parser.add_argument(
+        "--loader", type=str, default="core", help="Loader plugin (module loader_<name>)."
+    )
+    parser.add_argument(
+        "--saver", type=str, default="core", help="Saver plugin (module saver_<name>)."
+    )
+    parser.add_argument(
+        "--load-dir", type=str, required=True, help="Directory to load the model from."
+    )
+    parser.add_argument(
+        "--save-dir", type=str, required=True, help="Directory to save the model to."
+    )
+    parser.add_argument(
+        "--max-queue-size", type=int, default=50, help="Maximum messages in flight."
+    )
+    parser.add_argument(
+        "--no-checking",
+        action="store_false",
+        dest="checking",
+        help="Do not fail on tensors the saver does not know.",
+    )
     return parser
 
 
@@ -108,7 +133,9 @@ def convert(argv=None, in_process: bool = False) -> None:
     args, loader, saver = parse(argv)
     if in_process:
         q, status = queue_module.Queue(maxsize=args.max_queue_size), queue_module.Queue()
-        worker = threading.Thread(target=_run_saver, args=(args.saver, q, args, status), daemon=True)
+        worker = threading.Thread(
+            target=_run_saver, args=(args.saver, q, args, status), daemon=True
+        )
     else:
         ctx = mp.get_context("spawn")  # fork after torch has started threads can hang
         q, status = ctx.Queue(maxsize=args.max_queue_size), ctx.Queue()
@@ -129,7 +156,9 @@ def convert(argv=None, in_process: bool = False) -> None:
     except queue_module.Empty:
         failure = "it exited without reporting (killed?)"
     if failure is not None:
-        raise ConversionError(f"{args.saver} saver: {failure}; nothing usable was written to {args.save_dir}")
+        raise ConversionError(
+            f"{args.saver} saver: {failure}; nothing usable was written to {args.save_dir}"
+        )
 
 
 def main(argv=None) -> int:

@@ -8,17 +8,17 @@ buffer allocated from the ``.metadata`` shape. Reading goes through
 classes; ``common.pt`` is read with ``weights_only=True``); optimizer entries are never read.
 The reader has the same interface as ``torch_format.TorchCheckpointReader``.
 """
+
 from __future__ import annotations
 
 import argparse
 from typing import List
 
 import torch
-
-from megatron.core import dist_checkpointing as dc
-
 from protocol import ConversionError
 from torch_format import find_iteration_dir
+
+from megatron.core import dist_checkpointing as dc
 
 
 class DistCheckpointReader:
@@ -35,7 +35,9 @@ class DistCheckpointReader:
             raise ConversionError(str(exc)) from None
         self.args = common.get("args")
         if self.args is None:
-            raise ConversionError(f"{d}/{dc.COMMON_FILE} holds no 'args'; cannot tell the model shape")
+            raise ConversionError(
+                f"{d}/{dc.COMMON_FILE} holds no 'args'; cannot tell the model shape"
+            )
         self.checkpoint_iteration = common.get("iteration", self.iteration)
         # The layout it was trained at (informational only: the tensors are layout-free).
         self.tp = getattr(self.args, "tensor_model_parallel_size", 1) or 1

@@ -7,6 +7,7 @@ Write: ``config.json`` through the ``transformers`` config class (so ``from_pret
 it), weights as safetensors shards with ``{"format": "pt"}`` metadata and an index when sharded,
 and the tokenizer files found next to the source model.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,26 @@ import shutil
 from typing import Dict, Iterable, Optional
 
 import torch
-
 from protocol import ConversionError, new_metadata
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "generation_config.json",
+)
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 
 def read_config(model_dir: str) -> dict:
@@ -29,7 +43,9 @@ def read_config(model_dir: str) -> dict:
         raise ConversionError(f"--load-dir {model_dir} does not exist")
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise ConversionError(f"{path} not found: --load-dir must be a Hugging Face model directory")
+        raise ConversionError(
+            f"{path} not found: --load-dir must be a Hugging Face model directory"
+        )
     try:
         with open(path) as f:
             return json.load(f)
@@ -66,8 +82,10 @@ class HFWeights:
         elif os.path.isfile(bin_index):
             self._add_index(bin_index)
         else:
-            raise ConversionError(f"{model_dir} holds no model.safetensors, model.safetensors.index.json or "
-                                  "pytorch_model.bin")
+            raise ConversionError(
+                f"{model_dir} holds no model.safetensors, model.safetensors.index.json or "
+                "pytorch_model.bin"
+            )
 
     def _add_index(self, path: str) -> None:
         try:
@@ -78,7 +96,9 @@ class HFWeights:
         self._where.update(weight_map)
         for file in set(weight_map.values()):
             if not os.path.isfile(os.path.join(self.model_dir, file)):
-                raise ConversionError(f"{path} names {file}, which is missing from {self.model_dir}")
+                raise ConversionError(
+                    f"{path} names {file}, which is missing from {self.model_dir}"
+                )
 
     def _handle(self, file: str):
         if file not in self._open:
@@ -86,9 +106,12 @@ class HFWeights:
             try:
                 if file.endswith(".safetensors"):
                     from safetensors import safe_open
+
                     self._open[file] = safe_open(path, framework="pt", device="cpu")
                 else:
-                    self._open[file] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                    self._open[file] = torch.load(
+                        path, map_location="cpu", weights_only=True, mmap=True
+                    )
             except Exception as exc:  # truncated / foreign files
                 raise ConversionError(f"cannot read {path}: {type(exc).__name__}: {exc}") from None
         return self._open[file]
@@ -106,18 +129,25 @@ class HFWeights:
 
     def get(self, name: str, shape=None) -> torch.Tensor:
         if name not in self._where:
-            raise ConversionError(f"tensor '{name}' is missing from the Hugging Face checkpoint in {self.model_dir}")
+            raise ConversionError(
+                f"tensor '{name}' is missing from the Hugging Face checkpoint in {self.model_dir}"
+            )
         handle = self._handle(self._where[name])
         tensor = handle.get_tensor(name) if hasattr(handle, "get_tensor") else handle[name]
         if shape is not None and tuple(tensor.shape) != tuple(shape):
-            raise ConversionError(f"shape mismatch for '{name}' in {self.model_dir}: got {tuple(tensor.shape)}, "
-                                  f"expected {tuple(shape)} (from config.json)")
+            raise ConversionError(
+                f"shape mismatch for '{name}' in {self.model_dir}: got {tuple(tensor.shape)}, "
+                f"expected {tuple(shape)} (from config.json)"
+            )
         return tensor
 
 
-def write_weights(save_dir: str, tensors: Dict[str, torch.Tensor], max_shard_bytes: int = 5 * 2**30) -> None:
+def write_weights(
+    save_dir: str, tensors: Dict[str, torch.Tensor], max_shard_bytes: int = 5 * 2**30
+) -> None:
     """safetensors shards (``model.safetensors`` when one is enough) plus the index when sharded."""
     from safetensors.torch import save_file
+
     os.makedirs(save_dir, exist_ok=True)
     shards, current, size = [], {}, 0
     for name, tensor in tensors.items():
@@ -156,15 +186,27 @@ def hf_metadata(config: dict, args, tokenizer: Optional[str], **model_fields):
     (vocab from the config, a fresh run at TP=PP=1 with no Megatron training state)."""
     return new_metadata(
         **model_fields,
-        true_vocab_size=config["vocab_size"], make_vocab_size_divisible_by=128,
-        tokenizer_type="HuggingFaceTokenizer" if tokenizer else None, tokenizer_model=tokenizer,
-        iteration=None, params_dtype=config_dtype(config, args.hf_dtype), bert_binary_head=False,
-        previous_tensor_parallel_size=1, previous_pipeline_parallel_size=1, checkpoint_args=None,
-        consumed_train_samples=0, consumed_valid_samples=0, hf_config=config)
+        true_vocab_size=config["vocab_size"],
+        make_vocab_size_divisible_by=128,
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer else None,
+        tokenizer_model=tokenizer,
+        iteration=None,
+        params_dtype=config_dtype(config, args.hf_dtype),
+        bert_binary_head=False,
+        previous_tensor_parallel_size=1,
+        previous_pipeline_parallel_size=1,
+        checkpoint_args=None,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        hf_config=config,
+    )
 
 
 def has_tokenizer(model_dir: str) -> bool:
-    return any(os.path.isfile(os.path.join(model_dir, n)) for n in ("tokenizer.json", "vocab.json", "tokenizer.model"))
+    return any(
+        os.path.isfile(os.path.join(model_dir, n))
+        for n in ("tokenizer.json", "vocab.json", "tokenizer.model")
+    )
 
 
 def check_plain_checkpoint_args(md, target: str) -> None:
@@ -172,9 +214,14 @@ def check_plain_checkpoint_args(md, target: str) -> None:
     a = md.checkpoint_args
     if a is None:
         return
-    for name, flag in (("apply_layernorm_1p", "--apply-layernorm-1p"), ("qk_layernorm", "--qk-layernorm"),
-                       ("rotary_interleaved", "--rotary-interleaved"),
-                       ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
-                       ("use_rotary_position_embeddings", None)):
+    for name, flag in (
+        ("apply_layernorm_1p", "--apply-layernorm-1p"),
+        ("qk_layernorm", "--qk-layernorm"),
+        ("rotary_interleaved", "--rotary-interleaved"),
+        ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
+        ("use_rotary_position_embeddings", None),
+    ):
         if flag and getattr(a, name, False):
-            raise ConversionError(f"a model trained with {flag} cannot be written as a {target} model")
+            raise ConversionError(
+                f"a model trained with {flag} cannot be written as a {target} model"
+            )

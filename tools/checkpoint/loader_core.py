@@ -1,6 +1,7 @@
 """Loader plugin ``core``: our Megatron Core checkpoint (``--ckpt-format torch`` at any TP/PP/virtual
 stages, its shards merged into full tensors; or ``torch_dist``, whose tensors are already global)
 sent in the protocol of ``protocol.py``."""
+
 from __future__ import annotations
 
 import sys
@@ -10,16 +11,32 @@ from protocol import ConversionError, new_metadata, put, put_metadata
 
 def add_arguments(parser):
     group = parser.add_argument_group(title="core loader")
-    group.add_argument("--true-vocab-size", type=int, default=None,
-                       help="Vocabulary size without padding; the padding rows are dropped. Default: the "
-                            "'true_vocab_size' the converter stored in the checkpoint's args, else keep all rows.")
-    group.add_argument("--vocab-file", default=None,
-                       help="Alternative to --true-vocab-size: a GPT-2 vocab.json whose size is taken.")
-    group.add_argument("--megatron-path", default=None, help="Prepended to sys.path (base of the framework).")
-    group.add_argument("--position-embedding-type", default=None,
-                       help="Accepted for compatibility; the checkpoint's args decide.")
-    group.add_argument("--loader-transformer-impl", default="local", choices=["local", "transformer_engine"],
-                       help="Accepted for compatibility: this framework's checkpoints use the local layer names.")
+    group.add_argument(
+        "--true-vocab-size",
+        type=int,
+        default=None,
+        help="Vocabulary size without padding; the padding rows are dropped. Default: the "
+        "'true_vocab_size' the converter stored in the checkpoint's args, else keep all rows.",
+    )
+    group.add_argument(
+        "--vocab-file",
+        default=None,
+        help="Alternative to --true-vocab-size: a GPT-2 vocab.json whose size is taken.",
+    )
+    group.add_argument(
+        "--megatron-path", default=None, help="Prepended to sys.path (base of the framework)."
+    )
+    group.add_argument(
+        "--position-embedding-type",
+        default=None,
+        help="Accepted for compatibility; the checkpoint's args decide.",
+    )
+    group.add_argument(
+        "--loader-transformer-impl",
+        default="local",
+        choices=["local", "transformer_engine"],
+        help="Accepted for compatibility: this framework's checkpoints use the local layer names.",
+    )
 
 
 def _true_vocab_size(args, ckpt_args):
@@ -29,6 +46,7 @@ def _true_vocab_size(args, ckpt_args):
         return args.true_vocab_size
     if args.vocab_file is not None:
         import json
+
         try:
             with open(args.vocab_file) as f:
                 return len(json.load(f))
@@ -41,7 +59,9 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
     if getattr(a, "squared_relu", False):
         raise ConversionError("--squared-relu checkpoints are not supported by the converter yet")
     if getattr(a, "num_experts", None):
-        raise ConversionError("mixture-of-experts checkpoints (--num-experts) are not supported by the converter yet")
+        raise ConversionError(
+            "mixture-of-experts checkpoints (--num-experts) are not supported by the converter yet"
+        )
     heads = a.num_attention_heads
     groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
     swiglu = bool(getattr(a, "swiglu", False))
@@ -53,28 +73,44 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
     else:
         activation = "gelu"
     return new_metadata(
-        model_type="GPT", num_layers=a.num_layers, hidden_size=a.hidden_size,
-        ffn_hidden_size=a.ffn_hidden_size, num_attention_heads=heads, num_query_groups=groups,
+        model_type="GPT",
+        num_layers=a.num_layers,
+        hidden_size=a.hidden_size,
+        ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
         kv_channels=getattr(a, "kv_channels", None) or a.hidden_size // heads,
-        seq_length=getattr(a, "seq_length", None), max_position_embeddings=a.max_position_embeddings,
+        seq_length=getattr(a, "seq_length", None),
+        max_position_embeddings=a.max_position_embeddings,
         position_embedding_type=getattr(a, "position_embedding_type", "learned_absolute"),
-        rotary_base=getattr(a, "rotary_base", 10000), rotary_percent=getattr(a, "rotary_percent", 1.0),
+        rotary_base=getattr(a, "rotary_base", 10000),
+        rotary_percent=getattr(a, "rotary_percent", 1.0),
         use_rope_scaling=bool(getattr(a, "use_rope_scaling", False)),
         rope_scaling_factor=getattr(a, "rope_scaling_factor", 8.0),
-        normalization=getattr(a, "normalization", "LayerNorm"), norm_epsilon=getattr(a, "norm_epsilon", 1e-5),
+        normalization=getattr(a, "normalization", "LayerNorm"),
+        norm_epsilon=getattr(a, "norm_epsilon", 1e-5),
         norm_has_bias=getattr(a, "normalization", "LayerNorm") == "LayerNorm",
-        linear_bias=linear_bias, qkv_bias=linear_bias or bool(getattr(a, "add_qkv_bias", False)),
-        swiglu=swiglu, activation=activation,
+        linear_bias=linear_bias,
+        qkv_bias=linear_bias or bool(getattr(a, "add_qkv_bias", False)),
+        swiglu=swiglu,
+        activation=activation,
         output_layer=bool(getattr(a, "untie_embeddings_and_output_weights", False)),
-        hidden_dropout=getattr(a, "hidden_dropout", 0.1), attention_dropout=getattr(a, "attention_dropout", 0.1),
+        hidden_dropout=getattr(a, "hidden_dropout", 0.1),
+        attention_dropout=getattr(a, "attention_dropout", 0.1),
         true_vocab_size=true_vocab_size,
         make_vocab_size_divisible_by=getattr(a, "make_vocab_size_divisible_by", 128),
-        tokenizer_type=getattr(a, "tokenizer_type", None), tokenizer_model=getattr(a, "tokenizer_model", None),
-        iteration=iteration, params_dtype=getattr(a, "params_dtype", None), bert_binary_head=False,
-        previous_tensor_parallel_size=tp, previous_pipeline_parallel_size=pp, checkpoint_args=a,
+        tokenizer_type=getattr(a, "tokenizer_type", None),
+        tokenizer_model=getattr(a, "tokenizer_model", None),
+        iteration=iteration,
+        params_dtype=getattr(a, "params_dtype", None),
+        bert_binary_head=False,
+        previous_tensor_parallel_size=tp,
+        previous_pipeline_parallel_size=pp,
+        checkpoint_args=a,
         consumed_train_samples=getattr(a, "consumed_train_samples", 0),
         consumed_valid_samples=getattr(a, "consumed_valid_samples", 0),
-        hf_config=getattr(a, "hf_config", None))
+        hf_config=getattr(a, "hf_config", None),
+    )
 
 
 def send_model(queue, reader, md, alive=None) -> None:
@@ -86,11 +122,13 @@ def send_model(queue, reader, md, alive=None) -> None:
     put(queue, "embeddings", embeddings, alive)
     for i in range(md.num_layers):
         p = f"decoder.layers.{i}."
-        msg = {"input norm weight": t(p + "input_layernorm.weight"),
-               "qkv weight": t(p + "self_attention.linear_qkv.weight"),
-               "dense weight": t(p + "self_attention.linear_proj.weight"),
-               "post norm weight": t(p + "pre_mlp_layernorm.weight"),
-               "mlp l1 weight": t(p + "mlp.linear_fc2.weight")}
+        msg = {
+            "input norm weight": t(p + "input_layernorm.weight"),
+            "qkv weight": t(p + "self_attention.linear_qkv.weight"),
+            "dense weight": t(p + "self_attention.linear_proj.weight"),
+            "post norm weight": t(p + "pre_mlp_layernorm.weight"),
+            "mlp l1 weight": t(p + "mlp.linear_fc2.weight"),
+        }
         if md.norm_has_bias:
             msg["input norm bias"] = t(p + "input_layernorm.bias")
             msg["post norm bias"] = t(p + "pre_mlp_layernorm.bias")
@@ -123,13 +161,20 @@ def load_checkpoint(queue, args, alive=None):
     if args.megatron_path:
         sys.path.insert(0, args.megatron_path)
     from torch_format import TorchCheckpointReader, detect_format, find_iteration_dir
+
     if detect_format(find_iteration_dir(args.load_dir)[0]) == "torch_dist":
         from dist_format import DistCheckpointReader
+
         reader = DistCheckpointReader(args.load_dir)
     else:
         reader = TorchCheckpointReader(args.load_dir)
     a = reader.args
-    md = metadata_from_args(a, _true_vocab_size(args, a), reader.tp, reader.pp,
-                            None if reader.release else reader.checkpoint_iteration)
+    md = metadata_from_args(
+        a,
+        _true_vocab_size(args, a),
+        reader.tp,
+        reader.pp,
+        None if reader.release else reader.checkpoint_iteration,
+    )
     put_metadata(queue, md, alive)
     send_model(queue, reader, md, alive)

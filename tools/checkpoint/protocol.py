@@ -17,6 +17,7 @@ The loader puts, in this order, on one queue:
 Each message is a dict carrying its own ``name``; the saver checks the name and, unless
 ``--no-checking``, that no tensor was left unread.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,43 @@ import torch
 
 # Fields every loader sets on the metadata Namespace (Megatron's names where Megatron has one).
 METADATA_FIELDS = (
-    "model_type", "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-    "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
-    "position_embedding_type", "rotary_base", "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "normalization", "norm_epsilon", "norm_has_bias", "linear_bias", "qkv_bias", "swiglu", "activation",
-    "output_layer", "hidden_dropout", "attention_dropout", "true_vocab_size", "make_vocab_size_divisible_by",
-    "tokenizer_type", "tokenizer_model", "iteration", "params_dtype", "bert_binary_head",
-    "previous_tensor_parallel_size", "previous_pipeline_parallel_size", "checkpoint_args",
-    "consumed_train_samples", "consumed_valid_samples", "hf_config",
+    "model_type",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "seq_length",
+    "max_position_embeddings",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "normalization",
+    "norm_epsilon",
+    "norm_has_bias",
+    "linear_bias",
+    "qkv_bias",
+    "swiglu",
+    "activation",
+    "output_layer",
+    "hidden_dropout",
+    "attention_dropout",
+    "true_vocab_size",
+    "make_vocab_size_divisible_by",
+    "tokenizer_type",
+    "tokenizer_model",
+    "iteration",
+    "params_dtype",
+    "bert_binary_head",
+    "previous_tensor_parallel_size",
+    "previous_pipeline_parallel_size",
+    "checkpoint_args",
+    "consumed_train_samples",
+    "consumed_valid_samples",
+    "hf_config",
 )
 
 # Activations the protocol knows: what the MLP computes (Megatron's fused bias-GeLU is 'gelu_tanh').
@@ -54,16 +84,29 @@ def new_metadata(**values) -> argparse.Namespace:
 
 
 def check_metadata(md) -> None:
-    missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                           "kv_channels", "ffn_hidden_size", "normalization", "activation")
-               if getattr(md, f, None) is None]
+    missing = [
+        f
+        for f in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "kv_channels",
+            "ffn_hidden_size",
+            "normalization",
+            "activation",
+        )
+        if getattr(md, f, None) is None
+    ]
     if missing:
         raise ConversionError(f"loader metadata lacks {missing}")
     if md.activation not in ACTIVATIONS:
         raise ConversionError(f"unknown activation {md.activation!r} in the loader metadata")
 
 
-def put(q, name: str, message: Optional[Dict] = None, alive: Optional[Callable[[], bool]] = None) -> None:
+def put(
+    q, name: str, message: Optional[Dict] = None, alive: Optional[Callable[[], bool]] = None
+) -> None:
     """Put a named message; while the queue is full, stop with an error if the saver has died."""
     item = dict(message or {})
     item["name"] = name
@@ -77,7 +120,9 @@ def _put_raw(q, item, alive) -> None:
             return
         except queue_module.Full:
             if alive is not None and not alive():
-                raise ConversionError("the saver stopped before reading every message (see its error above)")
+                raise ConversionError(
+                    "the saver stopped before reading every message (see its error above)"
+                )
 
 
 def put_metadata(q, md, alive: Optional[Callable[[], bool]] = None) -> None:
@@ -91,7 +136,9 @@ def get_metadata(q, alive: Optional[Callable[[], bool]] = None):
     if isinstance(item, dict) and item.get("name") == "exit":
         raise ConversionError("the loader failed (see its error above); nothing was saved")
     if not isinstance(item, argparse.Namespace):
-        raise ConversionError(f"protocol error: expected the metadata Namespace first, got {type(item).__name__}")
+        raise ConversionError(
+            f"protocol error: expected the metadata Namespace first, got {type(item).__name__}"
+        )
     return item
 
 
@@ -121,16 +168,20 @@ def take(message: Dict, key: str, shape=None) -> torch.Tensor:
         raise ConversionError(f"message '{message.get('name')}' has no tensor '{key}'")
     tensor = message.pop(key)
     if shape is not None and tuple(tensor.shape) != tuple(shape):
-        raise ConversionError(f"shape mismatch for '{key}' in message '{message.get('name')}': "
-                              f"got {tuple(tensor.shape)}, expected {tuple(shape)}")
+        raise ConversionError(
+            f"shape mismatch for '{key}' in message '{message.get('name')}': "
+            f"got {tuple(tensor.shape)}, expected {tuple(shape)}"
+        )
     return tensor
 
 
 def take_optional(message: Dict, key: str, present: bool, shape=None) -> Optional[torch.Tensor]:
     if not present:
         if key in message:
-            raise ConversionError(f"message '{message.get('name')}' has '{key}', which the metadata says "
-                                  "the model does not have")
+            raise ConversionError(
+                f"message '{message.get('name')}' has '{key}', which the metadata says "
+                "the model does not have"
+            )
         return None
     return take(message, key, shape)
 
@@ -138,14 +189,23 @@ def take_optional(message: Dict, key: str, present: bool, shape=None) -> Optiona
 def check_empty(message: Dict, checking: bool = True) -> None:
     left = sorted(k for k in message if k != "name")
     if left and checking:
-        raise ConversionError(f"message '{message.get('name')}' has tensors the saver does not know: {left} "
-                              "(pass --no-checking to drop them)")
+        raise ConversionError(
+            f"message '{message.get('name')}' has tensors the saver does not know: {left} "
+            "(pass --no-checking to drop them)"
+        )
 
 
 # ---- Megatron's grouped QKV layout ---------------------------------------------------------------
 
-def qkv_from_separate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_groups: int,
-                      head_dim: int) -> torch.Tensor:
+
+def qkv_from_separate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_heads: int,
+    num_groups: int,
+    head_dim: int,
+) -> torch.Tensor:
     """[np*d, ...], [ng*d, ...], [ng*d, ...] -> grouped [ng*(np/ng+2)*d, ...] (weights or biases)."""
     rest = q.shape[1:]
     per_group = num_heads // num_groups
@@ -161,8 +221,11 @@ def qkv_to_separate(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim
     per_group = num_heads // num_groups
     grouped = qkv.reshape(num_groups, (per_group + 2) * head_dim, *rest)
     q, k, v = torch.split(grouped, [per_group * head_dim, head_dim, head_dim], dim=1)
-    return (q.reshape(num_heads * head_dim, *rest).contiguous(), k.reshape(num_groups * head_dim, *rest).contiguous(),
-            v.reshape(num_groups * head_dim, *rest).contiguous())
+    return (
+        q.reshape(num_heads * head_dim, *rest).contiguous(),
+        k.reshape(num_groups * head_dim, *rest).contiguous(),
+        v.reshape(num_groups * head_dim, *rest).contiguous(),
+    )
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -179,8 +242,9 @@ def resize_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, pad], dim=0)
 
 
-
-def receive_model(q, md, checking: bool = True, alive: Optional[Callable[[], bool]] = None) -> Dict[str, torch.Tensor]:
+def receive_model(
+    q, md, checking: bool = True, alive: Optional[Callable[[], bool]] = None
+) -> Dict[str, torch.Tensor]:
     """Read every model message after the metadata; returns full tensors by global MCore name
     (SwiGLU fc1 as [gate; up]), each shape checked against the metadata."""
     h, ffn, d = md.hidden_size, md.ffn_hidden_size, md.kv_channels
@@ -189,7 +253,9 @@ def receive_model(q, md, checking: bool = True, alive: Optional[Callable[[], boo
     msg = get(q, "embeddings", alive)
     word = take(msg, "word embeddings")
     if word.dim() != 2 or word.shape[1] != h:
-        raise ConversionError(f"shape mismatch for 'word embeddings': got {tuple(word.shape)}, expected [vocab, {h}]")
+        raise ConversionError(
+            f"shape mismatch for 'word embeddings': got {tuple(word.shape)}, expected [vocab, {h}]"
+        )
     out["embedding.word_embeddings.weight"] = word
     learned = md.position_embedding_type == "learned_absolute"
     pos = take_optional(msg, "position embeddings", learned, (md.max_position_embeddings, h))
@@ -207,7 +273,9 @@ def receive_model(q, md, checking: bool = True, alive: Optional[Callable[[], boo
         bias = take_optional(msg, "qkv bias", md.qkv_bias, (qkv_rows,))
         if bias is not None:
             out[p + "self_attention.linear_qkv.bias"] = bias
-        out[p + "self_attention.linear_proj.weight"] = take(msg, "dense weight", (h, md.num_attention_heads * d))
+        out[p + "self_attention.linear_proj.weight"] = take(
+            msg, "dense weight", (h, md.num_attention_heads * d)
+        )
         bias = take_optional(msg, "dense bias", md.linear_bias, (h,))
         if bias is not None:
             out[p + "self_attention.linear_proj.bias"] = bias
@@ -216,11 +284,14 @@ def receive_model(q, md, checking: bool = True, alive: Optional[Callable[[], boo
         if bias is not None:
             out[p + "pre_mlp_layernorm.bias"] = bias
         if md.swiglu:
-            out[p + "mlp.linear_fc1.weight"] = torch.cat([take(msg, "mlp l0 weight W", (ffn, h)),
-                                                          take(msg, "mlp l0 weight V", (ffn, h))], dim=0)
+            out[p + "mlp.linear_fc1.weight"] = torch.cat(
+                [take(msg, "mlp l0 weight W", (ffn, h)), take(msg, "mlp l0 weight V", (ffn, h))],
+                dim=0,
+            )
             if md.linear_bias:
-                out[p + "mlp.linear_fc1.bias"] = torch.cat([take(msg, "mlp l0 bias W", (ffn,)),
-                                                            take(msg, "mlp l0 bias V", (ffn,))], dim=0)
+                out[p + "mlp.linear_fc1.bias"] = torch.cat(
+                    [take(msg, "mlp l0 bias W", (ffn,)), take(msg, "mlp l0 bias V", (ffn,))], dim=0
+                )
         else:
             out[p + "mlp.linear_fc1.weight"] = take(msg, "mlp l0 weight", (ffn, h))
             bias = take_optional(msg, "mlp l0 bias", md.linear_bias, (ffn,))
@@ -241,8 +312,10 @@ def receive_model(q, md, checking: bool = True, alive: Optional[Callable[[], boo
         msg = get(q, "output layer", alive)
         weight = take(msg, "weight")
         if weight.dim() != 2 or weight.shape[1] != h:
-            raise ConversionError(f"shape mismatch for 'output layer' weight: got {tuple(weight.shape)}, "
-                                  f"expected [vocab, {h}]")
+            raise ConversionError(
+                f"shape mismatch for 'output layer' weight: got {tuple(weight.shape)}, "
+                f"expected [vocab, {h}]"
+            )
         out["output_layer.weight"] = weight
         check_empty(msg, checking)
     get(q, "done", alive)

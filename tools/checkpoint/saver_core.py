@@ -6,6 +6,7 @@ A checkpoint converted from Hugging Face is a ``release`` checkpoint (tracker ``
 directory ``release/``, no optimizer state), which the trainer loads as iteration 0 like a
 ``--finetune`` start. A Megatron -> Megatron reshard keeps the source's iteration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,6 @@ import io
 import sys
 
 import torch
-
 from protocol import ConversionError, get_metadata, padded_vocab_size, receive_model, resize_vocab
 
 _DTYPE_FLAGS = {torch.bfloat16: ["--bf16"], torch.float16: ["--fp16"], torch.float32: [], None: []}
@@ -23,18 +23,42 @@ _DTYPE_FLAGS = {torch.bfloat16: ["--bf16"], torch.float16: ["--fp16"], torch.flo
 
 def add_arguments(parser):
     group = parser.add_argument_group(title="core saver")
-    group.add_argument("--target-tensor-parallel-size", type=int, default=None,
-                       help="TP of the saved checkpoint (default: the source's, or 1).")
-    group.add_argument("--target-pipeline-parallel-size", type=int, default=None,
-                       help="PP of the saved checkpoint (default: the source's, or 1).")
-    group.add_argument("--target-num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                       help="Model chunks per pipeline rank (interleaved schedule); default none.")
-    group.add_argument("--target-expert-parallel-size", type=int, default=1,
-                       help="Only 1 (no mixture of experts yet).")
-    group.add_argument("--target-make-vocab-size-divisible-by", type=int, default=None,
-                       help="Vocabulary padding multiple (times TP); default: the source's, or 128.")
-    group.add_argument("--saver-transformer-impl", default="local", choices=["local", "transformer_engine"],
-                       help="Accepted for compatibility; checkpoints use the local layer names.")
+    group.add_argument(
+        "--target-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="TP of the saved checkpoint (default: the source's, or 1).",
+    )
+    group.add_argument(
+        "--target-pipeline-parallel-size",
+        type=int,
+        default=None,
+        help="PP of the saved checkpoint (default: the source's, or 1).",
+    )
+    group.add_argument(
+        "--target-num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        help="Model chunks per pipeline rank (interleaved schedule); default none.",
+    )
+    group.add_argument(
+        "--target-expert-parallel-size",
+        type=int,
+        default=1,
+        help="Only 1 (no mixture of experts yet).",
+    )
+    group.add_argument(
+        "--target-make-vocab-size-divisible-by",
+        type=int,
+        default=None,
+        help="Vocabulary padding multiple (times TP); default: the source's, or 128.",
+    )
+    group.add_argument(
+        "--saver-transformer-impl",
+        default="local",
+        choices=["local", "transformer_engine"],
+        help="Accepted for compatibility; checkpoints use the local layer names.",
+    )
 
 
 def model_flags(md, tp: int, pp: int, vpp) -> list:
@@ -42,17 +66,32 @@ def model_flags(md, tp: int, pp: int, vpp) -> list:
     if md.activation == "silu" and not md.swiglu:
         raise ConversionError("a non-gated SiLU MLP is not supported by this framework")
     if md.activation == "gelu_tanh" and not md.linear_bias:
-        raise ConversionError("tanh-approximated GeLU without linear biases is not supported by this framework "
-                              "(its tanh GeLU is the fused bias-GeLU)")
-    flags = ["--num-layers", md.num_layers, "--hidden-size", md.hidden_size,
-             "--ffn-hidden-size", md.ffn_hidden_size, "--num-attention-heads", md.num_attention_heads]
+        raise ConversionError(
+            "tanh-approximated GeLU without linear biases is not supported by this framework "
+            "(its tanh GeLU is the fused bias-GeLU)"
+        )
+    flags = [
+        "--num-layers",
+        md.num_layers,
+        "--hidden-size",
+        md.hidden_size,
+        "--ffn-hidden-size",
+        md.ffn_hidden_size,
+        "--num-attention-heads",
+        md.num_attention_heads,
+    ]
     if md.kv_channels != md.hidden_size // md.num_attention_heads:
         flags += ["--kv-channels", md.kv_channels]
     if md.num_query_groups != md.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", md.num_query_groups]
-    flags += ["--max-position-embeddings", md.max_position_embeddings,
-              "--seq-length", md.seq_length or md.max_position_embeddings,
-              "--position-embedding-type", md.position_embedding_type]
+    flags += [
+        "--max-position-embeddings",
+        md.max_position_embeddings,
+        "--seq-length",
+        md.seq_length or md.max_position_embeddings,
+        "--position-embedding-type",
+        md.position_embedding_type,
+    ]
     if md.position_embedding_type == "rope":
         flags += ["--rotary-base", md.rotary_base, "--rotary-percent", md.rotary_percent]
         if md.use_rope_scaling:
@@ -65,11 +104,17 @@ def model_flags(md, tp: int, pp: int, vpp) -> list:
         if md.qkv_bias:
             flags += ["--add-qkv-bias"]
     if md.activation == "gelu" and md.linear_bias:
-        flags += ["--no-bias-gelu-fusion"]  # exact GeLU; the fused bias-GeLU is the tanh approximation
+        flags += [
+            "--no-bias-gelu-fusion"
+        ]  # exact GeLU; the fused bias-GeLU is the tanh approximation
     if md.output_layer:
         flags += ["--untie-embeddings-and-output-weights"]
-    flags += ["--hidden-dropout", md.hidden_dropout if md.hidden_dropout is not None else 0.1,
-              "--attention-dropout", md.attention_dropout if md.attention_dropout is not None else 0.1]
+    flags += [
+        "--hidden-dropout",
+        md.hidden_dropout if md.hidden_dropout is not None else 0.1,
+        "--attention-dropout",
+        md.attention_dropout if md.attention_dropout is not None else 0.1,
+    ]
     flags += ["--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
     if vpp:
         flags += ["--num-virtual-stages-per-pipeline-rank", vpp]
@@ -81,13 +126,25 @@ def model_flags(md, tp: int, pp: int, vpp) -> list:
     return [str(f) for f in flags]
 
 
-def build_args(md, flags: list, padded_vocab: int, divisible_by: int, iteration) -> argparse.Namespace:
+def build_args(
+    md, flags: list, padded_vocab: int, divisible_by: int, iteration
+) -> argparse.Namespace:
     """Validate the flags with the trainer's own parser, then keep the source's other args."""
     from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
+
     # Batch flags only satisfy the validation (the interleaved schedule wants >= PP micro-batches).
     pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1])
-    argv = flags + ["--make-vocab-size-divisible-by", str(divisible_by), "--micro-batch-size", "1",
-                    "--global-batch-size", str(pp), "--skip-train", "--ckpt-format", "torch"]
+    argv = flags + [
+        "--make-vocab-size-divisible-by",
+        str(divisible_by),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(pp),
+        "--skip-train",
+        "--ckpt-format",
+        "torch",
+    ]
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             args = parse_args(argv=argv)
@@ -95,17 +152,28 @@ def build_args(md, flags: list, padded_vocab: int, divisible_by: int, iteration)
             args.world_size = tp * args.pipeline_model_parallel_size
             args = validate_args(args)
     except ArgumentValidationError as exc:
-        raise ConversionError(f"the converted model does not fit the trainer's flags: {exc}") from None
+        raise ConversionError(
+            f"the converted model does not fit the trainer's flags: {exc}"
+        ) from None
     except SystemExit:
         raise ConversionError(f"the trainer's parser rejected the flags {' '.join(argv)}") from None
     if md.checkpoint_args is not None:
         merged = copy.copy(md.checkpoint_args)
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "virtual_pipeline_model_parallel_size", "num_virtual_stages_per_pipeline_rank",
-                     "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-                     "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
-                     "account_for_loss_in_pipeline_split", "make_vocab_size_divisible_by",
-                     "expert_model_parallel_size", "world_size", "data_parallel_size"):
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "num_virtual_stages_per_pipeline_rank",
+            "num_layers_per_virtual_pipeline_stage",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+            "account_for_embedding_in_pipeline_split",
+            "account_for_loss_in_pipeline_split",
+            "make_vocab_size_divisible_by",
+            "expert_model_parallel_size",
+            "world_size",
+            "data_parallel_size",
+        ):
             if hasattr(args, name):
                 setattr(merged, name, getattr(args, name))
         args = merged
@@ -122,6 +190,7 @@ def build_args(md, flags: list, padded_vocab: int, divisible_by: int, iteration)
 
 def save_checkpoint(queue, args, alive=None):
     from torch_format import TorchCheckpointWriter
+
     md = get_metadata(queue, alive)
     if args.target_expert_parallel_size != 1:
         raise ConversionError("--target-expert-parallel-size must be 1 (no mixture of experts yet)")
@@ -129,7 +198,9 @@ def save_checkpoint(queue, args, alive=None):
     pp = args.target_pipeline_parallel_size or md.previous_pipeline_parallel_size or 1
     vpp = args.target_num_virtual_stages_per_pipeline_rank
     vpp = vpp if vpp and vpp > 1 else None
-    divisible_by = args.target_make_vocab_size_divisible_by or md.make_vocab_size_divisible_by or 128
+    divisible_by = (
+        args.target_make_vocab_size_divisible_by or md.make_vocab_size_divisible_by or 128
+    )
     flags = model_flags(md, tp, pp, vpp)
     tensors = receive_model(queue, md, not args.no_checking, alive)
 
@@ -138,17 +209,32 @@ def save_checkpoint(queue, args, alive=None):
     iteration = md.iteration or None
     margs = build_args(md, flags, padded, divisible_by, iteration)
     dtype = md.params_dtype if isinstance(md.params_dtype, torch.dtype) else torch.float32
-    writer = TorchCheckpointWriter(args.save_dir, margs, iteration or 0, release=iteration is None,
-                                   dtype=dtype, swiglu=bool(md.swiglu))
+    writer = TorchCheckpointWriter(
+        args.save_dir,
+        margs,
+        iteration or 0,
+        release=iteration is None,
+        dtype=dtype,
+        swiglu=bool(md.swiglu),
+    )
     for name, tensor in tensors.items():
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             tensor = resize_vocab(tensor, padded)
         writer.add(name, tensor)
     paths = writer.write()
-    print(f"saved {len(paths)} checkpoint file(s) (TP={tp}, PP={pp}{f', VP={vpp}' if vpp else ''}, "
-          f"padded vocab {padded}) to {args.save_dir}")
-    print("train or load it with these model flags (plus your data, tokenizer and training flags"
-          + (", and --finetune or --no-load-optim --no-load-rng" if iteration else "") + "):")
-    print("  " + " ".join(flags) + f" --make-vocab-size-divisible-by {divisible_by} --ckpt-format torch "
-          f"--load {args.save_dir}")
+    print(
+        f"saved {len(paths)} checkpoint file(s) (TP={tp}, PP={pp}{f', VP={vpp}' if vpp else ''}, "
+        f"padded vocab {padded}) to {args.save_dir}"
+    )
+    print(
+        "train or load it with these model flags (plus your data, tokenizer and training flags"
+        + (", and --finetune or --no-load-optim --no-load-rng" if iteration else "")
+        + "):"
+    )
+    print(
+        "  "
+        + " ".join(flags)
+        + f" --make-vocab-size-divisible-by {divisible_by} --ckpt-format torch "
+        f"--load {args.save_dir}"
+    )
     sys.stdout.flush()

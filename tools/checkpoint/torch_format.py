@@ -14,6 +14,7 @@ SwiGLU fc1 per shard [gate_shard; up_shard], norms and row-parallel biases repli
 pipeline chunk numbers its layers from 0 (Megatron's state dicts), the global index being
 ``PipelineLayerSplit.offset_for(pp_rank, chunk) + local``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,15 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from protocol import ConversionError
 
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
-from megatron.training.checkpointing import (CHECKPOINT_VERSION, TRACKER_FILENAME, _checkpoint_args,
-                                             checkpoint_name)
-
-from protocol import ConversionError
+from megatron.training.checkpointing import (
+    CHECKPOINT_VERSION,
+    TRACKER_FILENAME,
+    _checkpoint_args,
+    checkpoint_name,
+)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -37,18 +41,28 @@ _COLUMN, _ROW, _REPLICATED, _GLU = "column", "row", "replicated", "glu"
 
 def split_kind(name: str, swiglu: bool) -> str:
     local = _LAYER.sub(r"\2", name)
-    if local in ("embedding.word_embeddings.weight", "output_layer.weight",
-                 "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+    if local in (
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_qkv.bias",
+    ):
         return _COLUMN
     if local in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
         return _GLU if swiglu else _COLUMN
     if local in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
         return _ROW
-    if local.endswith(("layernorm.weight", "layernorm.bias", "linear_proj.bias", "linear_fc2.bias")) or \
-            local == "embedding.position_embeddings.weight":
+    if (
+        local.endswith(
+            ("layernorm.weight", "layernorm.bias", "linear_proj.bias", "linear_fc2.bias")
+        )
+        or local == "embedding.position_embeddings.weight"
+    ):
         return _REPLICATED
-    raise ConversionError(f"tensor '{name}' is not one the converter knows how to reshard "
-                          "(q/k layernorm, MoE and MLA checkpoints are not supported yet)")
+    raise ConversionError(
+        f"tensor '{name}' is not one the converter knows how to reshard "
+        "(q/k layernorm, MoE and MLA checkpoints are not supported yet)"
+    )
 
 
 def merge_shards(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
@@ -69,21 +83,29 @@ def split_full(name: str, tensor: torch.Tensor, tp: int, swiglu: bool) -> List[t
         return [tensor] * tp if kind == _REPLICATED else [tensor]
     dim = 1 if kind == _ROW else 0
     if tensor.shape[dim] % tp != 0:
-        raise ConversionError(f"'{name}' of shape {tuple(tensor.shape)} cannot be split into "
-                              f"{tp} tensor-parallel shards along dim {dim}")
+        raise ConversionError(
+            f"'{name}' of shape {tuple(tensor.shape)} cannot be split into "
+            f"{tp} tensor-parallel shards along dim {dim}"
+        )
     if kind == _GLU:
         gate, up = torch.chunk(tensor, 2, dim=0)
-        return [torch.cat([g, u], dim=0).clone() for g, u in zip(torch.chunk(gate, tp), torch.chunk(up, tp))]
+        return [
+            torch.cat([g, u], dim=0).clone()
+            for g, u in zip(torch.chunk(gate, tp), torch.chunk(up, tp))
+        ]
     return [t.clone() for t in torch.chunk(tensor, tp, dim=dim)]
 
 
 def layer_split_from_args(args, num_layers: int, pp: int, vpp: Optional[int]):
     return compute_layer_split(
-        num_layers, pp, vpp,
+        num_layers,
+        pp,
+        vpp,
         getattr(args, "decoder_first_pipeline_num_layers", None),
         getattr(args, "decoder_last_pipeline_num_layers", None),
         bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-        bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+        bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+    )
 
 
 def _load(path: str) -> dict:
@@ -94,7 +116,9 @@ def _load(path: str) -> dict:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # truncated or foreign files raise several types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ConversionError(f"cannot read checkpoint file {path}: {type(exc).__name__}: {first}") from None
+        raise ConversionError(
+            f"cannot read checkpoint file {path}: {type(exc).__name__}: {first}"
+        ) from None
 
 
 def find_iteration_dir(load_dir: str) -> Tuple[str, Optional[int], bool]:
@@ -103,25 +127,33 @@ def find_iteration_dir(load_dir: str) -> Tuple[str, Optional[int], bool]:
         raise ConversionError(f"--load-dir {load_dir} does not exist")
     tracker = os.path.join(load_dir, TRACKER_FILENAME)
     if not os.path.isfile(tracker):
-        raise ConversionError(f"{tracker} not found: --load-dir must be a checkpoint directory written by "
-                              "--save (holding latest_checkpointed_iteration.txt)")
+        raise ConversionError(
+            f"{tracker} not found: --load-dir must be a checkpoint directory written by "
+            "--save (holding latest_checkpointed_iteration.txt)"
+        )
     text = open(tracker).read().strip()
     if text == "release":
         return os.path.join(load_dir, "release"), 0, True
     try:
         iteration = int(text)
     except ValueError:
-        raise ConversionError(f"{tracker} holds '{text[:40]}', expected an iteration number or 'release'") from None
+        raise ConversionError(
+            f"{tracker} holds '{text[:40]}', expected an iteration number or 'release'"
+        ) from None
     return os.path.join(load_dir, f"iter_{iteration:07d}"), iteration, False
 
 
 def detect_format(iteration_dir: str) -> str:
     if os.path.isfile(os.path.join(iteration_dir, "metadata.json")):
         return "torch_dist"
-    if os.path.isdir(iteration_dir) and any(n.startswith("mp_rank_") for n in os.listdir(iteration_dir)):
+    if os.path.isdir(iteration_dir) and any(
+        n.startswith("mp_rank_") for n in os.listdir(iteration_dir)
+    ):
         return "torch"
-    raise ConversionError(f"{iteration_dir} holds neither a torch-format (mp_rank_*) nor a torch_dist "
-                          "(metadata.json) checkpoint")
+    raise ConversionError(
+        f"{iteration_dir} holds neither a torch-format (mp_rank_*) nor a torch_dist "
+        "(metadata.json) checkpoint"
+    )
 
 
 class TorchCheckpointReader:
@@ -131,37 +163,56 @@ class TorchCheckpointReader:
         self.iteration_dir, self.iteration, self.release = find_iteration_dir(load_dir)
         fmt = detect_format(self.iteration_dir)
         if fmt != "torch":
-            raise ConversionError(f"{self.iteration_dir} is a {fmt} checkpoint; only --ckpt-format torch "
-                                  "checkpoints can be converted so far")
+            raise ConversionError(
+                f"{self.iteration_dir} is a {fmt} checkpoint; only --ckpt-format torch "
+                "checkpoints can be converted so far"
+            )
         names = sorted(n for n in os.listdir(self.iteration_dir) if n.startswith("mp_rank_"))
         ranks = []
         for n in names:
-            parts = n[len("mp_rank_"):].split("_")
+            parts = n[len("mp_rank_") :].split("_")
             if not all(p.isdigit() for p in parts) or len(parts) > 2:
-                raise ConversionError(f"unexpected entry {n} in {self.iteration_dir} (expert-parallel "
-                                      "checkpoints are not supported yet)")
+                raise ConversionError(
+                    f"unexpected entry {n} in {self.iteration_dir} (expert-parallel "
+                    "checkpoints are not supported yet)"
+                )
             ranks.append((int(parts[0]), int(parts[1]) if len(parts) == 2 else 0))
         self.tp = max(r[0] for r in ranks) + 1
         self.pp = max(r[1] for r in ranks) + 1
         if len(ranks) != self.tp * self.pp:
-            raise ConversionError(f"{self.iteration_dir} holds {len(ranks)} mp_rank_* entries, expected "
-                                  f"TP x PP = {self.tp} x {self.pp}; the checkpoint is incomplete")
+            raise ConversionError(
+                f"{self.iteration_dir} holds {len(ranks)} mp_rank_* entries, expected "
+                f"TP x PP = {self.tp} x {self.pp}; the checkpoint is incomplete"
+            )
         self.files = {}
         for t in range(self.tp):
             for p in range(self.pp):
-                path = checkpoint_name(os.path.dirname(self.iteration_dir), self.iteration, self.release,
-                                       tp_rank=t, pp_rank=p, pp_size=self.pp)
+                path = checkpoint_name(
+                    os.path.dirname(self.iteration_dir),
+                    self.iteration,
+                    self.release,
+                    tp_rank=t,
+                    pp_rank=p,
+                    pp_size=self.pp,
+                )
                 self.files[(t, p)] = _load(path)
         first = self.files[(0, 0)]
         self.args = first.get("args")
         if self.args is None:
-            raise ConversionError(f"{self.iteration_dir}: the checkpoint holds no 'args'; cannot tell the model shape")
+            raise ConversionError(
+                f"{self.iteration_dir}: the checkpoint holds no 'args'; cannot tell the model shape"
+            )
         self.checkpoint_iteration = first.get("iteration", self.iteration)
-        for flag, ours in (("tensor_model_parallel_size", self.tp), ("pipeline_model_parallel_size", self.pp)):
+        for flag, ours in (
+            ("tensor_model_parallel_size", self.tp),
+            ("pipeline_model_parallel_size", self.pp),
+        ):
             saved = getattr(self.args, flag, ours)
             if saved != ours:
-                raise ConversionError(f"{self.iteration_dir}: args say {flag}={saved} but the directory has "
-                                      f"{ours} ranks in that dimension")
+                raise ConversionError(
+                    f"{self.iteration_dir}: args say {flag}={saved} but the directory has "
+                    f"{ours} ranks in that dimension"
+                )
         self.swiglu = bool(getattr(self.args, "swiglu", False))
         chunk_keys = sorted(k for k in first if re.fullmatch(r"model\d*", k))
         if chunk_keys == ["model"]:
@@ -169,7 +220,9 @@ class TorchCheckpointReader:
         else:
             self.chunk_keys = [f"model{i}" for i in range(len(chunk_keys))]
             if sorted(chunk_keys) != sorted(self.chunk_keys):
-                raise ConversionError(f"{self.iteration_dir}: unexpected model entries {chunk_keys}")
+                raise ConversionError(
+                    f"{self.iteration_dir}: unexpected model entries {chunk_keys}"
+                )
         vpp = len(self.chunk_keys) if self.chunk_keys != ["model"] else None
         self.split = layer_split_from_args(self.args, self.args.num_layers, self.pp, vpp)
         self._index = self._build_index()
@@ -194,12 +247,15 @@ class TorchCheckpointReader:
                             if i >= count:
                                 raise ConversionError(
                                     f"pipeline stage {p} chunk {c} holds layer {i} but the layer split of the "
-                                    f"checkpoint's args gives it {count} layers")
+                                    f"checkpoint's args gives it {count} layers"
+                                )
                             name = f"decoder.layers.{offset + i}.{m.group(2)}"
                         else:
                             name = local
                         index.setdefault(name, [None] * self.tp)
-                        if index[name][t] is None:  # tied copy on the last stage: keep the first stage's
+                        if (
+                            index[name][t] is None
+                        ):  # tied copy on the last stage: keep the first stage's
                             index[name][t] = ((t, p), chunk_key, local)
         return index
 
@@ -219,8 +275,15 @@ class TorchCheckpointReader:
 class TorchCheckpointWriter:
     """Collects full tensors by global name, then writes every (TP, PP) shard file and the tracker."""
 
-    def __init__(self, save_dir: str, args: argparse.Namespace, iteration: int, release: bool,
-                 dtype: torch.dtype, swiglu: bool):
+    def __init__(
+        self,
+        save_dir: str,
+        args: argparse.Namespace,
+        iteration: int,
+        release: bool,
+        dtype: torch.dtype,
+        swiglu: bool,
+    ):
         self.save_dir = save_dir
         self.args = args
         self.iteration = iteration
@@ -232,7 +295,12 @@ class TorchCheckpointWriter:
         vpp = args.virtual_pipeline_model_parallel_size
         self.split = layer_split_from_args(args, args.num_layers, self.pp, vpp)
         self.num_chunks = self.split.num_chunks
-        self.states = {(t, p, c): {} for t in range(self.tp) for p in range(self.pp) for c in range(self.num_chunks)}
+        self.states = {
+            (t, p, c): {}
+            for t in range(self.tp)
+            for p in range(self.pp)
+            for c in range(self.num_chunks)
+        }
         self.tied = not args.untie_embeddings_and_output_weights
 
     def _where_layer(self, index: int) -> Tuple[int, int, int]:
@@ -270,15 +338,25 @@ class TorchCheckpointWriter:
         paths = []
         for t in range(self.tp):
             for p in range(self.pp):
-                state = {"args": saved_args, "checkpoint_version": CHECKPOINT_VERSION,
-                         "iteration": self.iteration, "num_floating_point_operations_so_far": 0.0}
+                state = {
+                    "args": saved_args,
+                    "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": self.iteration,
+                    "num_floating_point_operations_so_far": 0.0,
+                }
                 if self.num_chunks == 1:
                     state["model"] = self.states[(t, p, 0)]
                 else:
                     for c in range(self.num_chunks):
                         state[f"model{c}"] = self.states[(t, p, c)]
-                path = checkpoint_name(self.save_dir, self.iteration, self.release, tp_rank=t, pp_rank=p,
-                                       pp_size=self.pp)
+                path = checkpoint_name(
+                    self.save_dir,
+                    self.iteration,
+                    self.release,
+                    tp_rank=t,
+                    pp_rank=p,
+                    pp_size=self.pp,
+                )
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 tmp = path + ".tmp"
                 torch.save(state, tmp)

@@ -12,7 +12,10 @@ import numpy as np
 import torch
 
 from megatron.core.datasets.blended_megatron_dataset_config import BlendedMegatronDatasetConfig
-from megatron.core.datasets.index_helpers import build_blending_indices, build_exhaustive_blending_indices
+from megatron.core.datasets.index_helpers import (
+    build_blending_indices,
+    build_exhaustive_blending_indices,
+)
 from megatron.core.datasets.megatron_dataset import (
     MegatronDataset,
     cache_paths,
@@ -51,7 +54,9 @@ class BlendedDataset(torch.utils.data.Dataset):
             raise ValueError("all blended datasets must belong to the same split")
         if size is None:
             if any(float(w) != int(w) or w < 0 for w in weights):
-                raise ValueError(f"without a size the weights must be sample counts, got {list(weights)}")
+                raise ValueError(
+                    f"without a size the weights must be sample counts, got {list(weights)}"
+                )
             weights = [int(w) for w in weights]
         else:
             if any(not w > 0 for w in weights):
@@ -59,7 +64,9 @@ class BlendedDataset(torch.utils.data.Dataset):
             size = int(size)
             weights = normalize(weights)
         if len(datasets) == 1:
-            log_single_rank(logger, logging.WARNING, "Building a BlendedDataset for a single MegatronDataset")
+            log_single_rank(
+                logger, logging.WARNING, "Building a BlendedDataset for a single MegatronDataset"
+            )
 
         self.datasets = datasets
         self.split = datasets[0].index_split
@@ -94,16 +101,30 @@ class BlendedDataset(torch.utils.data.Dataset):
         paths = None
         if directory:
             base = f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}"
-            paths = cache_paths(directory, base, ["description.txt", "dataset_index.npy", "dataset_sample_index.npy"])
+            paths = cache_paths(
+                directory,
+                base,
+                ["description.txt", "dataset_index.npy", "dataset_sample_index.npy"],
+            )
             if all(os.path.isfile(p) for p in paths.values()):
-                log_single_rank(logger, logging.INFO, f"Load the {type(self).__name__} {self.split.name} indices from {directory}")
+                log_single_rank(
+                    logger,
+                    logging.INFO,
+                    f"Load the {type(self).__name__} {self.split.name} indices from {directory}",
+                )
                 dataset_index = load_cache_array(paths["dataset_index.npy"])
                 dataset_sample_index = load_cache_array(paths["dataset_sample_index.npy"])
                 if dataset_index.shape != dataset_sample_index.shape:
-                    raise ValueError(f"{paths['dataset_index.npy']}: inconsistent blend cache; delete it to rebuild")
+                    raise ValueError(
+                        f"{paths['dataset_index.npy']}: inconsistent blend cache; delete it to rebuild"
+                    )
                 return dataset_index, dataset_sample_index
 
-        log_single_rank(logger, logging.INFO, f"Build and save the {type(self).__name__} {self.split.name} indices")
+        log_single_rank(
+            logger,
+            logging.INFO,
+            f"Build and save the {type(self).__name__} {self.split.name} indices",
+        )
         self.built_anew_on_cache_miss = True
         started = time.time()
         if self.size is not None:
@@ -111,7 +132,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         else:
             dataset_index, dataset_sample_index = build_exhaustive_blending_indices(self.weights)
         log_single_rank(
-            logger, logging.INFO,
+            logger,
+            logging.INFO,
             f"> built the {type(self).__name__} {self.split.name} indices in {time.time() - started:.2f} s",
         )
         rank = dist_rank()
@@ -120,7 +142,10 @@ class BlendedDataset(torch.utils.data.Dataset):
                 save_cache(
                     paths,
                     self.unique_description,
-                    {"dataset_index.npy": dataset_index, "dataset_sample_index.npy": dataset_sample_index},
+                    {
+                        "dataset_index.npy": dataset_index,
+                        "dataset_sample_index.npy": dataset_sample_index,
+                    },
                 )
             except OSError as err:
                 logger.warning(f"cannot write the blend index cache to {directory} ({err})")
@@ -129,7 +154,9 @@ class BlendedDataset(torch.utils.data.Dataset):
     def _check_not_oversampled(self) -> None:
         if len(self.dataset_index) == 0:
             return
-        counts = np.bincount(np.asarray(self.dataset_index, dtype=np.int64), minlength=len(self.datasets))
+        counts = np.bincount(
+            np.asarray(self.dataset_index, dtype=np.int64), minlength=len(self.datasets)
+        )
         for i, (count, dataset) in enumerate(zip(counts, self.datasets)):
             if count > len(dataset):
                 raise ValueError(

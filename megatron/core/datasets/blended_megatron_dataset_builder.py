@@ -22,7 +22,9 @@ TopLevelDataset = Any  # MegatronDataset or BlendedDataset
 
 
 def _size_per_split_per_dataset(
-    normalized_weights: Sequence[float], target_size_per_split: Sequence[Optional[int]], surplus: float = 0.0
+    normalized_weights: Sequence[float],
+    target_size_per_split: Sequence[Optional[int]],
+    surplus: float = 0.0,
 ) -> List[List[Optional[int]]]:
     """For each dataset and split, ``ceil(ceil(target * weight) * (1 + surplus))`` samples."""
     return [
@@ -55,9 +57,13 @@ class BlendedMegatronDatasetBuilder:
         self.is_built_on_rank = is_built_on_rank
         self.config = config
         if len(self.sizes) != len(Split):
-            raise ValueError(f"sizes must hold {len(Split)} values (train, valid, test), got {sizes}")
+            raise ValueError(
+                f"sizes must hold {len(Split)} values (train, valid, test), got {sizes}"
+            )
         log_single_rank(
-            logger, logging.INFO, f"Building {cls.__name__} splits with sizes={self.sizes} and config={config}"
+            logger,
+            logging.INFO,
+            f"Building {cls.__name__} splits with sizes={self.sizes} and config={config}",
         )
         if not config.mock:
             for split in Split:
@@ -93,7 +99,9 @@ class BlendedMegatronDatasetBuilder:
             try:
                 return self._build_megatron_dataset_splits(None, config.split_matrix, self.sizes)
             except Exception as error:
-                raise RuntimeError(f"{self.cls.__name__} failed to build as a mock data generator: {error}") from error
+                raise RuntimeError(
+                    f"{self.cls.__name__} failed to build as a mock data generator: {error}"
+                ) from error
 
         if config.blend_per_split is None:
             prefixes, weights = config.blend
@@ -125,7 +133,9 @@ class BlendedMegatronDatasetBuilder:
         if weights is not None:
             weights = normalize(weights)
             sizes_target = _size_per_split_per_dataset(weights, sizes)
-            sizes_buffer = _size_per_split_per_dataset(weights, sizes, surplus=self.config.mid_level_dataset_surplus)
+            sizes_buffer = _size_per_split_per_dataset(
+                weights, sizes, surplus=self.config.mid_level_dataset_surplus
+            )
         else:
             sizes_target = None
             sizes_buffer = [[None] * len(Split) for _ in prefixes]  # one epoch each
@@ -138,7 +148,9 @@ class BlendedMegatronDatasetBuilder:
                 continue
             if weights is not None:
                 if sizes[i] is None:
-                    raise ValueError(f"blend weights for the {Split(i).name} split need a target size")
+                    raise ValueError(
+                        f"blend weights for the {Split(i).name} split need a target size"
+                    )
                 blend_weights: Sequence[float] = weights
                 size_i: Optional[int] = sum(row[i] for row in sizes_target)
             else:
@@ -148,7 +160,13 @@ class BlendedMegatronDatasetBuilder:
                     blend_weights = [len(d) for d in mid_level[i]]
                 size_i = None if sizes[i] is None else min(sizes[i], sum(blend_weights))
             blended[i] = self.build_generic_dataset(
-                BlendedDataset, self.is_built_on_rank, True, mid_level[i], blend_weights, size_i, self.config
+                BlendedDataset,
+                self.is_built_on_rank,
+                True,
+                mid_level[i],
+                blend_weights,
+                size_i,
+                self.config,
             )
         return blended
 
@@ -170,14 +188,19 @@ class BlendedMegatronDatasetBuilder:
     # --- building ----------------------------------------------------------------------------
 
     def _build_megatron_datasets_parallel(
-        self, prefixes: List[str], split: List[Optional[tuple]], sizes_per_dataset: List[List[Optional[int]]]
+        self,
+        prefixes: List[str],
+        split: List[Optional[tuple]],
+        sizes_per_dataset: List[List[Optional[int]]],
     ) -> List[List[Optional[MidLevelDataset]]]:
         """Component datasets per split: rank 0 first (writing caches), barrier, then the rest."""
         results: List[List[Optional[MidLevelDataset]]] = [[] for _ in range(len(Split))]
 
         def build_all(num_workers: int) -> None:
             def one(k: int):
-                return self._build_megatron_dataset_splits(prefixes[k], split, sizes_per_dataset[k], synchronize_ranks=False)
+                return self._build_megatron_dataset_splits(
+                    prefixes[k], split, sizes_per_dataset[k], synchronize_ranks=False
+                )
 
             if num_workers > 1:
                 with ThreadPoolExecutor(max_workers=num_workers) as pool:
@@ -224,8 +247,15 @@ class BlendedMegatronDatasetBuilder:
             indices = np.arange(beg, end, dtype=np.int32)
             datasets.append(
                 self.build_generic_dataset(
-                    self.cls, self.is_built_on_rank, synchronize_ranks,
-                    low_level, dataset_path, indices, sizes[i], index_split, self.config,
+                    self.cls,
+                    self.is_built_on_rank,
+                    synchronize_ranks,
+                    low_level,
+                    dataset_path,
+                    indices,
+                    sizes[i],
+                    index_split,
+                    self.config,
                 )
             )
         return datasets

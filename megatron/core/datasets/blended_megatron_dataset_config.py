@@ -74,7 +74,9 @@ class BlendedMegatronDatasetConfig:
             for split in Split:
                 blend = self.blend_per_split[split.value]
                 if blend is None:
-                    log_single_rank(logger, logging.INFO, f"blend not provided for {split.name} split")
+                    log_single_rank(
+                        logger, logging.INFO, f"blend not provided for {split.name} split"
+                    )
                 else:
                     _check_blend(blend, f"--{split.name}-data-path")
             self.mock = False
@@ -88,7 +90,9 @@ class BlendedMegatronDatasetConfig:
             self.mock = True
             if self.split is None:
                 self.split = "1,1,1"
-        self.split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(self.split))
+        self.split_matrix = convert_split_vector_to_split_matrix(
+            parse_and_normalize_split(self.split)
+        )
         log_single_rank(logger, logging.INFO, f"Let split_matrix = {self.split_matrix}")
 
 

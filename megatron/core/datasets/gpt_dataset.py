@@ -114,15 +114,21 @@ class GPTDataset(MegatronDataset):
         index_split: Split,
         config: GPTDatasetConfig,
     ) -> None:
-        super().__init__(indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config)
+        super().__init__(
+            indexed_dataset, dataset_path, indexed_indices, num_samples, index_split, config
+        )
         self.masks_and_position_ids_are_cacheable = not any(
             [config.reset_attention_mask, config.reset_position_ids, config.eod_mask_loss]
         )
-        self._cached_masks: Optional[Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]] = None
+        self._cached_masks: Optional[Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]] = (
+            None
+        )
         self._pad_token_id = self._resolve_pad_id(config.tokenizer)
         self._eod_token_id = config.tokenizer.eod
         self._extra = int(bool(config.add_extra_token_to_sequence))
-        self.document_index, self.sample_index, self.shuffle_index = self._build_document_sample_shuffle_indices()
+        self.document_index, self.sample_index, self.shuffle_index = (
+            self._build_document_sample_shuffle_indices()
+        )
 
     @staticmethod
     def _resolve_pad_id(tokenizer: Any) -> int:
@@ -179,8 +185,12 @@ class GPTDataset(MegatronDataset):
             attention_mask, loss_mask, position_ids = self._cached_masks
         else:
             attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-                tokens, self._eod_token_id, cfg.reset_position_ids, cfg.reset_attention_mask,
-                cfg.eod_mask_loss, cfg.create_attention_mask,
+                tokens,
+                self._eod_token_id,
+                cfg.reset_position_ids,
+                cfg.reset_attention_mask,
+                cfg.eod_mask_loss,
+                cfg.create_attention_mask,
             )
             if self.masks_and_position_ids_are_cacheable:
                 self._cached_masks = (attention_mask, loss_mask, position_ids)
@@ -208,7 +218,9 @@ class GPTDataset(MegatronDataset):
     def _query_document_sample_shuffle_indices(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
         """Tokens (int64, ``sequence_length + extra``, padded) and the document ids of one sample."""
         if not 0 <= int(idx) < len(self):
-            raise IndexError(f"sample {idx} out of range for a {self.index_split.name} split of {len(self)} samples")
+            raise IndexError(
+                f"sample {idx} out of range for a {self.index_split.name} split of {len(self)} samples"
+            )
         j = int(self.shuffle_index[idx])
         doc_beg, offset_beg = (int(v) for v in self.sample_index[j])
         doc_end, offset_end = (int(v) for v in self.sample_index[j + 1])
@@ -218,7 +230,11 @@ class GPTDataset(MegatronDataset):
         if doc_beg == doc_end:
             doc = int(self.document_index[doc_beg])
             document_ids.append(doc)
-            parts.append(self.dataset.get(doc, offset=offset_beg, length=offset_end - offset_beg + self._extra))
+            parts.append(
+                self.dataset.get(
+                    doc, offset=offset_beg, length=offset_end - offset_beg + self._extra
+                )
+            )
         else:
             for position in range(doc_beg, doc_end + 1):
                 doc = int(self.document_index[position])
@@ -229,7 +245,9 @@ class GPTDataset(MegatronDataset):
         length = sum(len(p) for p in parts)
         if length < want:
             parts.append(np.full(want - length, self._pad_token_id, dtype=np.int64))
-        return np.concatenate(parts).astype(np.int64, copy=False), np.array(document_ids, dtype=np.int64)
+        return np.concatenate(parts).astype(np.int64, copy=False), np.array(
+            document_ids, dtype=np.int64
+        )
 
     # --- indices ------------------------------------------------------------------------------
 
@@ -247,7 +265,9 @@ class GPTDataset(MegatronDataset):
         if directory:
             base = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
             paths = cache_paths(
-                directory, base, ["description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"]
+                directory,
+                base,
+                ["description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy"],
             )
             if all(os.path.isfile(p) for p in paths.values()):
                 log_single_rank(logger, logging.INFO, f"Load the {name} indices from {directory}")
@@ -258,13 +278,16 @@ class GPTDataset(MegatronDataset):
         if paths is not None and not writer:
             # Normally rank 0 has written the cache before the builder's barrier; a rank that
             # still misses it (e.g. node-local storage) builds the same indices in memory.
-            logger.warning(f"rank {rank}: {name} index cache missing in {directory}; building in memory")
+            logger.warning(
+                f"rank {rank}: {name} index cache missing in {directory}; building in memory"
+            )
         log_single_rank(logger, logging.INFO, f"Build and save the {name} indices")
         self.built_anew_on_cache_miss = True
         started = time.time()
         document_index, sample_index, shuffle_index = self._build_indices()
         log_single_rank(
-            logger, logging.INFO,
+            logger,
+            logging.INFO,
             f"> built the {name} indices in {time.time() - started:.2f} s: "
             f"{len(document_index)} documents, {sample_index.shape[0] - 1} samples",
         )
@@ -273,7 +296,11 @@ class GPTDataset(MegatronDataset):
                 save_cache(
                     paths,
                     self.unique_description,
-                    {"document_index.npy": document_index, "sample_index.npy": sample_index, "shuffle_index.npy": shuffle_index},
+                    {
+                        "document_index.npy": document_index,
+                        "sample_index.npy": sample_index,
+                        "shuffle_index.npy": shuffle_index,
+                    },
                 )
             except OSError as err:
                 logger.warning(
@@ -286,7 +313,11 @@ class GPTDataset(MegatronDataset):
         document_index = load_cache_array(paths["document_index.npy"])
         sample_index = load_cache_array(paths["sample_index.npy"])
         shuffle_index = load_cache_array(paths["shuffle_index.npy"])
-        if sample_index.ndim != 2 or sample_index.shape[1] != 2 or shuffle_index.shape[0] != sample_index.shape[0] - 1:
+        if (
+            sample_index.ndim != 2
+            or sample_index.shape[1] != 2
+            or shuffle_index.shape[0] != sample_index.shape[0] - 1
+        ):
             raise ValueError(
                 f"{paths['sample_index.npy']}: index cache is inconsistent "
                 f"(sample index {sample_index.shape}, shuffle index {shuffle_index.shape}); delete it to rebuild"
@@ -303,7 +334,9 @@ class GPTDataset(MegatronDataset):
         separate_final_epoch = False
         num_samples_sans_final_epoch = None
         if num_epochs > 1:
-            num_samples_sans_final_epoch = ((num_epochs - 1) * tokens_per_epoch - extra) // sequence_length
+            num_samples_sans_final_epoch = (
+                (num_epochs - 1) * tokens_per_epoch - extra
+            ) // sequence_length
             num_samples_from_final_epoch = self.num_samples - num_samples_sans_final_epoch
             num_samples_per_epoch = (tokens_per_epoch - extra) // sequence_length
             if not 0 <= num_samples_from_final_epoch <= num_samples_per_epoch + 1:
@@ -316,7 +349,9 @@ class GPTDataset(MegatronDataset):
             )
 
         numpy_random_state = np.random.RandomState(self.config.random_seed)
-        document_index = build_document_index(self.indices, num_epochs, numpy_random_state, separate_final_epoch)
+        document_index = build_document_index(
+            self.indices, num_epochs, numpy_random_state, separate_final_epoch
+        )
 
         drop_last = True
         if self.index_split == Split.valid:
@@ -329,7 +364,9 @@ class GPTDataset(MegatronDataset):
 
         total = sample_index.shape[0] - 1
         if separate_final_epoch:
-            shuffle_index = build_shuffle_index(num_samples_sans_final_epoch, total, numpy_random_state)
+            shuffle_index = build_shuffle_index(
+                num_samples_sans_final_epoch, total, numpy_random_state
+            )
         else:
             shuffle_index = build_shuffle_index(total, total, numpy_random_state)
         return document_index, sample_index, shuffle_index
@@ -356,7 +393,9 @@ class MockGPTLowLevelDataset:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         rng = np.random.default_rng(seed=self.seed)
-        self.sequence_lengths = rng.integers(low=1, high=self.max_sequence_length, size=self.size, dtype=np.int32)
+        self.sequence_lengths = rng.integers(
+            low=1, high=self.max_sequence_length, size=self.size, dtype=np.int32
+        )
 
     def __len__(self) -> int:
         return self.size
@@ -398,5 +437,7 @@ class MockGPTDataset(GPTDataset):
         return len(low_level_dataset)
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: Optional[str], config: GPTDatasetConfig) -> MockGPTLowLevelDataset:
+    def build_low_level_dataset(
+        dataset_path: Optional[str], config: GPTDatasetConfig
+    ) -> MockGPTLowLevelDataset:
         return MockGPTLowLevelDataset(config.tokenizer)

@@ -44,7 +44,11 @@ def build_document_index(
 
 
 def sample_count(
-    num_epochs: int, tokens_per_epoch: int, sequence_length: int, drop_last_partial_sequence: bool, add_extra_token: int
+    num_epochs: int,
+    tokens_per_epoch: int,
+    sequence_length: int,
+    drop_last_partial_sequence: bool,
+    add_extra_token: int,
 ) -> int:
     usable = num_epochs * tokens_per_epoch - add_extra_token
     if drop_last_partial_sequence:
@@ -73,7 +77,9 @@ def build_sample_index(
     ``searchsorted``; when the final (partial) sample runs past the last document the boundary
     is pinned to that document's end minus the extra token, as upstream does.
     """
-    num_samples = sample_count(num_epochs, tokens_per_epoch, sequence_length, drop_last_partial_sequence, add_extra_token)
+    num_samples = sample_count(
+        num_epochs, tokens_per_epoch, sequence_length, drop_last_partial_sequence, add_extra_token
+    )
     num_samples = max(num_samples, 0)
     num_docs = len(document_index)
     dtype = np.int64 if num_docs - 1 > _INT32_MAX else np.int32
@@ -157,14 +163,30 @@ def _load_c_blend() -> Optional[Any]:
                 stream.write(_C_SOURCE)
             try:
                 subprocess.run(
-                    [compiler, "-O2", "-shared", "-fPIC", "-ffp-contract=off", "-o", target, source],
-                    check=True, capture_output=True, timeout=120,
+                    [
+                        compiler,
+                        "-O2",
+                        "-shared",
+                        "-fPIC",
+                        "-ffp-contract=off",
+                        "-o",
+                        target,
+                        source,
+                    ],
+                    check=True,
+                    capture_output=True,
+                    timeout=120,
                 )
                 lib = ctypes.CDLL(target)
                 lib.greedy_blend.restype = None
                 lib.greedy_blend.argtypes = [
-                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64,
-                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    ctypes.c_int32,
+                    ctypes.c_int64,
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
+                    ctypes.c_void_p,
                 ]
             except (OSError, subprocess.SubprocessError) as err:
                 logger.info(f"blending helper not compiled ({err}); using the Python loop")
@@ -173,21 +195,31 @@ def _load_c_blend() -> Optional[Any]:
     return lib
 
 
-def _greedy_blend_c(lib: Any, weights: Sequence[float], budgets: Optional[Sequence[int]], size: int):
+def _greedy_blend_c(
+    lib: Any, weights: Sequence[float], budgets: Optional[Sequence[int]], size: int
+):
     w = np.ascontiguousarray(weights, dtype=np.float64)
     b = None if budgets is None else np.ascontiguousarray(budgets, dtype=np.int64)
     chosen = np.zeros(size, dtype=np.int16)
     sample = np.zeros(size, dtype=np.int64)
     counts = np.zeros(len(w), dtype=np.int64)
     lib.greedy_blend(
-        w.ctypes.data, None if b is None else b.ctypes.data, len(w), size,
-        chosen.ctypes.data, sample.ctypes.data, counts.ctypes.data,
+        w.ctypes.data,
+        None if b is None else b.ctypes.data,
+        len(w),
+        size,
+        chosen.ctypes.data,
+        sample.ctypes.data,
+        counts.ctypes.data,
     )
     return chosen, sample
 
 
 def _greedy_blend(
-    weights: Sequence[float], budgets: Optional[Sequence[int]], size: int, accelerate: Optional[bool] = None
+    weights: Sequence[float],
+    budgets: Optional[Sequence[int]],
+    size: int,
+    accelerate: Optional[bool] = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Greedy error minimization: sample n goes to the dataset maximizing
     ``weight * max(n, 1) - count`` (ties to the lowest index). With ``budgets`` a dataset that
@@ -225,7 +257,9 @@ def _greedy_blend(
         counts[best] = count + 1
         if budgets is not None and count + 1 == budgets[best]:
             live.remove(best)
-    return np.frombuffer(chosen, dtype=np.int16).copy(), np.frombuffer(sample, dtype=np.int64).copy()
+    return np.frombuffer(chosen, dtype=np.int16).copy(), np.frombuffer(
+        sample, dtype=np.int64
+    ).copy()
 
 
 def build_blending_indices(

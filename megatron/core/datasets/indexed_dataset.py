@@ -121,7 +121,9 @@ class _Index:
         try:
             file_size = os.path.getsize(idx_path)
         except OSError as err:
-            raise FileNotFoundError(f"{idx_path}: cannot open index file ({err.strerror})") from None
+            raise FileNotFoundError(
+                f"{idx_path}: cannot open index file ({err.strerror})"
+            ) from None
         with open(idx_path, "rb") as stream:
             header = stream.read(HEADER_SIZE)
         if header[: len(_LEGACY_MAGIC)] == _LEGACY_MAGIC:
@@ -276,7 +278,9 @@ class IndexedDataset:
             if i < 0:
                 i += index.sequence_count
             if not 0 <= i < index.sequence_count:
-                raise IndexError(f"sequence {idx} out of range for {index.sequence_count} sequences")
+                raise IndexError(
+                    f"sequence {idx} out of range for {index.sequence_count} sequences"
+                )
             data = self._read(int(index.sequence_pointers[i]), int(index.sequence_lengths[i]))
             if self.multimodal:
                 return data, index.sequence_modes[i]
@@ -344,7 +348,9 @@ class IndexedDataset:
     @staticmethod
     def exists(path_prefix: str) -> bool:
         """True when both ``<prefix>.idx`` and ``<prefix>.bin`` are present."""
-        return os.path.isfile(get_idx_path(path_prefix)) and os.path.isfile(get_bin_path(path_prefix))
+        return os.path.isfile(get_idx_path(path_prefix)) and os.path.isfile(
+            get_bin_path(path_prefix)
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,7 +406,9 @@ class IndexedDatasetBuilder:
     builder as a context manager) to delete the partial ``.bin`` on failure.
     """
 
-    def __init__(self, bin_path: str, dtype: Type[np.number] = np.int32, multimodal: bool = False) -> None:
+    def __init__(
+        self, bin_path: str, dtype: Type[np.number] = np.int32, multimodal: bool = False
+    ) -> None:
         DType.code_from_dtype(dtype)  # reject unsupported dtypes before creating a file
         self.bin_path = bin_path
         self.dtype = np.dtype(dtype).type
@@ -446,7 +454,9 @@ class IndexedDatasetBuilder:
         if self.multimodal:
             self.sequence_modes.append(mode)
 
-    def add_document(self, tensor, lengths: Sequence[int], modes: Optional[Sequence[int]] = None) -> None:
+    def add_document(
+        self, tensor, lengths: Sequence[int], modes: Optional[Sequence[int]] = None
+    ) -> None:
         """Append a document made of ``len(lengths)`` consecutive sequences of ``tensor``.
 
         Empty ``lengths`` just closes a document (how Megatron records an empty one).
@@ -467,7 +477,9 @@ class IndexedDatasetBuilder:
             self.sequence_modes.frombytes(np.asarray(modes, dtype=np.int8).tobytes())
         self.document_indices.append(len(self.sequence_lengths))
 
-    def add_documents(self, tensor, lengths: Sequence[int], sequences_per_document: Sequence[int]) -> None:
+    def add_documents(
+        self, tensor, lengths: Sequence[int], sequences_per_document: Sequence[int]
+    ) -> None:
         """Append many documents at once (one write): ``tensor`` holds their sequences back to back,
         ``lengths`` one entry per sequence, ``sequences_per_document`` one per document (0 = empty).
 
@@ -475,12 +487,16 @@ class IndexedDatasetBuilder:
         """
         self._check_open()
         if self.multimodal:
-            raise ValueError(f"{self.bin_path}: add_documents does not take sequence modes; use add_document")
+            raise ValueError(
+                f"{self.bin_path}: add_documents does not take sequence modes; use add_document"
+            )
         data = self._to_array(tensor)
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         counts = np.asarray(sequences_per_document, dtype=np.int64).reshape(-1)
         if (lengths.size and lengths.min() < 0) or (counts.size and counts.min() < 0):
-            raise ValueError(f"{self.bin_path}: add_documents got a negative sequence length or count")
+            raise ValueError(
+                f"{self.bin_path}: add_documents got a negative sequence length or count"
+            )
         if int(lengths.sum()) != data.size or int(counts.sum()) != lengths.size:
             raise ValueError(
                 f"{self.bin_path}: add_documents: {lengths.size} sequence lengths summing to "
@@ -530,7 +546,11 @@ class IndexedDatasetBuilder:
         os.fsync(self.data_file.fileno())
         self.data_file.close()
         self._finalized = True
-        lengths = np.frombuffer(self.sequence_lengths, dtype=np.int32) if self.sequence_lengths else np.zeros(0, np.int32)
+        lengths = (
+            np.frombuffer(self.sequence_lengths, dtype=np.int32)
+            if self.sequence_lengths
+            else np.zeros(0, np.int32)
+        )
         written = os.path.getsize(self.bin_path)
         expected = int(lengths.sum(dtype=np.int64)) * np.dtype(self.dtype).itemsize
         if written != expected:
@@ -540,7 +560,11 @@ class IndexedDatasetBuilder:
         documents = np.frombuffer(self.document_indices, dtype=np.int64)
         modes = None
         if self.multimodal:
-            modes = np.frombuffer(self.sequence_modes, dtype=np.int8) if self.sequence_modes else np.zeros(0, np.int8)
+            modes = (
+                np.frombuffer(self.sequence_modes, dtype=np.int8)
+                if self.sequence_modes
+                else np.zeros(0, np.int8)
+            )
         write_index(idx_path, self.dtype, lengths, documents, modes)
         self._complete = True
 

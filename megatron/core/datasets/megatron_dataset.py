@@ -30,7 +30,11 @@ def _json_default(obj: Any) -> Any:
     # Never repr(): an object address would change the hash on every run.
     return {
         "class": f"{type(obj).__module__}.{type(obj).__qualname__}",
-        **{k: getattr(obj, k) for k in ("vocab_size", "eod", "pad") if isinstance(getattr(obj, k, None), (int, np.integer))},
+        **{
+            k: getattr(obj, k)
+            for k in ("vocab_size", "eod", "pad")
+            if isinstance(getattr(obj, k, None), (int, np.integer))
+        },
     }
 
 
@@ -79,7 +83,9 @@ class MegatronDataset(ABC, torch.utils.data.Dataset):
         raise NotImplementedError
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: Optional[str], config: BlendedMegatronDatasetConfig) -> Any:
+    def build_low_level_dataset(
+        dataset_path: Optional[str], config: BlendedMegatronDatasetConfig
+    ) -> Any:
         raise NotImplementedError
 
     @staticmethod
@@ -128,4 +134,6 @@ def load_cache_array(path: str) -> np.ndarray:
     try:
         return np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError) as err:
-        raise ValueError(f"{path}: unreadable index cache file ({err}); delete it to rebuild") from None
+        raise ValueError(
+            f"{path}: unreadable index cache file ({err}); delete it to rebuild"
+        ) from None

@@ -103,7 +103,9 @@ def get_blend_and_blend_per_split(
     per_split_flags = [train_data_path, valid_data_path, test_data_path]
     if data_path or data_args_path:
         if any(per_split_flags) or per_split_data_args_path:
-            raise ValueError("--data-path/--data-args-path and --train/valid/test-data-path are incompatible")
+            raise ValueError(
+                "--data-path/--data-args-path and --train/valid/test-data-path are incompatible"
+            )
         if data_args_path:
             try:
                 with open(data_args_path) as stream:
@@ -115,16 +117,24 @@ def get_blend_and_blend_per_split(
         return get_blend_from_list(data_path), None
     if per_split_data_args_path:
         if any(per_split_flags):
-            raise ValueError("--per-split-data-args-path and --train/valid/test-data-path are mutually exclusive")
+            raise ValueError(
+                "--per-split-data-args-path and --train/valid/test-data-path are mutually exclusive"
+            )
         try:
             with open(per_split_data_args_path) as stream:
                 entries = json.load(stream)
         except OSError as err:
-            raise ValueError(f"--per-split-data-args-path {per_split_data_args_path}: {err.strerror}") from None
+            raise ValueError(
+                f"--per-split-data-args-path {per_split_data_args_path}: {err.strerror}"
+            ) from None
         except json.JSONDecodeError as err:
-            raise ValueError(f"{per_split_data_args_path}:{err.lineno}: invalid JSON ({err.msg})") from None
+            raise ValueError(
+                f"{per_split_data_args_path}:{err.lineno}: invalid JSON ({err.msg})"
+            ) from None
         if not isinstance(entries, dict):
-            raise ValueError(f"{per_split_data_args_path}: expected a JSON object with train/valid/test keys")
+            raise ValueError(
+                f"{per_split_data_args_path}: expected a JSON object with train/valid/test keys"
+            )
         per_split_flags = []
         for name in ("train", "valid", "test"):
             value = entries.get(name)

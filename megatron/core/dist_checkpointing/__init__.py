@@ -7,6 +7,7 @@ torch.distributed.checkpoint, readable at any parallel layout.
 * :mod:`.serialization` -- save / load / checks of the checkpoint directory;
 * :mod:`.async_save` -- writing in a background thread.
 """
+
 from .mapping import Chunk, ShardedTensor, replicated, tensor_parallel_sharded
 from .model_state import model_sharded_state_dict, spread_writes
 from .optimizer_state import OptimizerLoad, optimizer_common_state, optimizer_sharded_state_dict
@@ -28,8 +29,27 @@ from .serialization import (
 )
 
 __all__ = [
-    "Chunk", "ShardedTensor", "replicated", "tensor_parallel_sharded", "model_sharded_state_dict", "spread_writes",
-    "OptimizerLoad", "optimizer_common_state", "optimizer_sharded_state_dict", "COMMON_FILE", "METADATA_FILE",
-    "CheckpointingError", "LoadResult", "StrictHandling", "check_complete", "is_distributed_checkpoint", "load",
-    "load_common", "read_dcp_metadata", "save", "save_common", "tensor_shapes", "write_metadata_json",
+    "Chunk",
+    "ShardedTensor",
+    "replicated",
+    "tensor_parallel_sharded",
+    "model_sharded_state_dict",
+    "spread_writes",
+    "OptimizerLoad",
+    "optimizer_common_state",
+    "optimizer_sharded_state_dict",
+    "COMMON_FILE",
+    "METADATA_FILE",
+    "CheckpointingError",
+    "LoadResult",
+    "StrictHandling",
+    "check_complete",
+    "is_distributed_checkpoint",
+    "load",
+    "load_common",
+    "read_dcp_metadata",
+    "save",
+    "save_common",
+    "tensor_shapes",
+    "write_metadata_json",
 ]

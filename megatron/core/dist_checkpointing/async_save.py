@@ -8,6 +8,7 @@ meanwhile (a dedicated gloo group): the training thread keeps using the others.
 The caller decides when the save is over: :meth:`done` is local; every rank must call
 :meth:`wait` before the checkpoint is marked complete (metadata.json, tracker).
 """
+
 from __future__ import annotations
 
 import threading
@@ -27,7 +28,9 @@ def stage(sharded_state_dict: Dict[str, ShardedTensor]) -> Dict[str, ShardedTens
         for chunk in entry.chunks:
             data = entry.view(chunk).detach().to("cpu", copy=True).contiguous()
             zeros = (0,) * len(chunk.shape)
-            part = ShardedTensor(key, data, entry.global_shape, (Chunk(chunk.global_offset, zeros, chunk.shape),))
+            part = ShardedTensor(
+                key, data, entry.global_shape, (Chunk(chunk.global_offset, zeros, chunk.shape),)
+            )
             if key in staged:
                 prev = staged[key]
                 staged[key] = _merge(prev, part)
@@ -42,15 +45,23 @@ class _MultiChunk(ShardedTensor):
     def __init__(self, key, global_shape, parts):
         self.parts = parts  # {global offset: tensor}
         first = next(iter(parts.values()))
-        super().__init__(key, first, global_shape,
-                         tuple(Chunk(off, (0,) * len(t.shape), tuple(t.shape)) for off, t in parts.items()))
+        super().__init__(
+            key,
+            first,
+            global_shape,
+            tuple(Chunk(off, (0,) * len(t.shape), tuple(t.shape)) for off, t in parts.items()),
+        )
 
     def view(self, chunk: Chunk):
         return self.parts[chunk.global_offset]
 
 
 def _merge(prev: ShardedTensor, part: ShardedTensor) -> ShardedTensor:
-    parts = dict(prev.parts) if isinstance(prev, _MultiChunk) else {prev.chunks[0].global_offset: prev.data}
+    parts = (
+        dict(prev.parts)
+        if isinstance(prev, _MultiChunk)
+        else {prev.chunks[0].global_offset: prev.data}
+    )
     parts[part.chunks[0].global_offset] = part.data
     return _MultiChunk(prev.key, prev.global_shape, parts)
 
@@ -58,12 +69,15 @@ def _merge(prev: ShardedTensor, part: ShardedTensor) -> ShardedTensor:
 class AsyncSave:
     """One checkpoint being written by a background thread."""
 
-    def __init__(self, sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_group=None):
+    def __init__(
+        self, sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_group=None
+    ):
         self.directory = directory
         self.error: Optional[BaseException] = None
         self._staged = stage(sharded_state_dict)
-        self._thread = threading.Thread(target=self._run, args=(process_group,), name="async-checkpoint-save",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(process_group,), name="async-checkpoint-save", daemon=True
+        )
         self._thread.start()
 
     def _run(self, process_group) -> None:

@@ -7,6 +7,7 @@ read back the pieces it needs. Tensor parallelism splits a tensor into ``tp_size
 along ``partition_dim``; with ``stride`` > 1 each rank holds ``stride`` separate blocks (SwiGLU's
 fc1 = [gate; up] gives rank r [gate_r; up_r]), so one local tensor may map to several chunks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,10 +57,13 @@ class ShardedTensor:
     def with_data(self, key: str, data: torch.Tensor, replica: bool = None) -> "ShardedTensor":
         """The same sharding for another tensor of the same local shape (optimizer state)."""
         if tuple(data.shape) != tuple(self.data.shape):
-            raise ValueError(f"{key}: local shape {tuple(data.shape)} differs from {self.key}'s "
-                             f"{tuple(self.data.shape)}")
-        return ShardedTensor(key, data, self.global_shape, self.chunks,
-                             self.replica if replica is None else replica)
+            raise ValueError(
+                f"{key}: local shape {tuple(data.shape)} differs from {self.key}'s "
+                f"{tuple(self.data.shape)}"
+            )
+        return ShardedTensor(
+            key, data, self.global_shape, self.chunks, self.replica if replica is None else replica
+        )
 
 
 def replicated(key: str, tensor: torch.Tensor, replica: bool = False) -> ShardedTensor:
@@ -69,8 +73,15 @@ def replicated(key: str, tensor: torch.Tensor, replica: bool = False) -> Sharded
     return ShardedTensor(key, tensor, shape, (Chunk(zeros, zeros, shape),), replica)
 
 
-def tensor_parallel_sharded(key: str, tensor: torch.Tensor, partition_dim: int, tp_rank: int, tp_size: int,
-                            stride: int = 1, replica: bool = False) -> ShardedTensor:
+def tensor_parallel_sharded(
+    key: str,
+    tensor: torch.Tensor,
+    partition_dim: int,
+    tp_rank: int,
+    tp_size: int,
+    stride: int = 1,
+    replica: bool = False,
+) -> ShardedTensor:
     """Rank ``tp_rank``'s shard of a tensor split over ``tp_size`` ranks along ``partition_dim``.
 
     With ``stride`` s the global dimension is cut into ``s * tp_size`` equal blocks and rank r
@@ -83,7 +94,9 @@ def tensor_parallel_sharded(key: str, tensor: torch.Tensor, partition_dim: int, 
         raise ValueError(f"{key}: partition_dim {partition_dim} out of range for shape {shape}")
     local = shape[partition_dim]
     if stride < 1 or local % stride:
-        raise ValueError(f"{key}: local size {local} along dim {partition_dim} is not divisible by stride {stride}")
+        raise ValueError(
+            f"{key}: local size {local} along dim {partition_dim} is not divisible by stride {stride}"
+        )
     block = local // stride
     global_shape = list(shape)
     global_shape[partition_dim] = local * tp_size

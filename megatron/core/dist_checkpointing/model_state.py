@@ -10,6 +10,7 @@ The global name of a tensor is its key in the whole model at TP=1, PP=1:
 * with tied input/output embeddings, the last stage's ``output_layer.weight`` is a copy of the
   first stage's ``embedding.word_embeddings.weight``: loaded from that key, never saved.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,7 +29,9 @@ def _layer_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int]]:
     found = []
     for name, module in chunk.named_modules():
         offset = getattr(module, "layer_number_offset", None)
-        if isinstance(offset, int) and isinstance(getattr(module, "layers", None), torch.nn.ModuleList):
+        if isinstance(offset, int) and isinstance(
+            getattr(module, "layers", None), torch.nn.ModuleList
+        ):
             found.append(((name + "." if name else "") + "layers.", offset))
     return sorted(found, key=lambda item: -len(item[0]))
 
@@ -37,19 +40,23 @@ def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
     """``local_key`` with its local layer index shifted by the block's layer offset."""
     for prefix, offset in offsets:
         if local_key.startswith(prefix):
-            match = re.match(r"(\d+)(\..*)?$", local_key[len(prefix):])
+            match = re.match(r"(\d+)(\..*)?$", local_key[len(prefix) :])
             if match:
                 return f"{prefix}{int(match.group(1)) + offset}{match.group(2) or ''}"
     return local_key
 
 
 def _ties_output_to_embedding(chunk: torch.nn.Module) -> bool:
-    return bool(getattr(chunk, "share_embeddings_and_output_weights", False) and getattr(chunk, "post_process", False)
-                and not getattr(chunk, "pre_process", True))
+    return bool(
+        getattr(chunk, "share_embeddings_and_output_weights", False)
+        and getattr(chunk, "post_process", False)
+        and not getattr(chunk, "pre_process", True)
+    )
 
 
-def model_sharded_state_dict(chunks: Sequence[torch.nn.Module], tp_rank: int = 0, tp_size: int = 1
-                             ) -> Tuple[Dict[str, ShardedTensor], Dict[int, ShardedTensor]]:
+def model_sharded_state_dict(
+    chunks: Sequence[torch.nn.Module], tp_rank: int = 0, tp_size: int = 1
+) -> Tuple[Dict[str, ShardedTensor], Dict[int, ShardedTensor]]:
     """Sharded entries for the (unwrapped) model chunks of this rank.
 
     Returns ``({global key: entry}, {id(parameter): entry})``; the second map lets the optimizer
@@ -72,8 +79,15 @@ def model_sharded_state_dict(chunks: Sequence[torch.nn.Module], tp_rank: int = 0
                 raise ValueError(f"two tensors of this rank map to the checkpoint key {key}")
             data = tensor.detach()
             if getattr(tensor, "tensor_model_parallel", False) and tp_size > 1:
-                entry = tensor_parallel_sharded(key, data, int(tensor.partition_dim), tp_rank, tp_size,
-                                                int(getattr(tensor, "partition_stride", 1)), replica=forced_replica)
+                entry = tensor_parallel_sharded(
+                    key,
+                    data,
+                    int(tensor.partition_dim),
+                    tp_rank,
+                    tp_size,
+                    int(getattr(tensor, "partition_stride", 1)),
+                    replica=forced_replica,
+                )
             else:
                 entry = replicated(key, data, replica=forced_replica or tp_rank != 0)
             entries[key] = entry
@@ -81,7 +95,9 @@ def model_sharded_state_dict(chunks: Sequence[torch.nn.Module], tp_rank: int = 0
     return entries, by_param
 
 
-def spread_writes(entries: Dict[str, ShardedTensor], dp_rank: int, dp_size: int, fully_parallel: bool = True) -> None:
+def spread_writes(
+    entries: Dict[str, ShardedTensor], dp_rank: int, dp_size: int, fully_parallel: bool = True
+) -> None:
     """Let one data-parallel replica save each non-replica entry: DP rank 0 for all of them, or,
     ``fully_parallel``, the ranks in turn balanced by bytes (every replica computes the same
     assignment from the same keys and sizes)."""
@@ -92,8 +108,10 @@ def spread_writes(entries: Dict[str, ShardedTensor], dp_rank: int, dp_size: int,
             entry.replica = entry.replica or dp_rank != 0
         return
     load = [0] * dp_size
-    order = sorted((k for k, e in entries.items() if not e.replica),
-                   key=lambda k: (-entries[k].data.numel() * entries[k].data.element_size(), k))
+    order = sorted(
+        (k for k, e in entries.items() if not e.replica),
+        key=lambda k: (-entries[k].data.numel() * entries[k].data.element_size(), k),
+    )
     for key in order:
         writer = min(range(dp_size), key=lambda r: (load[r], r))
         load[writer] += entries[key].data.numel() * entries[key].data.element_size()

@@ -16,6 +16,7 @@ optimizer loads into either, at any parallel layout.
 The non-tensor part (param-group hyperparameters, step count, grad scaler) is
 :func:`optimizer_common_state`; it goes with the checkpoint's common state.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -26,7 +27,15 @@ from .mapping import ShardedTensor
 
 STATE_PREFIX = "optimizer.state."
 FP32_PARAM = "fp32_param"
-_GROUP_SETTINGS = ("params", "wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel", "max_lr", "min_lr")
+_GROUP_SETTINGS = (
+    "params",
+    "wd_mult",
+    "lr_mult",
+    "is_decoupled_lr",
+    "is_expert_parallel",
+    "max_lr",
+    "min_lr",
+)
 _SIGNATURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
@@ -35,7 +44,9 @@ def state_key(name: str, param_key: str) -> str:
 
 
 def is_distributed(optimizer) -> bool:
-    return hasattr(optimizer, "get_parameter_state_dp_zero") and hasattr(optimizer, "load_parameter_state_from_dp_zero")
+    return hasattr(optimizer, "get_parameter_state_dp_zero") and hasattr(
+        optimizer, "load_parameter_state_from_dp_zero"
+    )
 
 
 def state_names(optimizer) -> Tuple[str, ...]:
@@ -51,8 +62,11 @@ def state_names(optimizer) -> Tuple[str, ...]:
 def _main_params(optimizer) -> List[Tuple[torch.Tensor, torch.Tensor, bool]]:
     """(model param, the param the inner optimizer updates, whether that is a separate fp32 copy)."""
     if hasattr(optimizer, "fp32_from_float16_groups"):
-        pairs = [(p, m, True) for halves, masters in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
-                 for p, m in zip(halves, masters)]
+        pairs = [
+            (p, m, True)
+            for halves, masters in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+            for p, m in zip(halves, masters)
+        ]
         return pairs + [(p, p, False) for group in optimizer.fp32_from_fp32_groups for p in group]
     return [(p, p, False) for group in optimizer.param_groups for p in group["params"]]
 
@@ -79,8 +93,11 @@ def optimizer_common_state(optimizer) -> Dict[str, Any]:
             saved = {k: v for k, v in group.items() if k != "params"}
             saved["step"] = _step_of_group(optimizer, group)
             groups.append(saved)
-    return {"param_groups": groups, "grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "has_state": any(g.get("step", 0) > 0 for g in groups)}
+    return {
+        "param_groups": groups,
+        "grad_scaler": scaler.state_dict() if scaler is not None else None,
+        "has_state": any(g.get("step", 0) > 0 for g in groups),
+    }
 
 
 def _aligned_groups(current: List[dict], saved: List[dict]) -> List[Optional[dict]]:
@@ -106,7 +123,9 @@ def load_optimizer_common_state(optimizer, common: Dict[str, Any]) -> None:
     if is_distributed(optimizer):
         groups = []
         for group, match in zip(optimizer.param_groups, saved):
-            source = match if match is not None else {k: v for k, v in group.items() if k != "params"}
+            source = (
+                match if match is not None else {k: v for k, v in group.items() if k != "params"}
+            )
             groups.append({**source, "step": step})
         state = {"optimizer": {"param_groups": groups}}
         if scaler_state is not None:
@@ -137,7 +156,9 @@ def _set_steps(optimizer, step: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- save
-def optimizer_sharded_state_dict(optimizer, by_param: Dict[int, ShardedTensor]) -> Dict[str, ShardedTensor]:
+def optimizer_sharded_state_dict(
+    optimizer, by_param: Dict[int, ShardedTensor]
+) -> Dict[str, ShardedTensor]:
     """Entries for the per-parameter optimizer state (a collective over DP for the distributed
     optimizer, whose entries then exist on DP rank 0 only)."""
     if is_distributed(optimizer):
@@ -152,11 +173,13 @@ def optimizer_sharded_state_dict(optimizer, by_param: Dict[int, ShardedTensor]) 
         for name in names:
             value = state.get(name)
             if torch.is_tensor(value):
-                out[state_key(name, entry.key)] = entry.with_data(state_key(name, entry.key),
-                                                                  value.detach().view(entry.data.shape))
+                out[state_key(name, entry.key)] = entry.with_data(
+                    state_key(name, entry.key), value.detach().view(entry.data.shape)
+                )
         if separate:
-            out[state_key(FP32_PARAM, entry.key)] = entry.with_data(state_key(FP32_PARAM, entry.key),
-                                                                    main.detach().view(entry.data.shape))
+            out[state_key(FP32_PARAM, entry.key)] = entry.with_data(
+                state_key(FP32_PARAM, entry.key), main.detach().view(entry.data.shape)
+            )
     return out
 
 
@@ -178,7 +201,7 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
         if entry is None:
             continue
         for name, flats in state[gbuf_idx][dtype_key].items():
-            value = flats[bucket_id][start:start + param.numel()].view(entry.data.shape)
+            value = flats[bucket_id][start : start + param.numel()].view(entry.data.shape)
             if name == "param":
                 if param.dtype == torch.float32:
                     continue  # the model weight itself
@@ -195,8 +218,13 @@ class OptimizerLoad:
     (a collective over DP for the distributed optimizer).
     """
 
-    def __init__(self, optimizer, by_param: Dict[int, ShardedTensor], has_key: Callable[[str], bool],
-                 step: int):
+    def __init__(
+        self,
+        optimizer,
+        by_param: Dict[int, ShardedTensor],
+        has_key: Callable[[str], bool],
+        step: int,
+    ):
         self.optimizer = optimizer
         self.step = step
         self.targets: Dict[str, ShardedTensor] = {}
@@ -264,8 +292,15 @@ class OptimizerLoad:
         keys = ("param",) + state_names(optimizer)
         state: Dict[Any, Any] = {}
         for gbuf_idx, buffer in enumerate(optimizer.buffers):
-            flats = {key: [torch.zeros(b.numel_unpadded, dtype=torch.float32, device=buffer.grad_data.device)
-                           for b in buffer.buckets] for key in keys}
+            flats = {
+                key: [
+                    torch.zeros(
+                        b.numel_unpadded, dtype=torch.float32, device=buffer.grad_data.device
+                    )
+                    for b in buffer.buckets
+                ]
+                for key in keys
+            }
             state[gbuf_idx] = {(buffer.param_dtype, buffer.grad_dtype): flats}
         for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
             flats = state[gbuf_idx][dtype_key]
@@ -275,5 +310,5 @@ class OptimizerLoad:
                 if value is None and key == "param":
                     value = param.detach().float()  # fp32 weights (or no fp32 copy saved)
                 if value is not None:
-                    flats[key][bucket_id][start:start + param.numel()].copy_(value.reshape(-1))
+                    flats[key][bucket_id][start : start + param.numel()].copy_(value.reshape(-1))
         optimizer.load_parameter_state_from_dp_zero(state)

@@ -7,6 +7,7 @@ any layout reads back exactly the pieces it holds. The save planner checks on th
 that the chunks of every key tile the global tensor exactly once (nothing written twice,
 nothing missing) before a byte is written.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -46,14 +47,21 @@ def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         return tensor.cpu().contiguous()
-    compact = (tensor.is_contiguous() and tensor.storage_offset() == 0
-               and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+    compact = (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
     return tensor if compact else tensor.clone(memory_format=torch.contiguous_format)
 
 
-def _overlap(a: Tuple[Tuple[int, ...], Tuple[int, ...]], b: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> bool:
+def _overlap(
+    a: Tuple[Tuple[int, ...], Tuple[int, ...]], b: Tuple[Tuple[int, ...], Tuple[int, ...]]
+) -> bool:
     (a_off, a_size), (b_off, b_size) = a, b
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_size, b_off, b_size))
+    return all(
+        ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_size, b_off, b_size)
+    )
 
 
 def check_tiling(all_plans: List[SavePlan]) -> None:
@@ -66,13 +74,22 @@ def check_tiling(all_plans: List[SavePlan]) -> None:
             if data is None:
                 continue
             per_key.setdefault(item.index.fqn, []).append(
-                (rank, tuple(data.size), data.properties.dtype, tuple(data.chunk.offsets), tuple(data.chunk.sizes)))
+                (
+                    rank,
+                    tuple(data.size),
+                    data.properties.dtype,
+                    tuple(data.chunk.offsets),
+                    tuple(data.chunk.sizes),
+                )
+            )
     problems = []
     for key, chunks in per_key.items():
         shapes = {c[1] for c in chunks}
         dtypes = {c[2] for c in chunks}
         if len(shapes) > 1 or len(dtypes) > 1:
-            problems.append(f"{key}: ranks disagree on its global shape/dtype ({sorted(map(str, shapes | dtypes))})")
+            problems.append(
+                f"{key}: ranks disagree on its global shape/dtype ({sorted(map(str, shapes | dtypes))})"
+            )
             continue
         shape = chunks[0][1]
         total = 1
@@ -81,20 +98,28 @@ def check_tiling(all_plans: List[SavePlan]) -> None:
         covered = 0
         for i, (rank, _, _, off, size) in enumerate(chunks):
             if any(o < 0 or o + s > g for o, s, g in zip(off, size, shape)):
-                problems.append(f"{key}: chunk at {off} of size {size} from rank {rank} lies outside {shape}")
+                problems.append(
+                    f"{key}: chunk at {off} of size {size} from rank {rank} lies outside {shape}"
+                )
             volume = 1
             for s in size:
                 volume *= s
             covered += volume
             for other_rank, _, _, o_off, o_size in chunks[:i]:
                 if _overlap((off, size), (o_off, o_size)):
-                    problems.append(f"{key}: chunk at {off} is written by rank {other_rank} and rank {rank}")
+                    problems.append(
+                        f"{key}: chunk at {off} is written by rank {other_rank} and rank {rank}"
+                    )
                     break
         if covered < total and not any(p.startswith(f"{key}:") for p in problems):
-            problems.append(f"{key}: chunks cover {covered} of its {total} elements (shape {shape})")
+            problems.append(
+                f"{key}: chunks cover {covered} of its {total} elements (shape {shape})"
+            )
     if problems:
         more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
-        raise ShardingError("invalid sharding of the checkpoint: " + "; ".join(problems[:_MAX_LISTED]) + more)
+        raise ShardingError(
+            "invalid sharding of the checkpoint: " + "; ".join(problems[:_MAX_LISTED]) + more
+        )
 
 
 class ShardedSavePlanner(SavePlanner):
@@ -115,11 +140,19 @@ class ShardedSavePlanner(SavePlanner):
             properties = TensorProperties(dtype=sharded.data.dtype)
             for chunk in sharded.chunks:
                 offsets = torch.Size(chunk.global_offset)
-                items.append(WriteItem(
-                    index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets,
-                                                                           sizes=torch.Size(chunk.shape)),
-                                                properties=properties, size=torch.Size(sharded.global_shape))))
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(key, offsets),
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(
+                                offsets=offsets, sizes=torch.Size(chunk.shape)
+                            ),
+                            properties=properties,
+                            size=torch.Size(sharded.global_shape),
+                        ),
+                    )
+                )
         self.plan = SavePlan(items)
         return self.plan
 
@@ -154,9 +187,13 @@ class ShardedLoadPlanner(LoadPlanner):
             if not isinstance(md, TensorStorageMetadata):
                 raise KeyError(f"{key} is not a tensor in the checkpoint")
             if tuple(md.size) != tuple(sharded.global_shape):
-                raise ValueError(f"{key}: checkpoint shape {tuple(md.size)} vs model {tuple(sharded.global_shape)}")
-            local = [ChunkStorageMetadata(offsets=torch.Size(c.global_offset), sizes=torch.Size(c.shape))
-                     for c in sharded.chunks]
+                raise ValueError(
+                    f"{key}: checkpoint shape {tuple(md.size)} vs model {tuple(sharded.global_shape)}"
+                )
+            local = [
+                ChunkStorageMetadata(offsets=torch.Size(c.global_offset), sizes=torch.Size(c.shape))
+                for c in sharded.chunks
+            ]
             requests += create_read_items_for_chunk_list(key, md, local)
         return LoadPlan(requests)
 
@@ -167,7 +204,9 @@ class ShardedLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        raise ValueError(f"{read_item.dest_index.fqn}: unexpected non-tensor entry in the checkpoint")
+        raise ValueError(
+            f"{read_item.dest_index.fqn}: unexpected non-tensor entry in the checkpoint"
+        )
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         sharded = self.state_dict[read_item.dest_index.fqn]

@@ -11,6 +11,7 @@ metadata names exists and is long enough, and the requested keys and shapes fit 
 (missing / unexpected keys handled per :class:`StrictHandling`). ``.metadata`` is read with an
 unpickler that only accepts DCP's metadata classes, so no file in a checkpoint can run code.
 """
+
 from __future__ import annotations
 
 import enum
@@ -66,7 +67,11 @@ class StrictHandling(enum.Enum):
 
     @property
     def tolerates_missing(self) -> bool:
-        return self in (StrictHandling.LOG_ALL, StrictHandling.RETURN_ALL, StrictHandling.IGNORE_ALL)
+        return self in (
+            StrictHandling.LOG_ALL,
+            StrictHandling.RETURN_ALL,
+            StrictHandling.IGNORE_ALL,
+        )
 
     @property
     def checks_unexpected(self) -> bool:
@@ -93,7 +98,13 @@ def write_metadata_json(directory: str) -> None:
     path = os.path.join(directory, METADATA_FILE)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"sharded_backend": SHARDED_BACKEND, "sharded_backend_version": SHARDED_BACKEND_VERSION}, f)
+        json.dump(
+            {
+                "sharded_backend": SHARDED_BACKEND,
+                "sharded_backend_version": SHARDED_BACKEND_VERSION,
+            },
+            f,
+        )
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -135,38 +146,61 @@ def load_common(directory: str, safe_globals: Sequence = ()) -> dict:
     """Read common.pt with ``weights_only=True`` (plus the allow-listed ``safe_globals``)."""
     path = os.path.join(directory, COMMON_FILE)
     if not os.path.isfile(path):
-        raise CheckpointingError(f"{path} is missing: {directory} is not a complete torch_dist checkpoint")
+        raise CheckpointingError(
+            f"{path} is missing: {directory} is not a complete torch_dist checkpoint"
+        )
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        raise CheckpointingError(f"cannot read {path}: {type(exc).__name__}: {lines[0] if lines else ''}") from None
+        raise CheckpointingError(
+            f"cannot read {path}: {type(exc).__name__}: {lines[0] if lines else ''}"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------- DCP metadata
 _ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-     ("pathlib", "Path"), ("collections", "OrderedDict")}
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "Path"),
+    ("collections", "OrderedDict"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if (module, name) in _ALLOWED_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                  torch.dtype)):
+        if (module, name) in _ALLOWED_GLOBALS or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
+        raise pickle.UnpicklingError(
+            f"global '{module}.{name}' is not allowed in checkpoint metadata"
+        )
 
 
 def read_dcp_metadata(directory: str) -> Metadata:
     """DCP's ``.metadata`` of ``directory``, read without running code from the file."""
     path = os.path.join(directory, DCP_METADATA_FILE)
     if not os.path.isfile(path):
-        raise CheckpointingError(f"{path} is missing: {directory} is not a complete torch_dist checkpoint")
+        raise CheckpointingError(
+            f"{path} is missing: {directory} is not a complete torch_dist checkpoint"
+        )
     try:
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
@@ -181,6 +215,7 @@ class _SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = read_dcp_metadata(str(self.path))
         from torch.distributed.checkpoint.metadata import StorageMeta
+
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -189,8 +224,11 @@ class _SafeFileSystemReader(FileSystemReader):
 
 def tensor_shapes(metadata: Metadata) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """{key: (global shape, dtype)} of every tensor in the checkpoint."""
-    return {k: (tuple(v.size), v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)}
+    return {
+        k: (tuple(v.size), v.properties.dtype)
+        for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata)
+    }
 
 
 def check_storage_files(directory: str, metadata: Metadata) -> List[str]:
@@ -208,7 +246,9 @@ def check_storage_files(directory: str, metadata: Metadata) -> List[str]:
         if not os.path.isfile(path):
             problems.append(f"{path} is missing")
         elif os.path.getsize(path) < needed[name]:
-            problems.append(f"{path} is truncated ({os.path.getsize(path)} bytes, expected at least {needed[name]})")
+            problems.append(
+                f"{path} is truncated ({os.path.getsize(path)} bytes, expected at least {needed[name]})"
+            )
     return problems
 
 
@@ -229,8 +269,11 @@ def _broadcast_from_first(obj, process_group):
     if not _use_dist(process_group):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group is not None else 0,
-                               group=process_group)
+    dist.broadcast_object_list(
+        box,
+        src=dist.get_global_rank(process_group, 0) if process_group is not None else 0,
+        group=process_group,
+    )
     return box[0]
 
 
@@ -249,24 +292,42 @@ def _dcp_failure(exc: CheckpointException, directory: str) -> CheckpointingError
     reasons = []
     for rank, failure in sorted(failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else failure
-        reasons.append(f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}")
-    return CheckpointingError(f"checkpoint {directory}: " + ("; ".join(reasons[:_MAX_LISTED]) or str(exc)))
+        reasons.append(
+            f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+        )
+    return CheckpointingError(
+        f"checkpoint {directory}: " + ("; ".join(reasons[:_MAX_LISTED]) or str(exc))
+    )
 
 
 # ---------------------------------------------------------------------------------- save / load
-def save(sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_group=None,
-         thread_count: int = 1) -> None:
+def save(
+    sharded_state_dict: Dict[str, ShardedTensor],
+    directory: str,
+    process_group=None,
+    thread_count: int = 1,
+) -> None:
     """Write every non-replica chunk of ``sharded_state_dict`` (a collective over ``process_group``,
     default the world) into ``directory`` as DCP files. Does not write metadata.json."""
     os.makedirs(directory, exist_ok=True)
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
-                              overwrite=True)
+    writer = FileSystemWriter(
+        directory,
+        single_file_per_rank=True,
+        sync_files=True,
+        thread_count=thread_count,
+        overwrite=True,
+    )
     no_dist = not _use_dist(process_group)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(sharded_state_dict, storage_writer=writer, planner=ShardedSavePlanner(),
-                     process_group=process_group, no_dist=no_dist)
+            dcp.save(
+                sharded_state_dict,
+                storage_writer=writer,
+                planner=ShardedSavePlanner(),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
     except CheckpointException as exc:
         for failure in (getattr(exc, "failures", {}) or {}).values():
             inner = failure[0] if isinstance(failure, tuple) else failure
@@ -283,16 +344,24 @@ def check_complete(directory: str) -> None:
         raise CheckpointingError(f"checkpoint directory {directory} does not exist")
     meta = read_metadata_json(directory)
     if meta is None:
-        raise CheckpointingError(f"{directory} has no {METADATA_FILE}: the save that wrote it did not finish "
-                                 "(or it is not a torch_dist checkpoint)")
+        raise CheckpointingError(
+            f"{directory} has no {METADATA_FILE}: the save that wrote it did not finish "
+            "(or it is not a torch_dist checkpoint)"
+        )
     if meta.get("sharded_backend") != SHARDED_BACKEND:
-        raise CheckpointingError(f"{os.path.join(directory, METADATA_FILE)} names backend "
-                                 f"{meta.get('sharded_backend')!r}; only {SHARDED_BACKEND!r} can be read")
+        raise CheckpointingError(
+            f"{os.path.join(directory, METADATA_FILE)} names backend "
+            f"{meta.get('sharded_backend')!r}; only {SHARDED_BACKEND!r} can be read"
+        )
 
 
-def load(sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_group=None,
-         strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
-         counts_as_unexpected: Optional[Callable[[str], bool]] = None) -> LoadResult:
+def load(
+    sharded_state_dict: Dict[str, ShardedTensor],
+    directory: str,
+    process_group=None,
+    strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
+    counts_as_unexpected: Optional[Callable[[str], bool]] = None,
+) -> LoadResult:
     """Read the chunks every rank holds from ``directory`` into the local tensors, in place (a
     collective over ``process_group``, default the world).
 
@@ -316,10 +385,14 @@ def load(sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_g
 
     shapes = tensor_shapes(read_dcp_metadata(directory))
     local_missing = sorted(k for k in sharded_state_dict if k not in shapes)
-    local_bad_shapes = [f"{k}: checkpoint {shapes[k][0]} vs model {tuple(v.global_shape)}"
-                        for k, v in sharded_state_dict.items()
-                        if k in shapes and tuple(shapes[k][0]) != tuple(v.global_shape)]
-    gathered = _all_gather_object((sorted(sharded_state_dict), local_missing, local_bad_shapes), process_group)
+    local_bad_shapes = [
+        f"{k}: checkpoint {shapes[k][0]} vs model {tuple(v.global_shape)}"
+        for k, v in sharded_state_dict.items()
+        if k in shapes and tuple(shapes[k][0]) != tuple(v.global_shape)
+    ]
+    gathered = _all_gather_object(
+        (sorted(sharded_state_dict), local_missing, local_bad_shapes), process_group
+    )
     requested = set()
     missing, bad_shapes = set(), []
     for keys, miss, bad in gathered:
@@ -328,8 +401,11 @@ def load(sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_g
         bad_shapes.extend(b for b in bad if b not in bad_shapes)
     unexpected = []
     if strictness.checks_unexpected:
-        unexpected = sorted(k for k in shapes if k not in requested
-                            and (counts_as_unexpected is None or counts_as_unexpected(k)))
+        unexpected = sorted(
+            k
+            for k in shapes
+            if k not in requested and (counts_as_unexpected is None or counts_as_unexpected(k))
+        )
 
     problems = []
     if bad_shapes:
@@ -339,15 +415,22 @@ def load(sharded_state_dict: Dict[str, ShardedTensor], directory: str, process_g
     if unexpected and strictness.raises_unexpected:
         problems.append("unexpected in checkpoint: " + _listed(unexpected))
     if problems:
-        raise CheckpointingError(f"checkpoint {directory} does not fit this model ({' | '.join(problems)})")
+        raise CheckpointingError(
+            f"checkpoint {directory} does not fit this model ({' | '.join(problems)})"
+        )
 
     to_read = {k: v for k, v in sharded_state_dict.items() if k not in missing}
     no_dist = not _use_dist(process_group)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(to_read, storage_reader=_SafeFileSystemReader(directory), planner=ShardedLoadPlanner(),
-                     process_group=process_group, no_dist=no_dist)
+            dcp.load(
+                to_read,
+                storage_reader=_SafeFileSystemReader(directory),
+                planner=ShardedLoadPlanner(),
+                process_group=process_group,
+                no_dist=no_dist,
+            )
     except CheckpointException as exc:
         raise _dcp_failure(exc, directory) from None
     return LoadResult(missing=sorted(missing), unexpected=unexpected)

@@ -20,6 +20,7 @@ in a flat param buffer so that the distributed optimizer can all-gather the upda
 after the optimizer step; a forward pre-hook on every module that owns params waits for the
 buckets of its params, so the next forward overlaps with the gathers of later layers.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -65,8 +66,10 @@ class DistributedDataParallelConfig:
 
     def __post_init__(self):
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (only sharded params "
-                             "are all-gathered)")
+            raise ValueError(
+                "--overlap-param-gather needs --use-distributed-optimizer (only sharded params "
+                "are all-gathered)"
+            )
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"--ddp-bucket-size must be positive, got {self.bucket_size}")
 
@@ -87,8 +90,12 @@ class DistributedDataParallel(torch.nn.Module):
     left out of the dense buffers (none exist until MoE lands).
     """
 
-    def __init__(self, config: DistributedDataParallelConfig, module: torch.nn.Module,
-                 data_parallel_group: Optional[dist.ProcessGroup] = None):
+    def __init__(
+        self,
+        config: DistributedDataParallelConfig,
+        module: torch.nn.Module,
+        data_parallel_group: Optional[dist.ProcessGroup] = None,
+    ):
         super().__init__()
         self.config = config
         self.module = module
@@ -98,9 +105,13 @@ class DistributedDataParallel(torch.nn.Module):
         self.dp_size = collectives.group_size(data_parallel_group)
         self.dp_rank = collectives.group_rank(data_parallel_group)
         if config.overlap_grad_reduce:
-            self.bucket_size = config.bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size)
+            self.bucket_size = config.bucket_size or max(
+                DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size
+            )
         else:
-            self.bucket_size = None  # one bucket per buffer (Megatron ignores --ddp-bucket-size here)
+            self.bucket_size = (
+                None  # one bucket per buffer (Megatron ignores --ddp-bucket-size here)
+            )
         self.is_last_microbatch = True
 
         by_dtype: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
@@ -112,23 +123,33 @@ class DistributedDataParallel(torch.nn.Module):
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
             by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
         self.buffers = [
-            ParamAndGradBuffer(params, param_dtype, grad_dtype, data_parallel_group, self.bucket_size,
-                               config.use_distributed_optimizer, config.average_in_collective,
-                               config.overlap_grad_reduce)
+            ParamAndGradBuffer(
+                params,
+                param_dtype,
+                grad_dtype,
+                data_parallel_group,
+                self.bucket_size,
+                config.use_distributed_optimizer,
+                config.average_in_collective,
+                config.overlap_grad_reduce,
+            )
             for (param_dtype, grad_dtype), params in by_dtype.items()
         ]
         self._hooks = []
         for buffer in self.buffers:
             if not buffer.aliased or config.overlap_grad_reduce:
                 for p in buffer.params:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(buffer)))
+                    self._hooks.append(
+                        p.register_post_accumulate_grad_hook(self._make_grad_hook(buffer))
+                    )
             buffer.attach()
         self._param_gather_hooks = []
         if config.overlap_param_gather and self.dp_size > 1:
             self._register_param_gather_hooks()
             # Checkpoint code reads the inner module's state dict: finish pending gathers first.
             self._param_gather_hooks.append(
-                module.register_state_dict_pre_hook(lambda *unused: self.finish_param_sync()))
+                module.register_state_dict_pre_hook(lambda *unused: self.finish_param_sync())
+            )
 
     def _register_param_gather_hooks(self):
         """Before a module's forward, wait for the all-gathers of the buckets holding its own params."""
@@ -142,9 +163,11 @@ class DistributedDataParallel(torch.nn.Module):
                 if bucket is not None and all(bucket is not b for b in buckets):
                     buckets.append(bucket)
             if buckets:
+
                 def wait(_module, _inputs, buckets=tuple(buckets)):
                     for bucket in buckets:
                         bucket.finish_param_gather()
+
                 self._param_gather_hooks.append(submodule.register_forward_pre_hook(wait))
 
     def _make_grad_hook(self, buffer: ParamAndGradBuffer):
@@ -164,6 +187,7 @@ class DistributedDataParallel(torch.nn.Module):
                 param.grad = None
             if overlap and ddp.is_last_microbatch:
                 buf.param_to_bucket[param].register_grad_ready(param)
+
         return hook
 
     def forward(self, *args, **kwargs):

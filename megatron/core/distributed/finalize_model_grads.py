@@ -5,6 +5,7 @@ embedding and the last stage a copy of it as the output layer's weight; each cop
 its own part of the gradient, so the two are summed over the embedding group (first + last stage)
 and both copies then take the same optimizer step and stay equal.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -25,8 +26,9 @@ def _grad_of(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     return grad if grad is not None else param.grad
 
 
-def get_shared_embedding_weight(model_chunks: List[torch.nn.Module], is_first_stage: bool,
-                                is_last_stage: bool) -> Optional[torch.nn.Parameter]:
+def get_shared_embedding_weight(
+    model_chunks: List[torch.nn.Module], is_first_stage: bool, is_last_stage: bool
+) -> Optional[torch.nn.Parameter]:
     """The tied embedding / output weight this rank holds as a pipeline end, or None."""
     if not (is_first_stage or is_last_stage) or (is_first_stage and is_last_stage):
         return None
@@ -38,8 +40,9 @@ def get_shared_embedding_weight(model_chunks: List[torch.nn.Module], is_first_st
     return inner.shared_embedding_or_output_weight()
 
 
-def allreduce_embedding_grads(model_chunks: List[torch.nn.Module], embedding_group, is_first_stage: bool,
-                              is_last_stage: bool) -> None:
+def allreduce_embedding_grads(
+    model_chunks: List[torch.nn.Module], embedding_group, is_first_stage: bool, is_last_stage: bool
+) -> None:
     """Sum the tied word-embedding gradient over the first and last pipeline stage
     (``main_grad`` when the DDP wrapper gave the parameter one, else ``grad``)."""
     if embedding_group is None or dist.get_world_size(embedding_group) < 2:
@@ -55,8 +58,12 @@ def allreduce_embedding_grads(model_chunks: List[torch.nn.Module], embedding_gro
     dist.all_reduce(grad, group=embedding_group)
 
 
-def finalize_model_grads(model_chunks: List[torch.nn.Module], parallel_state=None,
-                         num_tokens: Optional[torch.Tensor] = None, timers=None) -> None:
+def finalize_model_grads(
+    model_chunks: List[torch.nn.Module],
+    parallel_state=None,
+    num_tokens: Optional[torch.Tensor] = None,
+    timers=None,
+) -> None:
     """Everything the trainer does with gradients between the schedule and the optimizer step.
 
     1. each chunk's data-parallel reduction (``finish_grad_sync``, averaging over DP x CP);
@@ -69,6 +76,7 @@ def finalize_model_grads(model_chunks: List[torch.nn.Module], parallel_state=Non
     ``parallel_state`` is the ``ParallelState`` of ``initialize_model_parallel`` (None: one process).
     Sequence-parallel norm gradients are reduced separately (``allreduce_sequence_parallel_grads``).
     """
+
     def timer(name):
         return timers(name, log_level=1) if timers is not None else None
 
@@ -81,18 +89,28 @@ def finalize_model_grads(model_chunks: List[torch.nn.Module], parallel_state=Non
         t = timer("embedding-grads-all-reduce")
         if t:
             t.start()
-        allreduce_embedding_grads(model_chunks, parallel_state.get_embedding_group(),
-                                  parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+        allreduce_embedding_grads(
+            model_chunks,
+            parallel_state.get_embedding_group(),
+            parallel_state.is_pipeline_first_stage(),
+            parallel_state.is_pipeline_last_stage(),
+        )
         if t:
             t.stop()
     if num_tokens is not None:
         num_tokens = num_tokens.clone()
         if pp_size > 1:
-            last = dist.get_global_rank(parallel_state.get_pipeline_model_parallel_group(), pp_size - 1)
-            dist.broadcast(num_tokens, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+            last = dist.get_global_rank(
+                parallel_state.get_pipeline_model_parallel_group(), pp_size - 1
+            )
+            dist.broadcast(
+                num_tokens, src=last, group=parallel_state.get_pipeline_model_parallel_group()
+            )
         dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         if dp_cp > 1:
-            dist.all_reduce(num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+            dist.all_reduce(
+                num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+            )
         scale = dp_cp / max(1, int(num_tokens.item()))
         for chunk in model_chunks:
             scale_gradients = getattr(chunk, "scale_gradients", None)

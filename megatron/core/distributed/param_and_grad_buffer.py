@@ -18,6 +18,7 @@ With the distributed optimizer each bucket also all-gathers the updated param sl
 optimizer step; with ``--overlap-param-gather`` those gathers are launched asynchronously and
 the DDP wrapper waits for a bucket in a forward pre-hook of the first module using its params.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,15 @@ def _requires_own_bucket(param: torch.nn.Parameter, use_distributed_optimizer: b
 class Bucket:
     """A contiguous range of one buffer whose gradients are reduced by one collective."""
 
-    def __init__(self, buffer: "ParamAndGradBuffer", index: int, params: List[torch.nn.Parameter],
-                 offset: int, numel: int, numel_unpadded: int):
+    def __init__(
+        self,
+        buffer: "ParamAndGradBuffer",
+        index: int,
+        params: List[torch.nn.Parameter],
+        offset: int,
+        numel: int,
+        numel_unpadded: int,
+    ):
         self.buffer = buffer
         self.index = index
         self.params = params
@@ -64,8 +72,10 @@ class Bucket:
         """Size including the end padding (a multiple of DP with the distributed optimizer)."""
         self.numel_unpadded = numel_unpadded
         """Size up to the end of the last param (before the end padding)."""
-        self.grad_data = buffer.grad_data[offset:offset + numel]
-        self.param_data = None if buffer.param_data is None else buffer.param_data[offset:offset + numel]
+        self.grad_data = buffer.grad_data[offset : offset + numel]
+        self.param_data = (
+            None if buffer.param_data is None else buffer.param_data[offset : offset + numel]
+        )
         self.params_with_grad = set()
         self.work = None
         self.launched = False
@@ -103,8 +113,10 @@ class Bucket:
     def start_grad_sync(self):
         """Launch this bucket's reduction (asynchronously when the DDP overlaps it with backward)."""
         if self.launched:
-            raise RuntimeError(f"gradient reduction of bucket {self.index} was started twice in one iteration; "
-                               "call zero_grad_buffer() before the next iteration")
+            raise RuntimeError(
+                f"gradient reduction of bucket {self.index} was started twice in one iteration; "
+                "call zero_grad_buffer() before the next iteration"
+            )
         self.launched = True
         buf = self.buffer
         if buf.dp_size == 1:
@@ -120,9 +132,12 @@ class Bucket:
         if buf.use_distributed_optimizer:
             # The output is a separate tensor: not every backend accepts an output that aliases
             # the input; it is copied into this rank's slice when the collective is done.
-            self._scratch = torch.empty(self.shard_size, dtype=self.grad_data.dtype, device=self.grad_data.device)
-            self.work = collectives.reduce_scatter_tensor(self._scratch, self.grad_data, buf.dp_group,
-                                                          async_op=True, op=op)
+            self._scratch = torch.empty(
+                self.shard_size, dtype=self.grad_data.dtype, device=self.grad_data.device
+            )
+            self.work = collectives.reduce_scatter_tensor(
+                self._scratch, self.grad_data, buf.dp_group, async_op=True, op=op
+            )
         else:
             self.work = collectives.all_reduce(self.grad_data, buf.dp_group, op=op, async_op=True)
         if not async_op:
@@ -161,7 +176,9 @@ class Bucket:
         """
         self.finish_param_gather()
         shard = self.local_param_shard().clone()
-        work = collectives.all_gather_into_tensor(self.param_data, shard, self.buffer.dp_group, async_op=async_op)
+        work = collectives.all_gather_into_tensor(
+            self.param_data, shard, self.buffer.dp_group, async_op=async_op
+        )
         if async_op and work is not None:
             self.param_gather_work = work
             self._gather_input = shard
@@ -176,8 +193,10 @@ class Bucket:
     def register_grad_ready(self, param: torch.nn.Parameter):
         """Called by the backward hook on the last micro-batch: launch once every param has its grad."""
         if param in self.params_with_grad:
-            raise RuntimeError("a parameter received its gradient twice in the last micro-batch while "
-                               "--overlap-grad-reduce is on (its bucket may already be reducing)")
+            raise RuntimeError(
+                "a parameter received its gradient twice in the last micro-batch while "
+                "--overlap-grad-reduce is on (its bucket may already be reducing)"
+            )
         self.params_with_grad.add(param)
         if len(self.params_with_grad) == len(self.params):
             self.start_grad_sync()
@@ -192,9 +211,17 @@ class ParamAndGradBuffer:
     all-gathered in place.
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], param_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 dp_group, bucket_size: Optional[int], use_distributed_optimizer: bool,
-                 average_in_collective: bool, overlap: bool):
+    def __init__(
+        self,
+        params: List[torch.nn.Parameter],
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        dp_group,
+        bucket_size: Optional[int],
+        use_distributed_optimizer: bool,
+        average_in_collective: bool,
+        overlap: bool,
+    ):
         self.params = params
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
@@ -209,7 +236,10 @@ class ParamAndGradBuffer:
         """param -> (start, end, bucket index) in the buffer."""
 
         # ---- layout
-        starts, bucket_bounds = [], []   # bucket_bounds: (first param idx, last+1, start, unpadded end, end)
+        starts, bucket_bounds = (
+            [],
+            [],
+        )  # bucket_bounds: (first param idx, last+1, start, unpadded end, end)
         offset = 0
         bucket_start, bucket_first = 0, 0
 
@@ -217,7 +247,9 @@ class ParamAndGradBuffer:
             nonlocal offset, bucket_start, bucket_first
             padded_end = end
             if use_distributed_optimizer:
-                padded_end = bucket_start + _pad(end - bucket_start, bucket_end_multiple(self.dp_size))
+                padded_end = bucket_start + _pad(
+                    end - bucket_start, bucket_end_multiple(self.dp_size)
+                )
             bucket_bounds.append((bucket_first, last_exclusive, bucket_start, end, padded_end))
             offset = padded_end
             bucket_start, bucket_first = padded_end, last_exclusive
@@ -258,8 +290,11 @@ class ParamAndGradBuffer:
             start, end, _ = self.param_index_map[param]
             param.main_grad = self.grad_data[start:end].view(param.shape)
         for b, (first, last, b_start, b_unpadded_end, b_end) in enumerate(bucket_bounds):
-            self.buckets.append(Bucket(self, b, params[first:last], b_start, b_end - b_start,
-                                       b_unpadded_end - b_start))
+            self.buckets.append(
+                Bucket(
+                    self, b, params[first:last], b_start, b_end - b_start, b_unpadded_end - b_start
+                )
+            )
         self.param_to_bucket = {p: self.buckets[self.param_index_map[p][2]] for p in params}
 
     @property

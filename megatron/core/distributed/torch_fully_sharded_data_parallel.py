@@ -20,6 +20,7 @@ trainer passes as their model-parallel group.
 Gradient accumulation: inside :meth:`no_sync` FSDP keeps unsharded gradients and reduces once,
 in the backward of the last micro-batch.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -40,13 +41,16 @@ def _fsdp2():
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError as exc:  # pragma: no cover - depends on the torch build
-        raise ValueError(f"--use-torch-fsdp2 needs torch.distributed.fsdp.fully_shard (FSDP2), which this "
-                         f"torch {torch.__version__} does not provide: {exc}") from exc
+        raise ValueError(
+            f"--use-torch-fsdp2 needs torch.distributed.fsdp.fully_shard (FSDP2), which this "
+            f"torch {torch.__version__} does not provide: {exc}"
+        ) from exc
     return DeviceMesh, MixedPrecisionPolicy, fully_shard
 
 
 def _default_sub_modules_to_wrap() -> Tuple[Type[torch.nn.Module], ...]:
     from megatron.core.transformer.transformer_layer import TransformerLayer
+
     return (TransformerLayer,)
 
 
@@ -84,19 +88,30 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     (ZeRO-3; False keeps them until backward, ``--torch-fsdp2-no-reshard-after-forward``).
     """
 
-    def __init__(self, config: DistributedDataParallelConfig, module: torch.nn.Module, data_parallel_group=None,
-                 sub_modules_to_wrap: Optional[Iterable[Type[torch.nn.Module]]] = None,
-                 reshard_after_forward: bool = True):
+    def __init__(
+        self,
+        config: DistributedDataParallelConfig,
+        module: torch.nn.Module,
+        data_parallel_group=None,
+        sub_modules_to_wrap: Optional[Iterable[Type[torch.nn.Module]]] = None,
+        reshard_after_forward: bool = True,
+    ):
         super().__init__()
         if config.use_distributed_optimizer:
-            raise ValueError("--use-torch-fsdp2 shards the optimizer state by itself; "
-                             "it cannot be combined with --use-distributed-optimizer")
+            raise ValueError(
+                "--use-torch-fsdp2 shards the optimizer state by itself; "
+                "it cannot be combined with --use-distributed-optimizer"
+            )
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("--use-torch-fsdp2 needs torch.distributed to be initialized "
-                             "(launch with torchrun, also for one process)")
+            raise ValueError(
+                "--use-torch-fsdp2 needs torch.distributed to be initialized "
+                "(launch with torchrun, also for one process)"
+            )
         DeviceMesh, MixedPrecisionPolicy, fully_shard = _fsdp2()
         self.config = config
-        self.data_parallel_group = data_parallel_group if data_parallel_group is not None else dist.group.WORLD
+        self.data_parallel_group = (
+            data_parallel_group if data_parallel_group is not None else dist.group.WORLD
+        )
         self.dp_size = collectives.group_size(self.data_parallel_group)
         self.dp_rank = collectives.group_rank(self.data_parallel_group)
 
@@ -108,10 +123,19 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             raise ValueError("--use-torch-fsdp2: the model chunk has no parameters")
         self.mesh = DeviceMesh.from_group(self.data_parallel_group, first.device.type)
         reduce_dtype = torch.float32 if config.grad_reduce_in_fp32 else None
-        kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward,
-                      mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
-        wrap = tuple(sub_modules_to_wrap) if sub_modules_to_wrap is not None else _default_sub_modules_to_wrap()
-        self.sharded_units = [sub for sub in module.modules() if sub is not module and isinstance(sub, wrap)]
+        kwargs = dict(
+            mesh=self.mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
+        )
+        wrap = (
+            tuple(sub_modules_to_wrap)
+            if sub_modules_to_wrap is not None
+            else _default_sub_modules_to_wrap()
+        )
+        self.sharded_units = [
+            sub for sub in module.modules() if sub is not module and isinstance(sub, wrap)
+        ]
         for sub in self.sharded_units:
             fully_shard(sub, **kwargs)
         fully_shard(module, **kwargs)
@@ -192,8 +216,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         """Nothing is ever pending between iterations."""
 
     def broadcast_params(self):
-        raise ValueError("FSDP2 shards were built from each rank's own weights; broadcast the module "
-                         "before wrapping it (broadcast_module_params)")
+        raise ValueError(
+            "FSDP2 shards were built from each rank's own weights; broadcast the module "
+            "before wrapping it (broadcast_module_params)"
+        )
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

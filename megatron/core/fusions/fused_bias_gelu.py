@@ -27,7 +27,7 @@ _A = 0.044715
 class BiasGeLUTanhFunction(torch.autograd.Function):
     """gelu_tanh(input + bias) (bias may be None) with the derivative written out:
 
-        d/dx [x s] = s + x s (1 - s) 2c (1 + 3a x^2),   s = sigmoid(2z).
+    d/dx [x s] = s + x s (1 - s) 2c (1 + 3a x^2),   s = sigmoid(2z).
     """
 
     @staticmethod

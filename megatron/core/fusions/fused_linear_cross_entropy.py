@@ -29,8 +29,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """loss[n] = logsumexp_v(hidden[n] . weight[v]) - hidden[n] . weight[target[n]]."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tp_group,
-                fp32_softmax: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        tp_group,
+        fp32_softmax: bool,
+    ) -> torch.Tensor:
         # hidden [N, h], weight [Vp, h], target [N] (global ids)
         size = C.group_size(tp_group)
         partition = weight.shape[0]
@@ -54,8 +60,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             stats = C.all_reduce(torch.stack([target_logit, sum_exp]), tp_group)
             target_logit, sum_exp = stats[0], stats[1]
         loss = sum_exp.log().add_(row_max).sub_(target_logit)
-        ctx.save_for_backward(hidden, weight, local_target, numer, sum_exp,
-                              outside if outside is not None else torch.empty(0, dtype=torch.bool))
+        ctx.save_for_backward(
+            hidden,
+            weight,
+            local_target,
+            numer,
+            sum_exp,
+            outside if outside is not None else torch.empty(0, dtype=torch.bool),
+        )
         ctx.tp_size = size
         return loss
 
@@ -74,8 +86,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                         tp_group=None, fp32_softmax: bool = True) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group=None,
+    fp32_softmax: bool = True,
+) -> torch.Tensor:
     """Per-token cross entropy of ``hidden @ weight^T`` against ``target``, without keeping logits.
 
     hidden [..., h]; weight [V, h] (or this rank's vocab shard [V/TP, h] with ``tp_group``);
@@ -84,10 +102,19 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     are); without it everything stays in the matmul's dtype (``fp16_lm_cross_entropy``).
     """
     if hidden.shape[:-1] != target.shape:
-        raise ValueError(f"target of shape {tuple(target.shape)} does not match hidden states of shape "
-                         f"{tuple(hidden.shape)}")
+        raise ValueError(
+            f"target of shape {tuple(target.shape)} does not match hidden states of shape "
+            f"{tuple(hidden.shape)}"
+        )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight of shape {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
-    flat = LinearCrossEntropyFunction.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                            target.reshape(-1), tp_group, bool(fp32_softmax))
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}"
+        )
+    flat = LinearCrossEntropyFunction.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        target.reshape(-1),
+        tp_group,
+        bool(fp32_softmax),
+    )
     return flat.view(target.shape)

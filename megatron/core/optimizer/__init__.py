@@ -6,10 +6,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .distrib_optimizer import DistributedOptimizer
 from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
+from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
+from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 from .optimizer_config import OptimizerConfig
 
 __all__ = [
@@ -34,7 +34,7 @@ _DECOUPLED_LR_PREFIXES = ("embedding.word_embeddings", "output_layer")
 def _strip_wrappers(name: str) -> str:
     # DDP and Float16Module wrap the model as `.module`; match names as the bare model sees them.
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     return name
 
 
@@ -84,18 +84,20 @@ def get_param_groups(
     for (wd_mult, group_lr_mult, is_expert_parallel, is_decoupled), params in grouped.items():
         max_lr = float(config.decoupled_lr) if is_decoupled else float(config.lr)
         group_min_lr = decoupled_min_lr if is_decoupled else min_lr
-        groups.append({
-            "params": params,
-            "wd_mult": wd_mult,
-            "lr_mult": group_lr_mult,
-            "is_expert_parallel": is_expert_parallel,
-            "is_decoupled_lr": is_decoupled,
-            "max_lr": max_lr,
-            "min_lr": group_min_lr,
-            # Sensible values before the scheduler's first step overwrites them.
-            "lr": max_lr * group_lr_mult,
-            "weight_decay": config.weight_decay * wd_mult,
-        })
+        groups.append(
+            {
+                "params": params,
+                "wd_mult": wd_mult,
+                "lr_mult": group_lr_mult,
+                "is_expert_parallel": is_expert_parallel,
+                "is_decoupled_lr": is_decoupled,
+                "max_lr": max_lr,
+                "min_lr": group_min_lr,
+                # Sensible values before the scheduler's first step overwrites them.
+                "lr": max_lr * group_lr_mult,
+                "weight_decay": config.weight_decay * wd_mult,
+            }
+        )
     return groups
 
 
@@ -149,25 +151,43 @@ def get_megatron_optimizer(
     _validate(config)
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
-    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    param_groups = get_param_groups(
+        model_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult
+    )
     if not param_groups:
         raise ValueError("the model has no trainable parameters to optimize")
 
     if config.optimizer == "adam":
         optimizer_cls = torch.optim.AdamW
-        optimizer_kwargs = dict(lr=config.lr, weight_decay=config.weight_decay,
-                                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+        optimizer_kwargs = dict(
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+        )
     else:
         optimizer_cls = torch.optim.SGD
-        optimizer_kwargs = dict(lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum)
+        optimizer_kwargs = dict(
+            lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
+        )
     if config.use_distributed_optimizer:
         device = param_groups[0]["params"][0].device
-        return DistributedOptimizer(optimizer_cls, optimizer_kwargs, param_groups, config,
-                                    _grad_scaler(config, device), model_chunks, model_parallel_group, tp_rank)
+        return DistributedOptimizer(
+            optimizer_cls,
+            optimizer_kwargs,
+            param_groups,
+            config,
+            _grad_scaler(config, device),
+            model_chunks,
+            model_parallel_group,
+            tp_rank,
+        )
     inner = optimizer_cls(param_groups, **optimizer_kwargs)
 
     if config.fp16 or config.bf16:
         device = param_groups[0]["params"][0].device
         grad_scaler = _grad_scaler(config, device)
-        return Float16OptimizerWithFloat16Params(inner, config, grad_scaler, model_parallel_group, tp_rank)
+        return Float16OptimizerWithFloat16Params(
+            inner, config, grad_scaler, model_parallel_group, tp_rank
+        )
     return FP32Optimizer(inner, config, model_parallel_group, tp_rank)

@@ -107,8 +107,11 @@ def count_zeros_fp32(
 ) -> int:
     """Number of zero entries in the ``.grad`` of the params this rank owns, summed over the group."""
     parameters = list(parameters)
-    grads = [p.grad.detach() for p in parameters
-             if p.grad is not None and param_is_counted_once(p, tp_rank)]
+    grads = [
+        p.grad.detach()
+        for p in parameters
+        if p.grad is not None and param_is_counted_once(p, tp_rank)
+    ]
     device = _reduction_device(grads, grad_stats_parallel_group)
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:

@@ -17,6 +17,7 @@ count) and the grad scaler, without per-param state; the per-param state lives i
 fp32 ``param``, ``exp_avg`` and ``exp_avg_sq`` (without the bucket's end padding, which depends on
 DP) on DP rank 0; :meth:`load_parameter_state_from_dp_zero` re-shards it for the current DP size.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -52,25 +53,37 @@ class _ShardRange:
 
     def grad(self) -> torch.Tensor:
         buf = self.bucket.buffer.grad_data
-        return buf[self.buffer_start:self.buffer_start + self.numel]
+        return buf[self.buffer_start : self.buffer_start + self.numel]
 
     def model_slice(self) -> torch.Tensor:
-        return self.model_param.detach().view(-1)[self.param_start:self.param_end]
+        return self.model_param.detach().view(-1)[self.param_start : self.param_end]
 
 
 class DistributedOptimizer(MegatronOptimizer):
     """Sharded main params and optimizer state over the data-parallel group of the DDP chunks."""
 
-    def __init__(self, optimizer_cls, optimizer_kwargs: Dict[str, Any], param_groups: List[Dict[str, Any]],
-                 config: OptimizerConfig, grad_scaler: Optional[MegatronGradScaler],
-                 model_chunks: Sequence[torch.nn.Module], model_parallel_group=None, tp_rank: int = 0):
+    def __init__(
+        self,
+        optimizer_cls,
+        optimizer_kwargs: Dict[str, Any],
+        param_groups: List[Dict[str, Any]],
+        config: OptimizerConfig,
+        grad_scaler: Optional[MegatronGradScaler],
+        model_chunks: Sequence[torch.nn.Module],
+        model_parallel_group=None,
+        tp_rank: int = 0,
+    ):
         if config.fp16 and grad_scaler is None:
             raise ValueError("fp16 training needs a grad scaler (dynamic or --loss-scale)")
         for chunk in model_chunks:
             ddp_config = getattr(chunk, "config", None)
-            if not hasattr(chunk, "buffers") or not getattr(ddp_config, "use_distributed_optimizer", False):
-                raise ValueError("--use-distributed-optimizer needs the model chunks wrapped in "
-                                 "DistributedDataParallel built with use_distributed_optimizer=True")
+            if not hasattr(chunk, "buffers") or not getattr(
+                ddp_config, "use_distributed_optimizer", False
+            ):
+                raise ValueError(
+                    "--use-distributed-optimizer needs the model chunks wrapped in "
+                    "DistributedDataParallel built with use_distributed_optimizer=True"
+                )
         self.model_chunks = list(model_chunks)
         self.grad_scaler = grad_scaler
         self.optimizer_name = "adam" if issubclass(optimizer_cls, torch.optim.AdamW) else "sgd"
@@ -91,7 +104,9 @@ class DistributedOptimizer(MegatronOptimizer):
                     p_start, p_end, _ = buffer.param_index_map[param]
                     lo, hi = max(p_start, own_start), min(p_end, own_end)
                     if lo < hi:
-                        self.shard_ranges[param] = _ShardRange(param, bucket, lo - p_start, hi - p_start, lo)
+                        self.shard_ranges[param] = _ShardRange(
+                            param, bucket, lo - p_start, hi - p_start, lo
+                        )
 
         # Main params: fp32 clones of owned slices of half params, views of fp32 params' slices.
         self.main_params: Dict[torch.nn.Parameter, torch.Tensor] = {}
@@ -107,7 +122,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 elif p.dtype in (torch.float16, torch.bfloat16):
                     main = rng.model_slice().clone().float()
                 else:
-                    raise ValueError(f"unsupported param dtype {p.dtype} for the distributed optimizer")
+                    raise ValueError(
+                        f"unsupported param dtype {p.dtype} for the distributed optimizer"
+                    )
                 for attr in _PARALLEL_ATTRS:
                     if hasattr(p, attr):
                         setattr(main, attr, getattr(p, attr))
@@ -128,7 +145,10 @@ class DistributedOptimizer(MegatronOptimizer):
         groups = []
         if self.dp_size > 1:
             groups.append(self.data_parallel_group)
-        if self.model_parallel_group is not None and collectives.group_size(self.model_parallel_group) > 1:
+        if (
+            self.model_parallel_group is not None
+            and collectives.group_size(self.model_parallel_group) > 1
+        ):
             groups.append(self.model_parallel_group)
         return groups
 
@@ -146,7 +166,12 @@ class DistributedOptimizer(MegatronOptimizer):
             main.grad = None
 
     def _main_params_in_order(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
-        return [(p, m) for owned in self.model_params_of_group for p in owned for m in (self.main_params[p],)]
+        return [
+            (p, m)
+            for owned in self.model_params_of_group
+            for p in owned
+            for m in (self.main_params[p],)
+        ]
 
     def _copy_model_grads_to_main_grads(self) -> None:
         for param, main in self._main_params_in_order():
@@ -157,8 +182,11 @@ class DistributedOptimizer(MegatronOptimizer):
         return [m.grad for _, m in self._main_params_in_order() if m.grad is not None]
 
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
-        return [m.grad for p, m in self._main_params_in_order()
-                if m.grad is not None and param_is_counted_once(p, self.tp_rank)]
+        return [
+            m.grad
+            for p, m in self._main_params_in_order()
+            if m.grad is not None and param_is_counted_once(p, self.tp_rank)
+        ]
 
     def get_grad_norm(self) -> float:
         grads = self.get_main_grads_for_grad_norm()
@@ -258,12 +286,24 @@ class DistributedOptimizer(MegatronOptimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         saved = state_dict.get("optimizer", {}).get("param_groups")
         if saved is None:
-            raise ValueError("distributed optimizer checkpoint has no 'optimizer'/'param_groups' entry "
-                             "(was it saved without --use-distributed-optimizer?)")
+            raise ValueError(
+                "distributed optimizer checkpoint has no 'optimizer'/'param_groups' entry "
+                "(was it saved without --use-distributed-optimizer?)"
+            )
         if len(saved) != len(self.optimizer.param_groups):
-            raise ValueError(f"optimizer checkpoint has {len(saved)} param groups, this model has "
-                             f"{len(self.optimizer.param_groups)}")
-        keep = ("params", "wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel", "max_lr", "min_lr")
+            raise ValueError(
+                f"optimizer checkpoint has {len(saved)} param groups, this model has "
+                f"{len(self.optimizer.param_groups)}"
+            )
+        keep = (
+            "params",
+            "wd_mult",
+            "lr_mult",
+            "is_decoupled_lr",
+            "is_expert_parallel",
+            "max_lr",
+            "min_lr",
+        )
         for group, saved_group in zip(self.optimizer.param_groups, saved):
             for key, value in saved_group.items():
                 if key not in keep and key != "step":
@@ -292,7 +332,7 @@ class DistributedOptimizer(MegatronOptimizer):
             if value is None:
                 continue
             start = rng.buffer_start - own_start
-            shard[start:start + rng.numel].copy_(value.detach().view(-1))
+            shard[start : start + rng.numel].copy_(value.detach().view(-1))
         return shard
 
     def get_parameter_state_dp_zero(self) -> Optional[Dict[Any, Any]]:
@@ -304,9 +344,13 @@ class DistributedOptimizer(MegatronOptimizer):
         """
         is_root = self.dp_rank == 0
         state: Dict[Any, Any] = {
-            "per_bucket_numel": [{(b.param_dtype, b.grad_dtype): [k.numel for k in b.buckets]} for b in self.buffers],
-            "per_bucket_numel_unpadded": [{(b.param_dtype, b.grad_dtype): [k.numel_unpadded for k in b.buckets]}
-                                          for b in self.buffers],
+            "per_bucket_numel": [
+                {(b.param_dtype, b.grad_dtype): [k.numel for k in b.buckets]} for b in self.buffers
+            ],
+            "per_bucket_numel_unpadded": [
+                {(b.param_dtype, b.grad_dtype): [k.numel_unpadded for k in b.buckets]}
+                for b in self.buffers
+            ],
         }
         for gbuf_idx, buffer in enumerate(self.buffers):
             tensors: Dict[str, List[torch.Tensor]] = {key: [] for key in self._state_keys()}
@@ -316,7 +360,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     full = torch.empty(bucket.numel, dtype=torch.float32, device=shard.device)
                     collectives.all_gather_into_tensor(full, shard, self.data_parallel_group)
                     if is_root:
-                        tensors[key].append(full[:bucket.numel_unpadded].cpu())
+                        tensors[key].append(full[: bucket.numel_unpadded].cpu())
             state[gbuf_idx] = {(buffer.param_dtype, buffer.grad_dtype): tensors}
         return state if is_root else None
 
@@ -328,31 +372,39 @@ class DistributedOptimizer(MegatronOptimizer):
             dtype_key = (buffer.param_dtype, buffer.grad_dtype)
             for b, bucket in enumerate(buffer.buckets):
                 for key in self._state_keys():
-                    full = torch.zeros(bucket.numel, dtype=torch.float32, device=bucket.grad_data.device)
+                    full = torch.zeros(
+                        bucket.numel, dtype=torch.float32, device=bucket.grad_data.device
+                    )
                     problem = torch.zeros(1, dtype=torch.float32, device=full.device)
                     message = ""
                     if self.dp_rank == 0:
                         try:
                             saved = state[gbuf_idx][dtype_key][key][b]
                             if saved.numel() != bucket.numel_unpadded:
-                                raise ValueError(f"bucket {b} of buffer {gbuf_idx} holds {saved.numel()} "
-                                                 f"elements, this model's has {bucket.numel_unpadded}")
-                            full[:bucket.numel_unpadded].copy_(saved)
+                                raise ValueError(
+                                    f"bucket {b} of buffer {gbuf_idx} holds {saved.numel()} "
+                                    f"elements, this model's has {bucket.numel_unpadded}"
+                                )
+                            full[: bucket.numel_unpadded].copy_(saved)
                         except (KeyError, IndexError, TypeError, ValueError) as exc:
                             problem.fill_(1.0)
                             message = f"{type(exc).__name__}: {exc}"
                     if self.dp_size > 1:
-                        dist.all_reduce(problem, op=dist.ReduceOp.MAX, group=self.data_parallel_group)
+                        dist.all_reduce(
+                            problem, op=dist.ReduceOp.MAX, group=self.data_parallel_group
+                        )
                     if problem.item() > 0:
-                        raise ValueError("distrib_optim.pt does not match this model's buffers/buckets "
-                                         f"(state key {key!r}) {message}".rstrip())
+                        raise ValueError(
+                            "distrib_optim.pt does not match this model's buffers/buckets "
+                            f"(state key {key!r}) {message}".rstrip()
+                        )
                     collectives.broadcast(full, 0, self.data_parallel_group)
                     for param in bucket.params:
                         rng = self.shard_ranges.get(param)
                         if rng is None:
                             continue
                         start = rng.buffer_start - bucket.offset
-                        values = full[start:start + rng.numel]
+                        values = full[start : start + rng.numel]
                         main = self.main_params[param]
                         if key == "param":
                             main.view(-1).copy_(values)
@@ -371,5 +423,9 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def load_parameter_state(self, filename: str) -> None:
         """Read ``filename`` on DP rank 0 and re-shard it over DP."""
-        state = torch.load(filename, map_location="cpu", weights_only=True) if self.dp_rank == 0 else None
+        state = (
+            torch.load(filename, map_location="cpu", weights_only=True)
+            if self.dp_rank == 0
+            else None
+        )
         self.load_parameter_state_from_dp_zero(state)

@@ -84,12 +84,18 @@ class DynamicGradScaler(MegatronGradScaler):
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff factor must be in (0, 1), got {backoff_factor}")
         if not growth_interval > 0:
-            raise ValueError(f"loss scale window (--loss-scale-window) must be > 0, got {growth_interval}")
+            raise ValueError(
+                f"loss scale window (--loss-scale-window) must be > 0, got {growth_interval}"
+            )
         if not hysteresis >= 1:
             raise ValueError(f"hysteresis (--hysteresis) must be >= 1, got {hysteresis}")
         self.min_scale = torch.tensor([float(min_scale)], dtype=torch.float32, device=device)
-        self.growth_factor = torch.tensor([float(growth_factor)], dtype=torch.float32, device=device)
-        self.backoff_factor = torch.tensor([float(backoff_factor)], dtype=torch.float32, device=device)
+        self.growth_factor = torch.tensor(
+            [float(growth_factor)], dtype=torch.float32, device=device
+        )
+        self.backoff_factor = torch.tensor(
+            [float(backoff_factor)], dtype=torch.float32, device=device
+        )
         self.growth_interval = growth_interval
         self.hysteresis = int(hysteresis)
         self._growth_tracker = 0

@@ -28,7 +28,13 @@ from .optimizer_config import OptimizerConfig
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Attributes that decide how a param enters norms/zero counts; copied onto master params.
-_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce")
+_PARALLEL_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "allreduce",
+)
 
 
 def _zero_grad_group(params: List[torch.Tensor], set_to_none: bool) -> None:
@@ -201,14 +207,26 @@ class MegatronOptimizer:
         # Group settings that come from the current config (not training progress) survive the
         # load, so --override-opt-param-scheduler and a changed --decoupled-lr take effect.
         keep = [
-            {k: group[k] for k in ("wd_mult", "lr_mult", "is_decoupled_lr", "is_expert_parallel",
-                                   "max_lr", "min_lr") if k in group}
+            {
+                k: group[k]
+                for k in (
+                    "wd_mult",
+                    "lr_mult",
+                    "is_decoupled_lr",
+                    "is_expert_parallel",
+                    "max_lr",
+                    "min_lr",
+                )
+                if k in group
+            }
             for group in self.optimizer.param_groups
         ]
         try:
             self.optimizer.load_state_dict(inner_state)
         except (ValueError, KeyError) as exc:
-            raise ValueError(f"optimizer state in the checkpoint does not match this model: {exc}") from exc
+            raise ValueError(
+                f"optimizer state in the checkpoint does not match this model: {exc}"
+            ) from exc
         for group, kept in zip(self.optimizer.param_groups, keep):
             group.update(kept)
 
@@ -232,7 +250,9 @@ class FP32Optimizer(MegatronOptimizer):
         for param in self.get_parameters():
             main_grad = getattr(param, "main_grad", None)
             if main_grad is not None:
-                param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
+                param.grad = (
+                    main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
+                )
                 from_main_grad.append(param)
         timer.stop()
 
@@ -307,7 +327,11 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for groups in (self.float16_groups, self.fp32_from_float16_groups, self.fp32_from_fp32_groups):
+        for groups in (
+            self.float16_groups,
+            self.fp32_from_float16_groups,
+            self.fp32_from_fp32_groups,
+        ):
             for group in groups:
                 _zero_grad_group(group, set_to_none)
 
@@ -387,26 +411,37 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         inner_key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
         if inner_key not in state_dict:
-            raise ValueError("optimizer checkpoint has neither 'optimizer' nor 'optimizer_state_dict'")
+            raise ValueError(
+                "optimizer checkpoint has neither 'optimizer' nor 'optimizer_state_dict'"
+            )
         self._load_inner_state_dict(state_dict[inner_key])
 
         if "grad_scaler" in state_dict:
             if self.grad_scaler is not None:
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         elif self.config.fp16:
-            print("WARNING: the optimizer checkpoint has no grad scaler state; "
-                  "keeping the initial loss scale", flush=True)
+            print(
+                "WARNING: the optimizer checkpoint has no grad scaler state; "
+                "keeping the initial loss scale",
+                flush=True,
+            )
 
-        masters_key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
+        masters_key = (
+            "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
+        )
         if masters_key not in state_dict:
-            raise ValueError("optimizer checkpoint has no fp32 master params ('fp32_from_fp16_params')")
+            raise ValueError(
+                "optimizer checkpoint has no fp32 master params ('fp32_from_fp16_params')"
+            )
         saved_groups = state_dict[masters_key]
         if len(saved_groups) != len(self.fp32_from_float16_groups):
             raise ValueError(
                 f"optimizer checkpoint has {len(saved_groups)} master param groups, "
                 f"this model has {len(self.fp32_from_float16_groups)}"
             )
-        for g, (current_group, saved_group) in enumerate(zip(self.fp32_from_float16_groups, saved_groups)):
+        for g, (current_group, saved_group) in enumerate(
+            zip(self.fp32_from_float16_groups, saved_groups)
+        ):
             if len(saved_group) != len(current_group):
                 raise ValueError(
                     f"optimizer checkpoint master param group {g} has {len(saved_group)} params, "

@@ -16,6 +16,7 @@ Split rules (Megatron's, flag names in the messages):
 Everything is pure arithmetic and raises ``ValueError`` naming the flags on bad input, so the
 argument validation can call it before any process group exists.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,29 +53,44 @@ class PipelineLayerSplit:
     def chunk_args(self, pp_rank: int, chunk: int = 0) -> dict:
         """Keyword arguments for a model provider: pre/post_process, num_layers, layer_number_offset."""
         pp, vp = self.pipeline_model_parallel_size, self.num_chunks
-        return dict(pre_process=(pp_rank == 0 and chunk == 0),
-                    post_process=(pp_rank == pp - 1 and chunk == vp - 1),
-                    num_layers=self.num_layers_for(pp_rank, chunk),
-                    layer_number_offset=self.offset_for(pp_rank, chunk))
+        return dict(
+            pre_process=(pp_rank == 0 and chunk == 0),
+            post_process=(pp_rank == pp - 1 and chunk == vp - 1),
+            num_layers=self.num_layers_for(pp_rank, chunk),
+            layer_number_offset=self.offset_for(pp_rank, chunk),
+        )
 
 
-def resolve_virtual_pipeline_size(num_layers: int, pipeline_model_parallel_size: int,
-                                  num_layers_per_virtual_pipeline_stage: Optional[int] = None,
-                                  num_virtual_stages_per_pipeline_rank: Optional[int] = None,
-                                  decoder_first_pipeline_num_layers: Optional[int] = None,
-                                  decoder_last_pipeline_num_layers: Optional[int] = None) -> Optional[int]:
+def resolve_virtual_pipeline_size(
+    num_layers: int,
+    pipeline_model_parallel_size: int,
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None,
+    decoder_first_pipeline_num_layers: Optional[int] = None,
+    decoder_last_pipeline_num_layers: Optional[int] = None,
+) -> Optional[int]:
     """Model chunks per pipeline rank from the two virtual-stage flags; None means no interleaving
     (a computed size of 1 is also None, as in Megatron)."""
     pp = pipeline_model_parallel_size
-    if num_layers_per_virtual_pipeline_stage is not None and num_virtual_stages_per_pipeline_rank is not None:
-        raise ValueError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
-                         "are mutually exclusive; give one of them")
-    if num_layers_per_virtual_pipeline_stage is None and num_virtual_stages_per_pipeline_rank is None:
+    if (
+        num_layers_per_virtual_pipeline_stage is not None
+        and num_virtual_stages_per_pipeline_rank is not None
+    ):
+        raise ValueError(
+            "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+            "are mutually exclusive; give one of them"
+        )
+    if (
+        num_layers_per_virtual_pipeline_stage is None
+        and num_virtual_stages_per_pipeline_rank is None
+    ):
         return None
     if pp <= 1:
-        raise ValueError("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-                         "--num-virtual-stages-per-pipeline-rank) need --pipeline-model-parallel-size > 1, "
-                         f"got {pp}")
+        raise ValueError(
+            "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
+            "--num-virtual-stages-per-pipeline-rank) need --pipeline-model-parallel-size > 1, "
+            f"got {pp}"
+        )
     if num_virtual_stages_per_pipeline_rank is not None:
         vp = num_virtual_stages_per_pipeline_rank
         if vp < 1:
@@ -83,26 +99,38 @@ def resolve_virtual_pipeline_size(num_layers: int, pipeline_model_parallel_size:
     per_stage = num_layers_per_virtual_pipeline_stage
     if per_stage < 1:
         raise ValueError(f"--num-layers-per-virtual-pipeline-stage must be >= 1, got {per_stage}")
-    if decoder_first_pipeline_num_layers is not None or decoder_last_pipeline_num_layers is not None:
-        raise ValueError("with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers use "
-                         "--num-virtual-stages-per-pipeline-rank instead of --num-layers-per-virtual-pipeline-stage")
+    if (
+        decoder_first_pipeline_num_layers is not None
+        or decoder_last_pipeline_num_layers is not None
+    ):
+        raise ValueError(
+            "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers use "
+            "--num-virtual-stages-per-pipeline-rank instead of --num-layers-per-virtual-pipeline-stage"
+        )
     if num_layers % pp != 0:
-        raise ValueError(f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
-                         "to use --num-layers-per-virtual-pipeline-stage")
+        raise ValueError(
+            f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
+            "to use --num-layers-per-virtual-pipeline-stage"
+        )
     per_rank = num_layers // pp
     if per_rank % per_stage != 0:
-        raise ValueError(f"layers per pipeline rank ({num_layers} / {pp} = {per_rank}) must be divisible by "
-                         f"--num-layers-per-virtual-pipeline-stage ({per_stage})")
+        raise ValueError(
+            f"layers per pipeline rank ({num_layers} / {pp} = {per_rank}) must be divisible by "
+            f"--num-layers-per-virtual-pipeline-stage ({per_stage})"
+        )
     vp = per_rank // per_stage
     return vp if vp > 1 else None
 
 
-def compute_layer_split(num_layers: int, pipeline_model_parallel_size: int = 1,
-                        virtual_pipeline_model_parallel_size: Optional[int] = None,
-                        decoder_first_pipeline_num_layers: Optional[int] = None,
-                        decoder_last_pipeline_num_layers: Optional[int] = None,
-                        account_for_embedding_in_pipeline_split: bool = False,
-                        account_for_loss_in_pipeline_split: bool = False) -> PipelineLayerSplit:
+def compute_layer_split(
+    num_layers: int,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    decoder_first_pipeline_num_layers: Optional[int] = None,
+    decoder_last_pipeline_num_layers: Optional[int] = None,
+    account_for_embedding_in_pipeline_split: bool = False,
+    account_for_loss_in_pipeline_split: bool = False,
+) -> PipelineLayerSplit:
     """Layer counts for every (rank, chunk); raises ValueError naming the flags when impossible."""
     pp = pipeline_model_parallel_size
     vp = virtual_pipeline_model_parallel_size or 1
@@ -116,68 +144,101 @@ def compute_layer_split(num_layers: int, pipeline_model_parallel_size: int = 1,
     uneven = first is not None or last is not None
     accounting = account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split
     if uneven and accounting:
-        raise ValueError("--decoder-first/last-pipeline-num-layers cannot be combined with "
-                         "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split")
+        raise ValueError(
+            "--decoder-first/last-pipeline-num-layers cannot be combined with "
+            "--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split"
+        )
     if pp == 1 and (uneven or accounting):
-        raise ValueError("--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split "
-                         "need --pipeline-model-parallel-size > 1")
+        raise ValueError(
+            "--decoder-first/last-pipeline-num-layers and --account-for-*-in-pipeline-split "
+            "need --pipeline-model-parallel-size > 1"
+        )
 
     if uneven:
         per_rank = _uneven_per_rank(num_layers, pp, first, last)
         for rank, n in enumerate(per_rank):
             if n % vp != 0:
-                which = ("--decoder-first-pipeline-num-layers" if rank == 0 and first is not None else
-                         "--decoder-last-pipeline-num-layers" if rank == pp - 1 and last is not None else
-                         "the layers of a middle pipeline stage")
-                raise ValueError(f"{which} ({n}) must be divisible by the virtual pipeline size ({vp})")
+                which = (
+                    "--decoder-first-pipeline-num-layers"
+                    if rank == 0 and first is not None
+                    else "--decoder-last-pipeline-num-layers"
+                    if rank == pp - 1 and last is not None
+                    else "the layers of a middle pipeline stage"
+                )
+                raise ValueError(
+                    f"{which} ({n}) must be divisible by the virtual pipeline size ({vp})"
+                )
         counts = [[n // vp] * vp for n in per_rank]
     else:
-        extra = int(account_for_embedding_in_pipeline_split) + int(account_for_loss_in_pipeline_split)
+        extra = int(account_for_embedding_in_pipeline_split) + int(
+            account_for_loss_in_pipeline_split
+        )
         total = num_layers + extra
         if total % pp != 0:
-            what = f"--num-layers ({num_layers})" + (f" + {extra} (--account-for-*-in-pipeline-split)" if extra else "")
-            raise ValueError(f"{what} must be divisible by --pipeline-model-parallel-size ({pp}); use "
-                             "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
-                             "for an uneven split")
+            what = f"--num-layers ({num_layers})" + (
+                f" + {extra} (--account-for-*-in-pipeline-split)" if extra else ""
+            )
+            raise ValueError(
+                f"{what} must be divisible by --pipeline-model-parallel-size ({pp}); use "
+                "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+                "for an uneven split"
+            )
         per_rank = total // pp
         if per_rank % vp != 0:
-            raise ValueError(f"layers per pipeline rank ({per_rank}) must be divisible by the number of virtual "
-                             f"stages per rank ({vp})")
+            raise ValueError(
+                f"layers per pipeline rank ({per_rank}) must be divisible by the number of virtual "
+                f"stages per rank ({vp})"
+            )
         counts = [[per_rank // vp] * vp for _ in range(pp)]
         if account_for_embedding_in_pipeline_split:
             counts[0][0] -= 1
         if account_for_loss_in_pipeline_split:
             counts[pp - 1][vp - 1] -= 1
         if counts[0][0] < 0 or counts[pp - 1][vp - 1] < 0:
-            raise ValueError("--account-for-*-in-pipeline-split leaves a virtual stage with fewer than zero layers; "
-                             "use fewer pipeline stages")
-    return PipelineLayerSplit(num_layers=num_layers, pipeline_model_parallel_size=pp,
-                              virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-                              counts=tuple(tuple(c) for c in counts))
+            raise ValueError(
+                "--account-for-*-in-pipeline-split leaves a virtual stage with fewer than zero layers; "
+                "use fewer pipeline stages"
+            )
+    return PipelineLayerSplit(
+        num_layers=num_layers,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        counts=tuple(tuple(c) for c in counts),
+    )
 
 
-def _uneven_per_rank(num_layers: int, pp: int, first: Optional[int], last: Optional[int]) -> List[int]:
-    for flag, value in (("--decoder-first-pipeline-num-layers", first),
-                        ("--decoder-last-pipeline-num-layers", last)):
+def _uneven_per_rank(
+    num_layers: int, pp: int, first: Optional[int], last: Optional[int]
+) -> List[int]:
+    for flag, value in (
+        ("--decoder-first-pipeline-num-layers", first),
+        ("--decoder-last-pipeline-num-layers", last),
+    ):
         if value is not None and value < 0:
             raise ValueError(f"{flag} must be >= 0, got {value}")
     fixed = (first or 0) + (last or 0)
     if fixed > num_layers:
-        raise ValueError(f"--decoder-first-pipeline-num-layers ({first}) + --decoder-last-pipeline-num-layers "
-                         f"({last}) exceed --num-layers ({num_layers})")
+        raise ValueError(
+            f"--decoder-first-pipeline-num-layers ({first}) + --decoder-last-pipeline-num-layers "
+            f"({last}) exceed --num-layers ({num_layers})"
+        )
     middle_stages = pp - int(first is not None) - int(last is not None)
     rest = num_layers - fixed
     if middle_stages == 0:
         if rest != 0:
-            raise ValueError(f"--decoder-first-pipeline-num-layers ({first}) + --decoder-last-pipeline-num-layers "
-                             f"({last}) must equal --num-layers ({num_layers}) with "
-                             f"--pipeline-model-parallel-size {pp}")
+            raise ValueError(
+                f"--decoder-first-pipeline-num-layers ({first}) + --decoder-last-pipeline-num-layers "
+                f"({last}) must equal --num-layers ({num_layers}) with "
+                f"--pipeline-model-parallel-size {pp}"
+            )
         middle = 0
     else:
         if rest % middle_stages != 0:
-            raise ValueError(f"the {rest} layers left after --decoder-first/last-pipeline-num-layers must be "
-                             f"divisible by the {middle_stages} remaining pipeline stages "
-                             f"(--num-layers {num_layers}, --pipeline-model-parallel-size {pp})")
+            raise ValueError(
+                f"the {rest} layers left after --decoder-first/last-pipeline-num-layers must be "
+                f"divisible by the {middle_stages} remaining pipeline stages "
+                f"(--num-layers {num_layers}, --pipeline-model-parallel-size {pp})"
+            )
         middle = rest // middle_stages
     per_rank = [middle] * pp
     if first is not None:
@@ -187,8 +248,11 @@ def _uneven_per_rank(num_layers: int, pp: int, first: Optional[int], last: Optio
     return per_rank
 
 
-def check_interleaved_microbatches(num_microbatches: int, pipeline_model_parallel_size: int,
-                                   microbatch_group_size_per_vp_stage: Optional[int] = None) -> int:
+def check_interleaved_microbatches(
+    num_microbatches: int,
+    pipeline_model_parallel_size: int,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+) -> int:
     """Megatron's micro-batch rules for the interleaved schedule; returns the group size G.
 
     G (``--microbatch-group-size-per-virtual-pipeline-stage``, default PP) consecutive micro-batches
@@ -205,11 +269,13 @@ def check_interleaved_microbatches(num_microbatches: int, pipeline_model_paralle
             f"interleaved pipeline schedule: the micro-batch group size per virtual stage "
             f"(--microbatch-group-size-per-virtual-pipeline-stage, default = --pipeline-model-parallel-size) "
             f"is {g} but must lie in [PP={pp}, number of micro-batches={m}]; the number of micro-batches is "
-            f"--global-batch-size / (--micro-batch-size x data-parallel size)")
+            f"--global-batch-size / (--micro-batch-size x data-parallel size)"
+        )
     rest = m % g
     if 0 < rest < pp:
         raise ValueError(
             f"interleaved pipeline schedule: number of micro-batches ({m}) mod the micro-batch group size ({g}) "
             f"is {rest}; it must be 0 or >= --pipeline-model-parallel-size ({pp}). Choose "
-            f"--global-batch-size so that the number of micro-batches is a multiple of {g}")
+            f"--global-batch-size so that the number of micro-batches is a multiple of {g}"
+        )
     return g

@@ -19,6 +19,7 @@ Timers (level 2, as Megatron): forward-recv, forward-send, backward-recv, backwa
 forward-send-forward-recv, forward-send-backward-recv, backward-send-forward-recv,
 backward-send-backward-recv, forward-backward-send-forward-backward-recv.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -33,16 +34,22 @@ _GRADIENT_TAG = 1
 def get_tensor_shape(seq_length: int, micro_batch_size: int, config) -> Tuple[int, int, int]:
     """Shape of the activation passed between stages: ``[s/CP (/TP with SP), mbs, h]``."""
     if seq_length is None or micro_batch_size is None:
-        raise ValueError("pipeline schedules need seq_length and micro_batch_size to size the p2p tensors")
+        raise ValueError(
+            "pipeline schedules need seq_length and micro_batch_size to size the p2p tensors"
+        )
     cp = getattr(config, "context_parallel_size", 1) or 1
     tp = getattr(config, "tensor_model_parallel_size", 1) or 1
     if seq_length % cp != 0:
-        raise ValueError(f"seq_length ({seq_length}) must be divisible by --context-parallel-size ({cp})")
+        raise ValueError(
+            f"seq_length ({seq_length}) must be divisible by --context-parallel-size ({cp})"
+        )
     seq = seq_length // cp
     if getattr(config, "sequence_parallel", False) and tp > 1:
         if seq % tp != 0:
-            raise ValueError(f"sequence length per context-parallel rank ({seq}) must be divisible by "
-                             f"--tensor-model-parallel-size ({tp}) with --sequence-parallel")
+            raise ValueError(
+                f"sequence length per context-parallel rank ({seq}) must be divisible by "
+                f"--tensor-model-parallel-size ({tp}) with --sequence-parallel"
+            )
         seq //= tp
     return (seq, micro_batch_size, config.hidden_size)
 
@@ -73,8 +80,11 @@ class P2PCommunicator:
             self.prev_rank = self.next_rank = None
         if device is None:
             backend = dist.get_backend(pp_group) if pp_group is not None else "gloo"
-            device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) \
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if "nccl" in str(backend)
                 else torch.device("cpu")
+            )
         self.device = device
         self.dtype = get_pipeline_dtype(config)
         self._pending_sends: List[Tuple[object, torch.Tensor]] = []
@@ -101,9 +111,16 @@ class P2PCommunicator:
             tensor = tensor.to(self.dtype)
         return tensor.contiguous()
 
-    def _communicate(self, name: str, *, send_next: Optional[torch.Tensor] = None,
-                     send_prev: Optional[torch.Tensor] = None, recv_prev: bool = False,
-                     recv_next: bool = False, tensor_shape=None):
+    def _communicate(
+        self,
+        name: str,
+        *,
+        send_next: Optional[torch.Tensor] = None,
+        send_prev: Optional[torch.Tensor] = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        tensor_shape=None,
+    ):
         """Post all given sends/receives as one batch; wait for the receives.
 
         Returns ``(from_prev, from_next)``; each is None unless requested.
@@ -126,7 +143,9 @@ class P2PCommunicator:
             sends.append(t)
             ops.append(dist.P2POp(dist.isend, t, self.next_rank, self.group, _ACTIVATION_TAG))
         if from_prev is not None:
-            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group, _ACTIVATION_TAG))
+            ops.append(
+                dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group, _ACTIVATION_TAG)
+            )
         if send_prev is not None:
             t = self._outgoing(send_prev)
             sends.append(t)
@@ -157,13 +176,17 @@ class P2PCommunicator:
         self._pending_sends.clear()
 
     # ------------------------------------------------------------------------------ operations
-    def recv_forward(self, tensor_shape, is_first_stage: Optional[bool] = None) -> Optional[torch.Tensor]:
+    def recv_forward(
+        self, tensor_shape, is_first_stage: Optional[bool] = None
+    ) -> Optional[torch.Tensor]:
         """Activation from the previous stage (None on the first stage)."""
         if self._first(is_first_stage):
             return None
         return self._communicate("forward-recv", recv_prev=True, tensor_shape=tensor_shape)[0]
 
-    def recv_backward(self, tensor_shape, is_last_stage: Optional[bool] = None) -> Optional[torch.Tensor]:
+    def recv_backward(
+        self, tensor_shape, is_last_stage: Optional[bool] = None
+    ) -> Optional[torch.Tensor]:
         """Gradient of this stage's output from the next stage (None on the last stage)."""
         if self._last(is_last_stage):
             return None
@@ -179,46 +202,84 @@ class P2PCommunicator:
             return
         self._communicate("backward-send", send_prev=input_tensor_grad)
 
-    def send_forward_recv_backward(self, output_tensor, tensor_shape,
-                                   is_last_stage: Optional[bool] = None) -> Optional[torch.Tensor]:
+    def send_forward_recv_backward(
+        self, output_tensor, tensor_shape, is_last_stage: Optional[bool] = None
+    ) -> Optional[torch.Tensor]:
         if self._last(is_last_stage):
             return None
-        return self._communicate("forward-send-backward-recv", send_next=output_tensor, recv_next=True,
-                                 tensor_shape=tensor_shape)[1]
+        return self._communicate(
+            "forward-send-backward-recv",
+            send_next=output_tensor,
+            recv_next=True,
+            tensor_shape=tensor_shape,
+        )[1]
 
-    def send_backward_recv_forward(self, input_tensor_grad, tensor_shape,
-                                   is_first_stage: Optional[bool] = None) -> Optional[torch.Tensor]:
+    def send_backward_recv_forward(
+        self, input_tensor_grad, tensor_shape, is_first_stage: Optional[bool] = None
+    ) -> Optional[torch.Tensor]:
         if self._first(is_first_stage):
             return None
-        return self._communicate("backward-send-forward-recv", send_prev=input_tensor_grad, recv_prev=True,
-                                 tensor_shape=tensor_shape)[0]
+        return self._communicate(
+            "backward-send-forward-recv",
+            send_prev=input_tensor_grad,
+            recv_prev=True,
+            tensor_shape=tensor_shape,
+        )[0]
 
-    def send_forward_recv_forward(self, output_tensor, recv_prev: bool, tensor_shape) -> Optional[torch.Tensor]:
+    def send_forward_recv_forward(
+        self, output_tensor, recv_prev: bool, tensor_shape
+    ) -> Optional[torch.Tensor]:
         """Send to the next stage (if ``output_tensor``) and receive from the previous (if ``recv_prev``)."""
-        return self._communicate("forward-send-forward-recv", send_next=output_tensor, recv_prev=recv_prev,
-                                 tensor_shape=tensor_shape)[0]
+        return self._communicate(
+            "forward-send-forward-recv",
+            send_next=output_tensor,
+            recv_prev=recv_prev,
+            tensor_shape=tensor_shape,
+        )[0]
 
-    def send_backward_recv_backward(self, input_tensor_grad, recv_next: bool,
-                                    tensor_shape) -> Optional[torch.Tensor]:
+    def send_backward_recv_backward(
+        self, input_tensor_grad, recv_next: bool, tensor_shape
+    ) -> Optional[torch.Tensor]:
         """Send to the previous stage (if ``input_tensor_grad``) and receive from the next (if ``recv_next``)."""
-        return self._communicate("backward-send-backward-recv", send_prev=input_tensor_grad, recv_next=recv_next,
-                                 tensor_shape=tensor_shape)[1]
+        return self._communicate(
+            "backward-send-backward-recv",
+            send_prev=input_tensor_grad,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+        )[1]
 
-    def send_forward_backward_recv_forward_backward(self, output_tensor, input_tensor_grad, recv_prev: bool,
-                                                    recv_next: bool, tensor_shape):
+    def send_forward_backward_recv_forward_backward(
+        self, output_tensor, input_tensor_grad, recv_prev: bool, recv_next: bool, tensor_shape
+    ):
         """All four directions in one batch; returns ``(input_tensor, output_tensor_grad)``."""
-        return self._communicate("forward-backward-send-forward-backward-recv", send_next=output_tensor,
-                                 send_prev=input_tensor_grad, recv_prev=recv_prev, recv_next=recv_next,
-                                 tensor_shape=tensor_shape)
+        return self._communicate(
+            "forward-backward-send-forward-backward-recv",
+            send_next=output_tensor,
+            send_prev=input_tensor_grad,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+        )
 
-    def exchange(self, *, send_next=None, send_prev=None, recv_prev: bool = False, recv_next: bool = False,
-                 tensor_shape=None):
+    def exchange(
+        self,
+        *,
+        send_next=None,
+        send_prev=None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+        tensor_shape=None,
+    ):
         """Any combination of the four directions, named by Megatron's timer for that combination."""
         forward = send_next is not None or recv_prev
         backward = send_prev is not None or recv_next
         if not forward and not backward:
             return None, None
-        sends = [d for d, on in (("forward", send_next is not None), ("backward", send_prev is not None)) if on]
+        sends = [
+            d
+            for d, on in (("forward", send_next is not None), ("backward", send_prev is not None))
+            if on
+        ]
         recvs = [d for d, on in (("forward", recv_prev), ("backward", recv_next)) if on]
         if len(sends) == 2 or len(recvs) == 2:
             name = "forward-backward-send-forward-backward-recv"
@@ -228,8 +289,14 @@ class P2PCommunicator:
             name = f"{sends[0]}-send"
         else:
             name = f"{recvs[0]}-recv"
-        return self._communicate(name, send_next=send_next, send_prev=send_prev, recv_prev=recv_prev,
-                                 recv_next=recv_next, tensor_shape=tensor_shape)
+        return self._communicate(
+            name,
+            send_next=send_next,
+            send_prev=send_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+        )
 
     def _first(self, flag: Optional[bool]) -> bool:
         return self.is_pipeline_first_stage if flag is None else flag

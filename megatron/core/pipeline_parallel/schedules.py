@@ -11,6 +11,7 @@ config (attributes set by the trainer): ``grad_scale_func`` (loss scaling for fp
 and, for tests, ``pipeline_event_callback`` (called with a :class:`PipelineEvent` after every
 forward and backward compute of the pipeline schedules).
 """
+
 from __future__ import annotations
 
 import time
@@ -44,8 +45,10 @@ def get_model_config(model: torch.nn.Module):
     return found
 
 
-def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None) -> Callable:
+def get_forward_backward_func(
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+) -> Callable:
     """The schedule for a layout: no pipelining, 1F1B, or interleaved 1F1B (virtual stages)."""
     vp = virtual_pipeline_model_parallel_size
     if pipeline_model_parallel_size > 1:
@@ -53,8 +56,10 @@ def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
             return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
     if vp is not None and vp > 1:
-        raise ValueError("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-                         "--num-virtual-stages-per-pipeline-rank) need --pipeline-model-parallel-size > 1")
+        raise ValueError(
+            "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
+            "--num-virtual-stages-per-pipeline-rank) need --pipeline-model-parallel-size > 1"
+        )
     return forward_backward_no_pipelining
 
 
@@ -73,10 +78,20 @@ def _unwrap_set_input_tensor(model):
     return fn
 
 
-def forward_step(forward_step_func, data_iterator, model, num_microbatches: int, config,
-                 forward_data_store: list, forward_only: bool, collect_non_loss_data: bool = False,
-                 *, input_tensor: Optional[torch.Tensor] = None, set_input_tensor: bool = False,
-                 is_last_stage: bool = True):
+def forward_step(
+    forward_step_func,
+    data_iterator,
+    model,
+    num_microbatches: int,
+    config,
+    forward_data_store: list,
+    forward_only: bool,
+    collect_non_loss_data: bool = False,
+    *,
+    input_tensor: Optional[torch.Tensor] = None,
+    set_input_tensor: bool = False,
+    is_last_stage: bool = True,
+):
     """Run one micro-batch forward and turn its loss into the tensor that backward starts from.
 
     Pipeline schedules pass ``set_input_tensor=True`` with the activation received from the
@@ -124,8 +139,12 @@ def forward_step(forward_step_func, data_iterator, model, num_microbatches: int,
     return output_tensor, num_tokens
 
 
-def backward_step(output_tensor: torch.Tensor, config, input_tensor: Optional[torch.Tensor] = None,
-                  output_tensor_grad: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def backward_step(
+    output_tensor: torch.Tensor,
+    config,
+    input_tensor: Optional[torch.Tensor] = None,
+    output_tensor_grad: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
     """Backward from the loss (``output_tensor_grad`` None: last stage, loss scaling applies) or from
     the gradient of this stage's output received from the next stage; returns the gradient of
     ``input_tensor`` (the activation received from the previous stage), if any."""
@@ -138,7 +157,9 @@ def backward_step(output_tensor: torch.Tensor, config, input_tensor: Optional[to
             output_tensor = scale(output_tensor)
         torch.autograd.backward(output_tensor)
     else:
-        torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad.to(output_tensor.dtype))
+        torch.autograd.backward(
+            output_tensor, grad_tensors=output_tensor_grad.to(output_tensor.dtype)
+        )
     input_grad = input_tensor.grad if input_tensor is not None else None
     if timer:
         timer.stop()
@@ -176,14 +197,30 @@ def forward_backward_no_pipelining(
     total_tokens = torch.tensor(0, dtype=torch.int)
     with no_sync():
         for _ in range(num_microbatches - 1):
-            output, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, config,
-                                              forward_data_store, forward_only, collect_non_loss_data)
+            output, num_tokens = forward_step(
+                forward_step_func,
+                data_iterator,
+                model,
+                num_microbatches,
+                config,
+                forward_data_store,
+                forward_only,
+                collect_non_loss_data,
+            )
             total_tokens += num_tokens
             if not forward_only:
                 backward_step(output, config)
     # The last micro-batch runs outside no_sync so that overlapped reductions could start.
-    output, num_tokens = forward_step(forward_step_func, data_iterator, model, num_microbatches, config,
-                                      forward_data_store, forward_only, collect_non_loss_data)
+    output, num_tokens = forward_step(
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches,
+        config,
+        forward_data_store,
+        forward_only,
+        collect_non_loss_data,
+    )
     total_tokens += num_tokens
     if not forward_only:
         backward_step(output, config)
@@ -214,8 +251,10 @@ def _resolve_communicator(config, p2p_communicator, pg_collection) -> P2PCommuni
     if p2p_communicator is not None:
         return p2p_communicator
     if pg_collection is None or not hasattr(pg_collection, "get_pipeline_model_parallel_group"):
-        raise ValueError("pipeline schedules need the pipeline group: pass pg_collection=<ParallelState> "
-                         "(from initialize_model_parallel) or p2p_communicator=P2PCommunicator(pp_group, config)")
+        raise ValueError(
+            "pipeline schedules need the pipeline group: pass pg_collection=<ParallelState> "
+            "(from initialize_model_parallel) or p2p_communicator=P2PCommunicator(pp_group, config)"
+        )
     return P2PCommunicator(pg_collection.get_pipeline_model_parallel_group(), config)
 
 
@@ -225,11 +264,15 @@ def _as_list(x, n: int, what: str) -> list:
             raise ValueError(f"{what}: expected {n} entries (one per model chunk), got {len(x)}")
         return list(x)
     if n != 1:
-        raise ValueError(f"{what}: the interleaved schedule needs a list with one entry per model chunk ({n})")
+        raise ValueError(
+            f"{what}: the interleaved schedule needs a list with one entry per model chunk ({n})"
+        )
     return [x]
 
 
-def get_schedule_table(num_microbatches: int, num_model_chunks: int, group_size: int) -> List[tuple]:
+def get_schedule_table(
+    num_microbatches: int, num_model_chunks: int, group_size: int
+) -> List[tuple]:
     """Forward order of (micro-batch, chunk): groups of ``group_size`` micro-batches run through
     chunk 0, then chunk 1, ...; then the next group. The last group holds the remainder."""
     table = []
@@ -240,9 +283,20 @@ def get_schedule_table(num_microbatches: int, num_model_chunks: int, group_size:
     return table
 
 
-def _run_pipeline(*, forward_step_func, data_iterators, model_chunks, num_microbatches, config,
-                  communicator: P2PCommunicator, tensor_shape, table, num_warmup, forward_only,
-                  collect_non_loss_data) -> List[Any]:
+def _run_pipeline(
+    *,
+    forward_step_func,
+    data_iterators,
+    model_chunks,
+    num_microbatches,
+    config,
+    communicator: P2PCommunicator,
+    tensor_shape,
+    table,
+    num_warmup,
+    forward_only,
+    collect_non_loss_data,
+) -> List[Any]:
     """Drive one rank through its forward/backward sequence.
 
     The sequence is warm-up forwards, then (forward k + warm-up, backward k) pairs, then the
@@ -294,9 +348,13 @@ def _run_pipeline(*, forward_step_func, data_iterators, model_chunks, num_microb
             mb, chunk = locate(kind, k)
             recv_prev = kind == "F" and not first_vstage(chunk)
             recv_next = kind == "B" and not last_vstage(chunk)
-            from_prev, from_next = communicator.exchange(send_next=send_next, send_prev=send_prev,
-                                                         recv_prev=recv_prev, recv_next=recv_next,
-                                                         tensor_shape=tensor_shape)
+            from_prev, from_next = communicator.exchange(
+                send_next=send_next,
+                send_prev=send_prev,
+                recv_prev=recv_prev,
+                recv_next=recv_next,
+                tensor_shape=tensor_shape,
+            )
             send_next = send_prev = None
             start = time.monotonic_ns()
             if kind == "F":
@@ -304,9 +362,18 @@ def _run_pipeline(*, forward_step_func, data_iterators, model_chunks, num_microb
                 if input_tensor is not None and not forward_only:
                     input_tensor.requires_grad_(True)
                 output, num_tokens = forward_step(
-                    forward_step_func, data_iterators[chunk], model_chunks[chunk], num_microbatches, config,
-                    forward_data_store, forward_only, collect_non_loss_data, input_tensor=input_tensor,
-                    set_input_tensor=True, is_last_stage=last_vstage(chunk))
+                    forward_step_func,
+                    data_iterators[chunk],
+                    model_chunks[chunk],
+                    num_microbatches,
+                    config,
+                    forward_data_store,
+                    forward_only,
+                    collect_non_loss_data,
+                    input_tensor=input_tensor,
+                    set_input_tensor=True,
+                    is_last_stage=last_vstage(chunk),
+                )
                 total_tokens += num_tokens
                 if not last_vstage(chunk):
                     send_next = output
@@ -319,8 +386,12 @@ def _run_pipeline(*, forward_step_func, data_iterators, model_chunks, num_microb
                 backwards_left[chunk] -= 1
                 if backwards_left[chunk] == 0:
                     sync_stacks[chunk].close()  # leave no_sync before the chunk's last backward
-                input_grad = backward_step(output, config, input_tensor=input_tensor,
-                                           output_tensor_grad=None if last_vstage(chunk) else from_next)
+                input_grad = backward_step(
+                    output,
+                    config,
+                    input_tensor=input_tensor,
+                    output_tensor_grad=None if last_vstage(chunk) else from_next,
+                )
                 if backwards_left[chunk] == 0 and grad_sync_func is not None:
                     grad_sync_func(model_chunks[chunk].parameters())
                 if not first_vstage(chunk):
@@ -355,16 +426,26 @@ def forward_backward_pipelining_without_interleaving(
     data_iterators = _as_list(data_iterator, 1, "data_iterator")
     config = get_model_config(model_chunks[0])
     if getattr(config, "variable_seq_lengths", False):
-        raise ValueError("variable sequence lengths are not supported by the pipeline schedules yet")
+        raise ValueError(
+            "variable sequence lengths are not supported by the pipeline schedules yet"
+        )
     communicator = _resolve_communicator(config, p2p_communicator, pg_collection)
     tensor_shape = get_tensor_shape(seq_length, micro_batch_size, config)
     num_warmup = communicator.world_size - communicator.rank - 1
     table = [(mb, 0) for mb in range(num_microbatches)]
-    return _run_pipeline(forward_step_func=forward_step_func, data_iterators=data_iterators,
-                         model_chunks=model_chunks, num_microbatches=num_microbatches, config=config,
-                         communicator=communicator, tensor_shape=tensor_shape, table=table,
-                         num_warmup=num_warmup, forward_only=forward_only,
-                         collect_non_loss_data=collect_non_loss_data)
+    return _run_pipeline(
+        forward_step_func=forward_step_func,
+        data_iterators=data_iterators,
+        model_chunks=model_chunks,
+        num_microbatches=num_microbatches,
+        config=config,
+        communicator=communicator,
+        tensor_shape=tensor_shape,
+        table=table,
+        num_warmup=num_warmup,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+    )
 
 
 def forward_backward_pipelining_with_interleaving(
@@ -390,25 +471,38 @@ def forward_backward_pipelining_with_interleaving(
     Megatron's micro-batch rules (PP <= G <= M; M mod G = 0 or >= PP) raise ValueError.
     """
     if not isinstance(model, (list, tuple)) or len(model) < 2:
-        raise ValueError("the interleaved schedule needs a list of at least two model chunks "
-                         "(one per virtual pipeline stage)")
+        raise ValueError(
+            "the interleaved schedule needs a list of at least two model chunks "
+            "(one per virtual pipeline stage)"
+        )
     model_chunks = list(model)
     data_iterators = _as_list(data_iterator, len(model_chunks), "data_iterator")
     config = get_model_config(model_chunks[0])
     if getattr(config, "variable_seq_lengths", False):
-        raise ValueError("variable sequence lengths are not supported by the pipeline schedules yet")
+        raise ValueError(
+            "variable sequence lengths are not supported by the pipeline schedules yet"
+        )
     communicator = _resolve_communicator(config, p2p_communicator, pg_collection)
     pp, rank = communicator.world_size, communicator.rank
     if pp < 2:
         raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-    group = check_interleaved_microbatches(num_microbatches, pp,
-                                           getattr(config, "microbatch_group_size_per_vp_stage", None))
+    group = check_interleaved_microbatches(
+        num_microbatches, pp, getattr(config, "microbatch_group_size_per_vp_stage", None)
+    )
     tensor_shape = get_tensor_shape(seq_length, micro_batch_size, config)
     num_chunks = len(model_chunks)
     num_warmup = (pp - rank - 1) * 2 + (num_chunks - 1) * group
     table = get_schedule_table(num_microbatches, num_chunks, group)
-    return _run_pipeline(forward_step_func=forward_step_func, data_iterators=data_iterators,
-                         model_chunks=model_chunks, num_microbatches=num_microbatches, config=config,
-                         communicator=communicator, tensor_shape=tensor_shape, table=table,
-                         num_warmup=num_warmup, forward_only=forward_only,
-                         collect_non_loss_data=collect_non_loss_data)
+    return _run_pipeline(
+        forward_step_func=forward_step_func,
+        data_iterators=data_iterators,
+        model_chunks=model_chunks,
+        num_microbatches=num_microbatches,
+        config=config,
+        communicator=communicator,
+        tensor_shape=tensor_shape,
+        table=table,
+        num_warmup=num_warmup,
+        forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data,
+    )

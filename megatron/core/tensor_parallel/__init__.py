@@ -18,13 +18,25 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.tensor_parallel.process_groups import ProcessGroupCollection, resolve_pg_collection
+from megatron.core.tensor_parallel.process_groups import (
+    ProcessGroupCollection,
+    resolve_pg_collection,
+)
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-    "allreduce_sequence_parallel_grads", "copy_to_tensor_model_parallel_region",
-    "gather_from_sequence_parallel_region", "gather_from_tensor_model_parallel_region",
-    "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-    "scatter_to_sequence_parallel_region", "scatter_to_tensor_model_parallel_region",
-    "ProcessGroupCollection", "resolve_pg_collection", "broadcast_data",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "allreduce_sequence_parallel_grads",
+    "copy_to_tensor_model_parallel_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tensor_model_parallel_region",
+    "reduce_from_tensor_model_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tensor_model_parallel_region",
+    "ProcessGroupCollection",
+    "resolve_pg_collection",
+    "broadcast_data",
 ]

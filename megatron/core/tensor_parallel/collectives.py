@@ -55,7 +55,9 @@ def has_avg_op(group) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
-def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False):
+def all_gather_into_tensor(
+    output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False
+):
     """Fill ``output`` ([size * n, ...], contiguous) with every rank's ``input_`` ([n, ...]) in rank order.
 
     Returns ``output``; with ``async_op`` the work handle instead (None when already complete).
@@ -71,12 +73,15 @@ def all_gather_into_tensor(output: torch.Tensor, input_: torch.Tensor, group, as
     elif hasattr(dist, "all_gather_into_tensor"):
         work = dist.all_gather_into_tensor(output, input_, group=group, async_op=async_op)
     else:  # oldest API: a list of equal-sized tensors
-        work = dist.all_gather(list(output.chunk(size, dim=0)), input_, group=group, async_op=async_op)
+        work = dist.all_gather(
+            list(output.chunk(size, dim=0)), input_, group=group, async_op=async_op
+        )
     return work if async_op else output
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False,
-                          op=dist.ReduceOp.SUM):
+def reduce_scatter_tensor(
+    output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM
+):
     """Reduce ``input_`` ([size * n, ...]) over ``group`` and put this rank's slice [n, ...] in ``output``.
 
     Returns ``output``; with ``async_op`` the work handle instead (None when already complete).
@@ -104,8 +109,11 @@ def all_gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return input_
-    output = torch.empty((size * input_.shape[0],) + tuple(input_.shape[1:]), dtype=input_.dtype,
-                         device=input_.device)
+    output = torch.empty(
+        (size * input_.shape[0],) + tuple(input_.shape[1:]),
+        dtype=input_.dtype,
+        device=input_.device,
+    )
     return all_gather_into_tensor(output, input_, group)
 
 
@@ -115,10 +123,15 @@ def reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     if size == 1:
         return input_
     if input_.shape[0] % size != 0:
-        raise ValueError(f"reduce-scatter: first dimension {input_.shape[0]} is not divisible by the "
-                         f"group size {size}")
-    output = torch.empty((input_.shape[0] // size,) + tuple(input_.shape[1:]), dtype=input_.dtype,
-                         device=input_.device)
+        raise ValueError(
+            f"reduce-scatter: first dimension {input_.shape[0]} is not divisible by the "
+            f"group size {size}"
+        )
+    output = torch.empty(
+        (input_.shape[0] // size,) + tuple(input_.shape[1:]),
+        dtype=input_.dtype,
+        device=input_.device,
+    )
     return reduce_scatter_tensor(output, input_, group)
 
 
@@ -154,7 +167,10 @@ def ring_exchange(send: torch.Tensor, group, shift: int = 1) -> torch.Tensor:
     recv = torch.empty_like(send)
     dst = global_rank(group, (rank + shift) % size)
     src = global_rank(group, (rank - shift) % size)
-    ops = [dist.P2POp(dist.isend, send, dst, group=group), dist.P2POp(dist.irecv, recv, src, group=group)]
+    ops = [
+        dist.P2POp(dist.isend, send, dst, group=group),
+        dist.P2POp(dist.irecv, recv, src, group=group),
+    ]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     return recv
@@ -176,4 +192,3 @@ def check_group_size(expected: int, group, what: str, flag: str) -> None:
             f"which has {actual} rank(s); build the model with the groups of "
             f"megatron.core.parallel_state.initialize_model_parallel(...) (pg_collection=...)"
         )
-

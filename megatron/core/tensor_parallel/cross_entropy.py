@@ -31,7 +31,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * partition
         outside = (target < start) | (target >= start + partition)
         local_target = (target - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = (
+            shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        )
 
         if label_smoothing > 0.0:
             shifted_sum = shifted.sum(dim=-1)
@@ -68,18 +70,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0, tp_group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group=None,
+) -> torch.Tensor:
     """Per-token loss [...] from this rank's logits [..., V/TP] and the global target ids [...].
 
     ``tp_group`` None: the logits hold the whole vocabulary. The loss has the logits' dtype.
     """
     if vocab_parallel_logits.shape[:-1] != target.shape:
-        raise ValueError(f"target of shape {tuple(target.shape)} does not match logits of shape "
-                         f"{tuple(vocab_parallel_logits.shape)}")
+        raise ValueError(
+            f"target of shape {tuple(target.shape)} does not match logits of shape "
+            f"{tuple(vocab_parallel_logits.shape)}"
+        )
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     partition = vocab_parallel_logits.shape[-1]
-    flat = _VocabParallelCrossEntropy.apply(vocab_parallel_logits.reshape(-1, partition), target.reshape(-1),
-                                            float(label_smoothing), tp_group)
+    flat = _VocabParallelCrossEntropy.apply(
+        vocab_parallel_logits.reshape(-1, partition),
+        target.reshape(-1),
+        float(label_smoothing),
+        tp_group,
+    )
     return flat.view(target.shape)

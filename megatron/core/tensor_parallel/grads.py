@@ -46,6 +46,6 @@ def allreduce_sequence_parallel_grads(model, tp_group) -> int:
         C.all_reduce(flat, tp_group)
         offset = 0
         for g in group_grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     return len(grads)

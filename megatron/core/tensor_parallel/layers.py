@@ -37,18 +37,26 @@ from megatron.core.transformer.utils import new_constant_param, new_weight, para
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
     if numerator % denominator != 0:
-        raise ValueError(f"{what} {numerator} is not divisible by the tensor-parallel size {denominator} "
-                         "(--tensor-model-parallel-size)")
+        raise ValueError(
+            f"{what} {numerator} is not divisible by the tensor-parallel size {denominator} "
+            "(--tensor-model-parallel-size)"
+        )
     return numerator // denominator
 
 
-def shard_of(master: torch.Tensor, partition_dim: int, rank: int, size: int, stride: int = 1) -> torch.Tensor:
+def shard_of(
+    master: torch.Tensor, partition_dim: int, rank: int, size: int, stride: int = 1
+) -> torch.Tensor:
     """Rank ``rank``'s shard of a full tensor split into ``size`` parts along ``partition_dim``,
     with ``stride`` interleaved blocks (see the module docstring). Returns a new tensor."""
     if size == 1:
         return master.clone()
     length = master.shape[partition_dim]
-    piece = divide(length, size * stride, f"dimension {partition_dim} of a {tuple(master.shape)} weight / stride {stride}:")
+    piece = divide(
+        length,
+        size * stride,
+        f"dimension {partition_dim} of a {tuple(master.shape)} weight / stride {stride}:",
+    )
     pieces = torch.split(master, piece, dim=partition_dim)
     return torch.cat(pieces[rank::size], dim=partition_dim).contiguous()
 
@@ -58,22 +66,37 @@ def full_from_shards(shards, partition_dim: int, stride: int = 1) -> torch.Tenso
     if stride == 1:
         return torch.cat(list(shards), dim=partition_dim)
     blocks = [torch.chunk(s, stride, dim=partition_dim) for s in shards]
-    return torch.cat([blocks[r][k] for k in range(stride) for r in range(len(shards))], dim=partition_dim)
+    return torch.cat(
+        [blocks[r][k] for k in range(stride) for r in range(len(shards))], dim=partition_dim
+    )
 
 
-def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int, stride: int) -> None:
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, is_parallel: bool, dim: int, stride: int
+) -> None:
     param.tensor_model_parallel = is_parallel
     param.partition_dim = dim if is_parallel else -1
     param.partition_stride = stride if is_parallel else 1
 
 
-def new_partitioned_weight(full_shape, partition_dim: int, config, init_method: Callable, tp_rank: int,
-                           tp_size: int, stride: int = 1) -> torch.nn.Parameter:
+def new_partitioned_weight(
+    full_shape,
+    partition_dim: int,
+    config,
+    init_method: Callable,
+    tp_rank: int,
+    tp_size: int,
+    stride: int = 1,
+) -> torch.nn.Parameter:
     """This rank's shard of a weight whose master (full) value is drawn on the CPU and sliced."""
     if tp_size == 1:
         return new_weight(full_shape, config, init_method)  # unchanged TP=1 path (same RNG draws)
     local_shape = list(full_shape)
-    local_shape[partition_dim] = divide(full_shape[partition_dim], tp_size, f"dimension {partition_dim} of weight {tuple(full_shape)}:")
+    local_shape[partition_dim] = divide(
+        full_shape[partition_dim],
+        tp_size,
+        f"dimension {partition_dim} of weight {tuple(full_shape)}:",
+    )
     device = param_device(config)
     weight = torch.empty(local_shape, dtype=config.params_dtype, device=device)
     if config.perform_initialization and device.type != "meta":
@@ -87,7 +110,9 @@ def new_partitioned_weight(full_shape, partition_dim: int, config, init_method: 
     return param
 
 
-def new_partitioned_bias(full_size: int, config, tp_size: int, stride: int = 1) -> torch.nn.Parameter:
+def new_partitioned_bias(
+    full_size: int, config, tp_size: int, stride: int = 1
+) -> torch.nn.Parameter:
     bias = new_constant_param((divide(full_size, tp_size, "bias size"),), config, 0.0)
     if tp_size > 1:
         set_tensor_model_parallel_attributes(bias, True, 0, stride)
@@ -144,8 +169,15 @@ class ColumnParallelLinear(torch.nn.Module):
         if skip_weight_param_allocation:
             self.register_parameter("weight", None)
         else:
-            self.weight = new_partitioned_weight((output_size, input_size), 0, config, init_method,
-                                                 self.tp_rank, self.tp_size, stride)
+            self.weight = new_partitioned_weight(
+                (output_size, input_size),
+                0,
+                config,
+                init_method,
+                self.tp_rank,
+                self.tp_size,
+                stride,
+            )
             self.weight.allreduce = not is_expert
         if bias:
             self.bias = new_partitioned_bias(output_size, config, self.tp_size, stride)
@@ -153,14 +185,17 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``weight`` overrides the layer's own (the tied output layer passes the embedding shard)."""
         if weight is None:
             weight = self.weight
             if weight is None:
-                raise ValueError("ColumnParallelLinear was built with skip_weight_param_allocation=True; "
-                                 "pass the weight to forward()")
+                raise ValueError(
+                    "ColumnParallelLinear was built with skip_weight_param_allocation=True; "
+                    "pass the weight to forward()"
+                )
         if self.sequence_parallel:
             input_ = gather_from_sequence_parallel_region(input_, self.tp_group)
         else:
@@ -172,8 +207,10 @@ class ColumnParallelLinear(torch.nn.Module):
         return output, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 class RowParallelLinear(torch.nn.Module):
@@ -215,9 +252,12 @@ class RowParallelLinear(torch.nn.Module):
         self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
         if self.sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear with sequence parallelism needs input_is_parallel=True")
-        self.weight = new_partitioned_weight((output_size, input_size), 1, config, init_method,
-                                             self.tp_rank, self.tp_size, stride)
+            raise ValueError(
+                "RowParallelLinear with sequence parallelism needs input_is_parallel=True"
+            )
+        self.weight = new_partitioned_weight(
+            (output_size, input_size), 1, config, init_method, self.tp_rank, self.tp_size, stride
+        )
         self.weight.allreduce = not is_expert
         if bias:
             self.bias = new_constant_param((output_size,), config, 0.0)
@@ -245,8 +285,10 @@ class RowParallelLinear(torch.nn.Module):
         return output + self.bias, None
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}")
+        return (
+            f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 class VocabParallelEmbedding(torch.nn.Module):
@@ -281,8 +323,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.reduce_scatter_embeddings = reduce_scatter_embeddings
-        self.weight = new_partitioned_weight((num_embeddings, embedding_dim), 0, config, init_method,
-                                             self.tp_rank, self.tp_size)
+        self.weight = new_partitioned_weight(
+            (num_embeddings, embedding_dim), 0, config, init_method, self.tp_rank, self.tp_size
+        )
         self.weight.allreduce = True
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:

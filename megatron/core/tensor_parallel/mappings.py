@@ -30,7 +30,9 @@ from megatron.core.tensor_parallel import collectives as C
 def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = C.group_size(group)
     if x.shape[-1] % size != 0:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the tensor-parallel size {size}")
+        raise ValueError(
+            f"last dimension {x.shape[-1]} is not divisible by the tensor-parallel size {size}"
+        )
     return x.chunk(size, dim=-1)[C.group_rank(group)].contiguous()
 
 
@@ -45,8 +47,10 @@ def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = C.group_size(group)
     if x.shape[0] % size != 0:
-        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {size} "
-                         "(sequence parallelism splits the sequence across --tensor-model-parallel-size ranks)")
+        raise ValueError(
+            f"sequence length {x.shape[0]} is not divisible by the tensor-parallel size {size} "
+            "(sequence parallelism splits the sequence across --tensor-model-parallel-size ranks)"
+        )
     return x.chunk(size, dim=0)[C.group_rank(group)].contiguous()
 
 
@@ -153,9 +157,14 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Te
     return x if _trivial(group) else _ScatterToSequenceParallel.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None,
-                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
-    return x if _trivial(group) else _GatherFromSequenceParallel.apply(x, group, tensor_parallel_output_grad)
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group=None, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    return (
+        x
+        if _trivial(group)
+        else _GatherFromSequenceParallel.apply(x, group, tensor_parallel_output_grad)
+    )
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:

@@ -19,7 +19,9 @@ class ProcessGroupCollection:
     @classmethod
     def from_parallel_state(cls, state) -> "ProcessGroupCollection":
         """From a :class:`megatron.core.parallel_state.ParallelState` (its tp and cp groups)."""
-        return cls(tp=state.get_tensor_model_parallel_group(), cp=state.get_context_parallel_group())
+        return cls(
+            tp=state.get_tensor_model_parallel_group(), cp=state.get_context_parallel_group()
+        )
 
     @property
     def tp_size(self) -> int:
@@ -48,11 +50,18 @@ def resolve_pg_collection(config, pg_collection: Optional[Any] = None) -> Proces
     elif hasattr(pg_collection, "get_tensor_model_parallel_group"):
         pgs = ProcessGroupCollection.from_parallel_state(pg_collection)
     else:
-        raise ValueError(f"pg_collection must be a ProcessGroupCollection or a ParallelState, "
-                         f"got {type(pg_collection).__name__}")
+        raise ValueError(
+            f"pg_collection must be a ProcessGroupCollection or a ParallelState, "
+            f"got {type(pg_collection).__name__}"
+        )
     if config is not None:
-        check_group_size(config.tensor_model_parallel_size, pgs.tp, "tensor_model_parallel_size",
-                         "--tensor-model-parallel-size")
-        check_group_size(config.context_parallel_size, pgs.cp, "context_parallel_size",
-                         "--context-parallel-size")
+        check_group_size(
+            config.tensor_model_parallel_size,
+            pgs.tp,
+            "tensor_model_parallel_size",
+            "--tensor-model-parallel-size",
+        )
+        check_group_size(
+            config.context_parallel_size, pgs.cp, "context_parallel_size", "--context-parallel-size"
+        )
     return pgs

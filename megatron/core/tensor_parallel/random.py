@@ -86,7 +86,9 @@ class RNGStatesTracker:
         """Replace the states (from :meth:`get_states` of a checkpoint)."""
         for name, state in states.items():
             if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
-                raise ValueError(f"RNG tracker state {name!r} must be a uint8 tensor, got {type(state).__name__}")
+                raise ValueError(
+                    f"RNG tracker state {name!r} must be a uint8 tensor, got {type(state).__name__}"
+                )
         self.states_ = {name: state.clone() for name, state in states.items()}
 
     def add(self, name: str, seed: int) -> None:
@@ -112,7 +114,9 @@ class RNGStatesTracker:
         """Run the block with the stream ``name`` in the device's default generator, then store
         the advanced stream and put the caller's generator state back (also on exceptions)."""
         if name not in self.states_:
-            raise ValueError(f"RNG tracker: state {name!r} is not added (known: {sorted(self.states_)})")
+            raise ValueError(
+                f"RNG tracker: state {name!r} is not added (known: {sorted(self.states_)})"
+            )
         saved = get_device_rng_state(self.device)
         set_device_rng_state(self.states_[name], self.device)
         try:
@@ -135,7 +139,9 @@ class ModelParallelSeeds:
     expert_parallel: int
 
 
-def model_parallel_seed(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0) -> ModelParallelSeeds:
+def model_parallel_seed(
+    seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0
+) -> ModelParallelSeeds:
     """Megatron's per-rank seeds: data-parallel = seed, TP region = seed + 2718 + tp_rank,
     expert region = seed + 1024 + 100 * ep_rank + etp_rank."""
     return ModelParallelSeeds(
@@ -145,8 +151,9 @@ def model_parallel_seed(seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank:
     )
 
 
-def model_parallel_manual_seed(tracker: RNGStatesTracker, seed: int, tp_rank: int = 0, ep_rank: int = 0,
-                               etp_rank: int = 0) -> ModelParallelSeeds:
+def model_parallel_manual_seed(
+    tracker: RNGStatesTracker, seed: int, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0
+) -> ModelParallelSeeds:
     """Reset ``tracker`` and add the three Megatron streams for this rank; seed the tracker's
     device generator with the data-parallel seed (what ``model_parallel_cuda_manual_seed`` does).
 
@@ -162,8 +169,9 @@ def model_parallel_manual_seed(tracker: RNGStatesTracker, seed: int, tp_rank: in
 
 
 # Megatron's name for the same function.
-def model_parallel_cuda_manual_seed(seed: int, tracker: RNGStatesTracker, tp_rank: int = 0, ep_rank: int = 0,
-                                    etp_rank: int = 0) -> ModelParallelSeeds:
+def model_parallel_cuda_manual_seed(
+    seed: int, tracker: RNGStatesTracker, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0
+) -> ModelParallelSeeds:
     return model_parallel_manual_seed(tracker, seed, tp_rank, ep_rank, etp_rank)
 
 
@@ -193,7 +201,9 @@ def _cuda_devices(tensors, tracker: Optional[RNGStatesTracker]) -> Tuple[torch.d
 class RNGSnapshot:
     """The CPU generator, the given CUDA generators and every tracker stream at one moment."""
 
-    def __init__(self, tracker: Optional[RNGStatesTracker], cuda_devices: Tuple[torch.device, ...] = ()):
+    def __init__(
+        self, tracker: Optional[RNGStatesTracker], cuda_devices: Tuple[torch.device, ...] = ()
+    ):
         self.tracker = tracker
         self.cpu_state = torch.get_rng_state()
         self.cuda_states = {device: torch.cuda.get_rng_state(device) for device in cuda_devices}
@@ -215,7 +225,7 @@ def _split_for_saving(tensor: torch.Tensor, group) -> torch.Tensor:
     mine = flat.new_zeros(chunk)
     start = min(rank * chunk, flat.numel())
     end = min(start + chunk, flat.numel())
-    mine[:end - start].copy_(flat[start:end])
+    mine[: end - start].copy_(flat[start:end])
     return mine
 
 
@@ -232,10 +242,17 @@ def _gather_saved(chunk: torch.Tensor, group, shape: torch.Size) -> torch.Tensor
 class _CheckpointOptions:
     """What the checkpoint function needs besides the segment's inputs."""
 
-    def __init__(self, run_function: Callable, distribute_saved_activations: bool,
-                 rng_tracker: Optional[RNGStatesTracker], tp_group):
+    def __init__(
+        self,
+        run_function: Callable,
+        distribute_saved_activations: bool,
+        rng_tracker: Optional[RNGStatesTracker],
+        tp_group,
+    ):
         self.run_function = run_function
-        self.distribute = bool(distribute_saved_activations) and collectives.group_size(tp_group) > 1
+        self.distribute = (
+            bool(distribute_saved_activations) and collectives.group_size(tp_group) > 1
+        )
         self.rng_tracker = rng_tracker
         self.tp_group = tp_group
 
@@ -271,13 +288,17 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError("checkpointed segments support .backward() only, not torch.autograd.grad()")
+            raise RuntimeError(
+                "checkpointed segments support .backward() only, not torch.autograd.grad()"
+            )
         options = ctx.options
         saved = list(ctx.saved_tensors)
         if ctx.distributed_shape is not None:
             saved[0] = _gather_saved(saved[0], options.tp_group, ctx.distributed_shape)
         args = list(ctx.non_tensor_args)
-        for position, tensor, requires_grad in zip(ctx.tensor_positions, saved, ctx.inputs_require_grad):
+        for position, tensor, requires_grad in zip(
+            ctx.tensor_positions, saved, ctx.inputs_require_grad
+        ):
             args[position] = tensor.detach().requires_grad_(requires_grad)
 
         now = RNGSnapshot(options.rng_tracker, tuple(ctx.snapshot.cuda_states))
@@ -290,16 +311,26 @@ class CheckpointFunction(torch.autograd.Function):
 
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
-        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
-                 if torch.is_tensor(out) and out.requires_grad and grad is not None]
+        pairs = [
+            (out, grad)
+            for out, grad in zip(outputs, grad_outputs)
+            if torch.is_tensor(out) and out.requires_grad and grad is not None
+        ]
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        input_grads = tuple(a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args)
+        input_grads = tuple(
+            a.grad if torch.is_tensor(a) and a.requires_grad else None for a in args
+        )
         return (None, None) + input_grads
 
 
-def checkpoint(function: Callable, distribute_saved_activations: bool, *args,
-               rng_tracker: Optional[RNGStatesTracker] = None, tp_group=None):
+def checkpoint(
+    function: Callable,
+    distribute_saved_activations: bool,
+    *args,
+    rng_tracker: Optional[RNGStatesTracker] = None,
+    tp_group=None,
+):
     """``function(*args)`` whose activations are recomputed in backward (Megatron's
     ``tensor_parallel.checkpoint``).
 

@@ -5,6 +5,7 @@ Build one from flag values with :func:`build_tokenizer_from_options`, or from pa
 ``megatron.training.tokenizer.build_tokenizer(args)`` (which also pads the vocab size).
 Families are imported lazily: ``transformers`` and ``sentencepiece`` load only when used.
 """
+
 from .base import MegatronTokenizer
 from .factory import TOKENIZER_TYPES, build_tokenizer_from_options
 
@@ -25,5 +26,6 @@ __all__ = ["MegatronTokenizer", "TOKENIZER_TYPES", "build_tokenizer_from_options
 def __getattr__(name):
     if name in _LAZY:
         import importlib
+
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,6 +11,7 @@ fails loudly instead of writing ``-1`` into token streams. Families that Megatro
 options); dataset index caches hash it, so two tokenizers that give different ids never share a
 cache entry.
 """
+
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from itertools import chain
@@ -44,7 +45,9 @@ class MegatronTokenizer(ABC):
         """Token ids of several texts; families with a batched fast path override this."""
         return [self.tokenize(t) for t in texts]
 
-    def tokenize_batch_packed(self, texts: Iterable[str], dtype=np.int64) -> Tuple[np.ndarray, np.ndarray]:
+    def tokenize_batch_packed(
+        self, texts: Iterable[str], dtype=np.int64
+    ) -> Tuple[np.ndarray, np.ndarray]:
         """The ids of several texts back to back in one ``dtype`` array, and each text's id count (int64).
 
         What ``preprocess_data.py`` writes. This default goes through ``tokenize_batch``; families

@@ -13,6 +13,7 @@ As in Megatron, ``[BOS]`` and ``[EOS]`` are appended to the vocab when missing, 
 A plain-Python implementation is the reference; the Rust ``tokenizers`` library (BertNormalizer
 + BertPreTokenizer + WordPiece) is used when installed and it agrees on a probe text.
 """
+
 import unicodedata
 from typing import Dict, Iterable, List, Optional
 
@@ -46,9 +47,16 @@ def _is_punctuation(ch: str) -> bool:
 
 
 def _is_cjk(cp: int) -> bool:
-    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF
-            or 0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F or 0x2B820 <= cp <= 0x2CEAF
-            or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+    return (
+        0x4E00 <= cp <= 0x9FFF
+        or 0x3400 <= cp <= 0x4DBF
+        or 0x20000 <= cp <= 0x2A6DF
+        or 0x2A700 <= cp <= 0x2B73F
+        or 0x2B740 <= cp <= 0x2B81F
+        or 0x2B820 <= cp <= 0x2CEAF
+        or 0xF900 <= cp <= 0xFAFF
+        or 0x2F800 <= cp <= 0x2FA1F
+    )
 
 
 def basic_tokenize(text: str, lower_case: bool) -> List[str]:
@@ -67,7 +75,11 @@ def basic_tokenize(text: str, lower_case: bool) -> List[str]:
     words = []
     for word in "".join(chars).split():
         if lower_case:
-            word = "".join(c for c in unicodedata.normalize("NFD", word.lower()) if unicodedata.category(c) != "Mn")
+            word = "".join(
+                c
+                for c in unicodedata.normalize("NFD", word.lower())
+                if unicodedata.category(c) != "Mn"
+            )
         piece = []
         for ch in word:
             if _is_punctuation(ch):
@@ -118,7 +130,9 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
     def __init__(self, vocab_file: str, vocab_extra_ids: int = 0, use_fast: Optional[bool] = None):
         super().__init__(vocab_file, lower_case=self._LOWER_CASE, vocab_extra_ids=vocab_extra_ids)
         self._vocab = load_vocab(vocab_file)
-        missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]") if t not in self._vocab]
+        missing = [
+            t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]") if t not in self._vocab
+        ]
         if missing:
             raise ValueError(f"{vocab_file}: WordPiece vocab lacks {' '.join(missing)}")
         # Ids of the file are fixed before anything is appended, so the Rust engine sees the same vocab.
@@ -134,8 +148,10 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
             if engine is not None and self._rust_agrees(engine):
                 self._fast = engine
             elif use_fast:
-                raise ValueError(f"the Rust 'tokenizers' WordPiece is unavailable or disagrees with the reference "
-                                 f"for {vocab_file}; use use_fast=False")
+                raise ValueError(
+                    f"the Rust 'tokenizers' WordPiece is unavailable or disagrees with the reference "
+                    f"for {vocab_file}; use use_fast=False"
+                )
 
     def _add_token(self, token: str) -> int:
         if token not in self._vocab:
@@ -149,16 +165,25 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
             from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
         except ImportError:
             return None
-        engine = Tokenizer(models.WordPiece(vocab=file_vocab, unk_token="[UNK]",
-                                            max_input_chars_per_word=MAX_WORD_CHARS))
-        engine.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
-                                                       strip_accents=self._LOWER_CASE, lowercase=self._LOWER_CASE)
+        engine = Tokenizer(
+            models.WordPiece(
+                vocab=file_vocab, unk_token="[UNK]", max_input_chars_per_word=MAX_WORD_CHARS
+            )
+        )
+        engine.normalizer = normalizers.BertNormalizer(
+            clean_text=True,
+            handle_chinese_chars=True,
+            strip_accents=self._LOWER_CASE,
+            lowercase=self._LOWER_CASE,
+        )
         engine.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         return engine
 
     def _reference_ids(self, text: str) -> List[int]:
         vocab = self._vocab
-        return [vocab[p] for w in basic_tokenize(text, self._LOWER_CASE) for p in wordpiece(w, vocab)]
+        return [
+            vocab[p] for w in basic_tokenize(text, self._LOWER_CASE) for p in wordpiece(w, vocab)
+        ]
 
     def _rust_agrees(self, engine) -> bool:
         probe = _PROBE_TEXT + " " + " ".join(list(self._vocab)[:: max(1, len(self._vocab) // 64)])

@@ -30,6 +30,7 @@ As in Megatron's classic tokenizer, the text ``<|endoftext|>`` inside a document
 (it is split into ``<|``, ``endoftext``, ``|>``); only ``--append-eod`` puts the EOD id into data.
 A document quoting that string therefore can not forge a document boundary.
 """
+
 import json
 import re
 from array import array
@@ -44,18 +45,24 @@ EOD_TOKEN = "<|endoftext|>"
 
 # GPT-2's pre-tokenizer: English contractions, letter runs, digit runs, other-symbol runs (each
 # with one optional leading space), then whitespace (keeping the last space for the next word).
-GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+GPT2_SPLIT_PATTERN = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
 # The same split for pure-ASCII text, where \p{L} is [A-Za-z], \p{N} is [0-9] and both engines'
 # \s is [\t\n\v\f\r ]; the stdlib engine runs it ~2.5x faster than the unicode pattern.
-GPT2_SPLIT_PATTERN_ASCII = r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
+GPT2_SPLIT_PATTERN_ASCII = (
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
+)
 # The whitespace of GPT2_SPLIT_PATTERN's \s (the `regex` module's White_Space set), spelled out for
 # the stdlib engine, whose unicode \s also matches \x1c-\x1f; a test checks it code point by code point.
 GPT2_WHITESPACE_CLASS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # Chunks whose boundaries are boundaries of the GPT-2 split (see the module docstring): optional
 # whitespace + non-whitespace run, else a whitespace run that leaves its last character to the
 # next chunk when a non-whitespace character follows, else the whole whitespace run.
-GPT2_CHUNK_PATTERN = (rf"[{GPT2_WHITESPACE_CLASS}]?[^{GPT2_WHITESPACE_CLASS}]+"
-                      rf"|[{GPT2_WHITESPACE_CLASS}]+(?![^{GPT2_WHITESPACE_CLASS}])|[{GPT2_WHITESPACE_CLASS}]+")
+GPT2_CHUNK_PATTERN = (
+    rf"[{GPT2_WHITESPACE_CLASS}]?[^{GPT2_WHITESPACE_CLASS}]+"
+    rf"|[{GPT2_WHITESPACE_CLASS}]+(?![^{GPT2_WHITESPACE_CLASS}])|[{GPT2_WHITESPACE_CLASS}]+"
+)
 
 # Text on which the Rust engine must agree with the reference before it is trusted: contractions,
 # runs of spaces, unicode whitespace, digits, CJK, emoji, combining marks, a lone surrogate-free
@@ -74,8 +81,11 @@ def bytes_to_unicode() -> Dict[int, str]:
     shifted to code points 256, 257, ... in byte order, so no token string contains whitespace
     or control characters.
     """
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+        + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    )
     table = {b: chr(b) for b in printable}
     shift = 0
     for b in range(256):
@@ -85,7 +95,9 @@ def bytes_to_unicode() -> Dict[int, str]:
     return table
 
 
-def load_gpt2_files(vocab_file: str, merge_file: str) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
+def load_gpt2_files(
+    vocab_file: str, merge_file: str
+) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
     """Read and check a GPT-2 ``vocab.json`` / ``merges.txt`` pair; errors name the file and line."""
     try:
         with open(vocab_file, encoding="utf-8") as f:
@@ -93,7 +105,9 @@ def load_gpt2_files(vocab_file: str, merge_file: str) -> Tuple[Dict[str, int], L
     except json.JSONDecodeError as e:
         raise ValueError(f"{vocab_file}: not a GPT-2 vocab.json ({e})") from None
     if not isinstance(encoder, dict) or not all(isinstance(v, int) for v in encoder.values()):
-        raise ValueError(f"{vocab_file}: not a GPT-2 vocab.json (expected an object of token -> integer id)")
+        raise ValueError(
+            f"{vocab_file}: not a GPT-2 vocab.json (expected an object of token -> integer id)"
+        )
     merges = []
     with open(merge_file, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -102,11 +116,15 @@ def load_gpt2_files(vocab_file: str, merge_file: str) -> Tuple[Dict[str, int], L
                 continue
             parts = line.split(" ")
             if len(parts) != 2 or not parts[0] or not parts[1]:
-                raise ValueError(f"{merge_file}:{lineno}: expected two space-separated tokens, got {line!r}")
+                raise ValueError(
+                    f"{merge_file}:{lineno}: expected two space-separated tokens, got {line!r}"
+                )
             a, b = parts
             for token in (a, b, a + b):
                 if token not in encoder:
-                    raise ValueError(f"{merge_file}:{lineno}: token {token!r} of merge {line!r} is not in {vocab_file}")
+                    raise ValueError(
+                        f"{merge_file}:{lineno}: token {token!r} of merge {line!r} is not in {vocab_file}"
+                    )
             merges.append((a, b))
     return encoder, merges
 
@@ -189,15 +207,21 @@ class GPT2BPETokenizer(MegatronTokenizer):
         super().__init__(vocab_file, merge_file)
         encoder, merges = load_gpt2_files(vocab_file, merge_file)
         if EOD_TOKEN not in encoder:
-            raise ValueError(f"{vocab_file}: GPT-2 vocab has no '{EOD_TOKEN}' entry (the EOD token)")
+            raise ValueError(
+                f"{vocab_file}: GPT-2 vocab has no '{EOD_TOKEN}' entry (the EOD token)"
+            )
         self._encoder = encoder
         self._decoder = {i: t for t, i in encoder.items()}
         self._eod_id = encoder[EOD_TOKEN]
         self._reference = _ByteLevelBPE(encoder, merges)
         self._byte_decoder = {c: b for b, c in self._reference.byte_encoder.items()}
         # Ids are cached as bytes of the smallest dtype that holds every id of the vocab.
-        self._ids_dtype = np.dtype(np.uint16 if max(encoder.values()) <= np.iinfo(np.uint16).max else np.int32)
-        self._ids_typecode = "H" if self._ids_dtype == np.uint16 else "i"  # the same, for array.array
+        self._ids_dtype = np.dtype(
+            np.uint16 if max(encoder.values()) <= np.iinfo(np.uint16).max else np.int32
+        )
+        self._ids_typecode = (
+            "H" if self._ids_dtype == np.uint16 else "i"
+        )  # the same, for array.array
         self._byte_table = "".join(self._reference.byte_encoder[b] for b in range(256))
         self._piece_cache: Dict[str, bytes] = {}
         self._chunk_cache: Dict[str, bytes] = {}
@@ -209,8 +233,10 @@ class GPT2BPETokenizer(MegatronTokenizer):
             if rust_bpe is not None and self._rust_agrees(rust_bpe):
                 self._rust_bpe = rust_bpe
             elif use_fast:
-                raise ValueError(f"the Rust 'tokenizers' BPE is unavailable or disagrees with the GPT-2 "
-                                 f"reference for {vocab_file}; use use_fast=False")
+                raise ValueError(
+                    f"the Rust 'tokenizers' BPE is unavailable or disagrees with the GPT-2 "
+                    f"reference for {vocab_file}; use use_fast=False"
+                )
         self._use_fast = use_fast is not False
 
     def _rust_agrees(self, rust_bpe) -> bool:
@@ -218,7 +244,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
         probe = _PROBE_TEXT + " ".join(list(self._encoder)[:: max(1, len(self._encoder) // 64)])
         for piece in self._reference.pattern.findall(probe):
             word = "".join(byte_encoder[b] for b in piece.encode("utf-8"))
-            if [t.id for t in rust_bpe.tokenize(word)] != [self._encoder[t] for t in self._reference._merge(word)]:
+            if [t.id for t in rust_bpe.tokenize(word)] != [
+                self._encoder[t] for t in self._reference._merge(word)
+            ]:
                 return False
         return True
 
@@ -275,7 +303,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
         dtype = self._ids_dtype
         return [np.frombuffer(data, dtype=dtype).tolist() for data in self._encode_bytes(texts)]
 
-    def tokenize_batch_packed(self, texts: Iterable[str], dtype=np.int64) -> Tuple[np.ndarray, np.ndarray]:
+    def tokenize_batch_packed(
+        self, texts: Iterable[str], dtype=np.int64
+    ) -> Tuple[np.ndarray, np.ndarray]:
         if not self._use_fast:
             return super().tokenize_batch_packed(texts, dtype)
         encoded = self._encode_bytes(texts)

@@ -9,6 +9,7 @@ tokens (e.g. Llama's BOS) are included unless ``include_special_tokens=False``
 (``--tokenizer-hf-no-include-special-tokens``); ``vocab_size`` is ``len(tokenizer)`` (added tokens
 included); eod = eos.
 """
+
 import os
 from typing import Dict, Iterable, List, Optional
 
@@ -29,26 +30,45 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         include_special_tokens: let ``tokenize`` add the tokenizer's special tokens (BOS, ...).
     """
 
-    def __init__(self, pretrained_model_name_or_path: str, use_fast: bool = True, trust_remote_code: bool = False,
-                 include_special_tokens: bool = True, **kwargs):
-        super().__init__(pretrained_model_name_or_path, use_fast=use_fast, trust_remote_code=trust_remote_code,
-                         include_special_tokens=include_special_tokens, **kwargs)
+    def __init__(
+        self,
+        pretrained_model_name_or_path: str,
+        use_fast: bool = True,
+        trust_remote_code: bool = False,
+        include_special_tokens: bool = True,
+        **kwargs,
+    ):
+        super().__init__(
+            pretrained_model_name_or_path,
+            use_fast=use_fast,
+            trust_remote_code=trust_remote_code,
+            include_special_tokens=include_special_tokens,
+            **kwargs,
+        )
         self._add_special_tokens = bool(include_special_tokens)
         import transformers
 
         local_only = not _downloads_allowed()
         try:
             self._tokenizer = transformers.AutoTokenizer.from_pretrained(
-                pretrained_model_name_or_path, use_fast=use_fast, trust_remote_code=trust_remote_code,
-                local_files_only=local_only, **kwargs)
+                pretrained_model_name_or_path,
+                use_fast=use_fast,
+                trust_remote_code=trust_remote_code,
+                local_files_only=local_only,
+                **kwargs,
+            )
         except (OSError, ValueError) as e:
             if local_only and not os.path.isdir(pretrained_model_name_or_path):
-                where = ("it is not a local directory and not in the Hugging Face cache (downloads are off; "
-                         "set HF_HUB_OFFLINE=0 to allow them)")
+                where = (
+                    "it is not a local directory and not in the Hugging Face cache (downloads are off; "
+                    "set HF_HUB_OFFLINE=0 to allow them)"
+                )
             else:
                 where = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(f"--tokenizer-model {pretrained_model_name_or_path}: cannot load a Hugging Face "
-                             f"tokenizer: {where}") from None
+            raise ValueError(
+                f"--tokenizer-model {pretrained_model_name_or_path}: cannot load a Hugging Face "
+                f"tokenizer: {where}"
+            ) from None
         self._vocab = self._tokenizer.get_vocab()
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
 
@@ -63,7 +83,11 @@ class HuggingFaceTokenizer(MegatronTokenizer):
 
     def tokenize_batch(self, texts: Iterable[str]) -> List[List[int]]:
         texts = list(texts)
-        return self._tokenizer(texts, add_special_tokens=self._add_special_tokens).input_ids if texts else []
+        return (
+            self._tokenizer(texts, add_special_tokens=self._add_special_tokens).input_ids
+            if texts
+            else []
+        )
 
     def detokenize(self, ids: List[int], **kwargs) -> str:
         return self._tokenizer.decode([int(i) for i in ids], **kwargs)

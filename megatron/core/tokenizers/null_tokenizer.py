@@ -9,6 +9,7 @@ were made with): ids ``0 .. N-1`` are text tokens and the EOD id ``N`` is append
 stays N + 1) and ``--null-tokenizer-pad-id`` sets ``pad`` (default -1, i.e. none). There are no
 cls/sep/mask/bos/eos tokens (``-1``) and no string vocabulary.
 """
+
 from typing import Dict, List, Optional
 
 from .base import MegatronTokenizer
@@ -20,7 +21,9 @@ class NullTokenizer(MegatronTokenizer):
     def __init__(self, vocab_size: int, eod_id: Optional[int] = None, pad_id: int = -1):
         vocab_size = int(vocab_size)
         if vocab_size < 1:
-            raise ValueError(f"--vocab-size must be a positive integer for NullTokenizer, got {vocab_size}")
+            raise ValueError(
+                f"--vocab-size must be a positive integer for NullTokenizer, got {vocab_size}"
+            )
         super().__init__(vocab_size=vocab_size, eod_id=eod_id, pad_id=pad_id)
         self._text_vocab_size = vocab_size
         self._eod_id = vocab_size if eod_id is None else int(eod_id)
@@ -32,11 +35,15 @@ class NullTokenizer(MegatronTokenizer):
             try:
                 ids.append(int(word))
             except ValueError:
-                raise ValueError(f"NullTokenizer expects whitespace-separated integers, got {word[:40]!r}") from None
+                raise ValueError(
+                    f"NullTokenizer expects whitespace-separated integers, got {word[:40]!r}"
+                ) from None
             if not 0 <= ids[-1] < self.vocab_size:
                 # An out-of-range id would index past the embedding table much later, far from its cause.
-                raise ValueError(f"NullTokenizer: id {ids[-1]} is outside [0, {self.vocab_size - 1}] "
-                                 f"(--vocab-size {self._text_vocab_size})")
+                raise ValueError(
+                    f"NullTokenizer: id {ids[-1]} is outside [0, {self.vocab_size - 1}] "
+                    f"(--vocab-size {self._text_vocab_size})"
+                )
         return ids
 
     def detokenize(self, ids: List[int]) -> str:

@@ -18,15 +18,18 @@ Both splitters then treat the whitespace between sentences the same way: it is d
 preceding sentence (so newline tokens survive into the data, as with Megatron's
 ``--keep-newlines``). Sentences are otherwise exact slices of the text; empty ones are dropped.
 """
+
 from typing import Callable, Iterable, List, Optional, Tuple
 
 import regex
 
-ABBREVIATIONS = frozenset("""
+ABBREVIATIONS = frozenset(
+    """
 mr mrs ms dr prof sr jr st mt ft vs e.g i.e cf al approx dept est fig figs eq eqs no nos vol vols
 ch sec secs pp p ed eds rev gen col lt sgt capt cmdr gov sen rep inc ltd co corp jan feb mar apr
 jun jul aug sep sept oct nov dec u.s u.k a.m p.m ph.d b.a m.a resp viz ca op cit ibid
-""".split())
+""".split()
+)
 
 # A gap between sentences: whitespace after sentence-final punctuation (and closing marks), or a
 # blank line anywhere.
@@ -49,7 +52,7 @@ def _rule_gaps(text: str) -> Iterable[Tuple[int, int]]:
             continue
         # The word before the gap: everything after the previous whitespace (a short window
         # keeps this O(1) per gap on long texts).
-        window = text[max(0, start - 64):start]
+        window = text[max(0, start - 64) : start]
         token = window.split()[-1].rstrip(_CLOSERS) if window.strip() else ""
         stem = token.rstrip(".!?\u2026").lower()
         if token.endswith(".") and (stem in ABBREVIATIONS or (len(stem) == 1 and stem.isalpha())):
@@ -70,7 +73,7 @@ def _cut(text: str, gaps: Iterable[Tuple[int, int]], keep_newlines: bool) -> Lis
     sentences, start = [], 0
     for gap_start, gap_end in gaps:
         keep = keep_newlines and "\n" in text[gap_start:gap_end]
-        sentences.append(text[start:gap_end if keep else gap_start])
+        sentences.append(text[start : gap_end if keep else gap_start])
         start = gap_end
     sentences.append(text[start:])
     if keep_newlines:
@@ -84,8 +87,10 @@ def _load_punkt(lang: str) -> Optional[Callable[[str], Iterable[Tuple[int, int]]
         import nltk
     except ImportError:
         return None
-    for loader in (lambda: nltk.tokenize.PunktTokenizer(lang),  # nltk >= 3.8.2 (punkt_tab data)
-                   lambda: nltk.data.load(f"tokenizers/punkt/{lang}.pickle")):
+    for loader in (
+        lambda: nltk.tokenize.PunktTokenizer(lang),  # nltk >= 3.8.2 (punkt_tab data)
+        lambda: nltk.data.load(f"tokenizers/punkt/{lang}.pickle"),
+    ):
         try:
             return loader().span_tokenize
         except Exception:  # missing data files surface as LookupError, OSError or ValueError
@@ -102,12 +107,16 @@ class SentenceSplitter:
         use_nltk: None = punkt if available; False = always the built-in rules.
     """
 
-    def __init__(self, lang: str = "english", keep_newlines: bool = False, use_nltk: Optional[bool] = None):
+    def __init__(
+        self, lang: str = "english", keep_newlines: bool = False, use_nltk: Optional[bool] = None
+    ):
         self.keep_newlines = keep_newlines
         self._punkt = _load_punkt(lang) if use_nltk is not False else None
         if use_nltk and self._punkt is None:
-            raise ValueError(f"NLTK punkt data for '{lang}' is not available (install nltk and its punkt data, "
-                             f"or set NLTK_DATA)")
+            raise ValueError(
+                f"NLTK punkt data for '{lang}' is not available (install nltk and its punkt data, "
+                f"or set NLTK_DATA)"
+            )
         self.backend = "nltk-punkt" if self._punkt is not None else "builtin-rules"
 
     def split(self, text: str) -> List[str]:

@@ -12,6 +12,7 @@ Three Megatron flavours share one model file format:
 * ``Llama2Tokenizer``: the bare model; ``tokenize`` puts BOS first (``bos=True``) and no EOS
   (``eos=False``) by default, as Megatron's Llama-2 tokenizer; eod = eos.
 """
+
 from typing import Dict, Iterable, List, Optional
 
 from .base import MegatronTokenizer
@@ -45,7 +46,11 @@ class _SentencePieceBase(MegatronTokenizer):
 
     def _piece_or(self, piece_id: int, fallback: str) -> str:
         """The model's piece for a special id, or ``fallback`` when the model has none (id -1)."""
-        return self._processor.IdToPiece(piece_id) if 0 <= piece_id < self._processor.GetPieceSize() else fallback
+        return (
+            self._processor.IdToPiece(piece_id)
+            if 0 <= piece_id < self._processor.GetPieceSize()
+            else fallback
+        )
 
     @property
     def vocab(self) -> Dict[str, int]:
@@ -206,7 +211,9 @@ class Llama2Tokenizer(GPTSentencePieceTokenizer):
         ids = self._processor.EncodeAsIds(text)
         return ([self.bos] if bos else []) + ids + ([self.eos] if eos else [])
 
-    def tokenize_batch(self, texts: Iterable[str], bos: bool = True, eos: bool = False) -> List[List[int]]:
+    def tokenize_batch(
+        self, texts: Iterable[str], bos: bool = True, eos: bool = False
+    ) -> List[List[int]]:
         head, tail = ([self.bos] if bos else []), ([self.eos] if eos else [])
         return [head + ids + tail for ids in self._processor.Encode(list(texts))]
 

@@ -24,8 +24,13 @@ from megatron.core.transformer.utils import recompute
 class SelfAttention(MegatronModule):
     """linear_qkv -> [q_layernorm / k_layernorm] -> RoPE -> core_attention -> linear_proj."""
 
-    def __init__(self, config, layer_number: int = 1, attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int = 1,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        pg_collection=None,
+    ):
         super().__init__(config)
         pg_collection = resolve_pg_collection(config, pg_collection)
         tp_group = pg_collection.tp
@@ -54,8 +59,9 @@ class SelfAttention(MegatronModule):
         else:
             self.q_layernorm = None
             self.k_layernorm = None
-        self.core_attention = DotProductAttention(config, layer_number, attn_mask_type,
-                                                  pg_collection=pg_collection)
+        self.core_attention = DotProductAttention(
+            config, layer_number, attn_mask_type, pg_collection=pg_collection
+        )
         self.linear_proj = RowParallelLinear(
             self.query_projection_size,
             config.hidden_size,
@@ -66,8 +72,10 @@ class SelfAttention(MegatronModule):
             tp_comm_buffer_name="proj",
             tp_group=tp_group,
         )
-        self.recompute_core_attention = config.recompute_granularity == "selective" and "core_attn" in (
-            config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
+        self.recompute_core_attention = (
+            config.recompute_granularity == "selective"
+            and "core_attn"
+            in (config.recompute_modules if config.recompute_modules is not None else ["core_attn"])
         )
 
     def get_query_key_value_tensors(self, hidden_states: torch.Tensor):
@@ -78,9 +86,16 @@ class SelfAttention(MegatronModule):
         """
         mixed, _ = self.linear_qkv(hidden_states)
         s, b, _ = mixed.shape
-        heads_per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        mixed = mixed.view(s, b, self.num_query_groups_per_partition, heads_per_group + 2,
-                           self.hidden_size_per_attention_head)
+        heads_per_group = (
+            self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        )
+        mixed = mixed.view(
+            s,
+            b,
+            self.num_query_groups_per_partition,
+            heads_per_group + 2,
+            self.hidden_size_per_attention_head,
+        )
         # One split (its backward is a single cat) instead of three slices (each of whose
         # backward would zero-fill and copy a full-size gradient).
         query, key, value = torch.split(mixed, [heads_per_group, 1, 1], dim=3)
@@ -91,8 +106,12 @@ class SelfAttention(MegatronModule):
             key = self.k_layernorm(key)
         return query, key, value
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """hidden_states [s, b, h] -> (output [s, b, h], bias or None).
 
         ``rotary_pos_emb``: None, a (cos, sin) pair from ``RotaryEmbedding.get_cos_sin`` or a
@@ -106,7 +125,9 @@ class SelfAttention(MegatronModule):
             # below is a view.
             query = apply_rotary_pos_emb(query, rotary_pos_emb, interleaved)
             key = apply_rotary_pos_emb(key, rotary_pos_emb, interleaved)
-        query = query.reshape(s, b, self.num_attention_heads_per_partition, self.hidden_size_per_attention_head)
+        query = query.reshape(
+            s, b, self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
+        )
         if self.recompute_core_attention and self.training:
             context = recompute(self.config, self.core_attention, query, key, value, attention_mask)
         else:

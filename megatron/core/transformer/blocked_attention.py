@@ -41,14 +41,18 @@ def _row_blocks(seq: int, key_seq: int, block_rows: int, causal: bool):
     """(first row, end row, end key) of each query block."""
     if not causal:
         return [(0, seq, key_seq)]
-    return [(r0, min(r0 + block_rows, seq), min(r0 + block_rows, seq)) for r0 in range(0, seq, block_rows)]
+    return [
+        (r0, min(r0 + block_rows, seq), min(r0 + block_rows, seq))
+        for r0 in range(0, seq, block_rows)
+    ]
 
 
 def _block_mask(rows: int, keys: int, like: torch.Tensor) -> torch.Tensor:
     """Additive mask [rows, keys] of a causal block whose last ``rows`` keys are its diagonal."""
     mask = torch.zeros(rows, keys, dtype=like.dtype, device=like.device)
-    mask[:, keys - rows:] = torch.full((rows, rows), float("-inf"), dtype=like.dtype,
-                                       device=like.device).triu_(1)
+    mask[:, keys - rows :] = torch.full(
+        (rows, rows), float("-inf"), dtype=like.dtype, device=like.device
+    ).triu_(1)
     return mask
 
 
@@ -67,7 +71,9 @@ class BlockedAttentionFunction(torch.autograd.Function):
     masks) saved per query block."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scale: float, causal: bool, block_rows: int, dropout_p: float):
+    def forward(
+        ctx, query, key, value, scale: float, causal: bool, block_rows: int, dropout_p: float
+    ):
         s, b, n, d = query.shape
         q, k, v = _batched_heads(query), _batched_heads(key), _batched_heads(value)
         out = torch.empty(s, b, n, d, dtype=query.dtype, device=query.device)
@@ -76,8 +82,12 @@ class BlockedAttentionFunction(torch.autograd.Function):
         for r0, r1, keys in blocks:
             rows = r1 - r0
             if causal:
-                scores = torch.baddbmm(_block_mask(rows, keys, query), q[:, r0:r1],
-                                       k[:, :keys].transpose(1, 2), alpha=scale)
+                scores = torch.baddbmm(
+                    _block_mask(rows, keys, query),
+                    q[:, r0:r1],
+                    k[:, :keys].transpose(1, 2),
+                    alpha=scale,
+                )
             else:
                 scores = torch.bmm(q[:, r0:r1], k.transpose(1, 2)).mul_(scale)
             p = torch.softmax(scores, dim=-1)
@@ -96,7 +106,10 @@ class BlockedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, *saved = ctx.saved_tensors
-        probs, keeps = saved[:len(ctx.blocks)], saved[len(ctx.blocks):] or [None] * len(ctx.blocks)
+        probs, keeps = (
+            saved[: len(ctx.blocks)],
+            saved[len(ctx.blocks) :] or [None] * len(ctx.blocks),
+        )
         s, b, n, d = ctx.shape
         g = _batched_heads(grad_out.reshape(s, b, n, d))
         grad_q_blocks = []
@@ -117,7 +130,9 @@ class BlockedAttentionFunction(torch.autograd.Function):
             else:
                 grad_k[:, :keys] += grad_k_part
                 grad_v[:, :keys] += grad_v_part
-        grad_q = grad_q_blocks[0] if len(grad_q_blocks) == 1 else torch.cat(grad_q_blocks[::-1], dim=1)
+        grad_q = (
+            grad_q_blocks[0] if len(grad_q_blocks) == 1 else torch.cat(grad_q_blocks[::-1], dim=1)
+        )
         grad_q.mul_(ctx.scale)
         grad_k.mul_(ctx.scale)
 
@@ -133,8 +148,15 @@ def _repeat_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.unsqueeze(3).expand(s, b, groups, heads // groups, d).reshape(s, b, heads, d)
 
 
-def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                      causal: bool, block_rows: int = DEFAULT_BLOCK_ROWS, dropout_p: float = 0.0) -> torch.Tensor:
+def blocked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    causal: bool,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """Attention of query [s, b, heads, d], key/value [sk, b, groups, d] -> [s, b, heads * d].
 
     ``causal``: position i attends to keys 0..i (needs equal query and key lengths); otherwise
@@ -142,19 +164,30 @@ def blocked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     ``dropout_p``: attention dropout on the probabilities (pass 0
     outside training).
     """
-    if (query.dim() != 4 or key.shape != value.shape or key.dim() != 4 or query.shape[1] != key.shape[1]
-            or query.shape[3] != key.shape[3] or query.shape[2] % key.shape[2] != 0):
-        raise ValueError(f"blocked attention needs q [s, b, n, d] and k, v [sk, b, g, d] with the same b "
-                         f"and d and g dividing n; got {tuple(query.shape)}, {tuple(key.shape)}, "
-                         f"{tuple(value.shape)}")
+    if (
+        query.dim() != 4
+        or key.shape != value.shape
+        or key.dim() != 4
+        or query.shape[1] != key.shape[1]
+        or query.shape[3] != key.shape[3]
+        or query.shape[2] % key.shape[2] != 0
+    ):
+        raise ValueError(
+            f"blocked attention needs q [s, b, n, d] and k, v [sk, b, g, d] with the same b "
+            f"and d and g dividing n; got {tuple(query.shape)}, {tuple(key.shape)}, "
+            f"{tuple(value.shape)}"
+        )
     if causal and key.shape[0] != query.shape[0]:
-        raise ValueError(f"causal attention needs equal query and key lengths, got {query.shape[0]} "
-                         f"and {key.shape[0]}")
+        raise ValueError(
+            f"causal attention needs equal query and key lengths, got {query.shape[0]} "
+            f"and {key.shape[0]}"
+        )
     if block_rows < 1:
         raise ValueError(f"block_rows must be positive, got {block_rows}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if key.shape[2] != query.shape[2]:
         key, value = _repeat_groups(key, query.shape[2]), _repeat_groups(value, query.shape[2])
-    return BlockedAttentionFunction.apply(query, key, value, float(scale), bool(causal), int(block_rows),
-                                          float(dropout_p))
+    return BlockedAttentionFunction.apply(
+        query, key, value, float(scale), bool(causal), int(block_rows), float(dropout_p)
+    )

@@ -30,7 +30,9 @@ from megatron.core.tensor_parallel import collectives as C
 def cp_chunk_indices(local_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     """Global sequence positions of the ``local_len`` tokens held by ``cp_rank``."""
     if local_len % 2 != 0:
-        raise ValueError(f"context parallelism needs an even local sequence length, got {local_len}")
+        raise ValueError(
+            f"context parallelism needs an even local sequence length, got {local_len}"
+        )
     chunk = local_len // 2
     first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
     second_start = (2 * cp_size - 1 - cp_rank) * chunk
@@ -38,8 +40,9 @@ def cp_chunk_indices(local_len: int, cp_size: int, cp_rank: int, device=None) ->
     return torch.cat([first, second])
 
 
-def get_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]], cp_size: int, cp_rank: int
-                              ) -> Dict[str, Optional[torch.Tensor]]:
+def get_batch_on_this_cp_rank(
+    batch: Dict[str, Optional[torch.Tensor]], cp_size: int, cp_rank: int
+) -> Dict[str, Optional[torch.Tensor]]:
     """Keep this CP rank's two sequence chunks of every tensor in ``batch``.
 
     Tensors are [b, s] (tokens, labels, loss_mask, position_ids) or, for ``attention_mask``,
@@ -61,10 +64,12 @@ def get_batch_on_this_cp_rank(batch: Dict[str, Optional[torch.Tensor]], cp_size:
                 f"sequence length {s} of '{key}' must be divisible by 2 x context-parallel size = {2 * cp_size} "
                 f"(--seq-length must be a multiple of 2 * --context-parallel-size)"
             )
-        chunked = value.view(*value.shape[:seq_dim], 2 * cp_size, s // (2 * cp_size), *value.shape[seq_dim + 1:])
+        chunked = value.view(
+            *value.shape[:seq_dim], 2 * cp_size, s // (2 * cp_size), *value.shape[seq_dim + 1 :]
+        )
         index = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank], device=value.device)
         picked = chunked.index_select(seq_dim, index)
-        out[key] = picked.reshape(*value.shape[:seq_dim], s // cp_size, *value.shape[seq_dim + 1:])
+        out[key] = picked.reshape(*value.shape[:seq_dim], s // cp_size, *value.shape[seq_dim + 1 :])
     return out
 
 
@@ -85,7 +90,9 @@ def _block(q, k, v, scale, causal, dropout_p, training):
     """Attention of q [b, h, sq, d] to k, v [b, h, sk, d]; returns (out fp32, lse fp32 [b, h, sq])."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
-        mask = torch.ones(scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=scores.device).triu_(1)
+        mask = torch.ones(
+            scores.shape[-2], scores.shape[-1], dtype=torch.bool, device=scores.device
+        ).triu_(1)
         scores = scores.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
@@ -100,12 +107,21 @@ def _merge(out, lse, block_out, block_lse):
     if out is None:
         return block_out, block_lse
     new_lse = torch.logaddexp(lse, block_lse)
-    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1)
+    out = out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(
+        block_lse - new_lse
+    ).unsqueeze(-1)
     return out, new_lse
 
 
-def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp_group, softmax_scale: float,
-                   dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+def ring_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cp_group,
+    softmax_scale: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
     """Causal attention over a sequence split across ``cp_group`` in the load-balanced layout.
 
     query [s_local, b, np, d], key/value [s_local, b, ng, d] (np a multiple of ng: query head j
@@ -135,9 +151,13 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             out_first, lse_first = o[:, :, :half], lse[:, :, :half]
             out_second, lse_second = o[:, :, half:], lse[:, :, half:]
         elif src < cp_rank:
-            o, lse = _block(q, k[:, :, :half], v[:, :, :half], softmax_scale, False, dropout_p, training)
+            o, lse = _block(
+                q, k[:, :, :half], v[:, :, :half], softmax_scale, False, dropout_p, training
+            )
             out_first, lse_first = _merge(out_first, lse_first, o[:, :, :half], lse[:, :, :half])
-            out_second, lse_second = _merge(out_second, lse_second, o[:, :, half:], lse[:, :, half:])
+            out_second, lse_second = _merge(
+                out_second, lse_second, o[:, :, half:], lse[:, :, half:]
+            )
         else:
             o, lse = _block(q_second, k, v, softmax_scale, False, dropout_p, training)
             out_second, lse_second = _merge(out_second, lse_second, o, lse)

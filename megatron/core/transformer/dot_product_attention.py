@@ -29,7 +29,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import model_parallel_rng
 
-
 # 'auto' runs the unfused path on CPU up to this many tokens per sequence: measured 1.15-1.65x
 # faster than SDPA's flash kernel at 256-1024 and only 1.03-1.14x at 2048 (fp32, head dim 64,
 # benchmarks/attention_cpu.py). Its saved probabilities grow as seq^2, so longer sequences keep
@@ -40,9 +39,15 @@ UNFUSED_AUTO_MAX_SEQ = 1024
 class DotProductAttention(MegatronModule):
     """Scaled dot-product attention with dropout on the probabilities (no parameters)."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        pg_collection=None,
+    ):
         super().__init__(config)
         self.pg_collection = resolve_pg_collection(config, pg_collection)
         self.cp_group = self.pg_collection.cp
@@ -51,16 +56,26 @@ class DotProductAttention(MegatronModule):
             cp_comm_type = getattr(config, "cp_comm_type", None) or "p2p"
             types = {cp_comm_type} if isinstance(cp_comm_type, str) else set(cp_comm_type)
             if not types <= {"p2p"}:
-                raise ValueError(f"cp_comm_type {sorted(types)} is not supported (--cp-comm-type); "
-                                 "this implementation has 'p2p' (ring attention)")
+                raise ValueError(
+                    f"cp_comm_type {sorted(types)} is not supported (--cp-comm-type); "
+                    "this implementation has 'p2p' (ring attention)"
+                )
             if attn_mask_type != AttnMaskType.causal:
-                raise ValueError(f"context parallelism supports causal attention only, got {attn_mask_type}")
-        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding,
-                                  AttnMaskType.arbitrary):
+                raise ValueError(
+                    f"context parallelism supports causal attention only, got {attn_mask_type}"
+                )
+        if attn_mask_type not in (
+            AttnMaskType.causal,
+            AttnMaskType.no_mask,
+            AttnMaskType.padding,
+            AttnMaskType.arbitrary,
+        ):
             raise ValueError(f"attention mask type {attn_mask_type} is not supported")
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
-        self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.attention_dropout = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
         if softmax_scale is None:
             softmax_scale = config.softmax_scale
         if softmax_scale is None:
@@ -69,23 +84,37 @@ class DotProductAttention(MegatronModule):
         # multiplies back inside it: the same function, so nothing to do with SDPA.
         self.softmax_scale = softmax_scale
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None
-                ) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+    ) -> torch.Tensor:
         """query [sq, b, np, d], key/value [sk, b, ng, d] -> context [sq, b, np * d]."""
         dropout_p = self.attention_dropout if self.training else 0.0
         if self.cp_size > 1 and attention_mask is not None:
-            raise ValueError("explicit attention masks (--reset-attention-mask) are not supported with "
-                             "context parallelism (--context-parallel-size > 1)")
+            raise ValueError(
+                "explicit attention masks (--reset-attention-mask) are not supported with "
+                "context parallelism (--context-parallel-size > 1)"
+            )
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         # Each TP rank holds different heads: their dropout masks come from per-rank streams.
         with model_parallel_rng(self.config, split_across_tp=dropout_p > 0.0):
             if self.cp_size > 1:
-                return ring_attention(query, key, value, self.cp_group, self.softmax_scale, dropout_p,
-                                      self.training)
+                return ring_attention(
+                    query, key, value, self.cp_group, self.softmax_scale, dropout_p, self.training
+                )
             if self._use_unfused(query, key, attention_mask, mask_type):
-                return blocked_attention(query, key, value, self.softmax_scale,
-                                         causal=mask_type == AttnMaskType.causal, dropout_p=dropout_p)
+                return blocked_attention(
+                    query,
+                    key,
+                    value,
+                    self.softmax_scale,
+                    causal=mask_type == AttnMaskType.causal,
+                    dropout_p=dropout_p,
+                )
             return self._sdpa(query, key, value, attention_mask, mask_type, dropout_p)
 
     def _sdpa(self, query, key, value, attention_mask, mask_type, dropout_p) -> torch.Tensor:
@@ -110,8 +139,14 @@ class DotProductAttention(MegatronModule):
                 )
             is_causal = True
         context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=is_causal,
-            scale=self.softmax_scale, enable_gqa=k.shape[1] != np_,
+            q,
+            k,
+            v,
+            attn_mask=sdpa_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != np_,
         )
         # [b, np, sq, d] -> [sq, b, np * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * d)
@@ -121,10 +156,14 @@ class DotProductAttention(MegatronModule):
         backend = self.config.attention_backend
         if backend in ("flash", "fused"):
             return False
-        applies = (attention_mask is None
-                   and query.dtype in (torch.float32, torch.float64)
-                   and (mask_type == AttnMaskType.no_mask
-                        or (mask_type == AttnMaskType.causal and key.shape[0] == query.shape[0])))
+        applies = (
+            attention_mask is None
+            and query.dtype in (torch.float32, torch.float64)
+            and (
+                mask_type == AttnMaskType.no_mask
+                or (mask_type == AttnMaskType.causal and key.shape[0] == query.shape[0])
+            )
+        )
         if backend in ("unfused", "local"):
             return applies
         return applies and query.device.type == "cpu" and query.shape[0] <= UNFUSED_AUTO_MAX_SEQ

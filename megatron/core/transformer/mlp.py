@@ -18,8 +18,14 @@ class MLP(MegatronModule):
     Under tensor parallelism fc1 is column-parallel with stride 2, so each shard holds
     [gate_shard; up_shard] (Megatron's per-shard layout), and fc2 is row-parallel."""
 
-    def __init__(self, config, input_size: Optional[int] = None, ffn_hidden_size: Optional[int] = None,
-                 is_expert: bool = False, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        input_size: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        is_expert: bool = False,
+        pg_collection=None,
+    ):
         super().__init__(config)
         tp_group = resolve_pg_collection(config, pg_collection).tp
         self.input_size = config.hidden_size if input_size is None else input_size
@@ -38,8 +44,11 @@ class MLP(MegatronModule):
             tp_group=tp_group,
         )
         self.activation_func = config.activation_func
-        if (config.bias_activation_fusion and config.add_bias_linear
-                and config.activation_func is F.gelu):
+        if (
+            config.bias_activation_fusion
+            and config.add_bias_linear
+            and config.activation_func is F.gelu
+        ):
             # Megatron's fused bias-GeLU (and TE's GeLU) is the tanh approximation.
             self.activation_func = gelu_tanh
         self.linear_fc2 = RowParallelLinear(

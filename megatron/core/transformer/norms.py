@@ -22,7 +22,9 @@ class _Norm(torch.nn.Module):
         self.normalized_shape = (hidden_size,)
         self.eps = eps
         self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.weight = new_constant_param((hidden_size,), config, 0.0 if self.zero_centered_gamma else 1.0)
+        self.weight = new_constant_param(
+            (hidden_size,), config, 0.0 if self.zero_centered_gamma else 1.0
+        )
         # Under sequence parallelism the norm's grads are partial per TP rank and need an all-reduce.
         self.weight.sequence_parallel = config.sequence_parallel
 
@@ -45,9 +47,13 @@ class LayerNorm(_Norm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         param_dtype = self.weight.dtype
         if x.dtype == param_dtype:
-            return F.layer_norm(x, self.normalized_shape, self._gamma(param_dtype), self.bias, self.eps)
+            return F.layer_norm(
+                x, self.normalized_shape, self._gamma(param_dtype), self.bias, self.eps
+            )
         bias = self.bias.float()
-        out = F.layer_norm(x.float(), self.normalized_shape, self._gamma(torch.float32), bias, self.eps)
+        out = F.layer_norm(
+            x.float(), self.normalized_shape, self._gamma(torch.float32), bias, self.eps
+        )
         return out.to(param_dtype)
 
 

@@ -19,16 +19,22 @@ import torch
 RotaryTables = Tuple[torch.Tensor, torch.Tensor]
 
 
-def llama3_scale_inv_freq(inv_freq: torch.Tensor, factor: float = 8.0, low_freq_factor: float = 1.0,
-                          high_freq_factor: float = 4.0, original_max_position_embeddings: int = 8192
-                          ) -> torch.Tensor:
+def llama3_scale_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position_embeddings: int = 8192,
+) -> torch.Tensor:
     """Llama 3.x context extension: slow the low frequencies down by ``factor``, keep the high
     ones, and interpolate smoothly between the two wavelength thresholds."""
     wavelen = 2 * math.pi / inv_freq
     low_freq_wavelen = original_max_position_embeddings / low_freq_factor
     high_freq_wavelen = original_max_position_embeddings / high_freq_factor
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -50,7 +56,9 @@ class RotaryEmbedding(torch.nn.Module):
     ):
         super().__init__()
         if not 0.0 < rotary_percent <= 1.0:
-            raise ValueError(f"rotary_percent must be in (0, 1] (--rotary-percent), got {rotary_percent}")
+            raise ValueError(
+                f"rotary_percent must be in (0, 1] (--rotary-percent), got {rotary_percent}"
+            )
         dim = kv_channels if rotary_percent == 1.0 else int(kv_channels * rotary_percent)
         if dim <= 0 or dim % 2 != 0:
             raise ValueError(
@@ -60,7 +68,9 @@ class RotaryEmbedding(torch.nn.Module):
         if rotary_base <= 0:
             raise ValueError(f"rotary_base must be positive (--rotary-base), got {rotary_base}")
         if seq_len_interpolation_factor is not None and seq_len_interpolation_factor <= 0:
-            raise ValueError(f"seq_len_interpolation_factor must be positive, got {seq_len_interpolation_factor}")
+            raise ValueError(
+                f"seq_len_interpolation_factor must be positive, got {seq_len_interpolation_factor}"
+            )
         self.dim = dim
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
@@ -86,13 +96,18 @@ class RotaryEmbedding(torch.nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
         return emb.float()[:, None, None, :]
 
-    def get_cos_sin(self, seq_len: int, dtype: torch.dtype, device, offset: int = 0) -> RotaryTables:
+    def get_cos_sin(
+        self, seq_len: int, dtype: torch.dtype, device, offset: int = 0
+    ) -> RotaryTables:
         """(cos, sin) of the per-pair angles, each [s, 1, 1, dim/2], cached."""
         key = (seq_len, offset, dtype, torch.device(device))
         tables = self._cache.get(key)
         if tables is None:
             angles = self._angles(seq_len, offset)[:, None, None, :]
-            tables = (angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype))
+            tables = (
+                angles.cos().to(device=device, dtype=dtype),
+                angles.sin().to(device=device, dtype=dtype),
+            )
             if len(self._cache) >= 8:
                 self._cache.clear()
             self._cache[key] = tables
@@ -105,8 +120,9 @@ def tables_from_emb(emb: torch.Tensor, interleaved: bool, dtype: torch.dtype) ->
     return half.cos().to(dtype), half.sin().to(dtype)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, rotary: Union[RotaryTables, torch.Tensor],
-                         interleaved: bool = False) -> torch.Tensor:
+def apply_rotary_pos_emb(
+    t: torch.Tensor, rotary: Union[RotaryTables, torch.Tensor], interleaved: bool = False
+) -> torch.Tensor:
     """Rotate the first ``rot`` dims of the heads of ``t`` [s, b, ..., d].
 
     ``rotary`` is a (cos, sin) pair from :meth:`RotaryEmbedding.get_cos_sin` (or a Megatron angle

@@ -21,15 +21,24 @@ class TransformerBlock(MegatronModule):
     the embedding (``pre_process=False``) reads its input from :meth:`set_input_tensor`.
     """
 
-    def __init__(self, config, post_layer_norm: bool = True, pre_process: bool = True,
-                 post_process: bool = True, num_layers: Optional[int] = None,
-                 layer_number_offset: int = 0, attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 pg_collection=None):
+    def __init__(
+        self,
+        config,
+        post_layer_norm: bool = True,
+        pre_process: bool = True,
+        post_process: bool = True,
+        num_layers: Optional[int] = None,
+        layer_number_offset: int = 0,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        pg_collection=None,
+    ):
         super().__init__(config)
         num_layers = config.num_layers if num_layers is None else num_layers
         if num_layers < 0 or layer_number_offset < 0:
-            raise ValueError(f"num_layers ({num_layers}) and layer_number_offset ({layer_number_offset}) "
-                             "must be >= 0")
+            raise ValueError(
+                f"num_layers ({num_layers}) and layer_number_offset ({layer_number_offset}) "
+                "must be >= 0"
+            )
         self.pre_process = pre_process
         self.post_process = post_process
         self.post_layer_norm = post_layer_norm
@@ -39,8 +48,14 @@ class TransformerBlock(MegatronModule):
         for i in range(num_layers):
             number = layer_number_offset + i + 1
             with init_rng_scope(config.init_seed, number):
-                layers.append(TransformerLayer(config, layer_number=number, attn_mask_type=attn_mask_type,
-                                               pg_collection=pg_collection))
+                layers.append(
+                    TransformerLayer(
+                        config,
+                        layer_number=number,
+                        attn_mask_type=attn_mask_type,
+                        pg_collection=pg_collection,
+                    )
+                )
         self.layers = torch.nn.ModuleList(layers)
         if post_process and post_layer_norm:
             self.final_layernorm = build_norm(config, config.hidden_size)
@@ -56,23 +71,37 @@ class TransformerBlock(MegatronModule):
     def _checkpointed(self, start: int, end: int):
         def run(hidden_states, attention_mask, rotary_pos_emb):
             for layer in self.layers[start:end]:
-                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+                hidden_states, _ = layer(
+                    hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+                )
             return hidden_states
+
         return run
 
-    def forward(self, hidden_states: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb=None, **kwargs) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: Optional[torch.Tensor],
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb=None,
+        **kwargs,
+    ) -> torch.Tensor:
         """[s, b, h] -> [s, b, h]. ``hidden_states`` is ignored when not ``pre_process``."""
         if not self.pre_process:
             if self.input_tensor is None:
-                raise ValueError("TransformerBlock without pre_process needs set_input_tensor() before forward")
+                raise ValueError(
+                    "TransformerBlock without pre_process needs set_input_tensor() before forward"
+                )
             hidden_states = self.input_tensor
         config = self.config
         if config.recompute_granularity == "full" and self.training:
-            hidden_states = self._forward_full_recompute(hidden_states, attention_mask, rotary_pos_emb)
+            hidden_states = self._forward_full_recompute(
+                hidden_states, attention_mask, rotary_pos_emb
+            )
         else:
             for layer in self.layers:
-                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+                hidden_states, _ = layer(
+                    hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+                )
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states
@@ -85,15 +114,29 @@ class TransformerBlock(MegatronModule):
         if self.config.recompute_method == "uniform":
             # Only the input of each chunk of k layers is kept; the chunk reruns in backward.
             for start in range(0, n, k):
-                hidden_states = recompute(self.config, self._checkpointed(start, min(start + k, n)),
-                                          hidden_states, attention_mask, rotary_pos_emb,
-                                          tp_group=self.tp_group, distribute_saved_activations=distribute)
+                hidden_states = recompute(
+                    self.config,
+                    self._checkpointed(start, min(start + k, n)),
+                    hidden_states,
+                    attention_mask,
+                    rotary_pos_emb,
+                    tp_group=self.tp_group,
+                    distribute_saved_activations=distribute,
+                )
             return hidden_states
         for i, layer in enumerate(self.layers):  # 'block': the first k layers of this stage
             if i < k:
-                hidden_states = recompute(self.config, self._checkpointed(i, i + 1), hidden_states,
-                                          attention_mask, rotary_pos_emb, tp_group=self.tp_group,
-                                          distribute_saved_activations=distribute)
+                hidden_states = recompute(
+                    self.config,
+                    self._checkpointed(i, i + 1),
+                    hidden_states,
+                    attention_mask,
+                    rotary_pos_emb,
+                    tp_group=self.tp_group,
+                    distribute_saved_activations=distribute,
+                )
             else:
-                hidden_states, _ = layer(hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+                hidden_states, _ = layer(
+                    hidden_states, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+                )
         return hidden_states

@@ -225,23 +225,35 @@ class TransformerConfig(ModelParallelConfig):
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.ffn_hidden_size <= 0:
-            raise ValueError(f"ffn_hidden_size must be positive (--ffn-hidden-size), got {self.ffn_hidden_size}")
+            raise ValueError(
+                f"ffn_hidden_size must be positive (--ffn-hidden-size), got {self.ffn_hidden_size}"
+            )
         if self.ffn_hidden_size % self.tensor_model_parallel_size != 0:
             raise ValueError(
                 f"ffn_hidden_size ({self.ffn_hidden_size}, --ffn-hidden-size) must be a multiple of "
                 f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, --tensor-model-parallel-size)"
             )
         if self.attention_backend not in ("flash", "fused", "unfused", "local", "auto"):
-            raise ValueError(f"attention_backend {self.attention_backend!r} unknown (--attention-backend: "
-                             "flash, fused, unfused, local, auto)")
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} unknown (--attention-backend: "
+                "flash, fused, unfused, local, auto)"
+            )
         if self.cp_comm_type is not None:
-            types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+            types = (
+                [self.cp_comm_type]
+                if isinstance(self.cp_comm_type, str)
+                else list(self.cp_comm_type)
+            )
             unknown = [t for t in types if t not in ("p2p", "a2a", "allgather", "a2a+p2p")]
             if unknown:
-                raise ValueError(f"cp_comm_type {unknown} unknown (--cp-comm-type: p2p, a2a, allgather, a2a+p2p)")
+                raise ValueError(
+                    f"cp_comm_type {unknown} unknown (--cp-comm-type: p2p, a2a, allgather, a2a+p2p)"
+                )
             if not isinstance(self.cp_comm_type, str) and len(types) not in (1, self.num_layers):
-                raise ValueError(f"cp_comm_type takes one value or one per layer ({self.num_layers}), "
-                                 f"got {len(types)} (--cp-comm-type)")
+                raise ValueError(
+                    f"cp_comm_type takes one value or one per layer ({self.num_layers}), "
+                    f"got {len(types)} (--cp-comm-type)"
+                )
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads != 0:
                 raise ValueError(
@@ -250,13 +262,17 @@ class TransformerConfig(ModelParallelConfig):
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.kv_channels <= 0:
-            raise ValueError(f"kv_channels must be positive (--kv-channels), got {self.kv_channels}")
+            raise ValueError(
+                f"kv_channels must be positive (--kv-channels), got {self.kv_channels}"
+            )
         for name in ("hidden_dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1) (--{name.replace('_', '-')}), got {p}")
         if self.layernorm_epsilon <= 0:
-            raise ValueError(f"layernorm_epsilon must be positive (--norm-epsilon), got {self.layernorm_epsilon}")
+            raise ValueError(
+                f"layernorm_epsilon must be positive (--norm-epsilon), got {self.layernorm_epsilon}"
+            )
         if self.normalization not in _NORMALIZATIONS:
             raise ValueError(
                 f"normalization must be one of {_NORMALIZATIONS} (--normalization), got {self.normalization!r}"
@@ -264,14 +280,18 @@ class TransformerConfig(ModelParallelConfig):
         if not callable(self.activation_func):
             raise ValueError(f"activation_func must be callable, got {self.activation_func!r}")
         if self.init_method_std <= 0:
-            raise ValueError(f"init_method_std must be positive (--init-method-std), got {self.init_method_std}")
+            raise ValueError(
+                f"init_method_std must be positive (--init-method-std), got {self.init_method_std}"
+            )
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
         self._validate_recompute()
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)
         if self.output_layer_init_method is None:
-            self.output_layer_init_method = scaled_init_method_normal(self.init_method_std, self.num_layers)
+            self.output_layer_init_method = scaled_init_method_normal(
+                self.init_method_std, self.num_layers
+            )
 
     def _validate_recompute(self):
         granularity = self.recompute_granularity
@@ -299,7 +319,9 @@ class TransformerConfig(ModelParallelConfig):
                     f"(--recompute-num-layers), got {self.recompute_num_layers!r}"
                 )
             if self.recompute_method == "uniform" and self.recompute_num_layers == 0:
-                raise ValueError("recompute_method 'uniform' needs recompute_num_layers >= 1 (--recompute-num-layers)")
+                raise ValueError(
+                    "recompute_method 'uniform' needs recompute_num_layers >= 1 (--recompute-num-layers)"
+                )
         else:
             if self.recompute_method is not None:
                 raise ValueError(
@@ -310,7 +332,9 @@ class TransformerConfig(ModelParallelConfig):
                     "recompute_num_layers (--recompute-num-layers) must not be set with "
                     "recompute_granularity 'selective'"
                 )
-            modules = self.recompute_modules if self.recompute_modules is not None else ["core_attn"]
+            modules = (
+                self.recompute_modules if self.recompute_modules is not None else ["core_attn"]
+            )
             unsupported = [m for m in modules if m not in SUPPORTED_RECOMPUTE_MODULES]
             if unsupported:
                 raise ValueError(

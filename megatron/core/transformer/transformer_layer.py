@@ -22,18 +22,28 @@ class TransformerLayer(MegatronModule):
     parallelism the norms, dropout and residual adds run on this rank's [s/TP, b, h] slice.
     """
 
-    def __init__(self, config, layer_number: int = 1, hidden_dropout: Optional[float] = None,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int = 1,
+        hidden_dropout: Optional[float] = None,
+        attn_mask_type: AttnMaskType = AttnMaskType.causal,
+        pg_collection=None,
+    ):
         super().__init__(config)
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
         self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, layer_number, attn_mask_type, pg_collection=pg_collection)
+        self.self_attention = SelfAttention(
+            config, layer_number, attn_mask_type, pg_collection=pg_collection
+        )
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
         self.mlp = MLP(config, pg_collection=pg_collection)
         self.residual_from_norm = config.apply_residual_connection_post_layernorm
         self.fp32_residual = config.fp32_residual_connection
-        modules = config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
+        modules = (
+            config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
+        )
         self.recompute_mlp = config.recompute_granularity == "selective" and "mlp" in modules
 
     def _bias_dropout_add(self, output_with_bias, residual: torch.Tensor) -> torch.Tensor:
@@ -48,13 +58,19 @@ class TransformerLayer(MegatronModule):
             residual = residual.float()
         return residual + output
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                rotary_pos_emb=None, **kwargs) -> Tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary_pos_emb=None,
+        **kwargs,
+    ) -> Tuple[torch.Tensor, None]:
         """hidden_states [s, b, h] -> (hidden_states [s, b, h], context=None) as in Megatron."""
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.residual_from_norm else hidden_states
-        attention_output = self.self_attention(normed, attention_mask=attention_mask,
-                                               rotary_pos_emb=rotary_pos_emb)
+        attention_output = self.self_attention(
+            normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+        )
         hidden_states = self._bias_dropout_add(attention_output, residual)
 
         normed = self.pre_mlp_layernorm(hidden_states)

@@ -115,8 +115,14 @@ def recompute(config, function, *args, tp_group=None, distribute_saved_activatio
     """
     # Imported here: the tensor_parallel package imports this module (weight init helpers).
     from megatron.core.tensor_parallel.random import checkpoint
-    return checkpoint(function, distribute_saved_activations, *args,
-                      rng_tracker=getattr(config, "rng_tracker", None), tp_group=tp_group)
+
+    return checkpoint(
+        function,
+        distribute_saved_activations,
+        *args,
+        rng_tracker=getattr(config, "rng_tracker", None),
+        tp_group=tp_group,
+    )
 
 
 def model_parallel_rng(config, split_across_tp: bool):

@@ -10,23 +10,28 @@ import argparse
 import builtins
 import re
 
-__all__ = ['ArgGroup', 'RemovedFlagAction', 'layer_pattern_type']
+__all__ = ["ArgGroup", "RemovedFlagAction", "layer_pattern_type"]
 
 
 class RemovedFlagAction(argparse.Action):
     """Fails the parse with a hint as soon as a removed flag is seen (exit status 2)."""
 
-    def __init__(self, option_strings, dest, hint='', **kwargs):
-        kwargs.pop('nargs', None)
-        kwargs.pop('default', None)
-        kwargs.pop('help', None)
+    def __init__(self, option_strings, dest, hint="", **kwargs):
+        kwargs.pop("nargs", None)
+        kwargs.pop("default", None)
+        kwargs.pop("help", None)
         # nargs='?' so that both `--batch-size 8` and `--use-legacy-models` reach us.
-        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs='?',
-                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            nargs="?",
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
         self.hint = hint
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f'{option_string} is no longer supported: {self.hint}')
+        parser.error(f"{option_string} is no longer supported: {self.hint}")
 
 
 class ArgGroup:
@@ -39,7 +44,7 @@ class ArgGroup:
     def _add(self, flags, **kwargs):
         flags = (flags,) if isinstance(flags, builtins.str) else tuple(flags)
         # '%' would be read by argparse as a format directive in help strings.
-        kwargs['help'] = kwargs.get('help', '').replace('%', '%%')
+        kwargs["help"] = kwargs.get("help", "").replace("%", "%%")
         return self.group.add_argument(*flags, **kwargs)
 
     def int(self, flags, default, help, **kwargs):
@@ -53,25 +58,27 @@ class ArgGroup:
 
     def true(self, flags, help, **kwargs):
         """A store_true switch (default False unless `default=` is given)."""
-        return self._add(flags, action='store_true', help=help, **kwargs)
+        return self._add(flags, action="store_true", help=help, **kwargs)
 
     def false(self, flags, dest, help, **kwargs):
         """A `--no-x` / `--disable-x` switch: dest defaults to True, the flag stores False."""
-        return self._add(flags, action='store_false', dest=dest, help=help, **kwargs)
+        return self._add(flags, action="store_false", dest=dest, help=help, **kwargs)
 
-    def list(self, flags, default, help, type=builtins.str, nargs='+', **kwargs):
+    def list(self, flags, default, help, type=builtins.str, nargs="+", **kwargs):
         return self._add(flags, type=type, nargs=nargs, default=default, help=help, **kwargs)
 
     def removed(self, flags, hint):
         return self.group.add_argument(
             *((flags,) if isinstance(flags, builtins.str) else flags),
-            action=RemovedFlagAction, hint=hint)
+            action=RemovedFlagAction,
+            hint=hint,
+        )
 
 
 # Only digits, list/tuple brackets, commas, '+' and '*' (no '**'): enough for
 # "([1]*3+[0])*2" and nothing that can name or call anything, so evaluating it cannot run
 # user code.
-_PATTERN_CHARS = re.compile(r'^[\d\s,\[\]\(\)\+\*]+$')
+_PATTERN_CHARS = re.compile(r"^[\d\s,\[\]\(\)\+\*]+$")
 
 
 def layer_pattern_type(value):
@@ -82,21 +89,22 @@ def layer_pattern_type(value):
     if value is None or isinstance(value, builtins.int):
         return value
     text = builtins.str(value).strip()
-    if '[' not in text:
+    if "[" not in text:
         try:
             return builtins.int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f'expected an integer or a list pattern, got {value!r}')
-    if not _PATTERN_CHARS.match(text) or '**' in text:
-        raise argparse.ArgumentTypeError(f'invalid layer pattern {value!r}: only digits, '
-                                         "'[', ']', '(', ')', ',', '+' and '*' are allowed")
+                f"expected an integer or a list pattern, got {value!r}"
+            )
+    if not _PATTERN_CHARS.match(text) or "**" in text:
+        raise argparse.ArgumentTypeError(
+            f"invalid layer pattern {value!r}: only digits, "
+            "'[', ']', '(', ')', ',', '+' and '*' are allowed"
+        )
     try:
-        result = eval(text, {'__builtins__': {}}, {})  # noqa: S307 (charset checked above)
+        result = eval(text, {"__builtins__": {}}, {})  # noqa: S307 (charset checked above)
     except Exception as exc:  # SyntaxError, TypeError, ...
-        raise argparse.ArgumentTypeError(f'invalid layer pattern {value!r}: {exc}')
-    if not (isinstance(result, builtins.list)
-            and all(isinstance(x, builtins.int) for x in result)):
-        raise argparse.ArgumentTypeError(f'layer pattern {value!r} must evaluate to a list of ints')
+        raise argparse.ArgumentTypeError(f"invalid layer pattern {value!r}: {exc}")
+    if not (isinstance(result, builtins.list) and all(isinstance(x, builtins.int) for x in result)):
+        raise argparse.ArgumentTypeError(f"layer pattern {value!r} must evaluate to a list of ints")
     return result
-

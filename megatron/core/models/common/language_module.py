@@ -2,8 +2,8 @@
 
 import torch
 
-from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.collectives import group_size
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -36,7 +36,9 @@ class _CrossEntropy(torch.autograd.Function):
 def language_model_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross entropy of ``logits`` [..., V] against ``labels`` [...]; returns [...] in the logits' dtype."""
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match logits of shape {tuple(logits.shape)}")
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} do not match logits of shape {tuple(logits.shape)}"
+        )
     vocab = logits.shape[-1]
     flat = _CrossEntropy.apply(logits.reshape(-1, vocab), labels.reshape(-1))
     return flat.view(labels.shape)
@@ -45,7 +47,9 @@ def language_model_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> 
 class LanguageModule(MegatronModule):
     """Shared pieces of GPT-like models (subclasses set ``embedding`` / ``output_layer``)."""
 
-    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def compute_language_model_loss(
+        self, labels: torch.Tensor, logits: torch.Tensor
+    ) -> torch.Tensor:
         """Per-token loss [b, s] from labels [b, s] and logits [b, s, V] (or this tensor-parallel
         rank's vocab slice [b, s, V/TP], the model's ``tp_group`` set).
 

@@ -17,7 +17,11 @@ from megatron.core.transformer.parallel_layers import ColumnParallelLinear
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import EMBEDDING_INIT_KEY, OUTPUT_LAYER_INIT_KEY, init_rng_scope
+from megatron.core.transformer.utils import (
+    EMBEDDING_INIT_KEY,
+    OUTPUT_LAYER_INIT_KEY,
+    init_rng_scope,
+)
 
 _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 
@@ -88,9 +92,13 @@ class GPTModel(LanguageModule):
 
         if pre_process:
             with init_rng_scope(config.init_seed, EMBEDDING_INIT_KEY):
-                self.embedding = LanguageModelEmbedding(config, vocab_size, max_sequence_length,
-                                                        position_embedding_type=position_embedding_type,
-                                                        pg_collection=self.pg_collection)
+                self.embedding = LanguageModelEmbedding(
+                    config,
+                    vocab_size,
+                    max_sequence_length,
+                    position_embedding_type=position_embedding_type,
+                    pg_collection=self.pg_collection,
+                )
         if position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
@@ -104,18 +112,29 @@ class GPTModel(LanguageModule):
             )
         else:
             self.rotary_pos_emb = None
-        self.decoder = TransformerBlock(config, pre_process=pre_process, post_process=post_process,
-                                        num_layers=num_layers, layer_number_offset=layer_number_offset,
-                                        pg_collection=self.pg_collection)
+        self.decoder = TransformerBlock(
+            config,
+            pre_process=pre_process,
+            post_process=post_process,
+            num_layers=num_layers,
+            layer_number_offset=layer_number_offset,
+            pg_collection=self.pg_collection,
+        )
         if post_process:
             with init_rng_scope(config.init_seed, OUTPUT_LAYER_INIT_KEY):
-                self.output_layer = self._build_output_layer(config, vocab_size, parallel_output,
-                                                             pre_process, share_embeddings_and_output_weights)
+                self.output_layer = self._build_output_layer(
+                    config,
+                    vocab_size,
+                    parallel_output,
+                    pre_process,
+                    share_embeddings_and_output_weights,
+                )
         self.setup_embeddings_and_output_layer()
         self._causal_masks = {}
 
-    def _build_output_layer(self, config, vocab_size, parallel_output, pre_process,
-                            share_embeddings_and_output_weights):
+    def _build_output_layer(
+        self, config, vocab_size, parallel_output, pre_process, share_embeddings_and_output_weights
+    ):
         return ColumnParallelLinear(
             config.hidden_size,
             vocab_size,
@@ -127,8 +146,9 @@ class GPTModel(LanguageModule):
             tp_group=self.tp_group,
         )
 
-    def _fused_output_layer_and_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor,
-                                     weight: Optional[torch.Tensor]) -> torch.Tensor:
+    def _fused_output_layer_and_loss(
+        self, hidden_states: torch.Tensor, labels: torch.Tensor, weight: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """``--cross-entropy-loss-fusion``: output layer + cross entropy in one autograd Function
         (the [b, s, V] logits are never kept; see fused_linear_cross_entropy), per-token losses
         [b, s] as the unfused path returns. Both ``--cross-entropy-fusion-impl`` values (native,
@@ -143,15 +163,22 @@ class GPTModel(LanguageModule):
         else:
             hidden_states = copy_to_tensor_model_parallel_region(hidden_states, self.tp_group)
         # Rows in the hidden states' own [s, b] order: no transposed copy of [s, b, h].
-        losses = linear_cross_entropy(hidden_states, weight, labels.t(), tp_group=self.tp_group,
-                                      fp32_softmax=not self.fp16_lm_cross_entropy)
+        losses = linear_cross_entropy(
+            hidden_states,
+            weight,
+            labels.t(),
+            tp_group=self.tp_group,
+            fp32_softmax=not self.fp16_lm_cross_entropy,
+        )
         return losses.t().contiguous()
 
     def set_input_tensor(self, input_tensor) -> None:
         """Activation [s, b, h] from the previous pipeline stage (a list of one is accepted)."""
         if isinstance(input_tensor, (list, tuple)):
             if len(input_tensor) != 1:
-                raise ValueError(f"GPTModel.set_input_tensor expects one tensor, got {len(input_tensor)}")
+                raise ValueError(
+                    f"GPTModel.set_input_tensor expects one tensor, got {len(input_tensor)}"
+                )
             input_tensor = input_tensor[0]
         self.decoder.set_input_tensor(input_tensor)
 
@@ -161,10 +188,18 @@ class GPTModel(LanguageModule):
         if attention_mask is None:
             return None
         if attention_mask.dtype != torch.bool:
-            raise ValueError(f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}")
+            raise ValueError(
+                f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}"
+            )
         s = attention_mask.shape[-1]
-        if attention_mask.dim() != 4 or attention_mask.shape[-2] != s or attention_mask.shape[1] != 1:
-            raise ValueError(f"attention_mask must have shape [b, 1, s, s], got {tuple(attention_mask.shape)}")
+        if (
+            attention_mask.dim() != 4
+            or attention_mask.shape[-2] != s
+            or attention_mask.shape[1] != 1
+        ):
+            raise ValueError(
+                f"attention_mask must have shape [b, 1, s, s], got {tuple(attention_mask.shape)}"
+            )
         key = (s, attention_mask.device)
         causal = self._causal_masks.get(key)
         if causal is None:
@@ -185,7 +220,9 @@ class GPTModel(LanguageModule):
         cp_size = self.pg_collection.cp_size
         if cp_size == 1:
             return self.rotary_pos_emb.get_cos_sin(seq_len, self._activation_dtype(), source.device)
-        cos, sin = self.rotary_pos_emb.get_cos_sin(seq_len * cp_size, self._activation_dtype(), source.device)
+        cos, sin = self.rotary_pos_emb.get_cos_sin(
+            seq_len * cp_size, self._activation_dtype(), source.device
+        )
         index = cp_chunk_indices(seq_len, cp_size, self.pg_collection.cp_rank, cos.device)
         return cos.index_select(0, index), sin.index_select(0, index)
 
@@ -225,11 +262,14 @@ class GPTModel(LanguageModule):
         cp_size, cp_rank = self.pg_collection.cp_size, self.pg_collection.cp_rank
         if cp_size > 1:
             if attention_mask is not None:
-                raise ValueError("explicit attention masks (--reset-attention-mask) are not supported with "
-                                 "context parallelism (--context-parallel-size > 1)")
+                raise ValueError(
+                    "explicit attention masks (--reset-attention-mask) are not supported with "
+                    "context parallelism (--context-parallel-size > 1)"
+                )
             if position_ids is None and input_ids is not None:
-                position_ids = cp_chunk_indices(input_ids.shape[1], cp_size, cp_rank,
-                                                input_ids.device).unsqueeze(0)
+                position_ids = cp_chunk_indices(
+                    input_ids.shape[1], cp_size, cp_rank, input_ids.device
+                ).unsqueeze(0)
         if decoder_input is None and self.pre_process:
             decoder_input = self.embedding(input_ids, position_ids)
         attention_mask = self._drop_causal_mask(attention_mask)
@@ -238,15 +278,27 @@ class GPTModel(LanguageModule):
         if self.rotary_pos_emb is not None:
             source = decoder_input if decoder_input is not None else self.decoder.input_tensor
             if source is None:
-                raise ValueError("GPTModel without pre_process needs set_input_tensor() before forward")
+                raise ValueError(
+                    "GPTModel without pre_process needs set_input_tensor() before forward"
+                )
             rotary = self._rotary_tables(source)
 
-        hidden_states = self.decoder(decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary)
+        hidden_states = self.decoder(
+            decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary
+        )
         if not self.post_process:
             return hidden_states
 
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        if labels is not None and self.config.cross_entropy_loss_fusion and self.output_layer.bias is None:
+        weight = (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else None
+        )
+        if (
+            labels is not None
+            and self.config.cross_entropy_loss_fusion
+            and self.output_layer.bias is None
+        ):
             return self._fused_output_layer_and_loss(hidden_states, labels, weight)
         if self.output_layer.sequence_parallel:
             # The output layer gathers the [s/TP, b, h] slices along the sequence (dim 0).

@@ -22,9 +22,16 @@ class LanguageModelEmbedding(MegatronModule):
     Lookups index with the transposed ids, so the [s, b, h] output needs no transpose copy.
     """
 
-    def __init__(self, config, vocab_size: int, max_sequence_length: int,
-                 position_embedding_type: str = "learned_absolute", num_tokentypes: int = 0,
-                 scatter_to_sequence_parallel: bool = True, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        vocab_size: int,
+        max_sequence_length: int,
+        position_embedding_type: str = "learned_absolute",
+        num_tokentypes: int = 0,
+        scatter_to_sequence_parallel: bool = True,
+        pg_collection=None,
+    ):
         super().__init__(config)
         pgs = resolve_pg_collection(config, pg_collection)
         self.tp_group = pgs.tp
@@ -40,17 +47,26 @@ class LanguageModelEmbedding(MegatronModule):
         self.position_embedding_type = position_embedding_type
         self.add_position_embedding = position_embedding_type == "learned_absolute"
         self.num_tokentypes = num_tokentypes
-        self.sequence_parallel = bool(config.sequence_parallel) and pgs.tp_size > 1 and scatter_to_sequence_parallel
-        self.reduce_scatter_embeddings = (self.sequence_parallel and not self.add_position_embedding
-                                          and num_tokentypes <= 0)
+        self.sequence_parallel = (
+            bool(config.sequence_parallel) and pgs.tp_size > 1 and scatter_to_sequence_parallel
+        )
+        self.reduce_scatter_embeddings = (
+            self.sequence_parallel and not self.add_position_embedding and num_tokentypes <= 0
+        )
         self.word_embeddings = VocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.init_method, config=config,
-            reduce_scatter_embeddings=self.reduce_scatter_embeddings, tp_group=self.tp_group,
+            vocab_size,
+            config.hidden_size,
+            init_method=config.init_method,
+            config=config,
+            reduce_scatter_embeddings=self.reduce_scatter_embeddings,
+            tp_group=self.tp_group,
         )
         if self.add_position_embedding:
             if max_sequence_length <= 0:
-                raise ValueError(f"max_sequence_length must be positive (--max-position-embeddings), "
-                                 f"got {max_sequence_length}")
+                raise ValueError(
+                    f"max_sequence_length must be positive (--max-position-embeddings), "
+                    f"got {max_sequence_length}"
+                )
             self.position_embeddings = _Embedding(max_sequence_length, config, config.init_method)
         if num_tokentypes > 0:
             self.tokentype_embeddings = _Embedding(num_tokentypes, config, config.init_method)
@@ -59,15 +75,22 @@ class LanguageModelEmbedding(MegatronModule):
         self.embedding_dropout = config.hidden_dropout
         self.fp32_residual = config.fp32_residual_connection
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        tokentype_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """input_ids [b, s] (position_ids [b, s], tokentype_ids [b, s]) -> [s, b, h]."""
         embeddings = self.word_embeddings(input_ids.t())
         if self.add_position_embedding:
             if position_ids is None:
                 s = input_ids.shape[1]
                 position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
-            if position_ids.shape[-1] > self.max_sequence_length and position_ids.max() >= self.max_sequence_length:
+            if (
+                position_ids.shape[-1] > self.max_sequence_length
+                and position_ids.max() >= self.max_sequence_length
+            ):
                 raise ValueError(
                     f"sequence of length {position_ids.shape[-1]} exceeds max_sequence_length "
                     f"{self.max_sequence_length} (--max-position-embeddings)"
