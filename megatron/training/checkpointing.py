@@ -74,8 +74,10 @@ def checkpoint_name(
 def _plain(value):
     if type(value) in _PLAIN or isinstance(value, torch.dtype):
         return value, True
-    if isinstance(value, enum.Enum):  # e.g. signal.Signals: store the plain value
+    if isinstance(value, enum.IntEnum):  # e.g. signal.Signals: store the number
         return _plain(value.value)
+    if isinstance(value, enum.Enum):  # e.g. AttnBackend: store the name the flag takes
+        return value.name, True
     if isinstance(value, (list, tuple)):
         items = [_plain(v) for v in value]
         if all(ok for _, ok in items):
@@ -648,11 +650,16 @@ _FORCED_CHECKPOINT_ARGS = (
     "swiglu",
     "squared_relu",
     "untie_embeddings_and_output_weights",
-    "apply_layernorm_1p",
+    "layernorm_zero_centered_gamma",
     "normalization",
     "qk_layernorm",
-    "norm_epsilon",
+    "layernorm_epsilon",
 )
+# Checkpoints saved before the dests took Megatron's current names hold the old ones.
+_OLD_ARG_NAMES = {
+    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
+    "layernorm_epsilon": "norm_epsilon",
+}
 _UNSET_CHECKPOINT_ARGS = (
     "num_layers",
     "hidden_size",
@@ -720,6 +727,9 @@ def load_args_from_checkpoint(args, load_arg: str = "load"):
     if getattr(args, "use_mp_args_from_checkpoint_args", False):
         names += [(n, True) for n in _PARALLEL_CHECKPOINT_ARGS]
     for name, forced in names:
+        old = _OLD_ARG_NAMES.get(name)
+        if not hasattr(saved, name) and old is not None and hasattr(saved, old):
+            setattr(saved, name, getattr(saved, old))
         if not hasattr(saved, name):
             continue
         theirs, ours = getattr(saved, name), getattr(args, name, None)

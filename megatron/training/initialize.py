@@ -48,7 +48,7 @@ def initialize_megatron(
     )
     global_vars.set_args(args)
     print_args("arguments", args)
-    note = getattr(args, "transformer_impl_note", None)
+    note = getattr(args, "no_effect_note", None)
     if note:
         print_rank_0(f" > {note}")
 
