@@ -281,7 +281,9 @@ def save_checkpoint(
         _atomic_save(state_dict, path)
 
     _barrier()
+    digests = integrity_digests(args, checkpoint_dir(save_dir, iteration))
     if get_rank() == 0:
+        seal(checkpoint_dir(save_dir, iteration), digests)
         commit_tracker(save_dir, iteration)
     _barrier()
     timers("save-checkpoint").stop(barrier=True)
@@ -296,6 +298,23 @@ def save_checkpoint(
         )
     )
     remove_unretained(args, save_dir, iteration)
+
+
+def integrity_digests(args, directory: str):
+    """--verify-integrity: the digests of the files of `directory` written so far (a
+    collective), or None without the flag."""
+    if not getattr(args, "verify_integrity", False):
+        return None
+    from .checkpoint_integrity import hash_checkpoint_files
+
+    return hash_checkpoint_files(directory)
+
+
+def seal(directory: str, digests) -> None:
+    if digests is not None:
+        from .checkpoint_integrity import seal as write_manifest
+
+        write_manifest(directory, digests)
 
 
 def maybe_finalize_async_save(blocking: bool = False) -> bool:
@@ -492,6 +511,13 @@ def load_checkpoint(
     if getattr(args, "ckpt_step", None) is not None:
         iteration, release = args.ckpt_step, False
     fmt = format_to_load(args, checkpoint_dir(load_dir, iteration, release))
+    if getattr(args, "verify_integrity", False):
+        from .checkpoint_integrity import verify_checkpoint
+
+        verify_checkpoint(checkpoint_dir(load_dir, iteration, release))
+        print_rank_0(
+            f" > --verify-integrity: {checkpoint_dir(load_dir, iteration, release)} matches"
+        )
     if fmt == "torch_dist":
         from .checkpointing_dist import load_checkpoint_dist
 

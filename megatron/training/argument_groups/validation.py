@@ -981,6 +981,24 @@ def validate_logging(args):
         )
     if args.wandb_project:
         check(args.wandb_exp_name, "--wandb-project needs --wandb-exp-name")
+    if args.log_progress and args.save is None:
+        warn(args, "--log-progress writes progress.txt into --save, which is not set: no progress")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None:
+        check(
+            interval > 0,
+            f"--check-weight-hash-across-dp-replicas-interval must be > 0 (got {interval})",
+        )
+        check(
+            not args.use_torch_fsdp2
+            and not (
+                args.use_megatron_fsdp
+                and args.data_parallel_sharding_strategy == "optim_grads_params"
+            ),
+            "--check-weight-hash-across-dp-replicas-interval cannot be used with FSDP2 "
+            "(--use-torch-fsdp2, or --use-megatron-fsdp with optim_grads_params): the "
+            "parameters are sharded, not replicated",
+        )
     if args.eval_interval is not None:
         check(args.eval_interval > 0, f"--eval-interval must be > 0 (got {args.eval_interval})")
     check(args.eval_iters >= 0, f"--eval-iters must be >= 0 (got {args.eval_iters})")
