@@ -167,11 +167,16 @@ def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
 
 
 def print_args(title, args):
-    """Print every argument on rank 0 in Megatron's format (48-column dots, sorted)."""
+    """Print every argument on rank 0 in Megatron's format (48-column dots, sorted); the
+    no-effect note is printed once, on its own line, by initialize_megatron."""
     if args.rank != 0:
         return
     print(f"------------------------ {title} ------------------------", flush=True)
-    lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()]
+    lines = [
+        f"  {name} {'.' * (48 - len(name))} {value}"
+        for name, value in vars(args).items()
+        if name != "no_effect_note"
+    ]
     for line in sorted(lines, key=lambda text: text.lower()):
         print(line, flush=True)
     print(f"-------------------- end of {title} ---------------------", flush=True)

@@ -483,7 +483,15 @@ no_effect(
     "clone_scatter_output_in_embedding",
     "mlp_chunks_for_training",
 )
-no_effect("NVTX markers for profilers; they change no result", "nvtx_ranges")
+no_effect(
+    "marks the range an external profiler (nsys, NVTX) captures; nothing is profiled here and "
+    "the run is the same",
+    "nvtx_ranges",
+    "profile",
+    "profile_step_start",
+    "profile_step_end",
+    "profile_ranks",
+)
 
 # ----------------------------------------------------------------------------- refused
 _MOE = f"mixture of experts is {_NYI}"
@@ -495,7 +503,7 @@ _VISION = f"vision models are {_NYI}"
 _TEXT_GEN = f"text generation and inference are {_NYI}"
 _FT = f"fault tolerance (rerun engine, in-process restart, fault injection, autoresume) is {_NYI}"
 _RL = f"reinforcement learning and distillation are {_NYI}"
-_PROFILER = f"the nsys/PyTorch profiler hooks are {_NYI}"
+_PROFILER = f"the PyTorch profiler and CUDA memory-history dumps are {_NYI}"
 
 refused(_MOE, "num_experts", given=lambda value, args: value not in (None, 0))
 refused(_MOE, "expert_model_parallel_size", given=lambda value, args: value != 1)
@@ -935,10 +943,6 @@ refused(
 )
 refused(
     _PROFILER,
-    "profile",
-    "profile_step_start",
-    "profile_step_end",
-    "profile_ranks",
     "use_pytorch_profiler",
     "pytorch_profiler_collect_shapes",
     "pytorch_profiler_collect_callstack",

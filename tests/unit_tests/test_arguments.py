@@ -1269,7 +1269,7 @@ def test_checkpoint_formats(capsys):
         (["--async-save", "--ckpt-format", "torch"], "--async-save"),
         (["--use-pytorch-profiler"], "--use-pytorch-profiler"),
         (["--fim-data"], "--fim-data"),
-        (["--profile"], "--profile"),
+        (["--record-memory-history"], "--record-memory-history"),
     ],
 )
 def test_not_supported_features(extra, flag):
@@ -1278,9 +1278,9 @@ def test_not_supported_features(extra, flag):
 
 
 def test_not_supported_lists_every_offender():
-    message = error_of("--async-save", "--ckpt-format", "torch", "--profile")
+    message = error_of("--async-save", "--ckpt-format", "torch", "--use-pytorch-profiler")
     assert message.count("; ") == 1
-    assert "--async-save (" in message and "--profile (" in message
+    assert "--async-save (" in message and "--use-pytorch-profiler (" in message
 
 
 def test_transformer_impl_is_never_an_error():
