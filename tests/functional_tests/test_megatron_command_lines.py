@@ -3,17 +3,19 @@
 The flag sets below are those of Megatron-LM's own launch scripts (GPT-3 175B, Llama-3 8B in
 bf16), written out as a user copies them; they must pass the parser and validate_args for
 their world size, with only speed-only flags reported as having no effect here. A typical
-small command line then trains a few iterations on CPU (one process).
+small command line then trains a few iterations on CPU (one process), and the smallest launch
+script of examples/ trains for real with two processes.
 """
 
 import os
+import subprocess
 import sys
 
 import pytest
 
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args, validate_args
-from tests.functional_tests.runner import REPO, TINY_MODEL, parse_log_lines
+from tests.functional_tests.runner import REPO, TINY_MODEL, env_for_tests, parse_log_lines
 
 sys.path.insert(0, str(REPO))
 import pretrain_gpt  # noqa: E402
@@ -124,3 +126,21 @@ def test_a_typical_command_line_trains_on_cpu(tmp_path, capsys, monkeypatch):
     assert len(notes) == 1 and notes[0].startswith(" > no effect here (speed only): ")
     assert "--no-masked-softmax-fusion" in notes[0] and "--no-bias-dropout-fusion" in notes[0]
     assert os.path.isfile(tmp_path / "ckpt" / "iter_0000003" / "integrity.sha256")
+
+
+def test_the_tiny_cpu_example_trains_for_real(tmp_path):
+    """The smallest launch script, unchanged, through torchrun with 2 CPU processes."""
+    env = env_for_tests()
+    env.update(MOCK="1", NPROC="2", ITERS="12", RUN_DIR=str(tmp_path / "run"))
+    env.update(NUM_LAYERS="2", HIDDEN="64", SEQ="64", MBS="2", GBS="8")  # its size knobs
+    result = subprocess.run(
+        ["bash", str(REPO / "examples" / "gpt3" / "tiny_cpu.sh")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(parse_log_lines(result.stdout)) == [10]
+    assert os.path.isfile(tmp_path / "run" / "checkpoints" / "iter_0000012" / "metadata.json")

@@ -340,3 +340,18 @@ def test_no_effect_note_is_judged_on_what_the_user_gave():
 def test_attn_backend_is_an_enum_like_megatrons():
     assert _validated([]).attention_backend is AttnBackend.auto
     assert isinstance(parse_args(argv=[]).exit_signal, signal.Signals)
+
+
+def test_rules_of_the_part_a_flags(capsys):
+    interval = "--check-weight-hash-across-dp-replicas-interval"
+    with pytest.raises(ArgumentValidationError, match=f"^{interval} must be > 0 \\(got 0\\)$"):
+        _validated([interval, "0"])
+    with pytest.raises(ArgumentValidationError, match=f"^{interval} cannot be used with FSDP2"):
+        _validated(
+            [interval, "5", "--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
+            + ["--untie-embeddings-and-output-weights"]
+        )
+    _validated(["--log-progress"])
+    assert "WARNING: --log-progress writes progress.txt into --save, which is not set" in (
+        capsys.readouterr().out
+    )

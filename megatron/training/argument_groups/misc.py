@@ -34,7 +34,10 @@ def _add_logging_args(parser):
     g.true("--log-timers-to-tensorboard", "Write timers to TensorBoard.")
     g.no("log-loss-scale-to-tensorboard", "Do not write the loss scale to TensorBoard.")
     g.true("--log-validation-ppl-to-tensorboard", "Write validation perplexity to TensorBoard.")
-    g.true("--log-memory-to-tensorboard", "Write memory statistics to TensorBoard.")
+    g.true(
+        "--log-memory-to-tensorboard",
+        "Write memory statistics to TensorBoard (on a CPU: the process's resident set size).",
+    )
     g.true("--log-world-size-to-tensorboard", "Write the world size to TensorBoard.")
     g.int(
         "--log-memory-interval",
