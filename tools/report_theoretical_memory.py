@@ -10,10 +10,10 @@ a note). Then, for every pipeline stage, Megatron's line
     Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB
 
 and its breakdown (weights, gradients, optimizer state, activations by component) are printed.
-Stage 0's line is the one rank 0 prints when training starts. Memory-saving flags that this code
-base does not run yet (``--use-distributed-optimizer`` and the overlap flags) are accounted as
-Megatron would and noted on stderr, so a plan can be checked before the feature lands; other
-refused flags are errors. Exit status 0, or 2 with ``error: <message>`` on stderr.
+Stage 0's line is the one rank 0 prints when training starts. Memory features that this code
+base does not run yet (``--num-distributed-optimizer-instances``) are accounted as Megatron would
+and noted on stderr, so a plan can be checked before the feature lands; other refused flags are
+errors. Exit status 0, or 2 with ``error: <message>`` on stderr.
 """
 
 import os

@@ -227,3 +227,22 @@ def test_a_data_flag_that_cannot_be_built_is_one_error_line(tmp_path, capsys):
     assert len(lines) == 1, err
     assert lines[0].startswith(f"error: --data-args-path {missing}: No such file or directory")
     assert "[while building the datasets from the command-line flags, raised at megatron/" in err
+
+
+def test_a_build_error_names_the_flags_of_its_message():
+    import argparse
+
+    from megatron.training.flag_errors import BuildFromFlagsError, building
+
+    args = argparse.Namespace(hidden_size=10, num_attention_heads=3, seq_length=8)
+    with pytest.raises(BuildFromFlagsError) as info:
+        with building("model", args):
+            raise ValueError("hidden_size (10) is not divisible by\nnum_attention_heads (3)")
+    assert str(info.value).startswith(
+        "hidden_size (10) is not divisible by num_attention_heads (3) "
+        "(flags: --hidden-size, --num-attention-heads) [while building the model from the "
+        "command-line flags, raised at tests/functional_tests/test_flag_features.py:"
+    )
+    with pytest.raises(BuildFromFlagsError, match=r"^AssertionError without a message \[while"):
+        with building("datasets", args):
+            raise AssertionError()  # a bare assert (pytest would rewrite one written here)
