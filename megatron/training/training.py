@@ -134,7 +134,7 @@ def _pretrain(
         dist.all_reduce(start, op=dist.ReduceOp.MIN)
     _TRAIN_START_TIME = start.item()
     if args.log_progress:
-        with building("progress log", args):  # a malformed progress.txt is named, not raised
+        with building("progress log", args):  # a malformed progress.txt: one line naming it
             log_job_start(args)
     print_rank_0(
         "time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME)
@@ -657,7 +657,6 @@ def train(
     iteration = args.iteration
     flops = args.num_floating_point_operations_so_far
     timers("interval-time", log_level=0).start(barrier=True)
-    exit_code = None
     check_weight_hashes_if_due(model, iteration, before_training=True)
     if args.manual_gc:
         # Megatron's manual GC: no automatic collections, one every --manual-gc-interval.
