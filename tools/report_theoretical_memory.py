@@ -10,10 +10,10 @@ a note). Then, for every pipeline stage, Megatron's line
     Theoretical memory footprints: weight and optimizer=X MB, activation=Y MB, total=Z MB
 
 and its breakdown (weights, gradients, optimizer state, activations by component) are printed.
-Stage 0's line is the one rank 0 prints when training starts. Memory-saving flags that this code
-base does not run yet (``--use-distributed-optimizer`` and the overlap flags) are accounted as
-Megatron would and noted on stderr, so a plan can be checked before the feature lands; other
-refused flags are errors. Exit status 0, or 2 with ``error: <message>`` on stderr.
+Stage 0's line is the one rank 0 prints when training starts. Memory features that this code
+base does not run yet (``--num-distributed-optimizer-instances``) are accounted as Megatron would
+and noted on stderr, so a plan can be checked before the feature lands; other refused flags are
+errors. Exit status 0, or 2 with ``error: <message>`` on stderr.
 """
 
 import os
@@ -23,8 +23,8 @@ from typing import List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron.training import flag_policy  # noqa: E402
 from megatron.training.arguments import (  # noqa: E402
-    NOT_SUPPORTED_YET,
     ArgumentValidationError,
     parse_args,
     validate_args,
@@ -37,12 +37,7 @@ from megatron.training.theoretical_memory import (  # noqa: E402
 
 WORLD_SIZE_FLAG = "--world-size"
 # Refused by today's trainer but fully described by the memory model (MEGATRON_FACTS §10).
-ACCOUNTED_BEFORE_THEY_RUN = frozenset(
-    {
-        "num_distributed_optimizer_instances",
-        "overlap_param_gather_with_optimizer_step",
-    }
-)
+ACCOUNTED_BEFORE_THEY_RUN = frozenset({"num_distributed_optimizer_instances"})
 
 
 def split_world_size(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
@@ -53,12 +48,9 @@ def split_world_size(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
     return world_size, rest
 
 
-def _not_yet_supported(args) -> List[str]:
-    return [
-        dest
-        for dest, (is_unsupported, _, _) in NOT_SUPPORTED_YET.items()
-        if hasattr(args, dest) and is_unsupported(getattr(args, dest), args)
-    ]
+def _not_yet_supported(args) -> List[Tuple[str, str]]:
+    """(dest, flag as given) of every refused flag the args give."""
+    return [(dest, flag) for dest, flag, _ in flag_policy.given_flags(args, flag_policy.REFUSED)]
 
 
 def validated_args(argv: Sequence[str], world_size: int):
@@ -77,10 +69,10 @@ def validated_args(argv: Sequence[str], world_size: int):
         if (
             not str(exc).startswith("not supported yet")
             or not refused
-            or not set(refused) <= ACCOUNTED_BEFORE_THEY_RUN
+            or not {dest for dest, _ in refused} <= ACCOUNTED_BEFORE_THEY_RUN
         ):
             raise
-        flags = ", ".join(NOT_SUPPORTED_YET[dest][1] for dest in refused)
+        flags = ", ".join(flag for _, flag in refused)
         return args, [
             f"note: {flags} not supported by this code base yet (a run stops at start-up); "
             "accounted here as in Megatron"

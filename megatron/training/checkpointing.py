@@ -74,8 +74,10 @@ def checkpoint_name(
 def _plain(value):
     if type(value) in _PLAIN or isinstance(value, torch.dtype):
         return value, True
-    if isinstance(value, enum.Enum):  # e.g. signal.Signals: store the plain value
+    if isinstance(value, enum.IntEnum):  # e.g. signal.Signals: store the number
         return _plain(value.value)
+    if isinstance(value, enum.Enum):  # e.g. AttnBackend: store the name the flag takes
+        return value.name, True
     if isinstance(value, (list, tuple)):
         items = [_plain(v) for v in value]
         if all(ok for _, ok in items):
@@ -279,7 +281,9 @@ def save_checkpoint(
         _atomic_save(state_dict, path)
 
     _barrier()
+    digests = integrity_digests(args, checkpoint_dir(save_dir, iteration))
     if get_rank() == 0:
+        seal(checkpoint_dir(save_dir, iteration), digests)
         commit_tracker(save_dir, iteration)
     _barrier()
     timers("save-checkpoint").stop(barrier=True)
@@ -294,6 +298,23 @@ def save_checkpoint(
         )
     )
     remove_unretained(args, save_dir, iteration)
+
+
+def integrity_digests(args, directory: str):
+    """--verify-integrity: the digests of the files of `directory` written so far (a
+    collective), or None without the flag."""
+    if not getattr(args, "verify_integrity", False):
+        return None
+    from .checkpoint_integrity import hash_checkpoint_files
+
+    return hash_checkpoint_files(directory)
+
+
+def seal(directory: str, digests) -> None:
+    if digests is not None:
+        from .checkpoint_integrity import seal as write_manifest
+
+        write_manifest(directory, digests)
 
 
 def maybe_finalize_async_save(blocking: bool = False) -> bool:
@@ -490,6 +511,13 @@ def load_checkpoint(
     if getattr(args, "ckpt_step", None) is not None:
         iteration, release = args.ckpt_step, False
     fmt = format_to_load(args, checkpoint_dir(load_dir, iteration, release))
+    if getattr(args, "verify_integrity", False):
+        from .checkpoint_integrity import verify_checkpoint
+
+        verify_checkpoint(checkpoint_dir(load_dir, iteration, release))
+        print_rank_0(
+            f" > --verify-integrity: {checkpoint_dir(load_dir, iteration, release)} matches"
+        )
     if fmt == "torch_dist":
         from .checkpointing_dist import load_checkpoint_dist
 
@@ -648,11 +676,16 @@ _FORCED_CHECKPOINT_ARGS = (
     "swiglu",
     "squared_relu",
     "untie_embeddings_and_output_weights",
-    "apply_layernorm_1p",
+    "layernorm_zero_centered_gamma",
     "normalization",
     "qk_layernorm",
-    "norm_epsilon",
+    "layernorm_epsilon",
 )
+# Checkpoints saved before the dests took Megatron's current names hold the old ones.
+_OLD_ARG_NAMES = {
+    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
+    "layernorm_epsilon": "norm_epsilon",
+}
 _UNSET_CHECKPOINT_ARGS = (
     "num_layers",
     "hidden_size",
@@ -720,6 +753,9 @@ def load_args_from_checkpoint(args, load_arg: str = "load"):
     if getattr(args, "use_mp_args_from_checkpoint_args", False):
         names += [(n, True) for n in _PARALLEL_CHECKPOINT_ARGS]
     for name, forced in names:
+        old = _OLD_ARG_NAMES.get(name)
+        if not hasattr(saved, name) and old is not None and hasattr(saved, old):
+            setattr(saved, name, getattr(saved, old))
         if not hasattr(saved, name):
             continue
         theirs, ours = getattr(saved, name), getattr(args, name, None)

@@ -41,6 +41,8 @@ from .checkpointing import (
     CheckpointError,
     _barrier,
     _checkpoint_args,
+    integrity_digests,
+    seal,
     _rng_state,
     _set_rng_state,
     _unwrap,
@@ -216,15 +218,18 @@ def release_async_save_group() -> None:
     _AsyncState.group = _AsyncState.world = None
 
 
-def _commit(save_dir: str, iteration: int) -> None:
+def _commit(save_dir: str, iteration: int, asynchronous: bool = False) -> None:
     """Every rank has written its part: mark the checkpoint complete and move the tracker."""
     from .checkpointing import remove_unretained
 
     _barrier()
     final_dir = checkpoint_dir(save_dir, iteration)
     work_dir = final_dir + TMP_SUFFIX
+    args = global_vars.get_args()
+    digests = integrity_digests(args, work_dir)
     if get_rank() == 0:
         dc.write_metadata_json(work_dir)
+        seal(work_dir, digests)  # the --verify-integrity manifest, metadata.json included
         old = None
         if os.path.isdir(final_dir):
             old = final_dir + ".old"
@@ -247,7 +252,11 @@ def _commit(save_dir: str, iteration: int) -> None:
             state.get_pipeline_model_parallel_world_size(),
         )
     )
-    remove_unretained(global_vars.get_args(), save_dir, iteration)
+    remove_unretained(args, save_dir, iteration)
+    if asynchronous and getattr(args, "log_progress", False):
+        from .progress_log import log_async_checkpoint_committed
+
+        log_async_checkpoint_committed(save_dir, args.world_size, iteration)
 
 
 def maybe_finalize_async_save(blocking: bool = False) -> bool:
@@ -282,7 +291,7 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
             f"asynchronous save of iteration {pending['iteration']} to "
             f"{pending['save_dir']} failed ({reason}); the previous checkpoint is kept"
         )
-    _commit(pending["save_dir"], pending["iteration"])
+    _commit(pending["save_dir"], pending["iteration"], asynchronous=True)
     return True
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -29,11 +30,18 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(F.relu(x), 2)
 
 
+def _attention_backend_name(value) -> str:
+    """Megatron's --attention-backend is an AttnBackend member; the config takes its name (a
+    checkpoint's args may hold the name already)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return AttnBackend(value).name
+    return getattr(value, "name", value)
+
+
 def core_transformer_config_from_args(args, config_class=TransformerConfig) -> TransformerConfig:
     """TransformerConfig for the model, with the flag names that differ from field names mapped."""
     overrides = {
-        "layernorm_epsilon": args.norm_epsilon,
-        "layernorm_zero_centered_gamma": args.apply_layernorm_1p,
+        "attention_backend": _attention_backend_name(args.attention_backend),
         "gated_linear_unit": bool(args.swiglu),
         "num_moe_experts": getattr(args, "num_experts", None),
         "deallocate_pipeline_outputs": True,

@@ -132,6 +132,7 @@ def build_pretraining_data_loader(
             args.micro_batch_size,
             data_parallel_rank,
             data_parallel_size,
+            data_sharding=getattr(args, "data_sharding", True),  # --no-data-sharding
         )
     else:
         raise ValueError(f"not supported yet: --dataloader-type {args.dataloader_type}")

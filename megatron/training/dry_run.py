@@ -160,6 +160,8 @@ def main(argv=None) -> int:
     except ArgumentValidationError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    if args.no_effect_note:
+        print(f" > {args.no_effect_note}", flush=True)  # as a real run prints it at start-up
     padded_vocab, problem = _padded_vocab(args)
     print(format_lines(layout_lines(args, padded_vocab, problem)), flush=True)
     if padded_vocab is not None:

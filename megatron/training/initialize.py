@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import random
 import signal
@@ -48,9 +49,10 @@ def initialize_megatron(
     )
     global_vars.set_args(args)
     print_args("arguments", args)
-    note = getattr(args, "transformer_impl_note", None)
+    note = getattr(args, "no_effect_note", None)
     if note:
         print_rank_0(f" > {note}")
+    _apply_process_settings(args)
 
     _initialize_distributed(args)
     configure_cpu_allocator(
@@ -94,6 +96,18 @@ def initialize_megatron(
             DistributedSignalHandler(getattr(args, "exit_signal", signal.SIGTERM))
         )
     return args
+
+
+def _apply_process_settings(args):
+    """Flags that set process-wide library state."""
+    if getattr(args, "logging_level", None) is not None:
+        logging.getLogger().setLevel(args.logging_level)
+    if getattr(args, "disable_bf16_reduced_precision_matmul", False):
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if getattr(args, "log_memory_to_tensorboard", False) and not torch.cuda.is_available():
+        from .memory_stats import CPU_NOTE
+
+        print_rank_0(f" > {CPU_NOTE}")
 
 
 def import_torch_dynamo_before_process_groups():

@@ -3,9 +3,8 @@
 Contract of :func:`build_tokenizer`:
 
 * reads ``args.tokenizer_type``, ``vocab_file``, ``merge_file``, ``tokenizer_model``,
-  ``vocab_size``, ``vocab_extra_ids``, ``tokenizer_hf_use_fast`` (False with
-  ``--tokenizer-hf-no-use-fast``; a ``tokenizer_hf_no_use_fast`` attribute is honoured too),
-  ``tokenizer_hf_include_special_tokens``, ``trust_remote_code``, ``null_tokenizer_eod_id``,
+  ``vocab_size``, ``vocab_extra_ids``, ``tokenizer_hf_no_use_fast``,
+  ``tokenizer_hf_no_include_special_tokens``, ``trust_remote_code``, ``null_tokenizer_eod_id``,
   ``null_tokenizer_pad_id``, ``padded_vocab_size``, ``pad_vocab_size`` (False with
   ``--no-pad-vocab-size``; or ``no_pad_vocab_size``), ``make_vocab_size_divisible_by``,
   ``tensor_model_parallel_size`` and ``rank``; missing attributes take the flag defaults, so
@@ -54,12 +53,9 @@ def build_tokenizer(args) -> MegatronTokenizer:
         tokenizer_model=getattr(args, "tokenizer_model", None),
         vocab_size=getattr(args, "vocab_size", None),
         vocab_extra_ids=getattr(args, "vocab_extra_ids", 0),
-        tokenizer_hf_no_use_fast=(
-            getattr(args, "tokenizer_hf_no_use_fast", False)
-            or getattr(args, "tokenizer_hf_use_fast", True) is False
-        ),
-        tokenizer_hf_include_special_tokens=getattr(
-            args, "tokenizer_hf_include_special_tokens", True
+        tokenizer_hf_no_use_fast=getattr(args, "tokenizer_hf_no_use_fast", False),
+        tokenizer_hf_include_special_tokens=not getattr(
+            args, "tokenizer_hf_no_include_special_tokens", False
         ),
         trust_remote_code=getattr(args, "trust_remote_code", False),
         null_tokenizer_eod_id=getattr(args, "null_tokenizer_eod_id", None),

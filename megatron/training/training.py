@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import gc
 import sys
 import time
 from typing import Callable, List, Optional
@@ -32,8 +33,11 @@ from .checkpointing import (
 from .checkpointing_dist import release_async_save_group
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
+from .flag_errors import BuildFromFlagsError, building
 from .flops import num_floating_point_operations
 from .initialize import initialize_megatron, teardown_process_groups
+from .progress_log import log_checkpoint_saved, log_job_start
+from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
 from .training_log import print_evaluation, training_log
 from .utils import get_device, print_rank_0
 
@@ -57,6 +61,8 @@ def print_datetime(message: str) -> None:
 # traceback. Anything else is a bug and keeps its traceback.
 USER_INPUT_ERRORS = (
     CheckpointError,
+    BuildFromFlagsError,
+    ReplicaMismatchError,
     FileNotFoundError,
     NotADirectoryError,
     IsADirectoryError,
@@ -127,13 +133,19 @@ def _pretrain(
         start = start.to(get_device())
         dist.all_reduce(start, op=dist.ReduceOp.MIN)
     _TRAIN_START_TIME = start.item()
+    if args.log_progress:
+        with building("progress log", args):  # a malformed progress.txt: one line naming it
+            log_job_start(args)
     print_rank_0(
         "time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME)
     )
     print_datetime("after megatron is initialized")
 
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
-    model, optimizer, opt_param_scheduler = setup_model_and_optimizer(model_provider, model_type)
+    with building("model, optimizer and scheduler", args):
+        model, optimizer, opt_param_scheduler = setup_model_and_optimizer(
+            model_provider, model_type
+        )
     timers("model-and-optimizer-setup").stop()
     print_datetime("after model, optimizer, and learning rate scheduler are built")
     if args.rank == 0:
@@ -143,9 +155,10 @@ def _pretrain(
     config = get_model_config(model[0])
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
-    train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(
-        train_valid_test_dataset_provider
-    )
+    with building("datasets", args):
+        train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(
+            train_valid_test_dataset_provider
+        )
     timers("train/valid/test-data-iterators-setup").stop()
     print_datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
@@ -175,6 +188,8 @@ def _pretrain(
         ):
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
             args.last_saved_iteration = iteration
+            if args.log_progress:
+                log_checkpoint_saved(args, iteration, flops, _TRAIN_START_TIME)
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
     maybe_finalize_async_save(blocking=True)  # an --async-save checkpoint is complete before exit
@@ -641,9 +656,44 @@ def train(
         chunk.train()
     iteration = args.iteration
     flops = args.num_floating_point_operations_so_far
+    timers("interval-time", log_level=0).start(barrier=True)
+    check_weight_hashes_if_due(model, iteration, before_training=True)
+    if args.manual_gc:
+        # Megatron's manual GC: no automatic collections, one every --manual-gc-interval.
+        gc.disable()
+        gc.collect()
+    try:
+        iteration, flops, exit_code = _train_loop(
+            forward_step_func,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            train_data_iterator,
+            valid_data_iterator,
+            config,
+            iteration,
+            flops,
+        )
+    finally:
+        if args.manual_gc:
+            gc.enable()  # later work in this process (tests run several trainings) collects again
+    return iteration, flops, exit_code
+
+
+def _train_loop(
+    forward_step_func,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    train_data_iterator,
+    valid_data_iterator,
+    config,
+    iteration,
+    flops,
+):
+    args = global_vars.get_args()
     total_loss_dict = {}
     report_memory_flag = True
-    timers("interval-time", log_level=0).start(barrier=True)
     exit_code = None
     while iteration < args.train_iters:
         maybe_finalize_async_save(blocking=False)  # commits a finished --async-save checkpoint
@@ -676,7 +726,12 @@ def train(
             num_zeros,
         )
 
+        check_weight_hashes_if_due(model, iteration)
+        if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+            gc.collect()
         if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+            if args.manual_gc and args.manual_gc_eval:
+                gc.collect()
             evaluate_and_print_results(
                 f"iteration {iteration}",
                 forward_step_func,
@@ -686,6 +741,8 @@ def train(
                 config,
                 verbose=False,
             )
+            if args.manual_gc and args.manual_gc_eval:
+                gc.collect()
         exit_code = _checkpoint_and_decide_exit(
             model, optimizer, opt_param_scheduler, iteration, flops
         )
@@ -705,6 +762,8 @@ def _checkpoint_and_decide_exit(
         if args.save and args.last_saved_iteration != iteration:
             save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
             args.last_saved_iteration = iteration
+            if args.log_progress:
+                log_checkpoint_saved(args, iteration, flops, _TRAIN_START_TIME)
 
     if handler is not None and handler.signals_received():
         save()

@@ -10,7 +10,8 @@ import torch
 
 from . import global_vars
 from .flops import num_floating_point_operations, peak_tflops_per_device
-from .utils import print_rank_last
+from .memory_stats import memory_scalars
+from .utils import get_device, print_rank_last
 
 ADVANCED_KEY = "advanced iterations"
 SKIPPED_KEY = "skipped iterations"
@@ -146,10 +147,12 @@ def training_log(
             scalars["num-zeros"] = num_zeros_in_grad
         if params_norm is not None:
             scalars["params-norm"] = params_norm
+        memory = memory_scalars(get_device()) if args.log_memory_to_tensorboard else {}
+        scalars.update(memory)
         if writer is not None:
             for name, value in scalars.items():
                 writer.add_scalar(name, value, iteration)
-                if name not in ("world-size", "num-zeros"):
+                if name not in ("world-size", "num-zeros") and name not in memory:
                     writer.add_scalar(f"{name} vs samples", value, samples)
             if getattr(args, "skipped_train_samples", 0):
                 writer.add_scalar("skipped-train-samples", args.skipped_train_samples, iteration)

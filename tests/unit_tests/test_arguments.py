@@ -1,21 +1,22 @@
 """Tests of megatron/training/arguments.py: flag defaults, derived values, validation rules,
-the not-supported-yet table, print_args and --help.
+refused flags (the flag policy table; its own tests are in test_flag_policy.py), print_args and
+--help.
 
 Expected defaults are Megatron's literal values (MEGATRON_FACTS.md section 3), written out
 here rather than read back from the parser.
 """
 
 import argparse
+import signal
 
 import pytest
 import torch
 
-from megatron.training import arguments
+from megatron.core.transformer.enums import AttnBackend
+from megatron.training import flag_policy_table
 from megatron.training.argument_groups.builder import layer_pattern_type
 from megatron.training.arguments import (
-    NOT_SUPPORTED_YET,
     ArgumentValidationError,
-    add_megatron_arguments,
     add_tokenizer_args,
     parse_and_validate_args,
     parse_args,
@@ -57,8 +58,8 @@ def single_process_env(monkeypatch):
 
 @pytest.fixture
 def all_features_implemented(monkeypatch):
-    """Empty the not-supported table, as if every feature had landed."""
-    monkeypatch.setattr(arguments, "NOT_SUPPORTED_YET", {})
+    """Empty the flag policy table, as if every feature had landed."""
+    monkeypatch.setattr(flag_policy_table, "POLICY", {})
 
 
 def run(*extra, world_size=1, drop=(), defaults=None):
@@ -92,8 +93,8 @@ DEFAULTS = {
     "rope_scaling_factor": 8.0,
     "make_vocab_size_divisible_by": 128,
     "normalization": "LayerNorm",
-    "norm_epsilon": 1e-5,
-    "apply_layernorm_1p": False,
+    "layernorm_epsilon": 1e-5,
+    "layernorm_zero_centered_gamma": False,
     "swiglu": False,
     "squared_relu": False,
     "untie_embeddings_and_output_weights": False,
@@ -102,7 +103,7 @@ DEFAULTS = {
     "qk_layernorm": False,
     "add_bias_linear": True,
     "add_qkv_bias": False,
-    "attention_backend": "auto",
+    "attention_backend": AttnBackend.auto,
     "transformer_impl": "transformer_engine",
     "mtp_num_layers": None,
     "spec": None,
@@ -146,7 +147,7 @@ DEFAULTS = {
     "exit_interval": None,
     "exit_duration_in_mins": None,
     "exit_signal_handler": False,
-    "exit_signal": "SIGTERM",
+    "exit_signal": signal.SIGTERM,
     "recompute_activations": False,
     "recompute_granularity": None,
     "recompute_method": None,
@@ -161,7 +162,7 @@ DEFAULTS = {
     "profile": False,
     "profile_step_start": 10,
     "profile_step_end": 12,
-    "profile_ranks": [0],
+    "profile_ranks": [],
     "deterministic_mode": False,
     "rerun_mode": "validate_results",
     "cuda_graph_impl": "none",
@@ -204,7 +205,7 @@ DEFAULTS = {
     "ckpt_format": "torch_dist",
     "auto_detect_ckpt_format": False,
     "ckpt_convert_format": None,
-    "async_save": None,
+    "async_save": False,
     "dist_ckpt_strictness": "assume_ok_unexpected",
     "ckpt_fully_parallel_save": True,
     "non_persistent_ckpt_type": None,
@@ -245,7 +246,7 @@ DEFAULTS = {
     "data_parallel_sharding_strategy": "optim_grads_params",
     "use_torch_fsdp2": False,
     "use_tp_pp_dp_mapping": False,
-    "enable_gloo_process_groups": True,
+    "use_gloo_process_groups": True,
     # validation
     "eval_iters": 100,
     "eval_interval": None,
@@ -314,13 +315,13 @@ DEFAULTS = {
     "log_timers_to_tensorboard": False,
     "log_loss_scale_to_tensorboard": True,
     "log_memory_interval": None,
-    "wandb_project": "",
-    "wandb_exp_name": "",
-    "wandb_save_dir": "",
-    "wandb_entity": "",
+    "wandb_project": None,
+    "wandb_exp_name": None,
+    "wandb_save_dir": None,
+    "wandb_entity": None,
     # inference / misc / vision
     "inference_max_seq_length": 2560,
-    "inference_max_batch_size": 8,
+    "inference_max_requests": 8,
     "max_tokens_to_oom": 12000,
     "yaml_cfg": None,
     "adlr_autoresume": False,
@@ -391,10 +392,10 @@ def test_flag_spellings_and_dests():
     assert args.fp8 == "hybrid"
     assert args.add_bias_linear is False and args.apply_rope_fusion is False
     assert args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler
-    assert args.inference_max_batch_size == 4 and args.microbatch_group_size_per_vp_stage == 3
+    assert args.inference_max_requests == 4 and args.microbatch_group_size_per_vp_stage == 3
     assert args.nccl_ub is True
     assert args.data_path == ["0.3", "a", "0.7", "b"]
-    assert args.rampup_batch_size == ["16", "8", "300"]  # strings, as in Megatron
+    assert args.rampup_batch_size == [16, 8, 300]  # type=int, nargs=3 as in Megatron
     assert args.moe_router_load_balancing_type == ["aux_loss", "sinkhorn"]
     assert args.moe_aux_loss_coeff == [0.01]
     assert args.moe_layer_freq == [1, 1, 0, 1, 1, 0]
@@ -420,10 +421,6 @@ def test_ignore_unknown_args():
 @pytest.mark.parametrize(
     "argv, hint",
     [
-        (["--checkpoint-activations"], "--recompute-activations"),
-        (["--batch-size", "8"], "--micro-batch-size"),
-        (["--warmup", "10"], "--lr-warmup-fraction"),
-        (["--model-parallel-size", "2"], "--tensor-model-parallel-size"),
         (["--data-impl", "mmap"], ".bin/.idx"),
         (["--use-legacy-models"], "legacy"),
         (["--no-query-key-layer-scaling"], "--apply-query-key-layer-scaling"),
@@ -436,6 +433,24 @@ def test_removed_flags_fail_with_a_hint(argv, hint, capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert argv[0] in err and "no longer supported" in err and hint in err
+
+
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--checkpoint-activations"], "--recompute-activations"),
+        (["--batch-size", "8"], "--micro-batch-size"),
+        (["--warmup", "10"], "--lr-warmup-fraction"),
+        (["--model-parallel-size", "2"], "--tensor-model-parallel-size"),
+    ],
+)
+def test_flags_megatron_parses_but_refuses_end_with_their_hint(argv, hint, capsys):
+    """Megatron still parses these and asserts they are unset: one error line, exit 2."""
+    with pytest.raises(SystemExit) as info:
+        parse_and_validate_args(argv=make_argv(*argv))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {argv[0]} is no longer supported: ") and hint in err
 
 
 def test_layer_pattern_type_rejects_code():
@@ -472,7 +487,7 @@ def test_help_lists_groups(capsys):
         "experimental:",
     ):
         assert f"\n{title}\n" in out, title
-    assert "--checkpoint-activations" not in out  # removed flags are hidden
+    assert "--use-legacy-models" not in out  # removed flags are hidden
 
 
 def test_tokenizer_group_is_reusable():
@@ -525,7 +540,7 @@ def test_base_config_validates_with_derived_values(capsys):
     assert args.virtual_pipeline_model_parallel_size is None
     assert not hasattr(args, "recompute_activations")
     assert args.transformer_impl == "local"
-    assert "transformer_engine" in args.transformer_impl_note
+    assert "--transformer-impl transformer_engine" in args.no_effect_note
     out = capsys.readouterr().out
     assert (
         "using world size: 1, data-parallel size: 1, context-parallel size: 1, hierarchical "
@@ -659,9 +674,12 @@ def test_deprecated_position_flags():
 
 
 def test_use_flash_attn_selects_the_flash_backend_unless_one_is_given():
-    assert run().attention_backend == "auto"
-    assert run("--use-flash-attn").attention_backend == "flash"
-    assert run("--use-flash-attn", "--attention-backend", "fused").attention_backend == "fused"
+    assert run().attention_backend is AttnBackend.auto
+    assert run("--use-flash-attn").attention_backend is AttnBackend.flash
+    assert (
+        run("--use-flash-attn", "--attention-backend", "fused").attention_backend
+        is AttnBackend.fused
+    )
 
 
 def test_bias_flags():
@@ -1047,7 +1065,6 @@ RULES = [
         1,
         ["--rampup-batch-size needs sample-based training", "--train-samples"],
     ),
-    ("rampup_three_values", ["--rampup-batch-size", 2, 4], 1, ["--rampup-batch-size takes 3"]),
     (
         "step_schedule_and_gbs",
         ["--step-batch-size-schedule", "0:16", "--global-batch-size", 16],
@@ -1154,12 +1171,12 @@ def test_rampup_accepted_with_train_samples():
         100,
         drop=("--train-iters",),
     )
-    assert args.rampup_batch_size == ["4", "4", "100"] and args.global_batch_size == 16
+    assert args.rampup_batch_size == [4, 4, 100] and args.global_batch_size == 16
 
 
 # ------------------------------------------------------------------ not supported yet
-def test_not_supported_param_gather_overlap_with_optimizer_step():
-    message = error_of(
+def test_param_gather_overlap_with_optimizer_step_has_no_effect_here():
+    args = run(
         "--use-distributed-optimizer",
         "--overlap-grad-reduce",
         "--overlap-param-gather",
@@ -1172,9 +1189,7 @@ def test_not_supported_param_gather_overlap_with_optimizer_step():
         8,
         world_size=2,
     )
-    assert message.startswith("not supported yet: --overlap-param-gather-with-optimizer-step ("), (
-        message
-    )
+    assert "--overlap-param-gather-with-optimizer-step (" in args.no_effect_note
 
 
 def test_distributed_optimizer_and_overlap_accepted():
@@ -1194,12 +1209,10 @@ def test_bucket_count_and_size_exclusive():
     assert "--ddp-num-buckets 2" in message and "--ddp-bucket-size 1000" in message
 
 
-def test_checkpoint_formats():
-    message = error_of("--save", "/tmp/ckpt", "--save-interval", 5, "--ckpt-format", "zarr")
-    assert message == (
-        "not supported yet: --ckpt-format zarr (checkpoints are written and read in "
-        "the torch or torch_dist format only)"
-    )
+def test_checkpoint_formats(capsys):
+    with pytest.raises(SystemExit) as info:  # zarr left Megatron's choices
+        parse_args(argv=make_argv("--ckpt-format", "zarr"))
+    assert info.value.code == 2 and "invalid choice: 'zarr'" in capsys.readouterr().err
     args = run(
         "--save",
         "/tmp/ckpt",
@@ -1243,7 +1256,7 @@ def test_checkpoint_formats():
         (["--num-experts", 4], "--num-experts 4"),
         (["--multi-latent-attention"], "--multi-latent-attention"),
         (["--fp8-format", "hybrid", "--bf16"], "--fp8-format hybrid"),
-        (["--optimizer", "muon", "--ckpt-format", "torch"], "--optimizer muon"),
+        (["--optimizer", "lion"], "--optimizer lion"),
         (["--yaml-cfg", "cfg.yaml"], "--yaml-cfg cfg.yaml"),
         (["--spec", "local"], "--spec local"),
         (["--position-embedding-type", "yarn"], "--position-embedding-type yarn"),
@@ -1254,9 +1267,9 @@ def test_checkpoint_formats():
         (["--dataloader-type", "external"], "--dataloader-type external"),
         (["--step-batch-size-schedule", "0:16"], "--step-batch-size-schedule 0:16"),
         (["--async-save", "--ckpt-format", "torch"], "--async-save"),
-        (["--cuda-graph-impl", "local"], "--cuda-graph-impl local"),
+        (["--use-pytorch-profiler"], "--use-pytorch-profiler"),
         (["--fim-data"], "--fim-data"),
-        (["--profile"], "--profile"),
+        (["--record-memory-history"], "--record-memory-history"),
     ],
 )
 def test_not_supported_features(extra, flag):
@@ -1265,18 +1278,9 @@ def test_not_supported_features(extra, flag):
 
 
 def test_not_supported_lists_every_offender():
-    message = error_of("--async-save", "--ckpt-format", "torch", "--profile")
+    message = error_of("--async-save", "--ckpt-format", "torch", "--use-pytorch-profiler")
     assert message.count("; ") == 1
-    assert "--async-save (" in message and "--profile (" in message
-
-
-def test_not_supported_table_names_real_flags():
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    actions = parser._option_string_actions  # flag -> argparse action
-    for dest, (is_unsupported, flag, reason) in NOT_SUPPORTED_YET.items():
-        assert flag in actions, flag
-        assert actions[flag].dest == dest, (flag, dest)
-        assert callable(is_unsupported) and reason
+    assert "--async-save (" in message and "--use-pytorch-profiler (" in message
 
 
 def test_transformer_impl_is_never_an_error():
@@ -1287,7 +1291,7 @@ def test_transformer_impl_is_never_an_error():
     ):
         args = run("--transformer-impl", impl)
         assert args.transformer_impl == "local"
-        assert (args.transformer_impl_note is not None) == note
+        assert (f"--transformer-impl {impl} (" in (args.no_effect_note or "")) == note
 
 
 # ------------------------------------------------------------------ printing

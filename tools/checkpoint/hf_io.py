@@ -215,7 +215,8 @@ def check_plain_checkpoint_args(md, target: str) -> None:
     if a is None:
         return
     for name, flag in (
-        ("apply_layernorm_1p", "--apply-layernorm-1p"),
+        ("layernorm_zero_centered_gamma", "--apply-layernorm-1p"),
+        ("apply_layernorm_1p", "--apply-layernorm-1p"),  # its dest in older checkpoints
         ("qk_layernorm", "--qk-layernorm"),
         ("rotary_interleaved", "--rotary-interleaved"),
         ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),

@@ -88,7 +88,8 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
         use_rope_scaling=bool(getattr(a, "use_rope_scaling", False)),
         rope_scaling_factor=getattr(a, "rope_scaling_factor", 8.0),
         normalization=getattr(a, "normalization", "LayerNorm"),
-        norm_epsilon=getattr(a, "norm_epsilon", 1e-5),
+        # (older checkpoints of ours stored the flag under norm_epsilon)
+        norm_epsilon=getattr(a, "layernorm_epsilon", getattr(a, "norm_epsilon", 1e-5)),
         norm_has_bias=getattr(a, "normalization", "LayerNorm") == "LayerNorm",
         linear_bias=linear_bias,
         qkv_bias=linear_bias or bool(getattr(a, "add_qkv_bias", False)),

@@ -51,7 +51,8 @@ class BlendedMegatronDatasetConfig:
     """Memory-map the ``.bin`` files (``--no-mmap-bin-files`` reads them with file reads)."""
 
     mock: bool = False
-    """Synthetic data (``--mock-data``); also set when ``blend`` and ``blend_per_split`` are None."""
+    """Synthetic data (``--mock-data``); also set when ``blend`` and ``blend_per_split`` are None.
+    Mock data is always split "1,1,1" (``split`` is replaced), as in Megatron Core."""
 
     tokenizer: Optional[Any] = None
     """Object with ``eod``, ``pad`` (None or -1 when absent), ``vocab_size`` and optionally a
@@ -87,9 +88,16 @@ class BlendedMegatronDatasetConfig:
             if self.split is None:
                 raise ValueError("--split must be given with --data-path")
         else:
+            # Megatron Core's rule: with neither a blend nor per-split blends the synthetic
+            # documents are split evenly, whatever --split says.
             self.mock = True
-            if self.split is None:
-                self.split = "1,1,1"
+            if self.split is not None and self.split.replace(" ", "") != "1,1,1":
+                log_single_rank(
+                    logger,
+                    logging.INFO,
+                    f"Let split = 1,1,1 instead of {self.split!r}: mock data is split evenly",
+                )
+            self.split = "1,1,1"
         self.split_matrix = convert_split_vector_to_split_matrix(
             parse_and_normalize_split(self.split)
         )

@@ -26,3 +26,14 @@ class AttnMaskType(enum.Enum):
 class LayerType(enum.Enum):
     encoder = 1
     decoder = 2
+
+
+class AttnBackend(enum.Enum):
+    """Attention kernel (``--attention-backend``): flash/fused take torch's
+    scaled_dot_product_attention, unfused/local the unfused path where it applies, auto picks."""
+
+    flash = 1
+    fused = 2
+    unfused = 3
+    local = 4
+    auto = 5

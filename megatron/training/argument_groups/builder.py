@@ -10,7 +10,16 @@ import argparse
 import builtins
 import re
 
-__all__ = ["ArgGroup", "RemovedFlagAction", "layer_pattern_type"]
+__all__ = [
+    "ArgGroup",
+    "RemovedFlagAction",
+    "enum_type",
+    "la_freq_type",
+    "layer_pattern_type",
+    "moe_freq_type",
+    "no_rope_freq_type",
+    "tuple_type",
+]
 
 
 class RemovedFlagAction(argparse.Action):
@@ -64,8 +73,27 @@ class ArgGroup:
         """A `--no-x` / `--disable-x` switch: dest defaults to True, the flag stores False."""
         return self._add(flags, action="store_false", dest=dest, help=help, **kwargs)
 
+    def no(self, name, help, **kwargs):
+        """Megatron's switch for a setting that is on by default: `--no-<name>` and
+        `--disable-<name>` both store False into `<name>` (dashes become underscores)."""
+        dest = name.replace("-", "_")
+        return self.false((f"--no-{name}", f"--disable-{name}"), dest, help, **kwargs)
+
+    def both(self, flag, default, help, **kwargs):
+        """`--x` / `--no-x` (argparse.BooleanOptionalAction)."""
+        return self._add(
+            flag, action=argparse.BooleanOptionalAction, default=default, help=help, **kwargs
+        )
+
     def list(self, flags, default, help, type=builtins.str, nargs="+", **kwargs):
         return self._add(flags, type=type, nargs=nargs, default=default, help=help, **kwargs)
+
+    def alias(self, flag, dest, type=None):
+        """A hidden older spelling that writes into an existing flag's dest (it has no default
+        of its own, so the main flag's default stands)."""
+        return self.group.add_argument(
+            flag, dest=dest, type=type, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
 
     def removed(self, flags, hint):
         return self.group.add_argument(
@@ -108,3 +136,50 @@ def layer_pattern_type(value):
     if not (isinstance(result, builtins.list) and all(isinstance(x, builtins.int) for x in result)):
         raise argparse.ArgumentTypeError(f"layer pattern {value!r} must evaluate to a list of ints")
     return result
+
+
+# Megatron names its pattern parsers after the flags that use them; the flag surface test
+# compares these names, and all three accept the same values.
+def moe_freq_type(value):
+    """`--moe-layer-freq` / `--window-attn-skip-freq`: an int N or a list pattern."""
+    return layer_pattern_type(value)
+
+
+def no_rope_freq_type(value):
+    """`--no-rope-freq`: an int N or a list pattern."""
+    return layer_pattern_type(value)
+
+
+def la_freq_type(value):
+    """`--linear-attention-freq`: an int N or a list pattern."""
+    return layer_pattern_type(value)
+
+
+def tuple_type(value):
+    """`--window-size`: "128,0" or "(128, 0)" -> (128, 0)."""
+    if value is None or isinstance(value, tuple):
+        return value
+    try:
+        return tuple(builtins.int(part) for part in builtins.str(value).strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, such as 128,0 (got {value!r})"
+        ) from None
+
+
+def enum_type(enum_class):
+    """The parser of a flag whose value names a member of `enum_class` (Megatron's handler
+    for enum-typed config fields: `--attention-backend flash` -> AttnBackend.flash)."""
+
+    def enum_type_handler(value):
+        if isinstance(value, enum_class):
+            return value
+        try:
+            return enum_class[value]
+        except KeyError:
+            names = ", ".join(member.name for member in enum_class)
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {value!r} (choose from {names})"
+            ) from None
+
+    return enum_type_handler

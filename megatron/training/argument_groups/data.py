@@ -1,8 +1,6 @@
 """Data and tokenizer flags. `add_tokenizer_args` is shared with tools/preprocess_data.py;
 this module imports neither torch nor the rest of megatron."""
 
-import argparse
-
 from .builder import ArgGroup
 
 TOKENIZER_TYPES = [
@@ -20,8 +18,9 @@ TOKENIZER_TYPES = [
     "SFTTokenizer",
 ]
 
-# Tokenizer types that older Megatron releases had and old scripts still name.
-_REMOVED_TOKENIZER_TYPES = {
+# Tokenizer types that older Megatron releases had and old scripts still name
+# (arguments.parse_args turns them into a hint before argparse rejects the choice).
+REMOVED_TOKENIZER_TYPES = {
     "Llama3Tokenizer": "use HuggingFaceTokenizer (--tokenizer-model <HF dir or name>) or "
     "TikTokenizer",
     "MistralTokenizer": "use HuggingFaceTokenizer (--tokenizer-model <HF dir or name>)",
@@ -29,22 +28,19 @@ _REMOVED_TOKENIZER_TYPES = {
 }
 
 
-def _tokenizer_type(value):
-    if value in _REMOVED_TOKENIZER_TYPES:
-        raise argparse.ArgumentTypeError(
-            f"{value} is no longer supported: {_REMOVED_TOKENIZER_TYPES[value]}"
-        )
-    return value
-
-
 def _add_data_args(parser):
     g = ArgGroup(parser, "data and dataloader")
-    g.list(
+    g._add(
         "--data-path",
-        None,
-        "Dataset prefixes for train/valid/test, split by --split: "
-        '"PREFIX", "PREFIX1 PREFIX2 ..." (weighted by size) or "W1 PREFIX1 W2 PREFIX2 ...".',
+        default=None,
         nargs="*",
+        help="Dataset prefixes for train/valid/test, split by --split: "
+        '"PREFIX", "PREFIX1 PREFIX2 ..." (weighted by size) or "W1 PREFIX1 W2 PREFIX2 ...".',
+    )
+    g.str(
+        "--phase-transition-iterations",
+        None,
+        "Comma-separated iterations at which the data blend moves to its next phase.",
     )
     g.str(
         "--split",
@@ -52,19 +48,28 @@ def _add_data_args(parser):
         'Train/valid/test proportions, e.g. "969,30,1" or "99/1/0" '
         "(default with --data-path: 969, 30, 1).",
     )
-    g.list("--train-data-path", None, "Dataset prefixes for the training split only.", nargs="*")
-    g.list("--valid-data-path", None, "Dataset prefixes for the validation split only.", nargs="*")
-    g.list("--test-data-path", None, "Dataset prefixes for the test split only.", nargs="*")
+    for split, name in (("train", "training"), ("valid", "validation"), ("test", "test")):
+        g._add(
+            f"--{split}-data-path",
+            default=None,
+            nargs="*",
+            help=f"Dataset prefixes for the {name} split only.",
+        )
     g.str("--data-args-path", None, "File holding the --data-path value.")
     g.str(
         "--per-split-data-args-path",
         None,
         'JSON file with "train", "valid", "test" data-path lists.',
     )
-    g.str(
+    g._add(
+        "--per-dataset-sequences-path",
+        default=None,
+        help="JSON file with the sequence count of each dataset (skips reading the indices).",
+    )
+    g._add(
         "--data-cache-path",
-        None,
-        "Directory for the dataset index caches (default: next to the data).",
+        default=None,
+        help="Directory for the dataset index caches (default: next to the data).",
     )
     g.false(
         "--no-mmap-bin-files", "mmap_bin_files", "Read .bin files with file reads instead of mmap."
@@ -73,11 +78,16 @@ def _add_data_args(parser):
     g.int("--seq-length", None, "Sequence length of a training sample.")
     g.int("--encoder-seq-length", None, "Encoder sequence length (alternative to --seq-length).")
     g.int("--decoder-seq-length", None, "Decoder sequence length (T5).")
+    g.float("--sample-rate", 1.0, "Fraction of the samples used (vision/audio datasets).")
     g.float("--mask-prob", 0.15, "Masking probability (BERT/T5).")
     g.float("--short-seq-prob", 0.1, "Probability of a short sample (BERT/T5).")
     g.int("--num-workers", 2, "DataLoader worker processes.")
     g.true("--reset-position-ids", "Restart position ids after each end-of-document token.")
     g.true("--reset-attention-mask", "Do not attend across end-of-document tokens.")
+    g.true(
+        "--dataloader-inter-document-masking",
+        "Let the data loader mask attention across documents (packed sequences).",
+    )
     g.true("--eod-mask-loss", "No loss on end-of-document tokens.")
     g.false(
         "--no-create-attention-mask-in-dataloader",
@@ -93,12 +103,24 @@ def _add_data_args(parser):
         "even when the pad id collides with another special token.",
     )
     g.true("--dataloader-fast-cache-load", "Load cached dataset indices without checks.")
+    g.true(
+        "--dataloader-defer-npy-index-mmap",
+        "Memory-map the cached indices only when first used.",
+    )
     g.true("--fim-data", "Apply fill-in-the-middle transformations to samples.")
     g.float("--fim-rate", 0.5, "Probability of a FIM transformation.")
     g.float("--fim-spm-rate", 0.5, "Probability of SPM (vs PSM) ordering for FIM.")
     g.str("--fim-split-sample", None, "Token at which FIM splits samples.")
     g.float("--fim-fragment-rate", None, "FIM rate per fragment.")
     g.str("--fim-no-prefix", None, "Do not apply FIM to samples with this prefix.")
+    for part, token in (
+        ("prefix", "<fim_prefix>"),
+        ("middle", "<fim_middle>"),
+        ("suffix", "<fim_suffix>"),
+        ("pad", "<fim_pad>"),
+        ("eod", "<|endoftext|>"),
+    ):
+        g.str(f"--fim-{part}-token", token, f"FIM {part} token.")
     g.removed(
         ("--data-impl", "--dataset-impl"),
         "the .bin/.idx (mmap) dataset format is the only one; drop the flag",
@@ -116,40 +138,41 @@ def add_tokenizer_args(parser):
         "Vocabulary size of the model; default: computed from "
         "the tokenizer and --make-vocab-size-divisible-by.",
     )
-    g.false("--no-pad-vocab-size", "pad_vocab_size", "Use the tokenizer vocabulary size as is.")
+    g.no("pad-vocab-size", "Use the tokenizer vocabulary size as is.")
     g.str("--vocab-file", None, "Vocabulary file.")
     g.str("--merge-file", None, "BPE merges file.")
     g.int("--vocab-extra-ids", 0, "Extra sentinel tokens <extra_id_N> (T5 span masking).")
-    g._add(
-        "--tokenizer-type",
-        type=_tokenizer_type,
-        default=None,
-        choices=TOKENIZER_TYPES,
-        help="Tokenizer.",
-    )
+    g.str("--tokenizer-type", None, "Tokenizer.", choices=TOKENIZER_TYPES)
     g.str(
         "--tokenizer-model",
         None,
         "SentencePiece model, Hugging Face name/directory or tiktoken JSON.",
     )
-    g.str("--tokenizer-metadata", None, "Tokenizer metadata JSON.")
-    g.list("--tokenizer-special-tokens", None, "Special tokens to add to the tokenizer.")
+    g.str("--tokenizer-metadata", None, "Tokenizer metadata JSON.", dest="metadata_path")
+    g.list(
+        "--tokenizer-special-tokens",
+        None,
+        "Special tokens to add to the tokenizer.",
+        dest="special_tokens",
+    )
     g.str("--tiktoken-pattern", None, "tiktoken pre-tokenization pattern.", choices=["v1", "v2"])
     g.int("--tiktoken-num-special-tokens", 1000, "Number of tiktoken special tokens.")
-    g.list("--tiktoken-special-tokens", None, "tiktoken special tokens.")
-    g.false(
-        "--tokenizer-hf-no-use-fast",
-        "tokenizer_hf_use_fast",
-        "Use the slow (Python) Hugging Face tokenizer.",
+    g.removed("--tiktoken-special-tokens", "use --tokenizer-special-tokens")
+    g.true("--tokenizer-sentencepiece-legacy", "SentencePiece tokenizer in legacy mode.")
+    g.no(
+        "tokenizer-sentencepiece-ignore-extra-whitespaces",
+        "Keep repeated whitespace when tokenizing with SentencePiece.",
     )
-    g.false(
+    g.true("--tokenizer-hf-no-use-fast", "Use the slow (Python) Hugging Face tokenizer.")
+    g.true(
         "--tokenizer-hf-no-include-special-tokens",
-        "tokenizer_hf_include_special_tokens",
         "Do not add special tokens when encoding with a Hugging Face tokenizer.",
     )
     g.true("--trust-remote-code", "Let Hugging Face tokenizers run code from the model repo.")
     g.int("--null-tokenizer-eod-id", None, "End-of-document id of the NullTokenizer.")
     g.int("--null-tokenizer-pad-id", -1, "Pad id of the NullTokenizer.")
+    g.str("--chat-template", None, "Chat template (Jinja) for conversation data.")
+    g.true("--use-gigatoken", "Use the GigaToken tokenizer library.")
     return parser
 
 

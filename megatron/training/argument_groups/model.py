@@ -1,9 +1,13 @@
-"""Model-shape flags: network size, MoE, MLA, Transformer Engine / fp8, legacy vision."""
+"""Model-shape flags: network size, MLA, Transformer Engine / fp8 / fp4.
 
-from .builder import ArgGroup, layer_pattern_type
+(MoE flags are in moe.py; hybrid and experimental attention variants in variants.py; the
+legacy vision and biencoder groups in legacy.py.)"""
+
+from megatron.core.transformer.enums import AttnBackend
+
+from .builder import ArgGroup, enum_type, moe_freq_type, no_rope_freq_type, tuple_type
 
 POSITION_EMBEDDING_TYPES = ["learned_absolute", "rope", "yarn", "mrope", "relative", "none"]
-ATTENTION_BACKENDS = ["flash", "fused", "unfused", "local", "auto"]
 
 
 def _add_network_size_args(parser):
@@ -23,14 +27,29 @@ def _add_network_size_args(parser):
         "int(4 * hidden-size * 2/3 / 64) * 64 with --swiglu.",
     )
     g.int("--num-attention-heads", None, "Number of attention heads.")
-    g.str(
+    g._add(
         "--attention-backend",
-        "auto",
-        "Attention kernel: flash/fused run torch "
+        type=enum_type(AttnBackend),
+        default=AttnBackend.auto,
+        choices=list(AttnBackend),
+        metavar="{" + ",".join(member.name for member in AttnBackend) + "}",
+        help="Attention kernel: flash/fused run torch "
         "scaled_dot_product_attention; unfused/local materialise the scores where they can "
         "(no mask tensor, fp32); auto takes unfused on CPU up to "
         "seq 1024 and SDPA otherwise.",
-        choices=ATTENTION_BACKENDS,
+    )
+    g.int(
+        "--flash-attention-version",
+        None,
+        "FlashAttention major version to use.",
+        choices=[2, 3, 4],
+    )
+    g.str(
+        "--softmax-type",
+        "vanilla",
+        "Attention softmax: vanilla, off-by-one (an extra zero logit) or learnable "
+        "(a learned sink logit per head).",
+        choices=["vanilla", "off-by-one", "learnable"],
     )
     g.int(
         "--kv-channels",
@@ -43,6 +62,19 @@ def _add_network_size_args(parser):
         1,
         "Number of key/value head groups; only read with --group-query-attention.",
     )
+    g._add(
+        "--window-size",
+        type=tuple_type,
+        default=None,
+        help='Sliding-window attention (left, right), e.g. "(128, 0)".',
+    )
+    g._add(
+        "--window-attn-skip-freq",
+        type=moe_freq_type,
+        default=None,
+        help="Layers that use full attention instead of the sliding window: an int N (every "
+        'Nth layer) or a list pattern such as "([0]*3+[1])*2".',
+    )
     g.int(
         "--max-position-embeddings",
         None,
@@ -54,6 +86,23 @@ def _add_network_size_args(parser):
         "learned_absolute",
         "Position embedding type.",
         choices=POSITION_EMBEDDING_TYPES,
+    )
+    g.int(
+        "--yarn-original-max-position-embeddings",
+        None,
+        "YaRN: the context length the model was trained with.",
+    )
+    g.float("--yarn-beta-fast", None, "YaRN: fast rotation boundary.")
+    g.float("--yarn-beta-slow", None, "YaRN: slow rotation boundary.")
+    g.true(
+        "--yarn-correction-range-round-to-int",
+        "YaRN: round the correction range to integers.",
+        default=None,
+    )
+    g.false(
+        "--no-yarn-correction-range-round-to-int",
+        "yarn_correction_range_round_to_int",
+        "YaRN: keep the correction range fractional.",
     )
     g.int("--relative-attention-num-buckets", 32, "Buckets for relative position embeddings.")
     g.int(
@@ -74,7 +123,7 @@ def _add_network_size_args(parser):
     g.float("--rope-scaling-factor", 8.0, "RoPE scaling factor for --use-rope-scaling.")
     g._add(
         "--no-rope-freq",
-        type=layer_pattern_type,
+        type=no_rope_freq_type,
         default=None,
         help="Layers that skip "
         'RoPE: an int N (every Nth layer) or a list pattern such as "([0]*3+[1])*2".',
@@ -92,8 +141,12 @@ def _add_network_size_args(parser):
         "divisible by this value times the tensor-parallel size.",
     )
     g.str("--normalization", "LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
-    g.float("--norm-epsilon", 1e-5, "Epsilon of LayerNorm / RMSNorm.")
-    g.true("--apply-layernorm-1p", "Zero-centred norm weights: the layer computes (1 + gamma).")
+    g.float("--norm-epsilon", 1e-5, "Epsilon of LayerNorm / RMSNorm.", dest="layernorm_epsilon")
+    g.true(
+        "--apply-layernorm-1p",
+        "Zero-centred norm weights: the layer computes (1 + gamma).",
+        dest="layernorm_zero_centered_gamma",
+    )
     g.true(
         "--apply-residual-connection-post-layernorm",
         "Take the residual after the layer norm (original BERT ordering).",
@@ -101,6 +154,13 @@ def _add_network_size_args(parser):
     g.true("--openai-gelu", "Use OpenAI's tanh GeLU approximation.")
     g.true("--squared-relu", "Use squared ReLU instead of GeLU.")
     g.true("--swiglu", "Use SwiGLU (gated SiLU) instead of GeLU.")
+    g.true("--quick-geglu", "Use the quick-GeLU gated linear unit (x * sigmoid(1.702 x)).")
+    g.float("--glu-linear-offset", 0.0, "Offset added to the linear half of a gated unit.")
+    g.float(
+        "--activation-func-clamp-value",
+        None,
+        "Clamp the activation input to [-value, value].",
+    )
     g._add(
         "--onnx-safe",
         type=bool,
@@ -113,87 +173,26 @@ def _add_network_size_args(parser):
         "Use a separate output layer instead of the transposed input embedding.",
     )
     g.true("--qk-layernorm", "Normalize queries and keys per head before attention.")
+    g.true("--qk-l2-norm", "L2-normalize queries and keys per head before attention.")
+    g.true("--qk-clip", "Clip the query/key weights when attention logits grow (QK-clip).")
+    g.float("--qk-clip-alpha", 0.5, "Share of the QK-clip scaling applied to the queries.")
+    g.float(
+        "--qk-clip-threshold",
+        100,
+        "Largest attention logit before QK-clip rescales the weights.",
+    )
+    g.true("--attention-output-gate", "Gate the attention output with a sigmoid.")
     g.true("--multi-latent-attention", "Use multi-latent attention (see the mla group).")
     g.int("--mtp-num-layers", None, "Number of multi-token-prediction layers.")
     g.float("--mtp-loss-scaling-factor", 0.1, "Weight of the multi-token-prediction loss.")
-    return parser
-
-
-def _add_moe_args(parser):
-    g = ArgGroup(parser, "moe")
-    g.int("--expert-model-parallel-size", 1, "Degree of expert model parallelism.")
-    g.int(
-        "--expert-tensor-parallel-size",
+    g.true("--mtp-standalone", "Place the multi-token-prediction layers on their own stage.")
+    g.true("--mtp-use-repeated-layer", "Reuse one multi-token-prediction layer for every depth.")
+    g.true("--mtp-detach-heads", "Detach the multi-token-prediction heads from the trunk.")
+    g.true("--mtp-hsm", "Hidden-state mixing in the multi-token-prediction layers.")
+    g.str(
+        "--mtp-hybrid-override-pattern",
         None,
-        "Tensor parallelism inside experts. Default: --tensor-model-parallel-size.",
-    )
-    g.int("--num-experts", None, "Number of experts per MoE layer (None or 0: dense model).")
-    g._add(
-        "--moe-layer-freq",
-        type=layer_pattern_type,
-        default=1,
-        help="MoE layer frequency: "
-        'an int N (every Nth layer is MoE) or a list pattern such as "([1]*3+[0])*2".',
-    )
-    g.int("--moe-ffn-hidden-size", None, "Hidden size of each expert. Default: --ffn-hidden-size.")
-    g.int(
-        "--moe-shared-expert-intermediate-size",
-        None,
-        "Total hidden size of the shared experts (None: no shared expert).",
-    )
-    g.true("--moe-shared-expert-gate", "Gate the shared expert output with a sigmoid.")
-    g.true("--moe-shared-expert-overlap", "Overlap shared experts with token dispatch.")
-    g.true("--moe-grouped-gemm", "Run the local experts with one grouped GEMM.")
-    g.true(
-        "--moe-layer-recompute",
-        "Recompute MoE layers in backward (deprecated: --recompute-modules moe).",
-    )
-    g.true("--moe-use-upcycling", "Convert a dense checkpoint into an MoE model.")
-    g.list(
-        "--moe-router-load-balancing-type",
-        "aux_loss",
-        "Router load-balancing method (one per MoE layer group, or one for all).",
-        choices=[
-            "aux_loss",
-            "seq_aux_loss",
-            "global_aux_loss",
-            "sinkhorn",
-            "quantile_balancing",
-            "none",
-        ],
-    )
-    g.str("--moe-router-dtype", None, "Dtype of the routing computation.", choices=["fp32", "fp64"])
-    g.str(
-        "--moe-router-score-function",
-        "softmax",
-        "Router score function.",
-        choices=["softmax", "sigmoid", "sqrtsoftplus"],
-    )
-    g.int("--moe-router-topk", 2, "Number of experts each token is routed to.")
-    g.true("--moe-router-pre-softmax", "Apply the softmax before the top-k selection.")
-    g.int("--moe-router-num-groups", None, "Expert groups for group-limited routing.")
-    g.int("--moe-router-group-topk", None, "Selected groups for group-limited routing.")
-    g.float("--moe-router-topk-scaling-factor", None, "Scaling factor of the top-k scores.")
-    g.true("--moe-router-enable-expert-bias", "Aux-loss-free balancing with a learned expert bias.")
-    g.float("--moe-router-bias-update-rate", 1e-3, "Update rate of the expert bias.")
-    g.list("--moe-aux-loss-coeff", 0.0, "Auxiliary load-balancing loss coefficient(s).", type=float)
-    g.float("--moe-z-loss-coeff", None, "Router z-loss coefficient.")
-    g.float("--moe-input-jitter-eps", None, "Multiplicative jitter applied to router inputs.")
-    g.true("--moe-per-layer-logging", "Log auxiliary losses per MoE layer.")
-    g.str(
-        "--moe-token-dispatcher-type",
-        "allgather",
-        "Token dispatcher.",
-        choices=["allgather", "alltoall", "flex"],
-    )
-    g.true("--moe-permute-fusion", "Fuse the token permutation kernels.")
-    g.float("--moe-expert-capacity-factor", None, "Expert capacity factor (None: no dropping).")
-    g.true("--moe-pad-expert-input-to-capacity", "Pad each expert input to its capacity.")
-    g.str(
-        "--moe-token-drop-policy",
-        "probs",
-        "Which tokens are dropped beyond capacity.",
-        choices=["probs", "position"],
+        "Hybrid layer pattern of the multi-token-prediction layers.",
     )
     return parser
 
@@ -208,6 +207,8 @@ def _add_mla_args(parser):
     g.float("--rotary-scaling-factor", 1.0, "YaRN rotary scaling factor.")
     g.float("--mscale", 1.0, "YaRN mscale.")
     g.float("--mscale-all-dim", 0.0, "YaRN mscale applied to all dimensions.")
+    g.true("--cache-mla-latents", "Cache the compressed latents instead of keys and values.")
+    g.true("--mla-down-proj-fusion", "Fuse the query and key/value down projections.")
     return parser
 
 
@@ -235,7 +236,9 @@ def _add_transformer_engine_args(parser):
         "How amax is taken from the history.",
         choices=["most_recent", "max"],
     )
-    g.false("--no-fp8-wgrad", "fp8_wgrad", "Compute weight gradients in higher precision.")
+    g.str("--fp8-quantizer-factory", None, "Python path of a custom fp8 quantizer factory.")
+    g.no("fp8-wgrad", "Compute weight gradients in higher precision.")
+    g.true("--fp8-output-proj", "Run the attention output projection in fp8.")
     g.str(
         "--transformer-impl",
         "transformer_engine",
@@ -246,25 +249,22 @@ def _add_transformer_engine_args(parser):
     g.true("--first-last-layers-bf16", "Keep the first and last layers in bf16 under fp8.")
     g.int("--num-layers-at-start-in-bf16", 1, "Layers kept in bf16 at the start.")
     g.int("--num-layers-at-end-in-bf16", 1, "Layers kept in bf16 at the end.")
-    g.true("--te-rng-tracker", "Use Transformer Engine's RNG tracker.")
-    g.true("--inference-rng-tracker", "Use an RNG tracker configured for inference.")
-    return parser
-
-
-def _add_vision_args(parser):
-    # Legacy vision (ViT) flags: kept so old scripts parse; nothing here affects GPT.
-    g = ArgGroup(parser, "vision")
-    g.int("--num-classes", 1000, "Number of classes of the vision classification task.")
-    g.int("--img-h", 224, "Image height.")
-    g.int("--img-w", 224, "Image width.")
-    g.int("--num-channels", 3, "Image channels.")
-    g.int("--patch-dim", 16, "Patch size.")
-    g.true("--vision-pretraining", "Run vision pretraining.")
-    g.str(
-        "--vision-pretraining-type",
-        "classify",
-        "Vision pretraining objective.",
-        choices=["classify", "inpaint", "dino"],
+    g.true("--fp4-param-gather", "Keep parameters in fp4 and all-gather them in fp4.")
+    g.str("--fp4-format", None, "FP4 format.", choices=["e2m1"], dest="fp4")
+    g.str("--fp4-recipe", "nvfp4", "FP4 scaling recipe.", choices=["nvfp4", "custom"])
+    g.str("--fp4-quantizer-factory", None, "Python path of a custom fp4 quantizer factory.")
+    g._add(
+        "--te-precision-config-file",
+        default=None,
+        help="Transformer Engine per-layer precision configuration file.",
     )
-    g.str("--vision-backbone-type", "vit", "Vision backbone.", choices=["vit", "mit", "swin"])
+    g.true("--use-kitchen-attention", "Use the Kitchen attention kernels.")
+    g.str(
+        "--kitchen-attention-backend",
+        "sdpa",
+        "Kitchen attention backend.",
+        choices=["sdpa", "fa"],
+    )
+    g.true("--use-te-activation-func", "Use Transformer Engine's activation kernels.")
+    g.true("--use-transformer-engine-op-fuser", "Use Transformer Engine's operation fuser.")
     return parser

@@ -4,7 +4,7 @@ import os
 
 from .builder import ArgGroup
 
-CKPT_FORMATS = ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]
+CKPT_FORMATS = ["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"]
 DIST_CKPT_STRICTNESS = [
     "assume_ok_unexpected",
     "log_unexpected",
@@ -25,6 +25,12 @@ def _add_checkpointing_args(parser):
         None,
         "Iterations between checkpoint saves.",
     )
+    for what in ("params", "activations", "tokens-per-expert", "wgrads", "dgrads"):
+        g.int(
+            f"--save-{what}-interval",
+            None,
+            f"Iterations between dumps of the {what.replace('-', ' ')} (debugging aid).",
+        )
     g.int(
         "--save-retain-interval",
         None,
@@ -37,7 +43,11 @@ def _add_checkpointing_args(parser):
     g.true(
         "--load-main-params-from-ckpt",
         "Load the fp32 main parameters from the checkpoint (needs --no-load-optim).",
-        default=None,
+    )
+    g.int(
+        "--override-ckpt-iteration",
+        None,
+        "Resume counting from this iteration instead of the checkpoint's.",
     )
     g.true("--no-load-rng", "Do not load the RNG state.", default=None)
     g.int("--non-persistent-save-interval", None, "Iterations between non-persistent saves.")
@@ -67,9 +77,8 @@ def _add_checkpointing_args(parser):
     )
     g.true("--use-checkpoint-args", "Override model flags with those stored in the checkpoint.")
     g.true("--use-mp-args-from-checkpoint-args", "Take the parallel sizes from the checkpoint.")
-    g.false(
-        "--no-use-tokenizer-model-from-checkpoint-args",
-        "use_tokenizer_model_from_checkpoint_args",
+    g.no(
+        "use-tokenizer-model-from-checkpoint-args",
         "Do not take the tokenizer model path from the checkpoint args.",
     )
     g.true(
@@ -83,10 +92,10 @@ def _add_checkpointing_args(parser):
     )
     g.true("--use-persistent-ckpt-worker", "Use a persistent worker process for async saves.")
     g.true("--auto-detect-ckpt-format", "Detect the format of the checkpoint being loaded.")
-    g.str(
+    g._add(
         "--dist-ckpt-format",
-        None,
-        "Deprecated, no effect: see --ckpt-format.",
+        default=None,
+        help="Deprecated, no effect: see --ckpt-format.",
         dest="dist_ckpt_format_deprecated",
     )
     g.str(
@@ -99,7 +108,7 @@ def _add_checkpointing_args(parser):
         "--ckpt-convert-format",
         None,
         "Convert the loaded checkpoint to this format.",
-        choices=["torch", "torch_dist", "zarr"],
+        choices=["torch", "torch_dist"],
     )
     g.str("--ckpt-convert-save", None, "Directory for the converted checkpoint.")
     g.true(
@@ -116,11 +125,44 @@ def _add_checkpointing_args(parser):
         "ckpt_fully_parallel_save",
         "Do not spread distributed checkpoint writes over the data-parallel ranks.",
     )
-    g.true("--async-save", "Save checkpoints asynchronously.", default=None)
+    g.true("--async-save", "Save checkpoints asynchronously.")
+    g.str(
+        "--async-strategy",
+        "nvrx",
+        "Implementation of asynchronous saves.",
+        choices=["nvrx", "mcore"],
+    )
+    g.int("--async-ckpt-cpu-priority", 10, "CPU scheduling priority of the async writer.")
+    g.int("--async-ckpt-io-priority", 3, "I/O priority of the async writer.")
+    g.true("--async-ckpt-use-cpu-shm", "Stage async checkpoints in CPU shared memory.")
     g.true(
         "--ckpt-fully-parallel-load",
         "Spread distributed checkpoint reads over the data-parallel ranks.",
     )
+    g.str(
+        "--ckpt-fully-parallel-load-exchange-algo",
+        "broadcast",
+        "How ranks exchange what they read in a fully parallel load.",
+        choices=["broadcast", "gather_rounds", "gather_object"],
+    )
+    g.true(
+        "--ckpt-fully-parallel-load-per-rank-objects",
+        "Each rank reads its own non-tensor objects in a fully parallel load.",
+    )
+    for what in ("save", "load"):
+        g.str(
+            f"--ckpt-fully-parallel-{what}-process-group",
+            "dp",
+            f"Group over which a fully parallel {what} is spread.",
+            choices=["dp", "ep_dp"],
+        )
+    g.str("--ckpt-pg-tensors-cache-path", None, "Cache of the process-group tensors of a save.")
+    g.true("--ckpt-pg-tensors-cache-create", "Write that cache.")
+    g.no(
+        "ckpt-load-validate-sharding-integrity",
+        "Do not check that the loaded shards cover every tensor.",
+    )
+    g.no("strict-fsdp-dtensor-load", "Load fsdp_dtensor checkpoints non-strictly.")
     g.true(
         "--ckpt-assume-constant-structure",
         "The state dict structure never changes during the job (enables caching).",
@@ -134,6 +176,28 @@ def _add_checkpointing_args(parser):
     g.true(
         "--dist-ckpt-optim-fully-reshardable",
         "Make the optimizer state reshardable across every parallel dimension.",
+    )
+    g.true(
+        "--distrib-optim-fully-reshardable-mem-efficient",
+        "Memory-efficient variant of --dist-ckpt-optim-fully-reshardable.",
+    )
+    g.true(
+        "--dist-ckpt-save-pre-mcore-014",
+        "Save distributed checkpoints in the layout of Megatron Core before 0.14.",
+    )
+    g.int("--dist-ckpt-workers", 1, "Writer processes per rank of a distributed save.")
+    g.true(
+        "--ckpt-drop-redundant-extra-state",
+        "Do not save the replicated extra state of every rank.",
+    )
+    g.no("save-tokenizer-assets", "Do not copy the tokenizer files into the checkpoint.")
+    g.true("--replication", "Replicate each rank's checkpoint on other nodes.")
+    g.int("--replication-jump", None, "Rank distance between a checkpoint and its replica.")
+    g.int("--replication-factor", 2, "Copies kept of each checkpoint.")
+    g.true(
+        "--verify-integrity",
+        "Write a SHA-256 manifest of the checkpoint's files when saving and check it "
+        "when loading; a changed or missing file ends the load.",
     )
     return parser
 
@@ -159,13 +223,45 @@ def _add_mixed_precision_args(parser):
         "Accumulate and all-reduce gradients in fp32 (always on with --bf16).",
     )
     g.true("--fp16-lm-cross-entropy", "Compute the LM cross entropy in fp16.")
+    g.str(
+        "--output-logit-dtype",
+        None,
+        "Dtype of the output logits (default: the model's).",
+        choices=["bf16", "fp32"],
+        dest="logit_dtype",
+    )
+    g.true(
+        "--disable-bf16-reduced-precision-matmul",
+        "Keep bf16 matmuls from reducing in lower precision.",
+    )
+    g.true(
+        "--reuse-grad-buf-for-mxfp8-param-ag",
+        "Reuse the gradient buffer for the mxfp8 parameter all-gather.",
+    )
+    g.str(
+        "--mamba-training-ssm-states-dtype",
+        None,
+        "Dtype of the Mamba SSM states in training.",
+        choices=["fp32", "bf16"],
+    )
     return parser
 
 
 def _add_distributed_args(parser):
     g = ArgGroup(parser, "distributed")
     g.int("--tensor-model-parallel-size", 1, "Degree of tensor model parallelism.")
+    g.int(
+        "--tensor-parallel-num-weight-shards",
+        None,
+        "Shards of each weight across the tensor-parallel group.",
+    )
     g.int("--pipeline-model-parallel-size", 1, "Degree of pipeline model parallelism.")
+    g.str(
+        "--pipeline-model-parallel-comm-backend",
+        None,
+        "Backend of the pipeline p2p communication.",
+        choices=["nccl", "ucc"],
+    )
     g.int(
         "--decoder-first-pipeline-num-layers",
         None,
@@ -179,7 +275,7 @@ def _add_distributed_args(parser):
     g.str(
         "--pipeline-model-parallel-layout", None, 'Custom pipeline layout, e.g. "E|(t|)*3,m|m||L".'
     )
-    g.removed("--model-parallel-size", "use --tensor-model-parallel-size")
+    g.int("--model-parallel-size", None, "Removed: use --tensor-model-parallel-size.")
     g.int("--num-layers-per-virtual-pipeline-stage", None, "Layers per virtual pipeline stage.")
     g.int("--num-virtual-stages-per-pipeline-rank", None, "Virtual pipeline stages per rank.")
     g.int(
@@ -205,14 +301,28 @@ def _add_distributed_args(parser):
         "--defer-embedding-wgrad-compute",
         "Defer the output-layer weight gradient to the pipeline flush.",
     )
-    g.false(
-        "--no-align-grad-reduce",
-        "align_grad_reduce",
+    g.no(
+        "align-grad-reduce",
         "Let each pipeline stage launch its gradient reduction independently.",
     )
+    g.int("--wgrad-deferral-limit", 0, "Micro-batches whose embedding wgrad may be deferred.")
     g.int("--ddp-num-buckets", None, "Number of data-parallel gradient buckets.")
     g.int("--ddp-bucket-size", None, "Data-parallel gradient bucket size (elements).")
     g.true("--ddp-pad-buckets-for-high-nccl-busbw", "Pad buckets to a large power of 2.")
+    g.true(
+        "--ddp-reduce-scatter-with-fp32-accumulation",
+        "Accumulate the gradient reduce-scatter in fp32.",
+    )
+    g.true(
+        "--gtp-remat-reduce-scatter-with-fp32-accumulation",
+        "Accumulate the rematerialized reduce-scatter in fp32.",
+    )
+    g._add(
+        "--ddp-param-name-patterns-for-fp32-local-accumulation",
+        nargs="+",
+        default=[],
+        help="Parameters (name patterns) whose gradients accumulate locally in fp32.",
+    )
     g.true(
         "--ddp-average-in-collective",
         "Average inside the collective instead of pre-scaling by 1/DP.",
@@ -230,22 +340,21 @@ def _add_distributed_args(parser):
         "align_param_gather",
         "Let each pipeline stage launch its parameter all-gather independently.",
     )
-    g.false(
+    g.removed(
         "--no-scatter-gather-tensors-in-pipeline",
-        "scatter_gather_tensors_in_pipeline",
-        "Do not scatter/gather tensors sent between pipeline stages.",
+        "pipeline tensors are sent whole; drop the flag",
     )
     g.true("--use-ring-exchange-p2p", "Use the ring-exchange kernel for pipeline p2p.")
     g.int(
-        ("--local-rank", "--local_rank"),
+        "--local-rank",
         int(os.getenv("LOCAL_RANK", "0")),
         "Local rank passed by the launcher (default: $LOCAL_RANK).",
     )
-    g._add(
+    # torch.distributed.launch and older torchrun releases pass the underscore spelling.
+    g.alias("--local_rank", "local_rank", type=int)
+    g.true(
         "--lazy-mpu-init",
-        type=bool,
-        required=False,
-        help="Skip the DDP setup in initialize_megatron and return a function that completes it.",
+        "Skip the DDP setup in initialize_megatron and return a function that completes it.",
     )
     g.true(
         "--account-for-embedding-in-pipeline-split",
@@ -265,8 +374,46 @@ def _add_distributed_args(parser):
         "Distributed optimizer copies across the data-parallel domain.",
     )
     g.true("--use-nccl-ub", "Register NCCL user buffers for DP communication.", dest="nccl_ub")
+    g.true("--disable-symmetric-registration", "Do not register NCCL symmetric memory.")
+    g.true("--gtp-remat-nccl-ub", "NCCL user buffers for the rematerialized communication.")
+    g.true("--gtp-expert-remat-nccl-ub", "The same for expert layers.")
+    g.list("--gtp-remat-opt-in-modules", [], "Modules whose communication is rematerialized.")
+    g.true("--fsdp-manual-registration", "Register the FSDP buffers manually.")
+    g.true("--create-all-gather-group", "Create a separate group for parameter all-gathers.")
     g.true("--use-sharp", "Enable SHARP collectives.")
+    g.str(
+        "--sharp-enabled-group",
+        None,
+        "Group that uses SHARP.",
+        choices=["dp", "dp_replica"],
+    )
+    g.list("--high-priority-stream-groups", [], "Groups whose collectives run at high priority.")
     g.true("--use-megatron-fsdp", "Use Megatron-FSDP.")
+    g.int("--megatron-fsdp-version", 1, "Megatron-FSDP implementation version.", choices=[1, 2])
+    g.false(
+        "--no-use-layer-wise-param-layout",
+        "use_layer_wise_param_layout",
+        "Megatron-FSDP: do not lay the parameter buffers out layer by layer.",
+    )
+    g.str(
+        "--outer-dp-sharding-strategy",
+        "no_shard",
+        "Sharding across the outer data-parallel group (hybrid FSDP).",
+        choices=["no_shard", "optim"],
+    )
+    g.false(
+        "--no-gradient-reduce-div-fusion",
+        "gradient_reduce_div_fusion",
+        "Divide the gradients separately from their reduction.",
+    )
+    g.true("--fsdp-double-buffer", "Megatron-FSDP: double-buffer the parameter gathers.")
+    g.int(
+        "--suggested-communication-unit-size",
+        None,
+        "Megatron-FSDP: elements per communication unit.",
+    )
+    g.true("--keep-fp8-transpose-cache", "Keep the fp8 transpose cache between steps.")
+    g.true("--enable-full-sharding-in-hsdp", "Shard fully inside each hybrid-FSDP replica.")
     g.true("--init-model-with-meta-device", "Create the model on the meta device.")
     g.str(
         "--data-parallel-sharding-strategy",
@@ -286,7 +433,15 @@ def _add_distributed_args(parser):
         ["p2p"],
         "Context-parallel communication: p2p, a2a, allgather or "
         "a2a+p2p (one value, or one per layer).",
-        choices=["p2p", "a2a", "allgather", "a2a+p2p"],
+    )
+    g.int(
+        "--max-seqlen-per-dp-cp-rank",
+        None,
+        "Largest sequence length one DP x CP rank holds (hybrid context parallelism).",
+    )
+    g.true(
+        "--hybrid-context-parallel",
+        "Balance variable-length sequences over data- and context-parallel ranks.",
     )
     g.list(
         "--hierarchical-context-parallel-sizes",
@@ -296,4 +451,44 @@ def _add_distributed_args(parser):
     )
     g.str("--nccl-communicator-config-path", None, "YAML file with NCCL communicator settings.")
     g.true("--use-tp-pp-dp-mapping", "Rank order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp.")
+    g.false(
+        "--disable-gloo-process-groups",
+        "use_gloo_process_groups",
+        "Do not create gloo copies of the process groups.",
+    )
+    g.true("--fake-process-group", "Use a fake process group (no communication; testing aid).")
+    g.int(
+        "--distributed-timeout-seconds-after-init",
+        None,
+        "Timeout of collectives once initialization is over (seconds).",
+    )
+    g.true("--disable-jit-fuser", "Do not use the TorchScript/nvFuser JIT fusions.")
+    _add_flight_recorder_args(g)
+    _add_tp_comm_overlap_args(g)
     return parser
+
+
+def _add_flight_recorder_args(g):
+    g.str("--flight-recorder-dump-path", None, "Where NCCL's flight recorder dumps its trace.")
+    g.int("--flight-recorder-trace-buffer-size", 2000, "Entries kept by the flight recorder.")
+    g.no("flight-recorder-dump-on-timeout", "Do not dump the flight recorder on a timeout.")
+    g.true("--flight-recorder-include-stack-trace", "Record stack traces in the flight recorder.")
+    g.no("flight-recorder-include-only-active", "Dump finished collectives too.")
+    g.no("flight-recorder-extra-dump-on-exec", "No extra dump when an exception is raised.")
+
+
+def _add_tp_comm_overlap_args(g):
+    g.true("--tp-comm-overlap", "Overlap tensor-parallel communication with GEMMs.")
+    g.no("tp-comm-bulk-wgrad", "No bulk overlap of the wgrad GEMM with communication.")
+    g.no("tp-comm-bulk-dgrad", "No bulk overlap of the dgrad GEMM with communication.")
+    g.no("tp-comm-overlap-ag", "No overlap of the all-gather with GEMMs.")
+    g.no("tp-comm-overlap-rs", "No overlap of the reduce-scatter with GEMMs.")
+    g.true("--tp-comm-overlap-rs-dgrad", "Overlap the reduce-scatter with the dgrad GEMM.")
+    g.no("tp-comm-split-ag", "Do not split the overlapped all-gather into chunks.")
+    g.no("tp-comm-split-rs", "Do not split the overlapped reduce-scatter into chunks.")
+    g.str(
+        "--tp-comm-bootstrap-backend",
+        "nccl",
+        "Backend that bootstraps the overlap buffers.",
+        choices=["nccl", "mpi", "gloo"],
+    )

@@ -1,10 +1,11 @@
 """Training-loop flags: regularization/optimizer, training, initialization, learning rate,
 validation and the rerun engine."""
 
-from .builder import ArgGroup
+import signal
+
+from .builder import ArgGroup, enum_type
 
 OPTIMIZERS = ["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"]
-EXIT_SIGNALS = ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"]
 
 
 def _add_regularization_args(parser):
@@ -33,13 +34,61 @@ def _add_regularization_args(parser):
     g.float("--adam-beta2", 0.999, "Adam beta2.")
     g.float("--adam-eps", 1e-08, "Adam epsilon.")
     g.float("--sgd-momentum", 0.9, "SGD momentum.")
+    g.true("--apply-wd-to-qk-layernorm", "Apply weight decay to the qk-layernorm weights too.")
+    g.str(
+        "--no-weight-decay-cond-type",
+        None,
+        "Named rule choosing the parameters without weight decay.",
+        choices=["apply_wd_to_qk_layernorm"],
+    )
+    _add_muon_and_lion_args(g)
     return parser
+
+
+def _add_muon_and_lion_args(g):
+    g.float("--muon-momentum", 0.9, "Muon momentum.")
+    g.false(
+        "--muon-no-split-qkv",
+        "muon_split_qkv",
+        "Orthogonalize the fused QKV weight as one matrix.",
+    )
+    g.true("--muon-nesterov", "Nesterov momentum in Muon.")
+    g.str(
+        "--muon-scale-mode",
+        "spectral",
+        "How Muon scales the orthogonalized update.",
+        choices=["spectral", "unit_rms_norm", "shape_scaling"],
+    )
+    g.str(
+        "--muon-fp32-matmul-prec",
+        "medium",
+        "fp32 matmul precision of the Newton-Schulz iteration.",
+        choices=["low", "medium", "high"],
+    )
+    g.str("--muon-coefficient-type", "quintic", "Newton-Schulz polynomial coefficients.")
+    g.int("--muon-num-ns-steps", 5, "Newton-Schulz iterations.")
+    g.str(
+        "--muon-tp-mode",
+        "duplicated",
+        "How tensor-parallel shards are orthogonalized.",
+        choices=["blockwise", "duplicated", "distributed"],
+    )
+    g.true("--muon-use-syrk", "Use SYRK kernels in the Newton-Schulz iteration.")
+    g.float("--muon-extra-scale-factor", 1.0, "Extra factor on the Muon update.")
+    g.str(
+        "--muon-scalar-optimizer",
+        "adam",
+        "Optimizer of the parameters Muon does not orthogonalize.",
+        choices=["adam", "lion"],
+    )
+    g.float("--lion-beta1", 0.95, "Lion beta1.")
+    g.float("--lion-beta2", 0.98, "Lion beta2.")
 
 
 def _add_training_args(parser):
     g = ArgGroup(parser, "training")
     g.int("--micro-batch-size", None, "Samples per model instance per forward/backward pass.")
-    g.removed("--batch-size", "use --micro-batch-size (and --global-batch-size)")
+    g.int("--batch-size", None, "Removed: use --micro-batch-size (and --global-batch-size).")
     g.int(
         "--global-batch-size",
         None,
@@ -51,7 +100,9 @@ def _add_training_args(parser):
         None,
         "Batch size ramp-up: <start> <increment> <ramp-up "
         'samples>, e.g. "16 8 300000" with --global-batch-size 1024. Needs --train-samples.',
-        nargs="*",
+        type=int,
+        nargs=3,
+        metavar=("START", "INCREMENT", "SAMPLES"),
     )
     g.str(
         "--step-batch-size-schedule",
@@ -100,26 +151,8 @@ def _add_training_args(parser):
         None,
         "Submodules for selective recompute: core_attn, "
         "moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts (default core_attn).",
-        nargs="*",
     )
-    g.int(
-        "--cpu-offloading-num-layers",
-        0,
-        "Transformer layers whose activations are offloaded to CPU.",
-    )
-    g.true("--profile", "Enable nsys profiling between --profile-step-start and -end.")
-    g.int("--profile-step-start", 10, "Iteration at which profiling starts.")
-    g.int("--profile-step-end", 12, "Iteration at which profiling stops.")
-    g.list("--profile-ranks", [0], "Global ranks to profile.", type=int)
-    g.true("--use-pytorch-profiler", "Use the PyTorch profiler (TensorBoard trace).")
-    g.true("--record-memory-history", "Record CUDA memory history on the last rank.")
-    g.str("--memory-snapshot-path", "snapshot.pickle", "Where the memory history is dumped.")
-    g.false(
-        "--disable-gloo-process-groups",
-        "enable_gloo_process_groups",
-        "Do not create gloo copies of the process groups.",
-    )
-    g.true("--tp-comm-overlap", "Overlap tensor-parallel communication with GEMMs.")
+    _add_offloading_args(g)
     g.str("--tp-comm-overlap-cfg", None, "Config file for --tp-comm-overlap.")
     g.true("--use-cpu-initialization", "Initialize weights on the CPU.", default=None)
     g.int(
@@ -137,10 +170,30 @@ def _add_training_args(parser):
         "Normalize the loss by the number of non-padded "
         "tokens in the global batch instead of per micro-batch.",
     )
-    g.removed(
-        "--checkpoint-activations",
-        "use --recompute-activations, or for more control "
-        "--recompute-granularity and --recompute-method",
+    g.true("--checkpoint-activations", "Removed: use --recompute-activations.")
+    g.int(
+        "--check-weight-hash-across-dp-replicas-interval",
+        None,
+        "Every N iterations (and before the first), check that the parameters of all "
+        "data-parallel replicas hash the same; differing replicas end the run.",
+    )
+    g.int("--gpu-sniff-test-interval", None, "Iterations between GPU sniff tests.")
+    g.int(
+        "--train-sync-interval",
+        None,
+        "Iterations between CPU-GPU synchronizations (keeps the CPU from running ahead).",
+    )
+    g.list(
+        "--iterations-to-skip",
+        [],
+        "Iterations whose batch is consumed but not trained on.",
+        type=int,
+    )
+    g.true("--check-for-large-grads", "Treat unusually large gradients like NaN gradients.")
+    g.str(
+        "--result-rejected-tracker-filename",
+        None,
+        "File recording the results the rerun engine rejected.",
     )
     g.int("--train-iters", None, "Total training iterations (exclusive with --train-samples).")
     g.int("--train-samples", None, "Total training samples (exclusive with --train-iters).")
@@ -148,8 +201,21 @@ def _add_training_args(parser):
     g.int("--exit-interval", None, "Exit once the iteration is divisible by this value.")
     g.int("--exit-duration-in-mins", None, "Exit after this many minutes of training.")
     g.true("--exit-signal-handler", "Save a checkpoint and exit when --exit-signal arrives.")
-    g.str(
-        "--exit-signal", "SIGTERM", "Signal caught by --exit-signal-handler.", choices=EXIT_SIGNALS
+    g._add(
+        "--exit-signal",
+        type=enum_type(signal.Signals),
+        default=signal.SIGTERM,
+        choices=list(signal.Signals),
+        metavar="SIGNAL",
+        help="Signal caught by --exit-signal-handler, by name (default SIGTERM).",
+    )
+    g.true(
+        "--exit-signal-handler-for-dataloader",
+        "Also handle --exit-signal in the data-loader workers.",
+    )
+    g.true(
+        "--exit-signal-handler-for-training",
+        "Handle --exit-signal in the training loop only.",
     )
     g.str("--tensorboard-dir", None, "Write TensorBoard event files to this directory.")
     g.false(
@@ -162,6 +228,8 @@ def _add_training_args(parser):
     g.false("--no-bias-dropout-fusion", "bias_dropout_fusion", "Disable the bias+dropout fusion.")
     g.false("--no-rope-fusion", "apply_rope_fusion", "Disable the fused RoPE kernel.")
     g.str("--rope-type", None, "RoPE variant (MLA defaults to yarn).", choices=["rope", "yarn"])
+    g.true("--use-fused-weighted-squared-relu", "Fused kernel for the weighted squared ReLU.")
+    g.true("--fused-residual-rmsnorm", "Fuse the residual add into RMSNorm.")
     g.true("--cross-entropy-loss-fusion", "Fuse the cross-entropy loss computation.")
     g.str(
         "--cross-entropy-fusion-impl",
@@ -176,17 +244,32 @@ def _add_training_args(parser):
     )
     g.str("--optimizer", "adam", "Optimizer.", choices=OPTIMIZERS)
     g.true("--optimizer-cpu-offload", "Keep the optimizer state on the CPU.")
+    g.true("--optimizer-cuda-graph", "Capture the optimizer step in a CUDA graph.")
     g.float("--optimizer-offload-fraction", 1.0, "Fraction of the optimizer state offloaded.")
+    g.true(
+        "--use-torch-optimizer-for-cpu-offload",
+        "Step the offloaded state with torch.optim instead of the fused CPU Adam.",
+    )
+    g.true(
+        "--overlap-cpu-optimizer-d2h-h2d",
+        "Overlap the device-host copies of the offloaded optimizer.",
+    )
+    g.str(
+        "--dump-param-to-param-group-map",
+        None,
+        "Write which parameter is in which optimizer group to this file.",
+    )
+    g.false("--no-pin-cpu-grads", "pin_cpu_grads", "Do not pin the offloaded gradients.")
+    g.false("--no-pin-cpu-params", "pin_cpu_params", "Do not pin the offloaded parameters.")
     g.str(
         "--dataloader-type",
         None,
         "Sampler: single pass, cyclic (reshuffled per epoch) or external. Default: single.",
         choices=["single", "cyclic", "external"],
     )
-    g.false(
+    g.removed(
         "--no-async-tensor-model-parallel-allreduce",
-        "async_tensor_model_parallel_allreduce",
-        "Deprecated and ignored.",
+        "the tensor-parallel all-reduce is always asynchronous; drop the flag",
     )
     g.true("--no-persist-layer-norm", "Disable the persistent fused layer-norm kernel.")
     g.true("--sequence-parallel", "Sequence parallelism in the tensor-parallel regions.")
@@ -207,22 +290,31 @@ def _add_training_args(parser):
         0,
         "Iterations between manual collections (0: only around evaluation).",
     )
-    g.false("--no-manual-gc-eval", "manual_gc_eval", "No manual collection around evaluation.")
+    g.no("manual-gc-eval", "No manual collection around evaluation.")
     g.str(
         "--cuda-graph-impl",
         "none",
         "CUDA graph capture implementation.",
         choices=["none", "local", "transformer_engine", "full_iteration"],
     )
-    g.str(
-        "--cuda-graph-scope",
-        "full",
-        "CUDA graph capture scope.",
-        choices=["full", "attn", "full_iteration"],
-    )
     g.int("--cuda-graph-warmup-steps", 3, "Warm-up steps before graph capture.")
     g.true("--enable-cuda-graph", "Deprecated: use --cuda-graph-impl local.")
     g.true("--external-cuda-graph", "Deprecated: use --cuda-graph-impl transformer_engine.")
+    g.true(
+        "--batch-invariant-mode",
+        "Results that do not depend on the batch composition (batch-invariant kernels).",
+    )
+    g.str(
+        "--batch-invariant-backend",
+        "te_native",
+        "Kernels of --batch-invariant-mode.",
+        choices=["te_native", "deepgemm", "triton"],
+    )
+    g.no(
+        "clone-scatter-output-in-embedding",
+        "Do not clone the sequence-parallel scatter output of the embedding.",
+    )
+    g.int("--mlp-chunks-for-training", 1, "Chunks the MLP of a training step is split into.")
     # Spellings from older Megatron releases that were renamed or dropped.
     g.removed(
         "--no-query-key-layer-scaling",
@@ -255,6 +347,15 @@ def _add_initialization_args(parser):
         "Standard deviation for the embedding init (default: --init-method-std).",
     )
     g.true("--init-method-xavier-uniform", "Xavier-uniform weight initialization.")
+    g.true("--te-rng-tracker", "Use Transformer Engine's RNG tracker.")
+    g.true("--inference-rng-tracker", "Use an RNG tracker configured for inference.")
+    g.true("--use-mup", "Maximal-update parametrization (muP) of init, learning rates, outputs.")
+    g.float("--mup-width-mult", 1.0, "muP width multiplier (default: from --mup-base-hidden-size).")
+    g.int("--mup-base-hidden-size", None, "muP: hidden size of the base model.")
+    g.float("--mup-embedding-mult", 1.0, "muP: multiplier of the embedding output.")
+    g.float("--mup-output-mult", 1.0, "muP: multiplier of the output logits.")
+    g.float("--mup-base-head-dim", None, "muP: head dimension of the base model.")
+    g.float("--mup-attn-scale-power", 1.0, "muP: attention scores scale as 1/d^power.")
     return parser
 
 
@@ -281,7 +382,7 @@ def _add_learning_rate_args(parser):
     g.int("--lr-warmup-iters", 0, "Iterations of linear warm-up.")
     g.int("--lr-warmup-samples", 0, "Samples of linear warm-up.")
     g.float("--lr-warmup-init", 0.0, "Learning rate at the start of warm-up.")
-    g.removed("--warmup", "use --lr-warmup-fraction, --lr-warmup-iters or --lr-warmup-samples")
+    g.int("--warmup", None, "Removed: use --lr-warmup-fraction, -iters or -samples.")
     g.float("--min-lr", 0.0, "Floor of the learning rate.")
     g.true(
         ("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
@@ -307,9 +408,8 @@ def _add_validation_args(parser):
     g = ArgGroup(parser, "validation")
     g.true("--full-validation", "Evaluate the whole validation set each time.")
     g.true("--multiple-validation-sets", "Evaluate each validation dataset separately.")
-    g.list(
-        "--validation-set-names", None, "Names of the validation sets (for the logs).", nargs="*"
-    )
+    g.list("--validation-set-names", None, "Names of the validation sets (for the logs).")
+    g.int("--start-eval-at-iter", None, "First iteration at which evaluation may run.")
     g.int("--eval-iters", 100, "Iterations per evaluation of the validation/test set.")
     g.int(
         "--eval-interval",
@@ -339,3 +439,33 @@ def _add_rerun_machine_args(parser):
         choices=["disabled", "validate_results", "report_stats"],
     )
     return parser
+
+
+def _add_offloading_args(g):
+    g.int(
+        "--cpu-offloading-num-layers",
+        0,
+        "Transformer layers whose activations are offloaded to CPU.",
+    )
+    g.true(
+        "--cpu-offloading-retain-pinned-cpu-buffers",
+        "Keep the pinned CPU buffers of activation offloading between iterations.",
+    )
+    g.true("--fine-grained-activation-offloading", "Offload the activations of chosen modules.")
+    g.list("--offload-modules", [], "Modules whose activations are offloaded.")
+    g.int("--min-offloaded-tensor-size", 1048576, "Smallest tensor (elements) offloaded.")
+    g.true(
+        "--delay-offload-until-cuda-graph",
+        "Start offloading only once the CUDA graphs are captured.",
+    )
+    g.int(
+        "--delta-offload-bytes-across-pp-ranks",
+        0,
+        "Fewer offloaded bytes on each later pipeline rank.",
+    )
+    g.float("--activation-offload-fraction", 1.0, "Fraction of the chosen activations offloaded.")
+    g.int(
+        "--fine-grained-offloading-max-inflight-offloads",
+        None,
+        "Offloads in flight at once.",
+    )

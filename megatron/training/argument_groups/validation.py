@@ -35,12 +35,31 @@ def info(args, message):
         print(message, flush=True)
 
 
+# Flags Megatron still parses but refuses (its validate_args asserts they are unset).
+_REMOVED_BUT_PARSED = (
+    ("batch_size", "--batch-size", "use --micro-batch-size (and --global-batch-size)"),
+    (
+        "checkpoint_activations",
+        "--checkpoint-activations",
+        "use --recompute-activations, or for more control "
+        "--recompute-granularity and --recompute-method",
+    ),
+    ("warmup", "--warmup", "use --lr-warmup-fraction, --lr-warmup-iters or --lr-warmup-samples"),
+    ("model_parallel_size", "--model-parallel-size", "use --tensor-model-parallel-size"),
+)
+_CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+
+
 def translate_deprecated(args):
+    for dest, flag, hint in _REMOVED_BUT_PARSED:
+        check(not getattr(args, dest, None), f"{flag} is no longer supported: {hint}")
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
-    if args.use_flash_attn and args.attention_backend == "auto":
+    from megatron.core.transformer.enums import AttnBackend
+
+    if args.use_flash_attn and args.attention_backend in (AttnBackend.auto, "auto"):
         # The older spelling of "run the flash kernel": keep 'auto' from picking the unfused path.
-        args.attention_backend = "flash"
+        args.attention_backend = AttnBackend.flash
     if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
         warn(args, "--no-position-embedding is deprecated; using --position-embedding-type none")
         args.position_embedding_type = "none"
@@ -962,6 +981,24 @@ def validate_logging(args):
         )
     if args.wandb_project:
         check(args.wandb_exp_name, "--wandb-project needs --wandb-exp-name")
+    if args.log_progress and args.save is None:
+        warn(args, "--log-progress writes progress.txt into --save, which is not set: no progress")
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None:
+        check(
+            interval > 0,
+            f"--check-weight-hash-across-dp-replicas-interval must be > 0 (got {interval})",
+        )
+        check(
+            not args.use_torch_fsdp2
+            and not (
+                args.use_megatron_fsdp
+                and args.data_parallel_sharding_strategy == "optim_grads_params"
+            ),
+            "--check-weight-hash-across-dp-replicas-interval cannot be used with FSDP2 "
+            "(--use-torch-fsdp2, or --use-megatron-fsdp with optim_grads_params): the "
+            "parameters are sharded, not replicated",
+        )
     if args.eval_interval is not None:
         check(args.eval_interval > 0, f"--eval-interval must be > 0 (got {args.eval_interval})")
     check(args.eval_iters >= 0, f"--eval-iters must be >= 0 (got {args.eval_iters})")
@@ -985,6 +1022,11 @@ def validate_misc(args):
         import torch
 
         torch.use_deterministic_algorithms(True)
+    for value in args.cp_comm_type:
+        check(
+            value in _CP_COMM_TYPES,
+            f"--cp-comm-type: unknown value {value!r} (choose from {', '.join(_CP_COMM_TYPES)})",
+        )
     if len(args.cp_comm_type) != 1:
         check(
             len(args.cp_comm_type) == args.num_layers,
