@@ -28,6 +28,7 @@ from megatron.training.argument_groups.misc import (
 from megatron.training.argument_groups.model import (
     _add_mla_args,
     _add_moe_args,
+    _add_mup_args,
     _add_network_size_args,
     _add_transformer_engine_args,
     _add_vision_args,
@@ -167,25 +168,7 @@ NOT_SUPPORTED_YET = {
         f"RoPE position interpolation {_NYI}",
     ),
     "no_rope_freq": (_given, "--no-rope-freq", f"skipping RoPE per layer {_NYI}"),
-    "openai_gelu": (_on, "--openai-gelu", f"the OpenAI GeLU variant {_NYI}"),
     "onnx_safe": (_on, "--onnx-safe", f"ONNX export workarounds {_NYI}"),
-    "fp32_residual_connection": (_on, "--fp32-residual-connection", f"fp32 residuals {_NYI}"),
-    "apply_query_key_layer_scaling": (
-        _on,
-        "--apply-query-key-layer-scaling",
-        f"query-key layer scaling {_NYI}",
-    ),
-    "attention_softmax_in_fp32": (
-        lambda value, args: value and (args.fp16 or args.bf16),
-        "--attention-softmax-in-fp32",
-        f"an fp32 softmax inside fp16/bf16 attention {_NYI}",
-    ),
-    "fp16_lm_cross_entropy": (_on, "--fp16-lm-cross-entropy", f"fp16 cross entropy {_NYI}"),
-    "embedding_init_method_std": (
-        _given,
-        "--embedding-init-method-std",
-        f"a separate embedding init {_NYI}",
-    ),
     "decoder_num_layers": (_given, "--decoder-num-layers", f"encoder-decoder models {_NYI}"),
     "decoder_seq_length": (_given, "--decoder-seq-length", f"encoder-decoder models {_NYI}"),
     "vision_pretraining": (_on, "--vision-pretraining", f"vision models {_NYI}"),
@@ -200,13 +183,18 @@ NOT_SUPPORTED_YET = {
         f"the precision-aware optimizer {_NYI}",
     ),
     "optimizer_cpu_offload": (_on, "--optimizer-cpu-offload", f"optimizer CPU offload {_NYI}"),
-    "optimizer": (_not_one_of("adam", "sgd"), "--optimizer", "only adam and sgd are implemented"),
+    "optimizer": (
+        _not_one_of("adam", "sgd", "muon", "dist_muon"),
+        "--optimizer",
+        "only adam, sgd and muon (dist_muon) are implemented",
+    ),
     "freeze_all_layers": (_on, "--freeze-all-layers", f"layer freezing {_NYI}"),
     # Memory savers.
     "recompute_modules": (
-        lambda value, args: bool(set(value or ()) - {"core_attn", "mlp"}),
+        lambda value, args: bool(set(value or ()) - {"core_attn", "mlp", "layernorm"}),
         "--recompute-modules",
-        "only core_attn and mlp can be recomputed yet",
+        "only core_attn, layernorm and mlp exist here (moe, moe_act, shared_experts and "
+        "mla_up_proj belong to MoE and multi-latent attention, which are not implemented yet)",
     ),
     "cpu_offloading_num_layers": (
         _above(0),
@@ -330,6 +318,7 @@ def _reject_not_supported_yet(args):
 # --------------------------------------------------------------------------------------
 _GROUP_FUNCTIONS = (
     _add_network_size_args,
+    _add_mup_args,
     _add_regularization_args,
     _add_training_args,
     _add_initialization_args,

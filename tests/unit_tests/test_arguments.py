@@ -1243,7 +1243,7 @@ def test_checkpoint_formats():
         (["--num-experts", 4], "--num-experts 4"),
         (["--multi-latent-attention"], "--multi-latent-attention"),
         (["--fp8-format", "hybrid", "--bf16"], "--fp8-format hybrid"),
-        (["--optimizer", "muon", "--ckpt-format", "torch"], "--optimizer muon"),
+        (["--optimizer", "lion"], "--optimizer lion"),
         (["--yaml-cfg", "cfg.yaml"], "--yaml-cfg cfg.yaml"),
         (["--spec", "local"], "--spec local"),
         (["--position-embedding-type", "yarn"], "--position-embedding-type yarn"),

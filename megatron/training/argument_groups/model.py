@@ -1,4 +1,4 @@
-"""Model-shape flags: network size, MoE, MLA, Transformer Engine / fp8, legacy vision."""
+"""Model-shape flags: network size, muP, MoE, MLA, Transformer Engine / fp8, legacy vision."""
 
 from .builder import ArgGroup, layer_pattern_type
 
@@ -116,6 +116,44 @@ def _add_network_size_args(parser):
     g.true("--multi-latent-attention", "Use multi-latent attention (see the mla group).")
     g.int("--mtp-num-layers", None, "Number of multi-token-prediction layers.")
     g.float("--mtp-loss-scaling-factor", 0.1, "Weight of the multi-token-prediction loss.")
+    return parser
+
+
+def _add_mup_args(parser):
+    """muP flags; Megatron lists them in its "transformer configuration" group."""
+    g = ArgGroup(parser, "transformer configuration")
+    g.true(
+        "--use-mup",
+        "Maximal Update Parameterization: width-scaled init, attention scale, "
+        "output-logit scale and per-parameter-group learning rates (see --mup-*).",
+    )
+    g.float(
+        "--mup-width-mult",
+        1.0,
+        "Width multiplier; derived as hidden-size / mup-base-hidden-size (a value given here "
+        "must equal the derived one).",
+    )
+    g.int(
+        "--mup-base-hidden-size",
+        None,
+        "Hidden size of the base model the hyperparameters were tuned on (default: hidden-size).",
+    )
+    g.float("--mup-embedding-mult", 1.0, "Multiplier of the embedding output (muP).")
+    g.float(
+        "--mup-output-mult",
+        1.0,
+        "Multiplier of the output logits; 1.0 means 1 / width multiplier under --use-mup.",
+    )
+    g.float(
+        "--mup-base-head-dim",
+        None,
+        "Base head dimension: the attention scale becomes sqrt(base) / kv-channels^power.",
+    )
+    g.float(
+        "--mup-attn-scale-power",
+        1.0,
+        "Attention scale 1 / kv-channels^power under --use-mup (0.5: standard, 1.0: muP).",
+    )
     return parser
 
 

@@ -33,6 +33,50 @@ def _add_regularization_args(parser):
     g.float("--adam-beta2", 0.999, "Adam beta2.")
     g.float("--adam-eps", 1e-08, "Adam epsilon.")
     g.float("--sgd-momentum", 0.9, "SGD momentum.")
+    g.float("--muon-momentum", 0.9, "Muon momentum (EMA coefficient).")
+    g.false(
+        "--muon-no-split-qkv",
+        "muon_split_qkv",
+        "Orthogonalize the fused QKV weight as one matrix instead of Q, K and V apart.",
+    )
+    g.true("--muon-nesterov", "Nesterov momentum in Muon.")
+    g.str(
+        "--muon-scale-mode",
+        "spectral",
+        "Scale of the orthogonalized update: spectral sqrt(max(out, in)), "
+        "unit_rms_norm sqrt(out / in), shape_scaling sqrt(max(1, out / in)).",
+        choices=["spectral", "unit_rms_norm", "shape_scaling"],
+    )
+    g.str(
+        "--muon-fp32-matmul-prec",
+        "medium",
+        "fp32 matmul precision of the Newton-Schulz iteration (medium: bf16 iterations).",
+        choices=["low", "medium", "high"],
+    )
+    g.str(
+        "--muon-coefficient-type",
+        "quintic",
+        "Newton-Schulz coefficients: simple, quintic, polar_express or aol.",
+    )
+    g.int("--muon-num-ns-steps", 5, "Newton-Schulz iterations.")
+    g.str(
+        "--muon-tp-mode",
+        "duplicated",
+        "Tensor-parallel weights: duplicated (gather the matrix, orthogonalize on every rank), "
+        "distributed (iterate on the shards, all-reduce the Gram matrices), blockwise (each "
+        "shard alone).",
+        choices=["blockwise", "duplicated", "distributed"],
+    )
+    g.true("--muon-use-syrk", "Triton SYRK kernel for Newton-Schulz (speed only).")
+    g.float("--muon-extra-scale-factor", 1.0, "Extra factor on the Muon update.")
+    g.str(
+        "--muon-scalar-optimizer",
+        "adam",
+        "Optimizer of the parameters Muon does not take (embeddings, output layer, 1-D).",
+        choices=["adam", "lion"],
+    )
+    g.float("--lion-beta1", 0.95, "Lion beta1 (interpolation of the update direction).")
+    g.float("--lion-beta2", 0.98, "Lion beta2 (momentum decay).")
     return parser
 
 
