@@ -101,8 +101,11 @@ class TransformerConfig(ModelParallelConfig):
     (``--rotary-interleaved``)."""
 
     apply_query_key_layer_scaling: bool = False
-    """Scale q.k by 1/layer_number and undo it in an fp32 softmax (an fp16 overflow guard,
-    ``--apply-query-key-layer-scaling``). Mathematically a no-op; implies attention_softmax_in_fp32."""
+    """Scale the score GEMM by an extra 1/layer_number and multiply the fp32 scores back before
+    the softmax, so fp16 scores do not overflow (``--apply-query-key-layer-scaling``). The same
+    function up to rounding; implies attention_softmax_in_fp32. Only the unfused attention path
+    holds half-precision scores, so only it divides and multiplies back
+    (dot_product_attention.py)."""
 
     attention_backend: str = "auto"
     """Attention kernel (``--attention-backend``): 'flash' and 'fused' run torch's
@@ -113,8 +116,10 @@ class TransformerConfig(ModelParallelConfig):
     measured faster) and SDPA otherwise."""
 
     attention_softmax_in_fp32: bool = True
-    """Compute the attention softmax in fp32 (``--attention-softmax-in-fp32``). SDPA already
-    accumulates the softmax in fp32 for half inputs, so this is stored only."""
+    """Run the attention softmax (and its backward) in fp32 when the inputs are fp16/bf16
+    (``--attention-softmax-in-fp32``; Megatron Core's default is True, the flag's is False). The
+    unfused path upcasts the scores; without it the softmax runs in the input dtype. SDPA's
+    kernels and ring attention accumulate in fp32 either way (dot_product_attention.py)."""
 
     # ---------------------------------------------------------------- context parallelism
     cp_comm_type: Optional[Union[str, List[str]]] = None
