@@ -18,7 +18,7 @@ _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _RECOMPUTE_GRANULARITIES = ("full", "selective")
 _RECOMPUTE_METHODS = ("uniform", "block")
 # Submodules that selective recompute can checkpoint in this implementation.
-SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp")
+SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 @dataclass
@@ -201,7 +201,8 @@ class TransformerConfig(ModelParallelConfig):
 
     recompute_modules: Optional[List[str]] = None
     """Submodules recomputed by selective recompute (``--recompute-modules``); None means
-    ['core_attn']. This implementation supports 'core_attn' and 'mlp'."""
+    ['core_attn']. This implementation has 'core_attn', 'layernorm' (the input and pre-MLP
+    norms: their outputs are freed after use and recomputed in backward) and 'mlp'."""
 
     def __post_init__(self):
         super().__post_init__()
