@@ -10,8 +10,8 @@ layout. Every other parameter (word embedding, output layer, 1-D) takes AdamW or
 
 * One process, fp32 (Newton-Schulz matmuls 'high'): two steps of a small GPT (GQA, SwiGLU,
   RMSNorm, learned positions, untied output) match the reference within 1e-5 (relative, per
-  parameter), for three flag combinations; with 'medium' (bf16 iterations) the updates within 15 %; the quintic
-  iteration's output has singular values in [0.6, 1.3] (it orthogonalizes).
+  parameter), for three flag combinations; with 'medium' (bf16 iterations) the updates within
+  15 %; the quintic iteration's output has singular values in [0.6, 1.3] (it orthogonalizes).
 * TP=2 (spawned): 'duplicated' and 'distributed' give every rank the shard of the one-process
   result (1e-5); 'blockwise' gives each shard's own orthogonalization, which differs.
 * Layer-wise distributed optimizer, DP=2 (spawned, DDP all-reduce): each rank holds state for
