@@ -330,3 +330,43 @@ def _dp_worker(rank, world_size):
 
 def test_layer_wise_distributed_optimizer_matches_one_process():
     run_distributed(_dp_worker, 2)
+
+
+# ------------------------------------------------------------------------------ start-up rules
+COMMAND_LINE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 16 "
+    "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data "
+    "--tokenizer-type NullTokenizer --vocab-size 128 --optimizer muon"
+).split()
+
+
+def _validated(*flags):
+    from megatron.training.arguments import parse_args, validate_args
+
+    return validate_args(parse_args(argv=COMMAND_LINE + [str(f) for f in flags]))
+
+
+def test_muon_start_up_rules(monkeypatch, capsys):
+    from megatron.training.arguments import ArgumentValidationError
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    args = _validated("--use-distributed-optimizer")
+    assert args.use_layer_wise_distributed_optimizer and not args.use_distributed_optimizer
+    assert "the layer-wise distributed optimizer" in capsys.readouterr().out
+    args = _validated("--optimizer", "dist_muon")
+    assert args.optimizer == "muon" and args.use_layer_wise_distributed_optimizer
+    assert not _validated().use_layer_wise_distributed_optimizer
+    for flags, message in (
+        (["--fp16"], "--optimizer muon does not support --fp16"),
+        (["--muon-fp32-matmul-prec", "low"], "--muon-fp32-matmul-prec low is not available"),
+        (["--muon-num-ns-steps", 4], "needs --muon-num-ns-steps a multiple of 5, got 4"),
+        (["--muon-coefficient-type", "cans"], "--muon-coefficient-type 'cans' unknown"),
+        (["--save", "/tmp/x", "--save-interval", 1], "in --ckpt-format torch only"),
+        (
+            ["--use-distributed-optimizer", "--save", "/tmp/x", "--save-interval", 1],
+            "checkpoints of Muon's layer-wise distributed optimizer",
+        ),
+    ):
+        with pytest.raises(ArgumentValidationError, match=message):
+            _validated(*flags)
