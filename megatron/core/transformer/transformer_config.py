@@ -112,9 +112,8 @@ class TransformerConfig(ModelParallelConfig):
     """Attention kernel (``--attention-backend``): 'flash' and 'fused' run torch's
     scaled_dot_product_attention; 'unfused' and 'local' materialise the scores
     (megatron/core/transformer/blocked_attention.py) wherever that path applies (no explicit
-    mask, fp32/fp64) and SDPA elsewhere;
-    'auto' takes the unfused path on CPU up to ``UNFUSED_AUTO_MAX_SEQ`` tokens (where it was
-    measured faster) and SDPA otherwise."""
+    mask) and SDPA elsewhere; 'auto' takes the unfused path for fp32/fp64 on CPU up to
+    ``UNFUSED_AUTO_MAX_SEQ`` tokens (where it was measured faster) and SDPA otherwise."""
 
     attention_softmax_in_fp32: bool = True
     """Run the attention softmax (and its backward) in fp32 when the inputs are fp16/bf16

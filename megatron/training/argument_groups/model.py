@@ -28,7 +28,7 @@ def _add_network_size_args(parser):
         "auto",
         "Attention kernel: flash/fused run torch "
         "scaled_dot_product_attention; unfused/local materialise the scores where they can "
-        "(no mask tensor, fp32); auto takes unfused on CPU up to "
+        "(no mask tensor); auto takes unfused for fp32 on CPU up to "
         "seq 1024 and SDPA otherwise.",
         choices=ATTENTION_BACKENDS,
     )

@@ -32,6 +32,12 @@ def validate_optimizer(args):
         args.use_distributed_optimizer = False
         args.use_layer_wise_distributed_optimizer = True
     check(not args.fp16, "--optimizer muon does not support --fp16 (use --bf16)")
+    if args.muon_use_syrk:
+        info(
+            args,
+            "--muon-use-syrk has no effect here: it selects a Triton SYRK kernel for the "
+            "Newton-Schulz steps, which run as plain matmuls (the same arithmetic)",
+        )
     check(
         args.muon_fp32_matmul_prec != "low",
         "--muon-fp32-matmul-prec low is not available (torch's float32 matmul precision has "
