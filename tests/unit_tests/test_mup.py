@@ -148,10 +148,10 @@ def test_mup_learning_rates_per_parameter_class(kind):
     )  # fmt: skip
     scheduler.step(1)
     if kind == "adam":
-        assert groups[hidden]["max_lr"] == pytest.approx(2.5e-3)
         assert groups[hidden]["lr"] == pytest.approx(2.5e-3)
         assert groups[hidden]["eps"] == pytest.approx(2.5e-9)
-        assert groups[hidden]["min_lr"] == pytest.approx(2.5e-4)
+        scheduler.lr_decay_style, scheduler.num_steps = "linear", 100  # the floor scales too
+        assert scheduler.get_lr(groups[hidden]) * groups[hidden]["lr_mult"] == pytest.approx(2.5e-4)
     else:
         assert groups[hidden]["lr"] == pytest.approx(1e-2)
         assert "eps" not in groups[hidden] or groups[hidden]["eps"] == pytest.approx(1e-8)

@@ -88,7 +88,7 @@ def get_param_groups(
 
     Biases and 1-D params (norm weights) get no weight decay. With config.decoupled_lr set, the
     input embedding and output layer params get their own max/min LR. With
-    config.mup_width_mult, max/min LR (and Adam's 'eps') follow muP (:func:`_mup_scales`). With
+    config.mup_width_mult, 'lr_mult' (and Adam's 'eps') follow muP (:func:`_mup_scales`). With
     --optimizer muon each group names its 'optimizer' (muon, adam or lion). Each group carries
     'wd_mult', 'lr_mult', 'is_expert_parallel', 'is_decoupled_lr', 'max_lr', 'min_lr'.
     """
@@ -109,19 +109,21 @@ def get_param_groups(
                 no_wd = _strip_wrappers(name).endswith(".bias") or len(param.shape) == 1
             scale_lr = bool(scale_lr_cond(name, param)) if scale_lr_cond is not None else False
             wd_mult = 0.0 if no_wd else 1.0
-            group_lr_mult = float(lr_mult) if scale_lr else 1.0
-            is_expert_parallel = not getattr(param, "allreduce", True)
-            is_decoupled = use_decoupled and _is_embedding_or_output(name, param)
             inner = _inner_optimizer_of(param, config)
             mup_lr, mup_eps = _mup_scales(name, param, config, inner)
-            key = (wd_mult, group_lr_mult, is_expert_parallel, is_decoupled, mup_lr, mup_eps, inner)
+            # muP's factor scales the whole schedule (max and min LR), as lr_mult does; keeping it
+            # there also keeps the muP classes apart in the groups' checkpoint signature.
+            group_lr_mult = (float(lr_mult) if scale_lr else 1.0) * mup_lr
+            is_expert_parallel = not getattr(param, "allreduce", True)
+            is_decoupled = use_decoupled and _is_embedding_or_output(name, param)
+            key = (wd_mult, group_lr_mult, is_expert_parallel, is_decoupled, mup_eps, inner)
             grouped.setdefault(key, []).append(param)
 
     groups = []
     for key, params in grouped.items():
-        wd_mult, group_lr_mult, is_expert_parallel, is_decoupled, mup_lr, mup_eps, inner = key
-        max_lr = float(config.decoupled_lr) if is_decoupled else float(config.lr) * mup_lr
-        group_min_lr = decoupled_min_lr if is_decoupled else min_lr * mup_lr
+        wd_mult, group_lr_mult, is_expert_parallel, is_decoupled, mup_eps, inner = key
+        max_lr = float(config.decoupled_lr) if is_decoupled else float(config.lr)
+        group_min_lr = decoupled_min_lr if is_decoupled else min_lr
         group = {
             "params": params,
             "wd_mult": wd_mult,
