@@ -4,9 +4,10 @@ distributed optimizer (DP=2).
 Reference (written here, in float64): momentum M <- beta M + (1 - beta) G; direction M, or
 (1 - beta) G + beta M with Nesterov; Newton-Schulz on the wide orientation of the direction
 normalized by its Frobenius norm, with the published coefficients; scale sqrt(max(out, in))
-(spectral), sqrt(out / in) (unit_rms_norm) or sqrt(max(1, out / in)) (shape_scaling); decoupled
-weight decay W (1 - lr wd); the fused QKV weight orthogonalized per Q, K, V part of its grouped
-layout. Every other parameter (word embedding, output layer, 1-D) takes AdamW or Lion by formula.
+(spectral), sqrt(out / in) (unit_rms_norm) or sqrt(max(1, out / in)) (shape_scaling), times
+the extra scale factor; decoupled weight decay W (1 - lr wd); the fused QKV weight
+orthogonalized per Q, K, V part of its grouped layout. Every other parameter (word embedding,
+output layer, 1-D) takes AdamW or Lion by formula.
 
 * One process, fp32 (Newton-Schulz matmuls 'high'): two steps of a small GPT (GQA, SwiGLU,
   RMSNorm, learned positions, untied output) match the reference within 1e-5 (relative, per
@@ -127,7 +128,8 @@ def ref_scale(rows, cols, mode):
 
 def ref_orthogonalize(name, direction, flags, coefficients):
     def one(m):
-        return ref_newton_schulz(m, coefficients) * ref_scale(*m.shape, flags["scale_mode"])
+        scale = ref_scale(*m.shape, flags["scale_mode"]) * flags.get("extra_scale", 1.0)
+        return ref_newton_schulz(m, coefficients) * scale
 
     if flags["split_qkv"] and name.endswith("linear_qkv.weight"):
         per_group = (HEADS // GROUPS + 2) * KV
@@ -193,7 +195,7 @@ FLAG_SETS = [
     ),
     dict(
         momentum=0.95, nesterov=True, scale_mode="unit_rms_norm",
-        coefficient_type="polar_express", split_qkv=False, scalar="adam",
+        coefficient_type="polar_express", split_qkv=False, scalar="adam", extra_scale=0.2,
     ),
     dict(
         momentum=0.8, nesterov=False, scale_mode="shape_scaling", coefficient_type="simple",
@@ -211,6 +213,7 @@ def _config_for(flags, **kw):
         muon_num_ns_steps=len(COEFFICIENTS[flags["coefficient_type"]]),
         muon_split_qkv=flags["split_qkv"],
         muon_scalar_optimizer=flags["scalar"],
+        muon_extra_scale_factor=flags.get("extra_scale", 1.0),
         **kw,
     )
 
