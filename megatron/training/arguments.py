@@ -11,6 +11,7 @@ import os
 import sys
 
 from megatron.training import flag_policy
+from megatron.training.argument_groups import numerics_rules
 from megatron.training.argument_groups import validation as rules
 from megatron.training.argument_groups.data import (
     REMOVED_TOKENIZER_TYPES,
@@ -219,6 +220,8 @@ def validate_args(args, defaults=None):
     rules.validate_model_shape(args)
     rules.validate_batch_size(args)
     rules.validate_pipeline(args)
+    numerics_rules.validate_optimizer(args)
+    numerics_rules.validate_numerics(args)
     rules.validate_data_parallel_strategy(args)
     rules.validate_precision(args)
     rules.validate_checkpointing(args)

@@ -41,13 +41,13 @@ from .checkpointing import (
     CheckpointError,
     _barrier,
     _checkpoint_args,
-    integrity_digests,
-    seal,
     _rng_state,
     _set_rng_state,
     _unwrap,
     checkpoint_dir,
     commit_tracker,
+    integrity_digests,
+    seal,
 )
 from .utils import get_device, get_rank, print_rank_0
 

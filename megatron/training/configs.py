@@ -11,6 +11,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import openai_gelu, squared_relu
 
 
 def _from_args(cls, args, **overrides):
@@ -24,10 +25,6 @@ def _from_args(cls, args, **overrides):
         elif hasattr(args, f.name):
             kwargs[f.name] = getattr(args, f.name)
     return cls(**kwargs)
-
-
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    return torch.pow(F.relu(x), 2)
 
 
 def _attention_backend_name(value) -> str:
@@ -57,16 +54,26 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig) -> T
         overrides["activation_func"] = F.silu
     elif args.squared_relu:
         overrides["activation_func"] = squared_relu
+    elif args.openai_gelu:
+        overrides["activation_func"] = openai_gelu
     else:
         overrides["activation_func"] = F.gelu
+    if args.init_method_xavier_uniform:
+        overrides["init_method"] = torch.nn.init.xavier_uniform_
     names = {f.name for f in dataclasses.fields(config_class)}
     overrides = {k: v for k, v in overrides.items() if k in names}
     return _from_args(config_class, args, **overrides)
 
 
 def optimizer_config_from_args(args, timers=None) -> OptimizerConfig:
+    """OptimizerConfig from the flags. ``mup_width_mult`` is left None: it is the model's
+    (TransformerConfig derives it), and the training loop copies it from there."""
     return _from_args(
-        OptimizerConfig, args, timers=timers, min_lr=args.min_lr if args.min_lr is not None else 0.0
+        OptimizerConfig,
+        args,
+        timers=timers,
+        min_lr=args.min_lr if args.min_lr is not None else 0.0,
+        mup_width_mult=None,
     )
 
 

@@ -70,7 +70,7 @@ honoured(
     embedding_init_method_std fp32_residual_connection openai_gelu fp16_lm_cross_entropy use_mup
     mup_width_mult mup_base_hidden_size mup_embedding_mult mup_output_mult mup_base_head_dim
     mup_attn_scale_power muon_momentum muon_split_qkv muon_nesterov muon_scale_mode
-    muon_fp32_matmul_prec muon_coefficient_type muon_num_ns_steps muon_tp_mode muon_use_syrk
+    muon_fp32_matmul_prec muon_coefficient_type muon_num_ns_steps muon_tp_mode
     muon_extra_scale_factor muon_scalar_optimizer
     """,
 )
@@ -255,6 +255,11 @@ no_effect(_FUSED, "cross_entropy_fusion_impl", given=lambda value, args: value =
 no_effect(
     "selects a FlashAttention release; attention here runs torch's kernels",
     "flash_attention_version",
+)
+no_effect(
+    "selects a Triton SYRK kernel for Muon's Newton-Schulz steps, which run as plain matmuls "
+    "here (the same arithmetic)",
+    "muon_use_syrk",
 )
 no_effect(
     _CUDA_GRAPHS,
@@ -446,9 +451,9 @@ refused(
     """,
 )
 refused(
-    "only adam, sgd and muon are implemented",
+    "only adam, sgd and muon (dist_muon) are implemented",
     "optimizer",
-    given=lambda value, args: value not in ("adam", "sgd", "muon"),
+    given=lambda value, args: value not in ("adam", "sgd", "muon", "dist_muon"),
 )
 _STATE_PRECISION = f"this optimizer-state precision or offloading is {_NYI}"
 refused(

@@ -424,11 +424,20 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         chunks_to_optimize = model
     else:
         chunks_to_optimize = [chunk.module for chunk in model]
+    if getattr(args, "use_layer_wise_distributed_optimizer", False):
+        # Each DP rank owns whole params: their norms and inf flags are summed over all ranks.
+        stats_group = dist.group.WORLD if dist.is_initialized() else None
+    optimizer_config = optimizer_config_from_args(args, timers)
+    model_config = get_model_config(model[0])
+    if getattr(model_config, "use_mup", False):
+        optimizer_config.mup_width_mult = model_config.mup_width_mult
     optimizer = get_megatron_optimizer(
-        optimizer_config_from_args(args, timers),
+        optimizer_config,
         chunks_to_optimize,
         model_parallel_group=stats_group,
         tp_rank=state.get_tensor_model_parallel_rank(),
+        tp_group=state.get_tensor_model_parallel_group(),
+        data_parallel_group=state.get_data_parallel_group(with_context_parallel=True),
     )
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     for chunk in model:

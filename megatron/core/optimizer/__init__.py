@@ -9,6 +9,8 @@ import torch
 from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from .layer_wise_optimizer import LayerWiseDistributedOptimizer
+from .muon import Muon, uses_muon
 from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 from .optimizer_config import OptimizerConfig
 
@@ -18,6 +20,8 @@ __all__ = [
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer",
+    "LayerWiseDistributedOptimizer",
+    "Muon",
     "MegatronGradScaler",
     "ConstantGradScaler",
     "DynamicGradScaler",
@@ -44,6 +48,34 @@ def _is_embedding_or_output(name: str, param: torch.Tensor) -> bool:
     return _strip_wrappers(name).startswith(_DECOUPLED_LR_PREFIXES)
 
 
+def _mup_scales(name: str, param: torch.Tensor, config: OptimizerConfig, optimizer: str):
+    """(learning-rate factor, Adam epsilon factor) of one param under muP (Megatron's rules):
+    with Adam the hidden matrices (2-D, not of the embedding class: embeddings and the output
+    layer, whose logits muP scales instead) take lr / width and eps / width; with SGD the
+    vector-like params (1-D and embedding class) take lr * width; matrices that Muon updates keep
+    theirs. Params with a --decoupled-lr keep it."""
+    width = config.mup_width_mult
+    if width is None or width == 1.0:
+        return 1.0, 1.0
+    if config.decoupled_lr is not None and _is_embedding_or_output(name, param):
+        return 1.0, 1.0
+    embedding_class = getattr(param, "shared_embedding", False) or getattr(
+        param, "is_embedding_parameter", "embedding" in _strip_wrappers(name)
+    )
+    vector_like = embedding_class or param.dim() <= 1
+    if config.optimizer == "sgd":
+        return (width, 1.0) if vector_like else (1.0, 1.0)
+    if vector_like or optimizer == "muon":
+        return 1.0, 1.0
+    return 1.0 / width, (1.0 / width if optimizer == "adam" else 1.0)
+
+
+def _inner_optimizer_of(param: torch.Tensor, config: OptimizerConfig) -> str:
+    if config.optimizer == "muon":
+        return "muon" if uses_muon(param) else config.muon_scalar_optimizer
+    return config.optimizer
+
+
 def get_param_groups(
     model_chunks: Sequence[torch.nn.Module],
     config: OptimizerConfig,
@@ -51,17 +83,20 @@ def get_param_groups(
     scale_lr_cond: Optional[Callable[[str, torch.Tensor], bool]] = None,
     lr_mult: float = 1.0,
 ) -> List[Dict]:
-    """Group trainable params by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr).
+    """Group trainable params by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr, muP
+    factors, inner optimizer).
 
     Biases and 1-D params (norm weights) get no weight decay. With config.decoupled_lr set, the
-    input embedding and output layer params get their own max/min LR. Each group carries
+    input embedding and output layer params get their own max/min LR. With
+    config.mup_width_mult, 'lr_mult' (and Adam's 'eps') follow muP (:func:`_mup_scales`). With
+    --optimizer muon each group names its 'optimizer' (muon, adam or lion). Each group carries
     'wd_mult', 'lr_mult', 'is_expert_parallel', 'is_decoupled_lr', 'max_lr', 'min_lr'.
     """
     min_lr = 0.0 if config.min_lr is None else float(config.min_lr)
     use_decoupled = config.decoupled_lr is not None
     decoupled_min_lr = min_lr if config.decoupled_min_lr is None else float(config.decoupled_min_lr)
 
-    grouped: Dict[Tuple[float, float, bool, bool], List[torch.Tensor]] = {}
+    grouped: Dict[Tuple, List[torch.Tensor]] = {}
     seen = set()
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
@@ -74,38 +109,62 @@ def get_param_groups(
                 no_wd = _strip_wrappers(name).endswith(".bias") or len(param.shape) == 1
             scale_lr = bool(scale_lr_cond(name, param)) if scale_lr_cond is not None else False
             wd_mult = 0.0 if no_wd else 1.0
-            group_lr_mult = float(lr_mult) if scale_lr else 1.0
+            inner = _inner_optimizer_of(param, config)
+            mup_lr, mup_eps = _mup_scales(name, param, config, inner)
+            # muP's factor scales the whole schedule (max and min LR), as lr_mult does; keeping it
+            # there also keeps the muP classes apart in the groups' checkpoint signature.
+            group_lr_mult = (float(lr_mult) if scale_lr else 1.0) * mup_lr
             is_expert_parallel = not getattr(param, "allreduce", True)
             is_decoupled = use_decoupled and _is_embedding_or_output(name, param)
-            key = (wd_mult, group_lr_mult, is_expert_parallel, is_decoupled)
+            key = (wd_mult, group_lr_mult, is_expert_parallel, is_decoupled, mup_eps, inner)
             grouped.setdefault(key, []).append(param)
 
     groups = []
-    for (wd_mult, group_lr_mult, is_expert_parallel, is_decoupled), params in grouped.items():
+    for key, params in grouped.items():
+        wd_mult, group_lr_mult, is_expert_parallel, is_decoupled, mup_eps, inner = key
         max_lr = float(config.decoupled_lr) if is_decoupled else float(config.lr)
         group_min_lr = decoupled_min_lr if is_decoupled else min_lr
-        groups.append(
-            {
-                "params": params,
-                "wd_mult": wd_mult,
-                "lr_mult": group_lr_mult,
-                "is_expert_parallel": is_expert_parallel,
-                "is_decoupled_lr": is_decoupled,
-                "max_lr": max_lr,
-                "min_lr": group_min_lr,
-                # Sensible values before the scheduler's first step overwrites them.
-                "lr": max_lr * group_lr_mult,
-                "weight_decay": config.weight_decay * wd_mult,
-            }
-        )
+        group = {
+            "params": params,
+            "wd_mult": wd_mult,
+            "lr_mult": group_lr_mult,
+            "is_expert_parallel": is_expert_parallel,
+            "is_decoupled_lr": is_decoupled,
+            "max_lr": max_lr,
+            "min_lr": group_min_lr,
+            # Sensible values before the scheduler's first step overwrites them.
+            "lr": max_lr * group_lr_mult,
+            "weight_decay": config.weight_decay * wd_mult,
+        }
+        if mup_eps != 1.0:
+            group["eps"] = config.adam_eps * mup_eps
+        if config.optimizer == "muon":
+            group["optimizer"] = inner
+        groups.append(group)
     return groups
 
 
 def _validate(config: OptimizerConfig) -> None:
     if config.lr is None:
         raise ValueError("the learning rate (--lr) must be set to build an optimizer")
-    if config.optimizer not in ("adam", "sgd"):
-        raise ValueError(f"--optimizer must be 'adam' or 'sgd', got {config.optimizer!r}")
+    if config.optimizer not in ("adam", "sgd", "muon"):
+        raise ValueError(f"--optimizer must be adam, sgd or muon, got {config.optimizer!r}")
+    if config.optimizer == "muon":
+        if config.fp16:
+            raise ValueError("--optimizer muon does not support --fp16 (use --bf16 or fp32)")
+        if config.use_distributed_optimizer:
+            raise ValueError(
+                "--optimizer muon shards whole parameters over data parallelism "
+                "(use_layer_wise_distributed_optimizer), not the flat buffers of "
+                "--use-distributed-optimizer"
+            )
+        if config.muon_scalar_optimizer not in ("adam", "lion"):
+            raise ValueError(
+                "--muon-scalar-optimizer must be adam or lion, got "
+                f"{config.muon_scalar_optimizer!r}"
+            )
+    elif config.use_layer_wise_distributed_optimizer:
+        raise ValueError("the layer-wise distributed optimizer is used with --optimizer muon only")
     if config.fp16 and config.bf16:
         raise ValueError("--fp16 and --bf16 cannot both be set")
     if config.clip_grad < 0.0:
@@ -131,6 +190,38 @@ def _grad_scaler(config: OptimizerConfig, device) -> Optional[MegatronGradScaler
     return None
 
 
+def _qkv_split(model_chunks) -> Optional[Tuple[int, int, int]]:
+    """Rows of (query, key, value) in one query group of the fused QKV weight, from the model's
+    TransformerConfig (found on any module of the chunks; DDP wrappers carry another config)."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            config = getattr(module, "config", None)
+            if hasattr(config, "kv_channels") and hasattr(config, "num_query_groups"):
+                heads_per_group = config.num_attention_heads // config.num_query_groups
+                d = config.kv_channels
+                return (heads_per_group * d, d, d)
+    return None
+
+
+def _muon(config: OptimizerConfig, param_groups, model_chunks, tp_group) -> Muon:
+    return Muon(
+        param_groups,
+        momentum=config.muon_momentum,
+        nesterov=config.muon_nesterov,
+        coefficient_type=config.muon_coefficient_type,
+        num_ns_steps=config.muon_num_ns_steps,
+        scale_mode=config.muon_scale_mode,
+        extra_scale_factor=config.muon_extra_scale_factor,
+        matmul_precision=config.muon_fp32_matmul_prec,
+        tp_mode=config.muon_tp_mode,
+        tp_group=tp_group,
+        qkv_split=_qkv_split(model_chunks) if config.muon_split_qkv else None,
+        adam_betas=(config.adam_beta1, config.adam_beta2),
+        adam_eps=config.adam_eps,
+        lion_betas=(config.lion_beta1, config.lion_beta2),
+    )
+
+
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]],
@@ -139,6 +230,8 @@ def get_megatron_optimizer(
     no_weight_decay_cond: Optional[Callable[[str, torch.Tensor], bool]] = None,
     scale_lr_cond: Optional[Callable[[str, torch.Tensor], bool]] = None,
     lr_mult: float = 1.0,
+    tp_group=None,
+    data_parallel_group=None,
 ) -> MegatronOptimizer:
     """Build the optimizer for the (possibly several) model chunks of this rank.
 
@@ -147,6 +240,10 @@ def get_megatron_optimizer(
     tp_rank: this rank's tensor-parallel rank (non-TP params are counted in norms on rank 0 only).
     With config.use_distributed_optimizer, ``model_chunks`` must be the DistributedDataParallel
     chunks (built with use_distributed_optimizer=True): the optimizer shards over their DP group.
+    tp_group: the tensor-parallel group (Muon orthogonalizes split weights over it).
+    data_parallel_group: with config.use_layer_wise_distributed_optimizer (Muon), the group whose
+    ranks each update a share of the (whole) params; ``model_parallel_group`` must then span
+    every rank that holds a different part of the model or state (the world).
     """
     _validate(config)
     if isinstance(model_chunks, torch.nn.Module):
@@ -156,6 +253,24 @@ def get_megatron_optimizer(
     )
     if not param_groups:
         raise ValueError("the model has no trainable parameters to optimize")
+
+    if config.optimizer == "muon":
+        if config.use_layer_wise_distributed_optimizer:
+            return LayerWiseDistributedOptimizer(
+                lambda groups: _muon(config, groups, model_chunks, tp_group),
+                param_groups,
+                config,
+                data_parallel_group,
+                model_parallel_group,
+                tp_rank,
+            )
+        inner = _muon(config, param_groups, model_chunks, tp_group)
+        if config.bf16:
+            device = param_groups[0]["params"][0].device
+            return Float16OptimizerWithFloat16Params(
+                inner, config, _grad_scaler(config, device), model_parallel_group, tp_rank
+            )
+        return FP32Optimizer(inner, config, model_parallel_group, tp_rank)
 
     if config.optimizer == "adam":
         optimizer_cls = torch.optim.AdamW

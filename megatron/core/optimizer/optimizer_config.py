@@ -13,7 +13,8 @@ class OptimizerConfig:
     """Everything get_megatron_optimizer needs; the training side fills it from the flags."""
 
     optimizer: str = "adam"
-    """Inner optimizer: 'adam' (torch AdamW, decoupled weight decay) or 'sgd' (--optimizer)."""
+    """Inner optimizer (--optimizer): 'adam' (torch AdamW, decoupled weight decay), 'sgd', or
+    'muon' (Muon for the 2-D weight matrices, muon_scalar_optimizer for the rest; muon.py)."""
 
     lr: Optional[float] = None
     """Peak learning rate (--lr). Must be set before building an optimizer."""
@@ -65,6 +66,57 @@ class OptimizerConfig:
 
     sgd_momentum: float = 0.9
     """Momentum of SGD (--sgd-momentum)."""
+
+    muon_momentum: float = 0.9
+    """Momentum (exponential average coefficient) of Muon (--muon-momentum)."""
+
+    muon_split_qkv: bool = True
+    """Orthogonalize the Q, K and V parts of the fused QKV weight apart (--muon-no-split-qkv
+    turns it off)."""
+
+    muon_nesterov: bool = False
+    """Nesterov momentum in Muon (--muon-nesterov)."""
+
+    muon_scale_mode: str = "spectral"
+    """Scale of the orthogonalized update: 'spectral', 'unit_rms_norm' or 'shape_scaling'
+    (--muon-scale-mode)."""
+
+    muon_fp32_matmul_prec: str = "medium"
+    """Precision of the Newton-Schulz matmuls (--muon-fp32-matmul-prec): 'medium' runs them in
+    bf16, 'high' in fp32 (TF32 allowed on GPUs)."""
+
+    muon_coefficient_type: str = "quintic"
+    """Newton-Schulz coefficient set: 'simple', 'quintic', 'polar_express', 'aol'
+    (--muon-coefficient-type)."""
+
+    muon_num_ns_steps: int = 5
+    """Newton-Schulz iterations per step (--muon-num-ns-steps)."""
+
+    muon_tp_mode: str = "duplicated"
+    """How Muon treats tensor-parallel weights: 'duplicated', 'distributed' or 'blockwise'
+    (--muon-tp-mode; see muon.py)."""
+
+    muon_extra_scale_factor: float = 1.0
+    """Extra factor on every Muon update (--muon-extra-scale-factor)."""
+
+    muon_scalar_optimizer: str = "adam"
+    """Optimizer of the params Muon does not take (embedding, output layer, 1-D): 'adam' or
+    'lion' (--muon-scalar-optimizer)."""
+
+    lion_beta1: float = 0.95
+    """Lion's interpolation coefficient of the update direction (--lion-beta1)."""
+
+    lion_beta2: float = 0.98
+    """Lion's momentum decay (--lion-beta2)."""
+
+    use_layer_wise_distributed_optimizer: bool = False
+    """Shard the optimizer over data parallelism by whole parameters: each DP rank updates its
+    share and broadcasts it (Muon's distributed optimizer; set by --optimizer muon with
+    --use-distributed-optimizer, or --optimizer dist_muon)."""
+
+    mup_width_mult: Optional[float] = None
+    """Width multiplier of a muP model (TransformerConfig.mup_width_mult with --use-mup): the
+    hidden matrices' learning rate (and Adam epsilon) are divided by it. None: no muP scaling."""
 
     use_distributed_optimizer: bool = False
     """Shard fp32 main params and optimizer state over the data-parallel group

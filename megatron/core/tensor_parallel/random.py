@@ -346,3 +346,77 @@ def checkpoint(
     options = _CheckpointOptions(function, distribute_saved_activations, rng_tracker, tp_group)
     anchor = torch.empty(0, requires_grad=True)
     return CheckpointFunction.apply(options, anchor, *args)
+
+
+class _OutputDiscardingFunction(torch.autograd.Function):
+    """Forward of :class:`CheckpointWithoutOutput`: runs the function without a graph, keeps its
+    inputs; backward runs autograd through the graph the hook recomputed."""
+
+    @staticmethod
+    def forward(ctx, owner: "CheckpointWithoutOutput", anchor: torch.Tensor, *args):
+        with torch.no_grad():
+            output = owner.function(*args)
+        ctx.owner = owner
+        ctx.save_for_backward(*args)
+        owner.ctx = ctx
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        owner = ctx.owner
+        if owner.recomputed is None:  # the output was kept: recompute here
+            owner.recompute()
+        output, inputs = owner.recomputed, owner.recomputed_inputs
+        # Break the owner <-> graph cycle so the graph is freed as soon as backward is done.
+        owner.recomputed = owner.recomputed_inputs = owner.ctx = owner.output = None
+        ctx.owner = None
+        torch.autograd.backward(output, grad_output)
+        return (None, None) + tuple(x.grad if x.requires_grad else None for x in inputs)
+
+
+class CheckpointWithoutOutput:
+    """Megatron's output-discarding checkpoint (selective recompute of ``layernorm``).
+
+    :meth:`checkpoint` runs a deterministic ``function`` of tensors (a norm) and keeps only its
+    inputs. Once the consumers of the output have run, :meth:`discard_output_and_register_recompute`
+    frees the output's storage (the consumers' saved copy of it included: it is the same tensor)
+    and hooks the recomputation onto the gradient of a later tensor, so the storage is refilled,
+    in place, before any consumer's backward reads it.
+    """
+
+    def __init__(self):
+        self.function = None
+        self.output = None
+        self.ctx = None
+        self.recomputed = None
+        self.recomputed_inputs = None
+
+    def checkpoint(self, function: Callable, *args: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return function(*args)
+        self.function = function
+        anchor = torch.empty(0, requires_grad=True)
+        self.output = _OutputDiscardingFunction.apply(self, anchor, *args)
+        return self.output
+
+    def recompute(self, *unused) -> None:
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in self.ctx.saved_tensors]
+        with torch.enable_grad():
+            recomputed = self.function(*inputs)
+        storage = self.output.untyped_storage()
+        if storage.size() == 0:
+            # Refill the freed storage in place: the version counter stays, so the consumers'
+            # saved reference to this tensor is valid again.
+            storage.resize_(recomputed.untyped_storage().size())
+            storage.copy_(recomputed.detach().untyped_storage())
+        self.recomputed, self.recomputed_inputs = recomputed, inputs
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Free the output now; recompute it when ``hook_tensor``'s gradient is computed."""
+        if self.output is None or not hook_tensor.requires_grad:
+            return
+        output = self.output
+        if not output.is_contiguous() or output.storage_offset() != 0:
+            return  # the storage may hold more than the output: keep it
+        output.untyped_storage().resize_(0)
+        hook_tensor.register_hook(self.recompute)

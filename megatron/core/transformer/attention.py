@@ -53,6 +53,8 @@ class SelfAttention(MegatronModule):
             tp_comm_buffer_name="qkv",
             tp_group=tp_group,
         )
+        # Muon orthogonalizes the Q, K and V parts of this weight apart (--muon-no-split-qkv).
+        self.linear_qkv.weight.is_qkv = True
         if config.qk_layernorm:
             self.q_layernorm = build_norm(config, self.hidden_size_per_attention_head)
             self.k_layernorm = build_norm(config, self.hidden_size_per_attention_head)

@@ -19,6 +19,14 @@ Dropout is Megatron's attention dropout on the probabilities: each block draws i
 from the current CPU/CUDA generator (the caller forks the model-parallel stream under TP), keeps
 it (one byte per probability) for backward, and scales the kept probabilities by 1 / (1 - p).
 
+Half precision follows Megatron's unfused attention (``FusedScaleMaskSoftmax``): the score GEMM
+runs in the input dtype (fp16/bf16), the softmax in ``softmax_dtype`` (fp32 with
+``--attention-softmax-in-fp32``, else the input dtype), and the probabilities are cast back to
+the input dtype for dropout and the GEMM with the values. ``softmax_rescale`` is the
+``--apply-query-key-layer-scaling`` coefficient (the layer number): the GEMM scales by
+``scale`` (already divided by it) so that fp16 scores stay finite, and the fp32 scores are
+multiplied back by it before the softmax.
+
 Layouts are Megatron's: q [s, b, heads, d], k, v [sk, b, groups, d] (any strides), output
 [s, b, heads * d]. With grouped-query attention (groups < heads) query head j reads key/value
 group j // (heads / groups), Megatron's grouping: keys and values are repeated per head before
@@ -72,7 +80,16 @@ class BlockedAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, query, key, value, scale: float, causal: bool, block_rows: int, dropout_p: float
+        ctx,
+        query,
+        key,
+        value,
+        scale: float,
+        causal: bool,
+        block_rows: int,
+        dropout_p: float,
+        softmax_dtype: torch.dtype,
+        softmax_rescale: float,
     ):
         s, b, n, d = query.shape
         q, k, v = _batched_heads(query), _batched_heads(key), _batched_heads(value)
@@ -90,17 +107,22 @@ class BlockedAttentionFunction(torch.autograd.Function):
                 )
             else:
                 scores = torch.bmm(q[:, r0:r1], k.transpose(1, 2)).mul_(scale)
+            if scores.dtype != softmax_dtype:
+                scores = scores.to(softmax_dtype)
+            if softmax_rescale != 1.0:
+                scores.mul_(softmax_rescale)
             p = torch.softmax(scores, dim=-1)
-            used = p
+            used = p if p.dtype == query.dtype else p.to(query.dtype)
             if dropout_p > 0.0:
-                keeps.append(_dropout_keep(p, dropout_p))
-                used = _dropped(p, keeps[-1], dropout_p)
+                keeps.append(_dropout_keep(used, dropout_p))
+                used = _dropped(used, keeps[-1], dropout_p)
             # bmm writes a fresh [b*n, rows, d]; one copy puts it in the output's [s, b, n, d].
             # (bmm or baddbmm_ into a strided slice falls back to one GEMM per batch entry.)
             out[r0:r1] = torch.bmm(used, v[:, :keys]).view(b, n, rows, d).permute(2, 0, 1, 3)
             probs.append(p)
         ctx.save_for_backward(q, k, v, *probs, *keeps)
         ctx.blocks, ctx.scale, ctx.shape, ctx.dropout_p = blocks, scale, (s, b, n, d), dropout_p
+        ctx.softmax_rescale = softmax_rescale
         return out.view(s, b, n * d)
 
     @staticmethod
@@ -117,12 +139,20 @@ class BlockedAttentionFunction(torch.autograd.Function):
         # The last block meets every key: its products are dK/dV, earlier blocks add to a prefix.
         for (r0, r1, keys), p, keep in reversed(list(zip(ctx.blocks, probs, keeps))):
             g_rows = g[:, r0:r1]
-            used = p if keep is None else _dropped(p, keep, ctx.dropout_p)
+            used = p if p.dtype == q.dtype else p.to(q.dtype)
+            if keep is not None:
+                used = _dropped(used, keep, ctx.dropout_p)
             grad_v_part = torch.bmm(used.transpose(1, 2), g_rows)
             grad_p = torch.bmm(g_rows, v[:, :keys].transpose(1, 2))
             if keep is not None:
                 grad_p = _dropped(grad_p, keep, ctx.dropout_p)
+            if grad_p.dtype != p.dtype:
+                grad_p = grad_p.to(p.dtype)
             grad_scores = torch._softmax_backward_data(grad_p, p, -1, p.dtype)
+            if ctx.softmax_rescale != 1.0:
+                grad_scores.mul_(ctx.softmax_rescale)
+            if grad_scores.dtype != q.dtype:
+                grad_scores = grad_scores.to(q.dtype)
             grad_q_blocks.append(torch.bmm(grad_scores, k[:, :keys]))
             grad_k_part = torch.bmm(grad_scores.transpose(1, 2), q[:, r0:r1])
             if grad_k is None:
@@ -139,7 +169,12 @@ class BlockedAttentionFunction(torch.autograd.Function):
         def to_layout(x):  # [b * n, s, d] -> [s, b, n, d] view
             return x.view(b, n, x.shape[1], d).permute(2, 0, 1, 3)
 
-        return to_layout(grad_q), to_layout(grad_k), to_layout(grad_v), None, None, None, None
+        return (
+            to_layout(grad_q),
+            to_layout(grad_k),
+            to_layout(grad_v),
+            *([None] * 6),
+        )
 
 
 def _repeat_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -156,13 +191,19 @@ def blocked_attention(
     causal: bool,
     block_rows: int = DEFAULT_BLOCK_ROWS,
     dropout_p: float = 0.0,
+    softmax_in_fp32: bool = True,
+    softmax_rescale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of query [s, b, heads, d], key/value [sk, b, groups, d] -> [s, b, heads * d].
 
     ``causal``: position i attends to keys 0..i (needs equal query and key lengths); otherwise
     every query attends to every key. ``block_rows``: query rows per causal block.
     ``dropout_p``: attention dropout on the probabilities (pass 0
-    outside training).
+    outside training). ``softmax_in_fp32``: with fp16/bf16 inputs, upcast the scores and run
+    the softmax in fp32 (otherwise in the input dtype; fp32/fp64 inputs keep their dtype).
+    ``softmax_rescale``: multiply the upcast scores by this before the softmax (the
+    query-key layer scaling coefficient; ``scale`` must already be divided by it). It needs an
+    fp32 softmax for half inputs, as in Megatron.
     """
     if (
         query.dim() != 4
@@ -186,8 +227,24 @@ def blocked_attention(
         raise ValueError(f"block_rows must be positive, got {block_rows}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if softmax_rescale != 1.0 and half and not softmax_in_fp32:
+        raise ValueError(
+            "query-key layer scaling (softmax_rescale) needs the softmax in fp32 with "
+            f"{query.dtype} inputs (--apply-query-key-layer-scaling implies "
+            "--attention-softmax-in-fp32)"
+        )
+    softmax_dtype = torch.float32 if half and softmax_in_fp32 else query.dtype
     if key.shape[2] != query.shape[2]:
         key, value = _repeat_groups(key, query.shape[2]), _repeat_groups(value, query.shape[2])
     return BlockedAttentionFunction.apply(
-        query, key, value, float(scale), bool(causal), int(block_rows), float(dropout_p)
+        query,
+        key,
+        value,
+        float(scale),
+        bool(causal),
+        int(block_rows),
+        float(dropout_p),
+        softmax_dtype,
+        float(softmax_rescale),
     )

@@ -2,12 +2,23 @@
 (SDPA) or the unfused blocked attention of blocked_attention.py.
 
 ``config.attention_backend`` picks the kernel: 'flash'/'fused' always SDPA; 'unfused'/'local'
-the unfused path wherever it applies (no mask tensor, fp32/fp64), SDPA elsewhere; 'auto' the
-unfused path where it applies on CPU up to UNFUSED_AUTO_MAX_SEQ tokens, SDPA otherwise.
+the unfused path wherever it applies (no mask tensor), SDPA elsewhere; 'auto' the unfused path
+for fp32/fp64 inputs on CPU up to UNFUSED_AUTO_MAX_SEQ tokens, SDPA otherwise.
 
 Inputs are in Megatron's [s, b, heads, d] layout; they are handed to SDPA as strided
 [b, heads, s, d] views (no copies). SDPA's CPU and CUDA kernels return the output in the
 query's memory order, so the final [s, b, heads * d] reshape is normally a view.
+
+Precision (``--attention-softmax-in-fp32``, ``--apply-query-key-layer-scaling``): with fp16/bf16
+inputs the unfused path computes the scores in the input dtype and the softmax in fp32 when
+``config.attention_softmax_in_fp32`` is set, in the input dtype otherwise (Megatron's unfused
+attention). With ``config.apply_query_key_layer_scaling`` it scales the score GEMM by an extra
+1/layer_number, which keeps fp16 scores finite, and multiplies the fp32 scores back before the
+softmax. SDPA's kernels (and ring attention, which merges its blocks in fp32) never hold the
+scores in half precision: they accumulate the softmax in fp32 whatever the flag says, as the
+fused kernels Megatron uses for those cases do, so the layer scaling's divide-and-multiply-back
+would cancel exactly there and is not done. Half-precision inputs therefore take the unfused
+path only when ``--attention-backend unfused``/``local`` asks for it.
 
 Masks follow Megatron: a boolean ``attention_mask`` broadcastable to [b, 1, s, s] where True
 means "masked out". With ``attention_mask=None`` the mask type decides: causal masks use SDPA's
@@ -34,6 +45,7 @@ from megatron.core.transformer.utils import model_parallel_rng
 # benchmarks/attention_cpu.py). Its saved probabilities grow as seq^2, so longer sequences keep
 # the flash kernel.
 UNFUSED_AUTO_MAX_SEQ = 1024
+_UNFUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class DotProductAttention(MegatronModule):
@@ -80,9 +92,13 @@ class DotProductAttention(MegatronModule):
             softmax_scale = config.softmax_scale
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(config.kv_channels)
-        # apply_query_key_layer_scaling divides by layer_number before an fp32 softmax and
-        # multiplies back inside it: the same function, so nothing to do with SDPA.
         self.softmax_scale = softmax_scale
+        self.softmax_in_fp32 = bool(config.attention_softmax_in_fp32)
+        # Query-key layer scaling: the unfused path's score GEMM scales by softmax_scale /
+        # layer_number and the fp32 softmax multiplies the scores back by layer_number.
+        self.softmax_rescale = (
+            float(self.layer_number) if config.apply_query_key_layer_scaling else 1.0
+        )
 
     def forward(
         self,
@@ -111,9 +127,11 @@ class DotProductAttention(MegatronModule):
                     query,
                     key,
                     value,
-                    self.softmax_scale,
+                    self.softmax_scale / self.softmax_rescale,
                     causal=mask_type == AttnMaskType.causal,
                     dropout_p=dropout_p,
+                    softmax_in_fp32=self.softmax_in_fp32,
+                    softmax_rescale=self.softmax_rescale,
                 )
             return self._sdpa(query, key, value, attention_mask, mask_type, dropout_p)
 
@@ -156,14 +174,17 @@ class DotProductAttention(MegatronModule):
         backend = self.config.attention_backend
         if backend in ("flash", "fused"):
             return False
+        explicit = backend in ("unfused", "local")
+        # 'auto' keeps half precision on SDPA (the unfused path was measured faster in fp32).
+        dtypes = _UNFUSED_DTYPES if explicit else (torch.float32, torch.float64)
         applies = (
             attention_mask is None
-            and query.dtype in (torch.float32, torch.float64)
+            and query.dtype in dtypes
             and (
                 mask_type == AttnMaskType.no_mask
                 or (mask_type == AttnMaskType.causal and key.shape[0] == query.shape[0])
             )
         )
-        if backend in ("unfused", "local"):
+        if explicit:
             return applies
         return applies and query.device.type == "cpu" and query.shape[0] <= UNFUSED_AUTO_MAX_SEQ

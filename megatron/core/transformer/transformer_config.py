@@ -6,6 +6,7 @@ as in Megatron). Fusion flags are stored for compatibility; the plain PyTorch pa
 same math whether they are on or off (one deliberate exception: see ``bias_activation_fusion``).
 """
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Union
 
@@ -18,7 +19,7 @@ _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _RECOMPUTE_GRANULARITIES = ("full", "selective")
 _RECOMPUTE_METHODS = ("uniform", "block")
 # Submodules that selective recompute can checkpoint in this implementation.
-SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "mlp")
+SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 @dataclass
@@ -101,20 +102,24 @@ class TransformerConfig(ModelParallelConfig):
     (``--rotary-interleaved``)."""
 
     apply_query_key_layer_scaling: bool = False
-    """Scale q.k by 1/layer_number and undo it in an fp32 softmax (an fp16 overflow guard,
-    ``--apply-query-key-layer-scaling``). Mathematically a no-op; implies attention_softmax_in_fp32."""
+    """Scale the score GEMM by an extra 1/layer_number and multiply the fp32 scores back before
+    the softmax, so fp16 scores do not overflow (``--apply-query-key-layer-scaling``). The same
+    function up to rounding; implies attention_softmax_in_fp32. Only the unfused attention path
+    holds half-precision scores, so only it divides and multiplies back
+    (dot_product_attention.py)."""
 
     attention_backend: str = "auto"
     """Attention kernel (``--attention-backend``): 'flash' and 'fused' run torch's
     scaled_dot_product_attention; 'unfused' and 'local' materialise the scores
     (megatron/core/transformer/blocked_attention.py) wherever that path applies (no explicit
-    mask, fp32/fp64) and SDPA elsewhere;
-    'auto' takes the unfused path on CPU up to ``UNFUSED_AUTO_MAX_SEQ`` tokens (where it was
-    measured faster) and SDPA otherwise."""
+    mask) and SDPA elsewhere; 'auto' takes the unfused path for fp32/fp64 on CPU up to
+    ``UNFUSED_AUTO_MAX_SEQ`` tokens (where it was measured faster) and SDPA otherwise."""
 
     attention_softmax_in_fp32: bool = True
-    """Compute the attention softmax in fp32 (``--attention-softmax-in-fp32``). SDPA already
-    accumulates the softmax in fp32 for half inputs, so this is stored only."""
+    """Run the attention softmax (and its backward) in fp32 when the inputs are fp16/bf16
+    (``--attention-softmax-in-fp32``; Megatron Core's default is True, the flag's is False). The
+    unfused path upcasts the scores; without it the softmax runs in the input dtype. SDPA's
+    kernels and ring attention accumulate in fp32 either way (dot_product_attention.py)."""
 
     # ---------------------------------------------------------------- context parallelism
     cp_comm_type: Optional[Union[str, List[str]]] = None
@@ -127,7 +132,18 @@ class TransformerConfig(ModelParallelConfig):
     """Std of the normal init of every weight matrix and embedding (``--init-method-std``)."""
 
     init_method: Optional[Callable] = None
-    """Init of weight matrices (QKV, fc1, embeddings, output layer); None means N(0, init_method_std)."""
+    """Init of weight matrices (QKV, fc1, the output layer); None means N(0, init_method_std),
+    or N(0, init_method_std / sqrt(mup_width_mult)) with use_mup. ``--init-method-xavier-uniform``
+    sets torch.nn.init.xavier_uniform_ (drawn on the full, unsplit matrix)."""
+
+    embedding_init_method_std: Optional[float] = None
+    """Std of the normal init of the word and position embeddings
+    (``--embedding-init-method-std``); None means init_method_std."""
+
+    embedding_init_method: Optional[Callable] = None
+    """Init of the word, position and token-type embeddings; None means N(0,
+    embedding_init_method_std), or init_method when that was given and the two stds agree
+    (Megatron's rule: ``--init-method-xavier-uniform`` also initializes the embeddings)."""
 
     output_layer_init_method: Optional[Callable] = None
     """Init of the projections into the residual stream (linear_proj, linear_fc2); None means
@@ -141,6 +157,36 @@ class TransformerConfig(ModelParallelConfig):
     layer (by its global layer number) and the output layer draw their weights from a CPU generator
     of their own seeded from this value, so every pipeline layout builds exactly the weights of the
     one-process model. None draws everything from the global CPU generator in build order."""
+
+    # ---------------------------------------------------------------- muP
+    use_mup: bool = False
+    """Maximal Update Parameterization (``--use-mup``): hidden weights drawn with std /
+    sqrt(mup_width_mult), attention scaled by 1/kv_channels^mup_attn_scale_power, logits
+    multiplied by mup_output_mult, embeddings by mup_embedding_mult; the optimizer scales the
+    learning rate (and Adam's epsilon) of the hidden matrices (megatron/core/optimizer)."""
+
+    mup_width_mult: float = 1.0
+    """hidden_size / mup_base_hidden_size, derived under use_mup (``--mup-width-mult``; a value
+    other than 1.0 given here must equal the derived one)."""
+
+    mup_base_hidden_size: Optional[int] = None
+    """Hidden size of the base model whose hyperparameters are transferred
+    (``--mup-base-hidden-size``); None means hidden_size (width multiplier 1)."""
+
+    mup_embedding_mult: float = 1.0
+    """Multiplier of the embedding output under use_mup (``--mup-embedding-mult``)."""
+
+    mup_output_mult: float = 1.0
+    """Multiplier of the output logits under use_mup (``--mup-output-mult``); 1.0 becomes
+    1 / mup_width_mult."""
+
+    mup_base_head_dim: Optional[float] = None
+    """Base head dimension (``--mup-base-head-dim``): under use_mup the attention scale is
+    sqrt(mup_base_head_dim) / kv_channels^mup_attn_scale_power; None means a numerator of 1."""
+
+    mup_attn_scale_power: float = 1.0
+    """Power of kv_channels in the muP attention scale (``--mup-attn-scale-power``; 1.0: muP's
+    1/d, 0.5: the standard 1/sqrt(d)). Used when softmax_scale is not given."""
 
     # ---------------------------------------------------------------- fusions (stored)
     bias_activation_fusion: bool = False
@@ -196,7 +242,8 @@ class TransformerConfig(ModelParallelConfig):
 
     recompute_modules: Optional[List[str]] = None
     """Submodules recomputed by selective recompute (``--recompute-modules``); None means
-    ['core_attn']. This implementation supports 'core_attn' and 'mlp'."""
+    ['core_attn']. This implementation has 'core_attn', 'layernorm' (the input and pre-MLP
+    norms: their outputs are freed after use and recomputed in backward) and 'mlp'."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -286,11 +333,68 @@ class TransformerConfig(ModelParallelConfig):
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
         self._validate_recompute()
+        self._apply_mup()
+        self._set_init_methods()
+
+    def _apply_mup(self):
+        """Derive the muP width multiplier, attention scale and output multiplier (Megatron)."""
+        if not self.use_mup:
+            given = [
+                flag
+                for flag, value, default in (
+                    ("--mup-width-mult", self.mup_width_mult, 1.0),
+                    ("--mup-base-hidden-size", self.mup_base_hidden_size, None),
+                    ("--mup-embedding-mult", self.mup_embedding_mult, 1.0),
+                    ("--mup-output-mult", self.mup_output_mult, 1.0),
+                    ("--mup-base-head-dim", self.mup_base_head_dim, None),
+                    ("--mup-attn-scale-power", self.mup_attn_scale_power, 1.0),
+                )
+                if value != default
+            ]
+            if given:
+                raise ValueError(f"{', '.join(given)} only take effect with --use-mup")
+            return
+        if self.mup_base_hidden_size is None:
+            self.mup_base_hidden_size = self.hidden_size
+        if self.mup_base_hidden_size <= 0:
+            raise ValueError(
+                f"--mup-base-hidden-size must be positive, got {self.mup_base_hidden_size}"
+            )
+        width_mult = self.hidden_size / self.mup_base_hidden_size
+        if self.mup_width_mult != 1.0 and not math.isclose(self.mup_width_mult, width_mult):
+            raise ValueError(
+                f"--mup-width-mult {self.mup_width_mult} does not match --hidden-size "
+                f"{self.hidden_size} / --mup-base-hidden-size {self.mup_base_hidden_size} = "
+                f"{width_mult:g}"
+            )
+        self.mup_width_mult = width_mult
+        if self.softmax_scale is None:
+            numerator = 1.0 if self.mup_base_head_dim is None else self.mup_base_head_dim**0.5
+            self.softmax_scale = numerator / self.kv_channels**self.mup_attn_scale_power
+        if self.mup_output_mult == 1.0 and width_mult != 1.0:
+            self.mup_output_mult = 1.0 / width_mult
+
+    def _set_init_methods(self):
+        if self.embedding_init_method_std is None:
+            self.embedding_init_method_std = self.init_method_std
+        if self.embedding_init_method_std <= 0:
+            raise ValueError(
+                "embedding_init_method_std must be positive (--embedding-init-method-std), "
+                f"got {self.embedding_init_method_std}"
+            )
+        if self.embedding_init_method is None:
+            same_std = self.embedding_init_method_std == self.init_method_std
+            if self.init_method is not None and same_std:
+                self.embedding_init_method = self.init_method
+            else:
+                self.embedding_init_method = init_method_normal(self.embedding_init_method_std)
+        # muP divides the variance of every matrix with a hidden-size fan-in by the width.
+        width = math.sqrt(self.mup_width_mult) if self.use_mup else 1.0
         if self.init_method is None:
-            self.init_method = init_method_normal(self.init_method_std)
+            self.init_method = init_method_normal(self.init_method_std / width)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(
-                self.init_method_std, self.num_layers
+                self.init_method_std / width, self.num_layers
             )
 
     def _validate_recompute(self):

@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
@@ -44,7 +45,10 @@ class TransformerLayer(MegatronModule):
         modules = (
             config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
         )
-        self.recompute_mlp = config.recompute_granularity == "selective" and "mlp" in modules
+        selective = config.recompute_granularity == "selective"
+        self.recompute_mlp = selective and "mlp" in modules
+        # 'layernorm': the norms' outputs are freed once used and recomputed in backward.
+        self.recompute_norms = selective and "layernorm" in modules
 
     def _bias_dropout_add(self, output_with_bias, residual: torch.Tensor) -> torch.Tensor:
         output, bias = output_with_bias
@@ -66,18 +70,35 @@ class TransformerLayer(MegatronModule):
         **kwargs,
     ) -> Tuple[torch.Tensor, None]:
         """hidden_states [s, b, h] -> (hidden_states [s, b, h], context=None) as in Megatron."""
-        normed = self.input_layernorm(hidden_states)
+        norm_checkpoint = self._norm_checkpoint()
+        normed = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
         residual = normed if self.residual_from_norm else hidden_states
         attention_output = self.self_attention(
             normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
         )
         hidden_states = self._bias_dropout_add(attention_output, residual)
+        if norm_checkpoint is not None:
+            norm_checkpoint.discard_output_and_register_recompute(attention_output[0])
 
-        normed = self.pre_mlp_layernorm(hidden_states)
+        norm_checkpoint = self._norm_checkpoint()
+        normed = self._norm(self.pre_mlp_layernorm, hidden_states, norm_checkpoint)
         residual = normed if self.residual_from_norm else hidden_states
         if self.recompute_mlp and self.training:
             mlp_output = recompute(self.config, self.mlp, normed)
         else:
             mlp_output = self.mlp(normed)
         hidden_states = self._bias_dropout_add(mlp_output, residual)
+        if norm_checkpoint is not None:
+            norm_checkpoint.discard_output_and_register_recompute(mlp_output[0])
         return hidden_states, None
+
+    def _norm_checkpoint(self):
+        if self.recompute_norms and self.training and torch.is_grad_enabled():
+            return CheckpointWithoutOutput()
+        return None
+
+    @staticmethod
+    def _norm(norm, hidden_states, norm_checkpoint):
+        if norm_checkpoint is None:
+            return norm(hidden_states)
+        return norm_checkpoint.checkpoint(norm, hidden_states)

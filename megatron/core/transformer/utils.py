@@ -27,6 +27,12 @@ def scaled_init_method_normal(sigma: float, num_layers: int, multiplier: float =
     return init_method_normal(sigma / math.sqrt(multiplier * num_layers))
 
 
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GeLU's tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (``--openai-gelu``,
+    the GeLU of OpenAI's GPT-2)."""
+    return F.gelu(x, approximate="tanh")
+
+
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
     """relu(x)^2 (``--squared-relu``, Primer)."""
     return torch.pow(F.relu(x), 2)

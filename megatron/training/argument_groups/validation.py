@@ -604,17 +604,12 @@ def validate_data_parallel_strategy(args):
             "needs --use-megatron-fsdp (for ZeRO-1/2 alone use --use-distributed-optimizer, "
             "for ZeRO-3 --use-torch-fsdp2)",
         )
-    if "muon" in args.optimizer:
+    if args.optimizer == "muon":
         for ok, why in (
-            (not args.use_distributed_optimizer, "--use-distributed-optimizer"),
             (not args.use_torch_fsdp2, "--use-torch-fsdp2"),
             (not args.use_megatron_fsdp, "--use-megatron-fsdp"),
         ):
-            check(ok, f"--optimizer {args.optimizer} does not support {why}")
-        check(
-            args.ckpt_format == "torch",
-            f"--optimizer {args.optimizer} needs --ckpt-format torch (got {args.ckpt_format})",
-        )
+            check(ok, f"--optimizer muon does not support {why}")
     if args.optimizer_cpu_offload:
         check(
             args.use_precision_aware_optimizer,

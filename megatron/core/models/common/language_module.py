@@ -63,6 +63,13 @@ class LanguageModule(MegatronModule):
             return vocab_parallel_cross_entropy(logits, labels, tp_group=tp_group)
         return language_model_cross_entropy(logits, labels)
 
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Multiply the logits by ``mup_output_mult`` under muP (``--use-mup``)."""
+        config = self.config
+        if not config.use_mup or config.mup_output_mult == 1.0:
+            return logits
+        return logits * config.mup_output_mult
+
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The word embedding on the first stage, else the output layer's weight."""
         if self.pre_process:
@@ -75,16 +82,25 @@ class LanguageModule(MegatronModule):
         """Mark the embedding / output weights as Megatron does.
 
         ``is_embedding_or_output_parameter`` is set on the word embedding (first stage) and on the
-        output layer's own weight (last stage) for the optimizer's decoupled LR. With tied weights
-        and the model split over pipeline stages, the last stage holds a zero-filled copy marked
-        ``shared = True`` (``shared_embedding = True`` on both copies); it receives the first
-        stage's values through :meth:`sync_shared_embedding` and gradients are all-reduced over
-        the embedding group. With one stage holding both ends, no marker is needed.
+        output layer's own weight (last stage) for the optimizer's decoupled LR and Muon; under
+        muP ``is_embedding_parameter`` marks every embedding table and the output weight. With
+        tied weights and the model split over pipeline stages, the last stage holds a zero-filled
+        copy marked ``shared = True`` (``shared_embedding = True`` on both copies); it receives
+        the first stage's values through :meth:`sync_shared_embedding` and gradients are
+        all-reduced over the embedding group. With one stage holding both ends, no marker is needed.
         """
         if self.pre_process:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         if self.post_process and self.output_layer.weight is not None:
             self.output_layer.weight.is_embedding_or_output_parameter = True
+        if self.config.use_mup:
+            # muP's embedding class (base learning rate and Adam epsilon): every embedding
+            # table and the output layer, whose logits are scaled by 1/width instead.
+            embedding_class = list(self.embedding.parameters()) if self.pre_process else []
+            if self.post_process and self.output_layer.weight is not None:
+                embedding_class.append(self.output_layer.weight)
+            for param in embedding_class:
+                param.is_embedding_parameter = True
         if not self.share_embeddings_and_output_weights:
             return
         if self.pre_process and not self.post_process:

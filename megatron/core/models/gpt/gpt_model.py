@@ -139,7 +139,8 @@ class GPTModel(LanguageModule):
             config.hidden_size,
             vocab_size,
             config=config,
-            init_method=config.init_method,
+            # muP treats the untied output layer like the embedding (base init and LR).
+            init_method=config.embedding_init_method if config.use_mup else config.init_method,
             bias=False,
             gather_output=not parallel_output,
             skip_weight_param_allocation=pre_process and share_embeddings_and_output_weights,
@@ -299,6 +300,8 @@ class GPTModel(LanguageModule):
             and self.config.cross_entropy_loss_fusion
             and self.output_layer.bias is None
         ):
+            # The logits are never formed: scaling the hidden states scales them (no bias).
+            hidden_states = self.scale_logits(hidden_states)
             return self._fused_output_layer_and_loss(hidden_states, labels, weight)
         if self.output_layer.sequence_parallel:
             # The output layer gathers the [s/TP, b, h] slices along the sequence (dim 0).
@@ -308,6 +311,7 @@ class GPTModel(LanguageModule):
             # Transposing the [s, b, h] hidden states (not the [s, b, V] logits) gives [b, s, V]
             # logits with the cheaper copy.
             logits, _ = self.output_layer(hidden_states.transpose(0, 1), weight=weight)
+        logits = self.scale_logits(logits)
         if labels is None:
             return logits
         return self.compute_language_model_loss(labels, logits)

@@ -17,7 +17,8 @@ _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 class LanguageModelEmbedding(MegatronModule):
     """``word_embeddings`` [V, h], ``position_embeddings`` [max_sequence_length, h] when
     ``position_embedding_type == 'learned_absolute'``, ``tokentype_embeddings`` when
-    ``num_tokentypes > 0``; the sum goes through dropout (``hidden_dropout``).
+    ``num_tokentypes > 0``, all drawn with ``config.embedding_init_method``; the sum (times
+    ``mup_embedding_mult`` under muP) goes through dropout (``hidden_dropout``).
 
     Lookups index with the transposed ids, so the [s, b, h] output needs no transpose copy.
     """
@@ -56,7 +57,7 @@ class LanguageModelEmbedding(MegatronModule):
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size,
             config.hidden_size,
-            init_method=config.init_method,
+            init_method=config.embedding_init_method,
             config=config,
             reduce_scatter_embeddings=self.reduce_scatter_embeddings,
             tp_group=self.tp_group,
@@ -67,13 +68,18 @@ class LanguageModelEmbedding(MegatronModule):
                     f"max_sequence_length must be positive (--max-position-embeddings), "
                     f"got {max_sequence_length}"
                 )
-            self.position_embeddings = _Embedding(max_sequence_length, config, config.init_method)
+            self.position_embeddings = _Embedding(
+                max_sequence_length, config, config.embedding_init_method
+            )
         if num_tokentypes > 0:
-            self.tokentype_embeddings = _Embedding(num_tokentypes, config, config.init_method)
+            self.tokentype_embeddings = _Embedding(
+                num_tokentypes, config, config.embedding_init_method
+            )
         else:
             self.tokentype_embeddings = None
         self.embedding_dropout = config.hidden_dropout
         self.fp32_residual = config.fp32_residual_connection
+        self.mup_embedding_mult = config.mup_embedding_mult if config.use_mup else 1.0
 
     def forward(
         self,
@@ -100,6 +106,8 @@ class LanguageModelEmbedding(MegatronModule):
             if tokentype_ids is None:
                 raise ValueError("tokentype_ids are required when num_tokentypes > 0")
             embeddings = embeddings + self.tokentype_embeddings(tokentype_ids.t())
+        if self.mup_embedding_mult != 1.0:
+            embeddings = embeddings * self.mup_embedding_mult
         if self.sequence_parallel and not self.reduce_scatter_embeddings:
             embeddings = scatter_to_sequence_parallel_region(embeddings, self.tp_group)
         if self.fp32_residual:
