@@ -45,6 +45,7 @@ from megatron.training.argument_groups.training import (
     _add_training_args,
     _add_validation_args,
 )
+from megatron.training.argument_groups.validation import ArgumentValidationError
 
 __all__ = [
     "ArgumentValidationError",
@@ -56,10 +57,6 @@ __all__ = [
     "print_args",
     "parse_and_validate_args",
 ]
-
-
-class ArgumentValidationError(ValueError):
-    """A flag value, or a combination of flags, that cannot work. The message names them."""
 
 
 # --------------------------------------------------------------------------------------

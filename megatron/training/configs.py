@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.nn.functional as F
 
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import squared_relu
 
 
 def _from_args(cls, args, **overrides):
@@ -23,10 +23,6 @@ def _from_args(cls, args, **overrides):
         elif hasattr(args, f.name):
             kwargs[f.name] = getattr(args, f.name)
     return cls(**kwargs)
-
-
-def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    return torch.pow(F.relu(x), 2)
 
 
 def core_transformer_config_from_args(args, config_class=TransformerConfig) -> TransformerConfig:

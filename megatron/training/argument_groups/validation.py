@@ -9,10 +9,11 @@ import os
 import signal
 
 
-def fail(message):
-    # Imported at call time: arguments.py defines the error and imports this module.
-    from megatron.training.arguments import ArgumentValidationError
+class ArgumentValidationError(ValueError):
+    """A flag value, or a combination of flags, that cannot work. The message names them."""
 
+
+def fail(message):
     raise ArgumentValidationError(message)
 
 

@@ -7,13 +7,13 @@ import torch
 from megatron.core.fusions.fused_linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.context_parallel import cp_chunk_indices
-from megatron.core.transformer.parallel_layers import ColumnParallelLinear
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
