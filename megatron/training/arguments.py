@@ -147,11 +147,6 @@ NOT_SUPPORTED_YET = {
     "hybrid_attention_ratio": (_above(0), "--hybrid-attention-ratio", f"hybrid models {_NYI}"),
     "hybrid_mlp_ratio": (_above(0), "--hybrid-mlp-ratio", f"hybrid models {_NYI}"),
     "is_hybrid_model": (_on, "--is-hybrid-model", f"hybrid models {_NYI}"),
-    "spec": (
-        _given,
-        "--spec",
-        "custom layer specs are not supported; the local GPT layer is always used",
-    ),
     "position_embedding_type": (
         _one_of("yarn", "mrope", "relative"),
         "--position-embedding-type",

@@ -267,18 +267,6 @@ def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
         raise CheckpointError(f"checkpoint {path} does not fit this model ({' | '.join(problems)})")
 
 
-_MODEL_ARGS_TO_CHECK = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "padded_vocab_size",
-    "max_position_embeddings",
-    "num_query_groups",
-    "kv_channels",
-)
-
-
 def load_checkpoint(
     model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True
 ):
@@ -336,7 +324,7 @@ def load_checkpoint(
 
     ckpt_args = state_dict.get("args")
     if ckpt_args is not None:
-        for name in _MODEL_ARGS_TO_CHECK:
+        for name in global_vars.get_model_family().checkpoint_model_args:
             ours, theirs = getattr(args, name, None), getattr(ckpt_args, name, None)
             if ours is not None and theirs is not None and ours != theirs:
                 raise CheckpointError(

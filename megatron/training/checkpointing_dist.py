@@ -52,20 +52,6 @@ from .checkpointing_common import (
 from .utils import get_device, get_rank, print_rank_0
 
 TMP_SUFFIX = ".tmp"
-_MODEL_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "padded_vocab_size",
-    "max_position_embeddings",
-    "num_query_groups",
-    "kv_channels",
-    "swiglu",
-    "untie_embeddings_and_output_weights",
-    "add_bias_linear",
-    "normalization",
-)
 
 
 class _AsyncState:
@@ -279,7 +265,7 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
 # ---------------------------------------------------------------------------------- load
 def _args_hint(ckpt_args, args) -> str:
     diffs = []
-    for name in _MODEL_ARGS:
+    for name in global_vars.get_model_family().checkpoint_model_args:
         theirs, ours = getattr(ckpt_args, name, None), getattr(args, name, None)
         if theirs is not None and ours is not None and theirs != ours:
             diffs.append(f"--{name.replace('_', '-')} {theirs} (this run: {ours})")

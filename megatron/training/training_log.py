@@ -9,7 +9,7 @@ from typing import Dict, Optional
 import torch
 
 from . import global_vars
-from .flops import num_floating_point_operations, peak_tflops_per_device
+from .flops import peak_tflops_per_device
 from .utils import print_rank_last
 
 ADVANCED_KEY = "advanced iterations"
@@ -223,7 +223,7 @@ def _log_throughput(
     args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer
 ) -> float:
     """TFLOP/s per GPU with Megatron's FLOP count; also tokens/s and MFU to TensorBoard / W&B."""
-    flops = num_floating_point_operations(args, batch_size)
+    flops = global_vars.get_model_family().num_floating_point_operations(args, batch_size)
     tflops_per_gpu = flops / (max(elapsed_per_iteration, 1e-12) * 1e12 * args.world_size)
     tokens_per_sec = batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12)
     scalars = {"throughput": tflops_per_gpu, "tokens-per-sec": tokens_per_sec}

@@ -1245,7 +1245,6 @@ def test_checkpoint_formats():
         (["--fp8-format", "hybrid", "--bf16"], "--fp8-format hybrid"),
         (["--optimizer", "muon", "--ckpt-format", "torch"], "--optimizer muon"),
         (["--yaml-cfg", "cfg.yaml"], "--yaml-cfg cfg.yaml"),
-        (["--spec", "local"], "--spec local"),
         (["--position-embedding-type", "yarn"], "--position-embedding-type yarn"),
         (
             ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "t.json"],

@@ -248,6 +248,7 @@ def validate_model_shape(args):
             f"--position-embedding-type rope or none (got {args.position_embedding_type})",
         )
 
+    _validate_spec(args)
     if args.num_experts is not None:
         check(args.spec is None, "--num-experts cannot be combined with --spec")
         if args.moe_ffn_hidden_size is None:
@@ -263,6 +264,25 @@ def validate_model_shape(args):
         value = getattr(args, dest)
         if isinstance(value, list) and len(value) == 1:
             setattr(args, dest, value[0])
+
+
+def _validate_spec(args):
+    """``--spec <module> <name>`` must name a layer spec; ``--spec local`` is the default."""
+    if args.spec is None:
+        return
+    if list(args.spec) == ["local"]:
+        args.spec = None
+        return
+    check(
+        len(args.spec) == 2,
+        f"--spec takes <module> <name> (or local), got {' '.join(args.spec) or 'nothing'}",
+    )
+    from megatron.core.transformer.spec_utils import import_spec
+
+    try:
+        import_spec(tuple(args.spec))
+    except (ImportError, TypeError) as exc:
+        fail(f"--spec {' '.join(args.spec)}: {exc}")
 
 
 def validate_batch_size(args):
