@@ -1,6 +1,6 @@
 """Theoretical memory per GPU of a GPT run, computed from the validated flags (nothing is built).
 
-Two parts, as in Megatron's report (MEGATRON_FACTS §4, §10):
+Two parts, as in Megatron's report:
 
 * **weights and optimizer**: the parameters this rank holds (exact count of the local GPT layer
   spec, split by TP, PP stage, with the word embedding on the first stage and the output layer,
@@ -190,7 +190,7 @@ def optimizer_shards(args) -> int:
 
 
 def bytes_per_parameter(args) -> BytesPerParameter:
-    """Weights + gradients + optimizer state per parameter for the flags (MEGATRON_FACTS §10)."""
+    """Weights + gradients + optimizer state per parameter for the flags."""
     half = _half_precision(args)
     weight = 2 if half else 4
     fp32_grads = not half or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
@@ -238,7 +238,7 @@ def fully_sharded(args) -> bool:
 
 
 def model_state_bytes_per_param(args) -> float:
-    """Weights + gradients + Adam/SGD state per parameter on one GPU (MEGATRON_FACTS §10)."""
+    """Weights + gradients + Adam/SGD state per parameter on one GPU."""
     return bytes_per_parameter(args).total
 
 

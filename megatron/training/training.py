@@ -1,4 +1,4 @@
-"""The training loop: ``pretrain()`` and the steps of MEGATRON_FACTS §2."""
+"""The training loop: ``pretrain()``, ``train()`` and ``train_step()``, as in Megatron-LM."""
 
 from __future__ import annotations
 
@@ -332,7 +332,7 @@ def uses_torch_fsdp2(args) -> bool:
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
-    """The LR/WD scheduler of §11; steps count samples."""
+    """The learning-rate and weight-decay scheduler (Megatron's); its steps count samples."""
     args = global_vars.get_args()
     if args.train_iters is not None and args.train_samples is None:
         lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
@@ -440,7 +440,7 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
 
 
 def get_train_valid_test_num_samples():
-    """Target sample counts of §6: train, valid, test."""
+    """Samples the train, validation and test datasets must hold (Megatron's targets)."""
     args = global_vars.get_args()
     train_samples = (
         args.train_samples if args.train_samples else args.train_iters * args.global_batch_size

@@ -1,4 +1,4 @@
-"""The per-interval log line, TensorBoard/W&B scalars, and the validation report (MEGATRON_FACTS §4)."""
+"""Megatron's per-interval log line, the TensorBoard/W&B scalars and the validation report."""
 
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ def _log_throughput(
 
 
 def report_memory(name: str) -> None:
-    """The CUDA memory line of §4, printed by data-parallel rank 0 of each model-parallel rank."""
+    """Megatron's CUDA memory line, printed by data-parallel rank 0 of each model-parallel rank."""
     state = global_vars.get_parallel_state()
     if state.get_data_parallel_rank() != 0:
         return
@@ -261,7 +261,7 @@ def report_memory(name: str) -> None:
 def print_evaluation(
     prefix: str, total_loss_dict: Dict[str, float], iteration: int, samples: int, test: bool = False
 ) -> str:
-    """The validation/test block of §4; also writes the scalars to TensorBoard and W&B."""
+    """Megatron's validation/test block; also writes the scalars to TensorBoard and W&B."""
     args = global_vars.get_args()
     writer = global_vars.get_tensorboard_writer()
     wandb_writer = global_vars.get_wandb_writer()

@@ -640,7 +640,7 @@ def validate_data_parallel_strategy(args):
 
 
 def _validate_fsdp2(args, what, one_connection):
-    """The limits of the FSDP2 path (MEGATRON_FACTS §3), for --use-torch-fsdp2 and for
+    """The limits Megatron puts on its FSDP paths, for --use-torch-fsdp2 and for
     --use-megatron-fsdp with optim_grads_params (which runs on FSDP2 here)."""
     for ok, why in (
         (args.pipeline_model_parallel_size == 1, "pipeline parallelism"),

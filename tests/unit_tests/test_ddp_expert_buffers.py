@@ -1,0 +1,92 @@
+"""DDP with expert parameters (``allreduce = False``): their own buffers, reduced over the expert
+data-parallel group with the dense 1/DP scaling (Megatron's), checked against sums by hand."""
+
+import pytest
+import torch
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from tests.unit_tests.dist_utils import run_distributed
+
+
+class _FakeMoE(torch.nn.Module):
+    """A dense weight and an expert weight; loss = dense . x[:4] + expert . x[4:], so the
+    gradients are the slices of ``x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        self.expert = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        self.expert.allreduce = False
+
+    def forward(self, x):
+        return (self.dense * x[:4]).sum() + (self.expert * x[4:]).sum()
+
+
+def _inputs(rank):
+    return torch.arange(1, 8, dtype=torch.float64) * (rank + 1) ** 2
+
+
+def _check_reduction(rank, state, average_in_collective):
+    model = _FakeMoE()
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(average_in_collective=average_in_collective),
+        model,
+        state.get_data_parallel_group(with_context_parallel=True),
+        expert_data_parallel_group=state.get_expert_data_parallel_group(),
+    )
+    assert [p for b in ddp.buffers for p in b.params] == [model.dense]
+    assert [p for b in ddp.expert_parallel_buffers for p in b.params] == [model.expert]
+    ddp.zero_grad_buffer()
+    ddp(_inputs(rank)).backward()
+    ddp.finish_grad_sync()
+
+    dp_ranks = state.ranks["dp-cp"]
+    expert_dp_ranks = state.ranks["expert-dp"]
+    dense = sum(_inputs(r)[:4] for r in dp_ranks) / len(dp_ranks)
+    expert = sum(_inputs(r)[4:] for r in expert_dp_ranks) / len(dp_ranks)
+    torch.testing.assert_close(model.dense.main_grad, dense, rtol=1e-15, atol=0)
+    torch.testing.assert_close(model.expert.main_grad, expert, rtol=1e-15, atol=0)
+
+    ddp.scale_gradients(0.5)
+    torch.testing.assert_close(model.expert.main_grad, expert / 2, rtol=1e-15, atol=0)
+    return len(dp_ranks), len(expert_dp_ranks)
+
+
+def _worker(rank, world_size, _args, _results):
+    import torch.distributed as dist
+
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    # TP=1: dense DP over all 4 ranks; EP=2 -> expert DP pairs {0, 2} and {1, 3}.
+    state = initialize_model_parallel(expert_model_parallel_size=2)
+    try:
+        for average_in_collective in (False, True):
+            assert _check_reduction(rank, state, average_in_collective) == (4, 2)
+    finally:
+        destroy_model_parallel(state)
+    # TP=2, DP=2, EP=2 (expert TP = TP): every expert lives on one rank (expert DP = 1), its
+    # gradient is only scaled by 1/DP.
+    state = initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    try:
+        assert _check_reduction(rank, state, False) == (2, 1)
+    finally:
+        destroy_model_parallel(state)
+
+    with pytest.raises(ValueError, match="pass expert_data_parallel_group"):
+        DistributedDataParallel(DistributedDataParallelConfig(), _FakeMoE(), dist.group.WORLD)
+
+
+def test_expert_gradients_are_reduced_over_expert_data_parallel_ranks():
+    run_distributed(_worker, 4, None, None)
+
+
+def test_distributed_optimizer_refuses_expert_parameters():
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(use_distributed_optimizer=True), _FakeMoE()
+    )
+    config = OptimizerConfig(lr=1e-3, use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="does not shard expert parameters"):
+        get_megatron_optimizer(config, [ddp])
