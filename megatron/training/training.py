@@ -311,7 +311,12 @@ def get_model(
         ddp_config.bucket_size = bucket_size_for_num_buckets(chunks, args.ddp_num_buckets)
     wrapped = []
     for chunk in chunks:
-        ddp = DistributedDataParallel(ddp_config, chunk, dp_cp_group)
+        ddp = DistributedDataParallel(
+            ddp_config,
+            chunk,
+            dp_cp_group,
+            expert_data_parallel_group=state.get_expert_data_parallel_group(),
+        )
         # Replicas are seeded identically, so their weights agree unless seeded per DP rank.
         if getattr(args, "data_parallel_random_init", False):
             ddp.broadcast_params()
