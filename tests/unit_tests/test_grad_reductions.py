@@ -1,10 +1,18 @@
-"""DDP with expert parameters (``allreduce = False``): their own buffers, reduced over the expert
-data-parallel group with the dense 1/DP scaling (Megatron's), checked against sums by hand."""
+"""Gradient reductions after backward, checked against sums written out by hand:
+
+* DDP with expert parameters (``allreduce = False``): their own buffers, reduced over the expert
+  data-parallel group with the dense 1/DP scaling (Megatron's);
+* finalize_model_grads: the sequence-parallel norm gradients summed over TP, the per-token
+  scaling by DP x CP / total tokens.
+"""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from tests.unit_tests.dist_utils import run_distributed
 
 
@@ -52,6 +60,41 @@ def _check_reduction(rank, state, average_in_collective):
     return len(dp_ranks), len(expert_dp_ranks)
 
 
+class _Chunk(torch.nn.Module):
+    """A model chunk after backward: a norm weight (replicated over TP, sequence-parallel input)
+    and a TP-sharded weight, with rank-dependent gradients."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.config = SimpleNamespace(sequence_parallel=True, barrier_with_L1_time=False)
+        self.norm = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        self.norm.sequence_parallel = True
+        self.sharded = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        self.norm.grad = torch.full((3,), float(rank + 1), dtype=torch.float64)
+        self.sharded.grad = torch.full((2,), float(rank + 1), dtype=torch.float64)
+        self.scales = []
+
+    def finish_grad_sync(self):
+        pass
+
+    def scale_gradients(self, scale):
+        self.scales.append(scale)
+
+
+def _check_finalize(rank, state):
+    chunk = _Chunk(rank)
+    tokens = torch.tensor(10 * (rank + 1))
+    finalize_model_grads([chunk], state, num_tokens=tokens)
+    tp_ranks, dp_ranks = state.ranks["tp"], state.ranks["dp-cp"]
+    torch.testing.assert_close(
+        chunk.norm.grad, torch.full((3,), float(sum(r + 1 for r in tp_ranks)), dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        chunk.sharded.grad, torch.full((2,), float(rank + 1), dtype=torch.float64)
+    )
+    assert chunk.scales == [len(dp_ranks) / sum(10 * (r + 1) for r in dp_ranks)]
+
+
 def _worker(rank, world_size, _args, _results):
     import torch.distributed as dist
 
@@ -69,6 +112,7 @@ def _worker(rank, world_size, _args, _results):
     state = initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)
     try:
         assert _check_reduction(rank, state, False) == (2, 1)
+        _check_finalize(rank, state)
     finally:
         destroy_model_parallel(state)
 
