@@ -7,9 +7,10 @@ converts between formats (``--ckpt-convert-format``) and reads model flags back 
 ``--save-retain-interval``) is in :mod:`.checkpointing_common`.
 
 torch-format layout: ``<save>/iter_0000100/mp_rank_00/model_optim_rng.pt`` (``mp_rank_TT_PPP``
-with pipeline parallelism) and ``<save>/latest_checkpointed_iteration.txt``. Each file is written under a
-temporary name and renamed; the tracker is written by rank 0 only after every rank has finished,
-so an interrupted save never leaves the tracker pointing at an incomplete checkpoint.
+with pipeline parallelism) and ``<save>/latest_checkpointed_iteration.txt``. Each file is
+written under a temporary name and renamed; the tracker is written by rank 0 only after every
+rank has finished, so an interrupted save never leaves the tracker pointing at an incomplete
+checkpoint.
 
 Loading uses ``torch.load(weights_only=True)``: nothing in a checkpoint can run code. ``args`` is
 stored as an ``argparse.Namespace`` holding only plain values (allow-listed for the loader);

@@ -7,11 +7,11 @@
 
 chosen by :func:`get_forward_backward_func`. The schedules read their options from the model
 config (attributes set by the trainer): ``grad_scale_func`` (loss scaling for fp16),
-``calculate_per_token_loss``, ``timers``, ``grad_sync_func``, ``microbatch_group_size_per_vp_stage``,
-``finalize_model_grads_func`` (called after the last backward with the model chunks and, with
-``calculate_per_token_loss``, the iteration's token count: the gradient reductions) and, for
-tests, ``pipeline_event_callback`` (called with a :class:`PipelineEvent` after every forward and
-backward compute of the pipeline schedules).
+``calculate_per_token_loss``, ``timers``, ``grad_sync_func``,
+``microbatch_group_size_per_vp_stage``, ``finalize_model_grads_func`` (called after the last
+backward with the model chunks and, with ``calculate_per_token_loss``, the iteration's token
+count: the gradient reductions) and, for tests, ``pipeline_event_callback`` (called with a
+:class:`PipelineEvent` after every forward and backward compute of the pipeline schedules).
 """
 
 from __future__ import annotations

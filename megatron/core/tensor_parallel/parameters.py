@@ -49,7 +49,8 @@ def new_weight(shape, config, init_method: Callable) -> torch.nn.Parameter:
 
 
 def new_constant_param(shape, config, value: float) -> torch.nn.Parameter:
-    """A parameter filled with ``value`` (biases: 0, norm weights: 1, or 0 with zero-centred gamma)."""
+    """A parameter filled with ``value`` (biases: 0, norm weights: 1, or 0 with zero-centred
+    gamma)."""
     device = param_device(config)
     tensor = torch.empty(shape, dtype=config.params_dtype, device=device)
     if device.type != "meta":

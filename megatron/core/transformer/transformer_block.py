@@ -32,6 +32,7 @@ class TransformerBlockSubmodules:
     """
 
     layer_specs: List[ModuleSpec]
+    """Layer specs (of the model or of this block), in layer order."""
     layer_norm: SlotSpec = None
     """The final norm of the last stage; None: no final norm."""
 

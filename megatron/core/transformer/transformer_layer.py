@@ -39,11 +39,17 @@ class TransformerLayerSubmodules:
     """
 
     input_layernorm: SlotSpec = IdentityOp
+    """Norm before the self-attention."""
     self_attention: SlotSpec = None
+    """Self-attention (None: no self-attention block)."""
     pre_cross_attn_layernorm: SlotSpec = IdentityOp
+    """Norm before the cross-attention."""
     cross_attention: SlotSpec = None
+    """Attention over the encoder output ``context`` (None: no cross-attention block)."""
     pre_mlp_layernorm: SlotSpec = IdentityOp
+    """Norm before the MLP."""
     mlp: SlotSpec = None
+    """MLP, or a mixture of experts (None: no MLP block)."""
 
 
 class TransformerLayer(MegatronModule):
