@@ -7,24 +7,32 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_and_blend_per_split
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
+from megatron.core.transformer.spec_utils import import_spec
 from megatron.training import get_args, get_parallel_state, get_timers, get_tokenizer, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
-from megatron.training.training import ModelType, pretrain
+from megatron.training.model_families import get_model_family
+from megatron.training.training import pretrain
 from megatron.training.utils import get_device
 
 
-def model_provider(
-    pre_process=True, post_process=True, vp_stage=None, num_layers=None, layer_number_offset=0
-):
-    """Build the GPT model (or, with pipeline parallelism, this stage's chunk of ``num_layers``
-    layers starting after ``layer_number_offset``) from the flags: local PyTorch implementation."""
+def model_provider(pre_process=True, post_process=True, vp_stage=None):
+    """Build the GPT model, or with pipeline parallelism the chunk of pipeline stage (and virtual
+    stage ``vp_stage``) of this rank, from the flags: local PyTorch layers, or the spec named by
+    ``--spec``."""
     args = get_args()
     print_rank_0("building GPT model ...")
     config = core_transformer_config_from_args(args)
+    if args.spec is not None:
+        transformer_layer_spec = import_spec(args.spec)
+    else:
+        transformer_layer_spec = get_gpt_layer_local_spec()
     return GPTModel(
         config=config,
+        transformer_layer_spec=transformer_layer_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -37,9 +45,8 @@ def model_provider(
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        vp_stage=vp_stage,
         pg_collection=get_parallel_state(),
-        num_layers=num_layers,
-        layer_number_offset=layer_number_offset,
     )
 
 
@@ -159,5 +166,5 @@ if __name__ == "__main__":
         model_provider,
         ModelType.encoder_or_decoder,
         forward_step,
-        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        model_family=get_model_family("gpt"),
     )

@@ -29,15 +29,22 @@ from megatron.training.arguments import (  # noqa: E402
     parse_args,
     validate_args,
 )
-from megatron.training.dry_run import PRETRAIN_GPT_DEFAULTS, split_int_flag  # noqa: E402
+from megatron.training.dry_run import split_int_flag  # noqa: E402
+from megatron.training.model_families import get_model_family  # noqa: E402
 from megatron.training.theoretical_memory import (  # noqa: E402
     compute_theoretical_memory,
     num_microbatches_from_args,
 )
 
 WORLD_SIZE_FLAG = "--world-size"
-# Refused by today's trainer but fully described by the memory model (MEGATRON_FACTS §10).
-ACCOUNTED_BEFORE_THEY_RUN = frozenset({"num_distributed_optimizer_instances"})
+GPT = get_model_family("gpt")  # the flags are pretrain_gpt.py's
+# Refused by today's trainer but fully described by the memory model (as in Megatron).
+ACCOUNTED_BEFORE_THEY_RUN = frozenset(
+    {
+        "num_distributed_optimizer_instances",
+        "overlap_param_gather_with_optimizer_step",
+    }
+)
 
 
 def split_world_size(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
@@ -60,7 +67,7 @@ def validated_args(argv: Sequence[str], world_size: int):
     args = parse_args(argv=list(argv))  # argparse exits with status 2 on unknown flags
     args.world_size, args.rank = world_size, 0
     try:
-        validate_args(args, dict(PRETRAIN_GPT_DEFAULTS))
+        validate_args(args, dict(GPT.args_defaults))
         return args, []
     except ArgumentValidationError as exc:
         # The refusal of unimplemented features is validate_args' last step: every rule before
@@ -111,7 +118,7 @@ def report_lines(args) -> List[str]:
         f"recompute {recompute}, {m} micro-batches of {args.micro_batch_size} x {args.seq_length} tokens"
     ]
     for rank in range(pp):
-        memory = compute_theoretical_memory(args, m, pp_rank=rank)
+        memory = compute_theoretical_memory(args, m, pp_rank=rank, family=GPT)
         if pp > 1:
             lines.append(f"pipeline stage {rank} of {pp}:")
         lines.append(memory.summary_line())

@@ -64,6 +64,7 @@ from megatron.training.argument_groups.variants import (
     _add_hybrid_model_args,
     _add_hyper_connection_args,
 )
+from megatron.training.argument_groups.validation import ArgumentValidationError
 
 __all__ = [
     "ArgumentValidationError",
@@ -74,10 +75,6 @@ __all__ = [
     "print_args",
     "parse_and_validate_args",
 ]
-
-
-class ArgumentValidationError(ValueError):
-    """A flag value, or a combination of flags, that cannot work. The message names them."""
 
 
 # --------------------------------------------------------------------------------------

@@ -2,13 +2,15 @@
 
 ``--ckpt-format torch_dist`` (the default) is handled by :mod:`.checkpointing_dist`; this module
 dispatches to it, detects the format of a checkpoint being loaded (``--auto-detect-ckpt-format``),
-converts between formats (``--ckpt-convert-format``), reads model flags back from a checkpoint
-(``--use-checkpoint-args``) and deletes checkpoints outside ``--save-retain-interval``.
+converts between formats (``--ckpt-convert-format``) and reads model flags back from a checkpoint
+(``--use-checkpoint-args``). What both formats share (names, tracker, saved args and RNG states,
+``--save-retain-interval``) is in :mod:`.checkpointing_common`.
 
-torch-format layout: ``<save>/iter_0000100/mp_rank_00/model_optim_rng.pt`` (``mp_rank_TT_PPP`` with pipeline
-parallelism) and ``<save>/latest_checkpointed_iteration.txt``. Each file is written under a
-temporary name and renamed; the tracker is written by rank 0 only after every rank has finished,
-so an interrupted save never leaves the tracker pointing at an incomplete checkpoint.
+torch-format layout: ``<save>/iter_0000100/mp_rank_00/model_optim_rng.pt`` (``mp_rank_TT_PPP``
+with pipeline parallelism) and ``<save>/latest_checkpointed_iteration.txt``. Each file is
+written under a temporary name and renamed; the tracker is written by rank 0 only after every
+rank has finished, so an interrupted save never leaves the tracker pointing at an incomplete
+checkpoint.
 
 Loading uses ``torch.load(weights_only=True)``: nothing in a checkpoint can run code. ``args`` is
 stored as an ``argparse.Namespace`` holding only plain values (allow-listed for the loader);
@@ -18,137 +20,41 @@ numpy's RNG state is stored as tensors and plain values.
 from __future__ import annotations
 
 import argparse
-import enum
 import os
-import random
-import re
-import shutil
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.utils import unwrap_model
+
 from . import global_vars
+from .checkpointing_common import (
+    CHECKPOINT_VERSION,
+    CheckpointError,
+    barrier,
+    checkpoint_args,
+    checkpoint_dir,
+    checkpoint_name,
+    commit_tracker,
+    integrity_digests,
+    print_loaded_checkpoint,
+    print_saved_checkpoint,
+    read_tracker,
+    remove_unretained,
+    rng_state,
+    seal,
+    set_rng_state,
+    tracker_path,
+)
+from .checkpointing_dist import (
+    load_checkpoint_dist,
+    maybe_finalize_async_save,
+    save_checkpoint_dist,
+)
 from .utils import get_device, get_rank, print_rank_0
 
-CHECKPOINT_VERSION = 3.0
 SAVE_FORMATS = ("torch_dist", "torch")
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-_PLAIN = (int, float, str, bool, type(None))
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the file."""
-
-
-def tracker_path(checkpoints_path: str) -> str:
-    return os.path.join(checkpoints_path, TRACKER_FILENAME)
-
-
-def checkpoint_dir(checkpoints_path: str, iteration, release: bool = False) -> str:
-    return os.path.join(checkpoints_path, "release" if release else "iter_{:07d}".format(iteration))
-
-
-def checkpoint_name(
-    checkpoints_path: str,
-    iteration,
-    release: bool = False,
-    tp_rank: int = 0,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    ep_rank: int = 0,
-    ep_size: int = 1,
-) -> str:
-    """``.../iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` as Megatron names it."""
-    name = f"mp_rank_{tp_rank:02d}"
-    if pp_size > 1:
-        name += f"_{pp_rank:03d}"
-    if ep_size > 1:
-        name += f"_{ep_rank:03d}"
-    return os.path.join(
-        checkpoint_dir(checkpoints_path, iteration, release), name, "model_optim_rng.pt"
-    )
-
-
-def _plain(value):
-    if type(value) in _PLAIN or isinstance(value, torch.dtype):
-        return value, True
-    if isinstance(value, enum.IntEnum):  # e.g. signal.Signals: store the number
-        return _plain(value.value)
-    if isinstance(value, enum.Enum):  # e.g. AttnBackend: store the name the flag takes
-        return value.name, True
-    if isinstance(value, (list, tuple)):
-        items = [_plain(v) for v in value]
-        if all(ok for _, ok in items):
-            return type(value)(v for v, _ in items), True
-    if isinstance(value, dict):
-        items = {k: _plain(v) for k, v in value.items() if isinstance(k, str)}
-        if all(ok for _, ok in items.values()):
-            return {k: v for k, (v, _) in items.items()}, True
-    return None, False
-
-
-def _checkpoint_args(args) -> argparse.Namespace:
-    """A copy of ``args`` with only plain values, so it loads under ``weights_only=True``."""
-    saved = argparse.Namespace()
-    for key, value in vars(args).items():
-        plain, ok = _plain(value)
-        if ok:
-            setattr(saved, key, plain)
-    return saved
-
-
-def _rng_state(tracker) -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "random_rng_state": random.getstate(),
-        "np_rng_state": {
-            "name": np_state[0],
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-            "pos": int(np_state[2]),
-            "has_gauss": int(np_state[3]),
-            "cached_gaussian": float(np_state[4]),
-        },
-        "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": tracker.get_states() if tracker is not None else {},
-    }
-    return state
-
-
-def _set_rng_state(state: dict, tracker) -> None:
-    random.setstate(_as_random_state(state["random_rng_state"]))
-    np_state = state["np_rng_state"]
-    if isinstance(np_state, dict):
-        np.random.set_state(
-            (
-                np_state["name"],
-                np_state["keys"].numpy().astype(np.uint32),
-                np_state["pos"],
-                np_state["has_gauss"],
-                np_state["cached_gaussian"],
-            )
-        )
-    else:
-        np.random.set_state(np_state)
-    torch.set_rng_state(state["torch_rng_state"])
-    if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    if tracker is not None and state.get("rng_tracker_states"):
-        tracker.set_states(state["rng_tracker_states"])
-
-
-def _as_random_state(value):
-    # torch.load turns the inner tuple of random.getstate() into a list; random wants tuples.
-    version, internal, gauss = value
-    return (version, tuple(internal), gauss)
-
-
-def _unwrap(model_chunk):
-    while hasattr(model_chunk, "module"):
-        model_chunk = model_chunk.module
-    return model_chunk
 
 
 def distrib_optim_path(model_path: str) -> str:
@@ -190,11 +96,6 @@ def _atomic_save(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save_checkpoint(
     iteration: int,
     model,
@@ -212,8 +113,6 @@ def save_checkpoint(
         )
     maybe_finalize_async_save(blocking=True)
     if args.ckpt_format == "torch_dist":
-        from .checkpointing_dist import save_checkpoint_dist
-
         timers("save-checkpoint", log_level=0).start(barrier=True)
         save_checkpoint_dist(
             iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
@@ -225,17 +124,17 @@ def save_checkpoint(
     timers("save-checkpoint", log_level=0).start(barrier=True)
 
     tracker = global_vars.get_rng_tracker()
-    rng_state = None
+    rng_states = None
     if not args.no_save_rng:
-        rng_state = [_rng_state(tracker)]
+        rng_states = [rng_state(tracker)]
         dp_group = state.get_data_parallel_group(with_context_parallel=True)
         if (
             dist.is_initialized()
             and state.get_data_parallel_world_size(with_context_parallel=True) > 1
         ):
             gathered = [None] * state.get_data_parallel_world_size(with_context_parallel=True)
-            dist.all_gather_object(gathered, rng_state[0], group=dp_group)
-            rng_state = gathered
+            dist.all_gather_object(gathered, rng_states[0], group=dp_group)
+            rng_states = gathered
 
     path = checkpoint_name(
         save_dir,
@@ -261,127 +160,34 @@ def save_checkpoint(
     if is_writer:
         chunks = model if isinstance(model, list) else [model]
         state_dict = {
-            "args": _checkpoint_args(args),
+            "args": checkpoint_args(args),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
         }
         if len(chunks) == 1:
-            state_dict["model"] = _unwrap(chunks[0]).state_dict()
+            state_dict["model"] = unwrap_model(chunks[0]).state_dict()
         else:
             for i, chunk in enumerate(chunks):
-                state_dict[f"model{i}"] = _unwrap(chunk).state_dict()
+                state_dict[f"model{i}"] = unwrap_model(chunk).state_dict()
         if not args.no_save_optim:
             if optimizer is not None:
                 state_dict["optimizer"] = optimizer.state_dict()
             if opt_param_scheduler is not None:
                 state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        if rng_state is not None:
-            state_dict["rng_state"] = rng_state
+        if rng_states is not None:
+            state_dict["rng_state"] = rng_states
         _atomic_save(state_dict, path)
 
-    _barrier()
+    barrier()
     digests = integrity_digests(args, checkpoint_dir(save_dir, iteration))
     if get_rank() == 0:
         seal(checkpoint_dir(save_dir, iteration), digests)
         commit_tracker(save_dir, iteration)
-    _barrier()
+    barrier()
     timers("save-checkpoint").stop(barrier=True)
-    print_rank_0(
-        "  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]".format(
-            iteration,
-            save_dir,
-            state.get_tensor_model_parallel_rank() + 1,
-            state.get_tensor_model_parallel_world_size(),
-            state.get_pipeline_model_parallel_rank() + 1,
-            state.get_pipeline_model_parallel_world_size(),
-        )
-    )
+    print_saved_checkpoint(iteration, save_dir, state)
     remove_unretained(args, save_dir, iteration)
-
-
-def integrity_digests(args, directory: str):
-    """--verify-integrity: the digests of the files of `directory` written so far (a
-    collective), or None without the flag."""
-    if not getattr(args, "verify_integrity", False):
-        return None
-    from .checkpoint_integrity import hash_checkpoint_files
-
-    return hash_checkpoint_files(directory)
-
-
-def seal(directory: str, digests) -> None:
-    if digests is not None:
-        from .checkpoint_integrity import seal as write_manifest
-
-        write_manifest(directory, digests)
-
-
-def maybe_finalize_async_save(blocking: bool = False) -> bool:
-    """Commit a finished ``--async-save`` checkpoint (see checkpointing_dist); True when none is
-    pending. Free (no collective, no DCP import) unless a torch_dist save ran in this process."""
-    module = sys.modules.get(__package__ + ".checkpointing_dist")
-    return True if module is None else module.maybe_finalize_async_save(blocking)
-
-
-def commit_tracker(save_dir: str, iteration: int) -> None:
-    """Point the tracker at ``iteration`` (atomic; call on rank 0 once the checkpoint is complete)."""
-    tmp = tracker_path(save_dir) + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, tracker_path(save_dir))
-
-
-_ITER_DIR = re.compile(r"iter_(\d{7,})(\.tmp)?$")
-
-
-def remove_unretained(args, save_dir: str, iteration: int) -> None:
-    """``--save-retain-interval N``: after a successful save of ``iteration``, delete (on rank 0)
-    the older checkpoints whose iteration is not a multiple of N; never the one just saved, nor
-    the one the tracker points at, nor newer ones. Also drops unfinished ``.tmp`` saves of older
-    iterations, which can never complete."""
-    if get_rank() != 0 or not os.path.isdir(save_dir):
-        return
-    interval = getattr(args, "save_retain_interval", None)
-    try:
-        tracked = read_tracker(save_dir)[0] if os.path.isfile(tracker_path(save_dir)) else None
-    except (CheckpointError, OSError):
-        tracked = None
-    for name in sorted(os.listdir(save_dir)):
-        match = _ITER_DIR.match(name)
-        if not match:
-            continue
-        it = int(match.group(1))
-        if it >= iteration or it == tracked:
-            continue
-        unfinished = match.group(2) is not None
-        if unfinished or (interval and it % interval != 0):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-            if not unfinished:
-                print(
-                    f"  removed checkpoint {os.path.join(save_dir, name)} (--save-retain-interval {interval})",
-                    flush=True,
-                )
-
-
-def read_tracker(load_dir: str):
-    """(iteration, release) from the tracker; raises CheckpointError on a corrupt tracker."""
-    path = tracker_path(load_dir)
-    with open(path) as f:
-        text = f.read().strip()
-    if text == "release":
-        return 0, True
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise CheckpointError(
-            f"{path} holds '{text[:40]}', expected an iteration number or 'release'"
-        ) from None
-    if iteration < 0:
-        raise CheckpointError(f"{path} holds a negative iteration ({iteration})")
-    return iteration, False
 
 
 def detect_checkpoint_format(directory: str):
@@ -466,18 +272,6 @@ def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
         raise CheckpointError(f"checkpoint {path} does not fit this model ({' | '.join(problems)})")
 
 
-_MODEL_ARGS_TO_CHECK = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "padded_vocab_size",
-    "max_position_embeddings",
-    "num_query_groups",
-    "kv_channels",
-)
-
-
 def load_checkpoint(
     model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True
 ):
@@ -502,7 +296,7 @@ def load_checkpoint(
                 else "--exit-on-missing-checkpoint is set"
             )
             print_rank_0(f">> {message}; exiting because {reason}")
-            _barrier()
+            barrier()
             sys.exit(1)
         print_rank_0(f"{message}\n    will not load any checkpoints and will start from random")
         return 0, 0.0
@@ -519,24 +313,13 @@ def load_checkpoint(
             f" > --verify-integrity: {checkpoint_dir(load_dir, iteration, release)} matches"
         )
     if fmt == "torch_dist":
-        from .checkpointing_dist import load_checkpoint_dist
-
         print_rank_0(
             f" loading checkpoint from {load_dir} at iteration {iteration} (torch_dist format)"
         )
         iteration, flops, _ = load_checkpoint_dist(
             model, optimizer, opt_param_scheduler, load_dir, iteration, release
         )
-        print_rank_0(
-            "  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}".format(
-                load_dir,
-                state.get_tensor_model_parallel_rank() + 1,
-                state.get_tensor_model_parallel_world_size(),
-                state.get_pipeline_model_parallel_rank() + 1,
-                state.get_pipeline_model_parallel_world_size(),
-                iteration,
-            )
-        )
+        print_loaded_checkpoint(load_dir, iteration, state)
         return iteration, flops
     path = checkpoint_name(
         load_dir,
@@ -553,7 +336,7 @@ def load_checkpoint(
 
     ckpt_args = state_dict.get("args")
     if ckpt_args is not None:
-        for name in _MODEL_ARGS_TO_CHECK:
+        for name in global_vars.get_model_family().checkpoint_model_args:
             ours, theirs = getattr(args, name, None), getattr(ckpt_args, name, None)
             if ours is not None and theirs is not None and ours != theirs:
                 raise CheckpointError(
@@ -566,7 +349,7 @@ def load_checkpoint(
         key = "model" if len(chunks) == 1 else f"model{i}"
         if key not in state_dict:
             raise CheckpointError(f"checkpoint {path} has no '{key}' entry")
-        inner = _unwrap(chunk)
+        inner = unwrap_model(chunk)
         _check_model_state(inner, state_dict[key], path, strict)
         inner.load_state_dict(state_dict[key], strict=strict)
 
@@ -623,19 +406,10 @@ def load_checkpoint(
             else (rng_states[0] if isinstance(rng_states, list) else rng_states)
         )
         tracker = global_vars.get_rng_tracker()
-        _set_rng_state(chosen, tracker)
+        set_rng_state(chosen, tracker)
 
-    _barrier()
-    print_rank_0(
-        "  successfully loaded checkpoint from {} [ t {}/{}, p {}/{} ] at iteration {}".format(
-            load_dir,
-            state.get_tensor_model_parallel_rank() + 1,
-            state.get_tensor_model_parallel_world_size(),
-            state.get_pipeline_model_parallel_rank() + 1,
-            state.get_pipeline_model_parallel_world_size(),
-            iteration,
-        )
-    )
+    barrier()
+    print_loaded_checkpoint(load_dir, iteration, state)
     return iteration, float(state_dict.get("num_floating_point_operations_so_far", 0.0))
 
 
@@ -656,7 +430,7 @@ def convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler) -> None:
         args.num_floating_point_operations_so_far,
     )
     print_rank_0(f"> converted checkpoint: {source} -> {args.ckpt_format} (saved to {args.save})")
-    _barrier()
+    barrier()
     sys.exit(0)
 
 

@@ -34,38 +34,26 @@ from megatron.core.dist_checkpointing.optimizer_state import (
     is_distributed,
     load_optimizer_common_state,
 )
+from megatron.core.utils import unwrap_model
 
 from . import global_vars
-from .checkpointing import (
+from .checkpointing_common import (
     CHECKPOINT_VERSION,
     CheckpointError,
-    _barrier,
-    _checkpoint_args,
-    _rng_state,
-    _set_rng_state,
-    _unwrap,
+    barrier,
+    checkpoint_args,
     checkpoint_dir,
     commit_tracker,
     integrity_digests,
+    print_saved_checkpoint,
+    remove_unretained,
+    rng_state,
     seal,
+    set_rng_state,
 )
 from .utils import get_device, get_rank, print_rank_0
 
 TMP_SUFFIX = ".tmp"
-_MODEL_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "ffn_hidden_size",
-    "padded_vocab_size",
-    "max_position_embeddings",
-    "num_query_groups",
-    "kv_channels",
-    "swiglu",
-    "untie_embeddings_and_output_weights",
-    "add_bias_linear",
-    "normalization",
-)
 
 
 class _AsyncState:
@@ -105,7 +93,7 @@ def _all_gather_object(obj) -> list:
 
 
 def _sharded_model(model, state):
-    chunks = [_unwrap(c) for c in (model if isinstance(model, list) else [model])]
+    chunks = [unwrap_model(c) for c in (model if isinstance(model, list) else [model])]
     entries, by_param = dc.model_sharded_state_dict(
         chunks, state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
     )
@@ -164,14 +152,14 @@ def save_checkpoint_dist(
     rng = None
     if not args.no_save_rng:
         rng = _all_gather_object(
-            {"coordinates": _coordinates(state), "state": _rng_state(global_vars.get_rng_tracker())}
+            {"coordinates": _coordinates(state), "state": rng_state(global_vars.get_rng_tracker())}
         )
     optim_common = _merged_optimizer_common(optimizer) if save_optim else None
     final_dir = checkpoint_dir(save_dir, iteration)
     work_dir = final_dir + TMP_SUFFIX
     if get_rank() == 0:
         common = {
-            "args": _checkpoint_args(args),
+            "args": checkpoint_args(args),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "num_floating_point_operations_so_far": float(flops),
@@ -187,7 +175,7 @@ def save_checkpoint_dist(
             shutil.rmtree(work_dir)  # left by an interrupted save of the same iteration
         os.makedirs(work_dir)
         dc.save_common(common, work_dir)
-    _barrier()
+    barrier()
 
     if args.async_save:
         request = AsyncSave(sharded, work_dir, process_group=_async_group())
@@ -220,9 +208,7 @@ def release_async_save_group() -> None:
 
 def _commit(save_dir: str, iteration: int, asynchronous: bool = False) -> None:
     """Every rank has written its part: mark the checkpoint complete and move the tracker."""
-    from .checkpointing import remove_unretained
-
-    _barrier()
+    barrier()
     final_dir = checkpoint_dir(save_dir, iteration)
     work_dir = final_dir + TMP_SUFFIX
     args = global_vars.get_args()
@@ -240,18 +226,8 @@ def _commit(save_dir: str, iteration: int, asynchronous: bool = False) -> None:
         commit_tracker(save_dir, iteration)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    state = global_vars.get_parallel_state()
-    print_rank_0(
-        "  successfully saved checkpoint from iteration {:7d} to {} [ t {}/{}, p {}/{} ]".format(
-            iteration,
-            save_dir,
-            state.get_tensor_model_parallel_rank() + 1,
-            state.get_tensor_model_parallel_world_size(),
-            state.get_pipeline_model_parallel_rank() + 1,
-            state.get_pipeline_model_parallel_world_size(),
-        )
-    )
+    barrier()
+    print_saved_checkpoint(iteration, save_dir, global_vars.get_parallel_state())
     remove_unretained(args, save_dir, iteration)
     if asynchronous and getattr(args, "log_progress", False):
         from .progress_log import log_async_checkpoint_committed
@@ -298,7 +274,7 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
 # ---------------------------------------------------------------------------------- load
 def _args_hint(ckpt_args, args) -> str:
     diffs = []
-    for name in _MODEL_ARGS:
+    for name in global_vars.get_model_family().checkpoint_model_args:
         theirs, ours = getattr(ckpt_args, name, None), getattr(args, name, None)
         if theirs is not None and ours is not None and theirs != ours:
             diffs.append(f"--{name.replace('_', '-')} {theirs} (this run: {ours})")
@@ -386,7 +362,7 @@ def load_checkpoint_dist(
             args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
         if not args.no_load_rng and "rng_state" in common:
             _restore_rng(common, state, len(chunks))
-    _barrier()
+    barrier()
     return iteration, float(common.get("num_floating_point_operations_so_far", 0.0)), ckpt_args
 
 
@@ -417,4 +393,4 @@ def _restore_rng(common: dict, state, num_chunks: int) -> None:
         or by_coordinates.get((pp, tp, 0, 0))
     )
     if chosen is not None:
-        _set_rng_state(chosen, global_vars.get_rng_tracker())
+        set_rng_state(chosen, global_vars.get_rng_tracker())

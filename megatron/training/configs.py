@@ -41,6 +41,12 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig) -> T
         "attention_backend": _attention_backend_name(args.attention_backend),
         "gated_linear_unit": bool(args.swiglu),
         "num_moe_experts": getattr(args, "num_experts", None),
+        "num_layers_in_first_pipeline_stage": getattr(
+            args, "decoder_first_pipeline_num_layers", None
+        ),
+        "num_layers_in_last_pipeline_stage": getattr(
+            args, "decoder_last_pipeline_num_layers", None
+        ),
         "deallocate_pipeline_outputs": True,
         "pipeline_dtype": args.params_dtype,
         # Layout-independent init: every TP/PP/CP layout builds the one-process model's weights.

@@ -4,7 +4,9 @@
     python -m megatron.training.dry_run --dry-run-world-size 64 <pretrain_gpt.py flags>
 
 The flags go through the real parser and ``validate_args`` as if ``WORLD_SIZE`` processes were
-started (``--dry-run-world-size`` wins over the environment; default 1). The layout is printed:
+started (``--dry-run-world-size`` wins over the environment; default 1), with the argument
+defaults of the model family named by ``--dry-run-model`` (default gpt: pretrain_gpt.py's;
+see megatron/training/model_families/). The layout is printed:
 parallel sizes, micro-batches per step, tokens per step, the parameter count computed from the
 flags, and the memory the model states (weights, gradients, optimizer) need per GPU. Nothing
 is trained and torch.distributed is never initialized. Exit status: 0 when the flags are
@@ -15,48 +17,60 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
-
-# The formulas live in theoretical_memory (shared with the start-up report and
-# tools/report_theoretical_memory.py); re-exported here for existing callers.
-from megatron.training.theoretical_memory import (  # noqa: F401
-    ParameterCount,
+from megatron.training.model_families import ModelFamily, get_model_family
+from megatron.training.theoretical_memory import (
     compute_theoretical_memory,
-    count_parameters,
     model_state_bytes_per_param,
 )
 
 WORLD_SIZE_FLAG = "--dry-run-world-size"
-# pretrain_gpt.py passes the same defaults to pretrain().
-PRETRAIN_GPT_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
+MODEL_FLAG = "--dry-run-model"
 
 
-def split_int_flag(argv: Sequence[str], flag: str) -> Tuple[Optional[int], List[str]]:
-    """(integer value of ``flag`` (``flag N`` or ``flag=N``) or None, the remaining flags)."""
+def split_flag(argv: Sequence[str], flag: str) -> Tuple[Optional[str], List[str]]:
+    """(value of ``flag`` (``flag V`` or ``flag=V``; the last one given) or None, the remaining
+    flags)."""
     rest, value, index = [], None, 0
     argv = list(argv)
     while index < len(argv):
         item = argv[index]
         if item == flag or item.startswith(flag + "="):
             if "=" in item:
-                text = item.split("=", 1)[1]
+                value = item.split("=", 1)[1]
             elif index + 1 < len(argv):
                 index += 1
-                text = argv[index]
+                value = argv[index]
             else:
                 raise ArgumentValidationError(f"{flag} needs a value")
-            try:
-                value = int(text)
-            except ValueError:
-                raise ArgumentValidationError(f"{flag} must be an integer (got {text!r})") from None
         else:
             rest.append(item)
         index += 1
     return value, rest
 
 
+def split_int_flag(argv: Sequence[str], flag: str) -> Tuple[Optional[int], List[str]]:
+    """(integer value of ``flag`` (``flag N`` or ``flag=N``) or None, the remaining flags)."""
+    text, rest = split_flag(argv, flag)
+    if text is None:
+        return None, rest
+    try:
+        return int(text), rest
+    except ValueError:
+        raise ArgumentValidationError(f"{flag} must be an integer (got {text!r})") from None
+
+
 def split_own_flags(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
     """(world size given by --dry-run-world-size or None, the remaining Megatron flags)."""
     return split_int_flag(argv, WORLD_SIZE_FLAG)
+
+
+def split_model_flag(argv: Sequence[str]) -> Tuple[ModelFamily, List[str]]:
+    """(the family named by --dry-run-model, default gpt; the remaining flags)."""
+    name, rest = split_flag(argv, MODEL_FLAG)
+    try:
+        return get_model_family(name or "gpt"), rest
+    except ValueError as exc:
+        raise ArgumentValidationError(f"{MODEL_FLAG}: {exc}") from None
 
 
 def _human(count: float) -> str:
@@ -77,8 +91,12 @@ def _padded_vocab(args):
     return args.padded_vocab_size, None
 
 
-def layout_lines(args, padded_vocab: Optional[int], vocab_problem: Optional[str]):
-    """[(name, value)] describing the validated ``args``."""
+def layout_lines(
+    args, padded_vocab: Optional[int], vocab_problem: Optional[str], family: ModelFamily = None
+):
+    """[(name, value)] describing the validated ``args`` (parameters counted by ``family``'s
+    formula; default GPT's)."""
+    family = family or get_model_family("gpt")
     tp, pp, cp = (
         args.tensor_model_parallel_size,
         args.pipeline_model_parallel_size,
@@ -109,7 +127,7 @@ def layout_lines(args, padded_vocab: Optional[int], vocab_problem: Optional[str]
         lines.append(("training tokens", _human(args.train_samples * args.seq_length)))
     precision = "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")
     lines.append(("precision", precision))
-    count = count_parameters(args, padded_vocab)
+    count = family.count_parameters(args, padded_vocab)
     if padded_vocab is None:
         lines.append(("padded vocab size", f"unknown ({vocab_problem})"))
         lines.append(("parameters without embeddings", f"{count.total} ({_human(count.total)})"))
@@ -148,6 +166,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         world_size, megatron_argv = split_own_flags(argv)
+        family, megatron_argv = split_model_flag(megatron_argv)
     except ArgumentValidationError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -156,18 +175,18 @@ def main(argv=None) -> int:
     args = parse_args(argv=megatron_argv)  # argparse exits with status 2 on unknown flags
     args.world_size, args.rank = world_size, 0
     try:
-        validate_args(args, dict(PRETRAIN_GPT_DEFAULTS))
+        validate_args(args, dict(family.args_defaults))
     except ArgumentValidationError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     if args.no_effect_note:
         print(f" > {args.no_effect_note}", flush=True)  # as a real run prints it at start-up
     padded_vocab, problem = _padded_vocab(args)
-    print(format_lines(layout_lines(args, padded_vocab, problem)), flush=True)
+    print(format_lines(layout_lines(args, padded_vocab, problem, family)), flush=True)
     if padded_vocab is not None:
         # What rank 0 (first pipeline stage) prints at start-up; the breakdown per stage comes
         # from tools/report_theoretical_memory.py.
-        print(compute_theoretical_memory(args).summary_line(), flush=True)
+        print(compute_theoretical_memory(args, family=family).summary_line(), flush=True)
     print(
         f"dry run OK: the flags are valid for {world_size} processes "
         "(nothing was trained; torch.distributed was not initialized)",

@@ -616,10 +616,11 @@ refused(
     flight_recorder_include_only_active flight_recorder_extra_dump_on_exec
     """,
 )
+honoured("layers built from a layer spec of your own (--spec <module> <name>)", "spec")
 refused(
-    "custom layer specs, YAML configurations and experimental features are " + _NYI,
+    "YAML configurations and experimental features are " + _NYI,
     """
-    spec yaml_cfg enable_experimental
+    yaml_cfg enable_experimental
     """,
 )
 refused(

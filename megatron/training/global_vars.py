@@ -107,6 +107,21 @@ def set_signal_handler(handler):
     _set("signal_handler", handler)
 
 
+def get_model_family():
+    """The ModelFamily of the run (``pretrain(..., model_family=...)``); GPT's when none was set,
+    as Megatron's formulas are GPT's."""
+    family = _get("model_family", required=False)
+    if family is None:
+        from megatron.training.model_families import get_model_family as family_named
+
+        family = family_named("gpt")
+    return family
+
+
+def set_model_family(family):
+    _set("model_family", family)
+
+
 def reset_globals():
     """Forget every global (tests run several trainings in one process)."""
     _GLOBALS.clear()

@@ -1,6 +1,6 @@
 """Read training metrics back from Megatron's per-interval log line and from TensorBoard.
 
-The log line (MEGATRON_FACTS §4) starts with `` [date time] iteration N/ M |`` and continues
+Megatron's log line starts with `` [date time] iteration N/ M |`` and continues
 with `` name: value |`` fields. The prefix is matched strictly; the fields after it are read
 generically, so optional fields (throughput, grad norm, num zeros, params norm, MoE losses,
 fields added later) never break parsing. ``LOG_LINE`` is the strict whole-line pattern for
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
-# Strict form of the whole line, optional fields included, written from §4.
+# Strict form of the whole line, optional fields included.
 LOG_LINE = re.compile(
     r"^ \[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d+)?\]"
     r" iteration +(?P<iteration>\d+)/ +(?P<train_iters>\d+) \|"
@@ -56,7 +56,7 @@ LOG_FIELDS = {
     "number of nan iterations": "nan_iterations",
 }
 
-# TensorBoard tags (§4) -> the same series names; iteration-time is in seconds there.
+# Megatron's TensorBoard tags -> the same series names; iteration-time is in seconds there.
 TENSORBOARD_TAGS = {
     "lm loss": "lm loss",
     "learning-rate": "learning_rate",

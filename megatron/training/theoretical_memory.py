@@ -1,6 +1,6 @@
 """Theoretical memory per GPU of a GPT run, computed from the validated flags (nothing is built).
 
-Two parts, as in Megatron's report (MEGATRON_FACTS §4, §10):
+Two parts, as in Megatron's report:
 
 * **weights and optimizer**: the parameters this rank holds (exact count of the local GPT layer
   spec, split by TP, PP stage, with the word embedding on the first stage and the output layer,
@@ -190,7 +190,7 @@ def optimizer_shards(args) -> int:
 
 
 def bytes_per_parameter(args) -> BytesPerParameter:
-    """Weights + gradients + optimizer state per parameter for the flags (MEGATRON_FACTS §10)."""
+    """Weights + gradients + optimizer state per parameter for the flags."""
     half = _half_precision(args)
     weight = 2 if half else 4
     fp32_grads = not half or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
@@ -238,7 +238,7 @@ def fully_sharded(args) -> bool:
 
 
 def model_state_bytes_per_param(args) -> float:
-    """Weights + gradients + Adam/SGD state per parameter on one GPU (MEGATRON_FACTS §10)."""
+    """Weights + gradients + Adam/SGD state per parameter on one GPU."""
     return bytes_per_parameter(args).total
 
 
@@ -448,10 +448,15 @@ class TheoreticalMemory:
 
 
 def compute_theoretical_memory(
-    args, num_microbatches: Optional[int] = None, pp_rank: int = 0
+    args, num_microbatches: Optional[int] = None, pp_rank: int = 0, family=None
 ) -> TheoreticalMemory:
     """The theoretical memory of pipeline rank ``pp_rank`` for the validated ``args``
-    (``args.padded_vocab_size`` must be set for the embedding terms; None counts them as 0)."""
+    (``args.padded_vocab_size`` must be set for the embedding terms; None counts them as 0).
+
+    ``family`` (a ModelFamily) supplies the parameter count and the activations; None means the
+    decoder-transformer (GPT) formulas of this module."""
+    count_params = count_parameters if family is None else family.count_parameters
+    activations = activation_components if family is None else family.activation_components
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     tp = getattr(args, "tensor_model_parallel_size", 1)
     if not 0 <= pp_rank < pp:
@@ -461,14 +466,14 @@ def compute_theoretical_memory(
     if num_microbatches is None:
         num_microbatches = num_microbatches_from_args(args)
     layers = layers_per_pipeline_rank(args)[pp_rank]
-    count = count_parameters(args, getattr(args, "padded_vocab_size", None))
+    count = count_params(args, getattr(args, "padded_vocab_size", None))
     return TheoreticalMemory(
         pp_rank=pp_rank,
         parameters=count.on_rank(tp, pp, pp_rank, layers),
         per_parameter=bytes_per_parameter(args),
         num_microbatches=num_microbatches,
         microbatches_in_flight=microbatches_in_flight(args, num_microbatches, pp_rank),
-        activations=dict(activation_components(args, num_microbatches, pp_rank, layers)),
+        activations=dict(activations(args, num_microbatches, pp_rank, layers)),
     )
 
 
@@ -478,10 +483,11 @@ def report_theoretical_memory(
     pp_rank: int = 0,
     verbose: bool = True,
     print_fn: Callable[[str], None] = print,
+    family=None,
 ) -> TheoreticalMemory:
     """Print Megatron's theoretical-memory line for pipeline rank ``pp_rank`` (the trainer calls
     it on rank 0, i.e. the first stage, whose activations are the largest), then the breakdown."""
-    memory = compute_theoretical_memory(args, num_microbatches, pp_rank)
+    memory = compute_theoretical_memory(args, num_microbatches, pp_rank, family)
     print_fn(memory.summary_line())
     if verbose:
         for line in memory.breakdown_lines():

@@ -1,11 +1,11 @@
-"""The training loop: ``pretrain()`` and the steps of MEGATRON_FACTS §2."""
+"""The training loop: ``pretrain()``, ``train()`` and ``train_step()``, as in Megatron-LM."""
 
 from __future__ import annotations
 
-import enum
 import gc
 import sys
 import time
+from functools import partial
 from typing import Callable, List, Optional
 
 import torch
@@ -15,12 +15,12 @@ from megatron.core.distributed import DistributedDataParallel, TorchFullySharded
 from megatron.core.distributed.distributed_data_parallel import bucket_size_for_num_buckets
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.distributed.torch_fully_sharded_data_parallel import broadcast_module_params
+from megatron.core.enums import ModelType
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel.layer_split import compute_layer_split
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func, get_model_config
-from megatron.core.tensor_parallel import allreduce_sequence_parallel_grads
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_model_config
 
 from . import global_vars
 from .checkpointing import (
@@ -34,19 +34,14 @@ from .checkpointing_dist import release_async_save_group
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
 from .flag_errors import BuildFromFlagsError, building
-from .flops import num_floating_point_operations
 from .initialize import initialize_megatron, teardown_process_groups
+from .model_families import get_model_family
 from .progress_log import log_checkpoint_saved, log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
 from .training_log import print_evaluation, training_log
 from .utils import get_device, print_rank_0
 
 _TRAIN_START_TIME = None
-
-
-class ModelType(enum.Enum):
-    encoder_or_decoder = 1
-    encoder_and_decoder = 2
 
 
 def print_datetime(message: str) -> None:
@@ -79,15 +74,26 @@ def pretrain(
     extra_args_provider=None,
     args_defaults=None,
     argv=None,
+    model_family=None,
     **kwargs,
 ):
-    """Initialize, build model/optimizer/data, train, evaluate; the steps of §2.
+    """Initialize, build model/optimizer/data, train, evaluate, as Megatron's ``pretrain``.
 
-    ``argv`` (default ``sys.argv[1:]``) lets tests run a training in-process. Returns nothing, like
-    Megatron's: a process group created here is torn down before returning.
+    ``model_provider(pre_process, post_process, vp_stage=None)`` builds one model chunk: the
+    layers of this rank's pipeline stage (and virtual stage ``vp_stage``). ``model_family`` (a
+    :class:`~megatron.training.model_families.ModelFamily`; default GPT's) supplies the FLOPs,
+    the theoretical memory and the checkpoint's model flags, and its ``args_defaults`` when
+    ``args_defaults`` is None. ``argv`` (default ``sys.argv[1:]``) lets tests run a training
+    in-process. Returns nothing, like Megatron's: a process group created here is torn down
+    before returning.
     """
+    if model_family is None:
+        model_family = get_model_family("gpt")
+    if args_defaults is None:
+        args_defaults = dict(model_family.args_defaults)
     owns_process_group = not dist.is_initialized()
     try:
+        global_vars.set_model_family(model_family)
         exit_code = _pretrain(
             train_valid_test_dataset_provider,
             model_provider,
@@ -151,7 +157,11 @@ def _pretrain(
     if args.rank == 0:
         from .theoretical_memory import report_theoretical_memory
 
-        report_theoretical_memory(args, num_microbatches=global_vars.get_num_microbatches())
+        report_theoretical_memory(
+            args,
+            num_microbatches=global_vars.get_num_microbatches(),
+            family=global_vars.get_model_family(),
+        )
     config = get_model_config(model[0])
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
@@ -257,33 +267,17 @@ def get_model(
     """Build this rank's model chunk(s), move them to the device, cast and wrap in DDP."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
-    if args.pipeline_model_parallel_size > 1:
-        # One chunk per virtual stage, each with its slice of layers (Megatron's layer split).
-        split = compute_layer_split(
-            args.num_layers,
-            args.pipeline_model_parallel_size,
-            args.virtual_pipeline_model_parallel_size,
-            args.decoder_first_pipeline_num_layers,
-            args.decoder_last_pipeline_num_layers,
-            args.account_for_embedding_in_pipeline_split,
-            args.account_for_loss_in_pipeline_split,
+    # One chunk per virtual stage; the model builds the layers of its (virtual) stage itself.
+    pp_rank, pp_size = state.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
+    num_chunks = args.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(num_chunks):
+        model = model_provider(
+            pre_process=pp_rank == 0 and vp_stage == 0,
+            post_process=pp_rank == pp_size - 1 and vp_stage == num_chunks - 1,
+            vp_stage=vp_stage if num_chunks > 1 else None,
         )
-        pp_rank = state.get_pipeline_model_parallel_rank()
-        chunks = []
-        for vp in range(split.num_chunks):
-            kw = split.chunk_args(pp_rank, vp)
-            chunks.append(
-                model_provider(
-                    pre_process=kw["pre_process"],
-                    post_process=kw["post_process"],
-                    vp_stage=vp if split.num_chunks > 1 else None,
-                    num_layers=kw["num_layers"],
-                    layer_number_offset=kw["layer_number_offset"],
-                )
-            )
-    else:
-        model = model_provider(pre_process=True, post_process=True)
-        chunks = model if isinstance(model, list) else [model]
+        chunks.extend(model if isinstance(model, list) else [model])
     for chunk in chunks:
         chunk.model_type = model_type
 
@@ -332,7 +326,12 @@ def get_model(
         ddp_config.bucket_size = bucket_size_for_num_buckets(chunks, args.ddp_num_buckets)
     wrapped = []
     for chunk in chunks:
-        ddp = DistributedDataParallel(ddp_config, chunk, dp_cp_group)
+        ddp = DistributedDataParallel(
+            ddp_config,
+            chunk,
+            dp_cp_group,
+            expert_data_parallel_group=state.get_expert_data_parallel_group(),
+        )
         # Replicas are seeded identically, so their weights agree unless seeded per DP rank.
         if getattr(args, "data_parallel_random_init", False):
             ddp.broadcast_params()
@@ -353,7 +352,7 @@ def uses_torch_fsdp2(args) -> bool:
 
 
 def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
-    """The LR/WD scheduler of §11; steps count samples."""
+    """The learning-rate and weight-decay scheduler (Megatron's); its steps count samples."""
     args = global_vars.get_args()
     if args.train_iters is not None and args.train_samples is None:
         lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
@@ -447,6 +446,10 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         config.calculate_per_token_loss = getattr(args, "calculate_per_token_loss", False)
         config.microbatch_group_size_per_vp_stage = args.microbatch_group_size_per_vp_stage
         config.rng_tracker = global_vars.get_rng_tracker()
+        # The schedules hand the gradients (and the token count) to it after the last backward.
+        config.finalize_model_grads_func = partial(
+            finalize_model_grads, parallel_state=state, timers=timers
+        )
 
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
@@ -466,7 +469,7 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
 
 
 def get_train_valid_test_num_samples():
-    """Target sample counts of §6: train, valid, test."""
+    """Samples the train, validation and test datasets must hold (Megatron's targets)."""
     args = global_vars.get_args()
     train_samples = (
         args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
@@ -574,18 +577,6 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         **_pipeline_kwargs(args, state),
     )
     timers("forward-backward").stop()
-
-    timers("all-grads-sync", log_level=1).start(barrier=args.barrier_with_L1_time)
-    # DP reduction, tied-embedding sync across the first and last stage, per-token scaling.
-    num_tokens = (
-        config.last_num_tokens.to(get_device()) if config.calculate_per_token_loss else None
-    )
-    finalize_model_grads(model, state, num_tokens=num_tokens, timers=timers)
-    if args.sequence_parallel:
-        timers("layernorm-grads-all-reduce", log_level=1).start()
-        allreduce_sequence_parallel_grads(model, state.get_tensor_model_parallel_group())
-        timers("layernorm-grads-all-reduce").stop()
-    timers("all-grads-sync").stop()
 
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = optimizer.step()
@@ -701,6 +692,7 @@ def _train_loop(
     flops,
 ):
     args = global_vars.get_args()
+    family = global_vars.get_model_family()
     total_loss_dict = {}
     report_memory_flag = True
     exit_code = None
@@ -716,7 +708,7 @@ def _train_loop(
             args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
         )
         args.consumed_train_samples += batch_size
-        flops += num_floating_point_operations(args, batch_size)
+        flops += family.num_floating_point_operations(args, batch_size)
         if skipped_iter:
             args.skipped_train_samples = getattr(args, "skipped_train_samples", 0) + batch_size
         loss_scale = optimizer.get_loss_scale().item()

@@ -1,4 +1,4 @@
-"""The per-interval log line, TensorBoard/W&B scalars, and the validation report (MEGATRON_FACTS §4)."""
+"""Megatron's per-interval log line, the TensorBoard/W&B scalars and the validation report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Dict, Optional
 import torch
 
 from . import global_vars
-from .flops import num_floating_point_operations, peak_tflops_per_device
+from .flops import peak_tflops_per_device
 from .memory_stats import memory_scalars
 from .utils import get_device, print_rank_last
 
@@ -226,7 +226,7 @@ def _log_throughput(
     args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer
 ) -> float:
     """TFLOP/s per GPU with Megatron's FLOP count; also tokens/s and MFU to TensorBoard / W&B."""
-    flops = num_floating_point_operations(args, batch_size)
+    flops = global_vars.get_model_family().num_floating_point_operations(args, batch_size)
     tflops_per_gpu = flops / (max(elapsed_per_iteration, 1e-12) * 1e12 * args.world_size)
     tokens_per_sec = batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12)
     scalars = {"throughput": tflops_per_gpu, "tokens-per-sec": tokens_per_sec}
@@ -242,7 +242,7 @@ def _log_throughput(
 
 
 def report_memory(name: str) -> None:
-    """The CUDA memory line of §4, printed by data-parallel rank 0 of each model-parallel rank."""
+    """Megatron's CUDA memory line, printed by data-parallel rank 0 of each model-parallel rank."""
     state = global_vars.get_parallel_state()
     if state.get_data_parallel_rank() != 0:
         return
@@ -264,7 +264,7 @@ def report_memory(name: str) -> None:
 def print_evaluation(
     prefix: str, total_loss_dict: Dict[str, float], iteration: int, samples: int, test: bool = False
 ) -> str:
-    """The validation/test block of §4; also writes the scalars to TensorBoard and W&B."""
+    """Megatron's validation/test block; also writes the scalars to TensorBoard and W&B."""
     args = global_vars.get_args()
     writer = global_vars.get_tensorboard_writer()
     wandb_writer = global_vars.get_wandb_writer()

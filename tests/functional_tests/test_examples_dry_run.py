@@ -310,7 +310,7 @@ def test_parameter_formula_matches_the_built_model(flags):
 
     from megatron.core.models.gpt import GPTModel
     from megatron.training.configs import core_transformer_config_from_args
-    from megatron.training.dry_run import count_parameters
+    from megatron.training.theoretical_memory import count_parameters
     from megatron.training.tokenizer import build_tokenizer
 
     args = _args(

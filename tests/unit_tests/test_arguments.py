@@ -1258,7 +1258,6 @@ def test_checkpoint_formats(capsys):
         (["--fp8-format", "hybrid", "--bf16"], "--fp8-format hybrid"),
         (["--optimizer", "lion"], "--optimizer lion"),
         (["--yaml-cfg", "cfg.yaml"], "--yaml-cfg cfg.yaml"),
-        (["--spec", "local"], "--spec local"),
         (["--position-embedding-type", "yarn"], "--position-embedding-type yarn"),
         (
             ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "t.json"],

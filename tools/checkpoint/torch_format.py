@@ -26,10 +26,10 @@ import torch
 from protocol import ConversionError
 
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
-from megatron.training.checkpointing import (
+from megatron.training.checkpointing_common import (
     CHECKPOINT_VERSION,
     TRACKER_FILENAME,
-    _checkpoint_args,
+    checkpoint_args,
     checkpoint_name,
 )
 
@@ -334,7 +334,7 @@ class TorchCheckpointWriter:
 
     def write(self) -> List[str]:
         os.makedirs(self.save_dir, exist_ok=True)
-        saved_args = _checkpoint_args(self.args)
+        saved_args = checkpoint_args(self.args)
         paths = []
         for t in range(self.tp):
             for p in range(self.pp):

@@ -1,6 +1,6 @@
 """Reader and writer of Megatron's memory-mapped ``.bin``/``.idx`` token datasets.
 
-On-disk layout (little-endian, MEGATRON_FACTS.md section 5)::
+On-disk layout (little-endian, as Megatron writes it)::
 
     <prefix>.idx  b"MMIDIDX\\x00\\x00"     9-byte magic
                   u64 version = 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,8 +86,13 @@ def bucket_size_for_num_buckets(model_chunks: Sequence[torch.nn.Module], num_buc
 class DistributedDataParallel(torch.nn.Module):
     """Wraps a model chunk; reduces its gradients over ``data_parallel_group``.
 
-    ``module`` is the wrapped model. Parameters marked ``allreduce = False`` (expert params) are
-    left out of the dense buffers (none exist until MoE lands).
+    ``module`` is the wrapped model. Parameters marked ``allreduce = False`` (the experts of an
+    MoE layer, each held by one expert-parallel rank) live in buffers of their own, kept in
+    ``expert_parallel_buffers``: their gradients are summed over ``expert_data_parallel_group``
+    (the ranks holding the same experts) after the same 1/DP pre-scaling as the dense ones, since
+    an expert's gradient already gathers the tokens that every rank of its expert-parallel group
+    routed to it. Megatron's scaling: with ``average_in_collective`` the expert gradients are
+    pre-scaled by expert-DP/DP and averaged over expert DP.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class DistributedDataParallel(torch.nn.Module):
         config: DistributedDataParallelConfig,
         module: torch.nn.Module,
         data_parallel_group: Optional[dist.ProcessGroup] = None,
+        expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
     ):
         super().__init__()
         self.config = config
@@ -104,6 +110,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.data_parallel_group = data_parallel_group
         self.dp_size = collectives.group_size(data_parallel_group)
         self.dp_rank = collectives.group_rank(data_parallel_group)
+        self.expert_data_parallel_group = expert_data_parallel_group
         if config.overlap_grad_reduce:
             self.bucket_size = config.bucket_size or max(
                 DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size
@@ -114,29 +121,36 @@ class DistributedDataParallel(torch.nn.Module):
             )
         self.is_last_microbatch = True
 
-        by_dtype: Dict[Tuple[torch.dtype, torch.dtype], List[torch.nn.Parameter]] = {}
+        dense, expert = {}, {}
         seen = set()
         for param in reversed(list(module.parameters())):
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
+            by_dtype = dense if getattr(param, "allreduce", True) else expert
             by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
-        self.buffers = [
-            ParamAndGradBuffer(
-                params,
-                param_dtype,
-                grad_dtype,
-                data_parallel_group,
-                self.bucket_size,
-                config.use_distributed_optimizer,
-                config.average_in_collective,
-                config.overlap_grad_reduce,
+        self.buffers = self._make_buffers(dense, data_parallel_group, None)
+        """Buffers of the dense parameters, reduced over ``data_parallel_group``."""
+        self.expert_parallel_buffers = []
+        """Buffers of the expert parameters (``allreduce = False``), reduced over
+        ``expert_data_parallel_group``."""
+        if expert:
+            if expert_data_parallel_group is None and self.dp_size > 1:
+                raise ValueError(
+                    "the model has expert parameters (allreduce=False): pass "
+                    "expert_data_parallel_group (ParallelState.get_expert_data_parallel_group())"
+                )
+            expert_dp_size = collectives.group_size(expert_data_parallel_group)
+            if config.average_in_collective:
+                expert_scaling = expert_dp_size / self.dp_size
+            else:
+                expert_scaling = 1.0 / self.dp_size
+            self.expert_parallel_buffers = self._make_buffers(
+                expert, expert_data_parallel_group, expert_scaling
             )
-            for (param_dtype, grad_dtype), params in by_dtype.items()
-        ]
         self._hooks = []
-        for buffer in self.buffers:
+        for buffer in self.all_buffers:
             if not buffer.aliased or config.overlap_grad_reduce:
                 for p in buffer.params:
                     self._hooks.append(
@@ -151,10 +165,32 @@ class DistributedDataParallel(torch.nn.Module):
                 module.register_state_dict_pre_hook(lambda *unused: self.finish_param_sync())
             )
 
+    def _make_buffers(self, params_by_dtype, group, gradient_scaling_factor):
+        config = self.config
+        return [
+            ParamAndGradBuffer(
+                params,
+                param_dtype,
+                grad_dtype,
+                group,
+                self.bucket_size,
+                config.use_distributed_optimizer,
+                config.average_in_collective,
+                config.overlap_grad_reduce,
+                gradient_scaling_factor=gradient_scaling_factor,
+            )
+            for (param_dtype, grad_dtype), params in params_by_dtype.items()
+        ]
+
+    @property
+    def all_buffers(self) -> List[ParamAndGradBuffer]:
+        """The dense buffers, then the expert buffers."""
+        return self.buffers + self.expert_parallel_buffers
+
     def _register_param_gather_hooks(self):
         """Before a module's forward, wait for the all-gathers of the buckets holding its own params."""
         bucket_of = {}
-        for buffer in self.buffers:
+        for buffer in self.all_buffers:
             bucket_of.update(buffer.param_to_bucket)
         for submodule in self.module.modules():
             buckets = []
@@ -203,23 +239,25 @@ class DistributedDataParallel(torch.nn.Module):
             self.is_last_microbatch = True
 
     def zero_grad_buffer(self):
-        """Zero every gradient buffer (and forget last iteration's bucket state) before a new iteration."""
-        for buffer in self.buffers:
+        """Zero every gradient buffer (and forget last iteration's bucket state) before a new
+        iteration."""
+        for buffer in self.all_buffers:
             buffer.zero()
 
     def start_grad_sync(self, *unused):
         """Launch every bucket reduction that backward has not launched yet (the pipeline schedules'
         ``grad_sync_func``); without overlap this reduces synchronously."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers:
             buffer.start_grad_sync()
 
     def finish_grad_sync(self):
         """Complete the reduction of every bucket: an average over the data-parallel group
-        (all-reduce), or, with the distributed optimizer, this rank's reduced slice of each bucket."""
-        for buffer in self.buffers:
+        (all-reduce), or, with the distributed optimizer, this rank's reduced slice of each bucket;
+        expert buffers over the expert-data-parallel group."""
+        for buffer in self.all_buffers:
             buffer.finish_grad_sync()
         if self.config.check_for_nan_in_grad:
-            for buffer in self.buffers:
+            for buffer in self.all_buffers:
                 if not torch.isfinite(buffer.grad_data).all():
                     raise RuntimeError("NaN or Inf found in the reduced gradients")
 
@@ -235,24 +273,32 @@ class DistributedDataParallel(torch.nn.Module):
         if not self.config.use_distributed_optimizer or self.dp_size == 1:
             return
         overlap = self.config.overlap_param_gather and not force_sync
-        for buffer in self.buffers:
+        for buffer in self.all_buffers:
             buffer.start_param_gather(async_op=overlap)
 
     def finish_param_sync(self):
         """Wait for every pending param all-gather."""
-        for buffer in self.buffers:
+        for buffer in self.all_buffers:
             buffer.finish_param_gather()
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every gradient (dense and expert buffers) by ``scaling_factor``."""
+        for buffer in self.all_buffers:
+            buffer.grad_data.mul_(scaling_factor)
 
     def named_parameters(self, *args, **kwargs):
         self.finish_param_sync()
         return super().named_parameters(*args, **kwargs)
 
     def broadcast_params(self):
-        """Make every DP replica start from the same weights (those of DP rank 0)."""
-        if self.dp_size > 1:
-            src = dist.get_global_rank(self.data_parallel_group, 0)
-            for param in self.module.parameters():
-                dist.broadcast(param.data, src=src, group=self.data_parallel_group)
+        """Make every DP replica start from the same weights (those of DP rank 0; for expert
+        parameters, those of expert-DP rank 0)."""
+        for param in self.module.parameters():
+            expert = not getattr(param, "allreduce", True)
+            group = self.expert_data_parallel_group if expert else self.data_parallel_group
+            if collectives.group_size(group) > 1:
+                src = dist.get_global_rank(group, 0)
+                dist.broadcast(param.data, src=src, group=group)
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

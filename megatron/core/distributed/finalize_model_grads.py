@@ -1,4 +1,4 @@
-"""Gradient reductions after all micro-batches of an iteration, across the non-data-parallel groups.
+"""Every gradient reduction between the last backward of an iteration and the optimizer step.
 
 With pipeline parallelism and tied input/output embeddings, the first stage holds the word
 embedding and the last stage a copy of it as the output layer's weight; each copy receives only
@@ -13,12 +13,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-
-def _unwrap(module):
-    inner = module
-    while not hasattr(inner, "shared_embedding_or_output_weight") and hasattr(inner, "module"):
-        inner = inner.module
-    return inner
+from megatron.core.tensor_parallel.grads import allreduce_sequence_parallel_grads
+from megatron.core.utils import get_model_config, unwrap_model
 
 
 def _grad_of(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -32,7 +28,7 @@ def get_shared_embedding_weight(
     """The tied embedding / output weight this rank holds as a pipeline end, or None."""
     if not (is_first_stage or is_last_stage) or (is_first_stage and is_last_stage):
         return None
-    inner = _unwrap(model_chunks[0] if is_first_stage else model_chunks[-1])
+    inner = unwrap_model(model_chunks[0] if is_first_stage else model_chunks[-1])
     if not getattr(inner, "share_embeddings_and_output_weights", False):
         return None
     if getattr(inner, "pre_process", False) and getattr(inner, "post_process", False):
@@ -66,24 +62,37 @@ def finalize_model_grads(
 ) -> None:
     """Everything the trainer does with gradients between the schedule and the optimizer step.
 
-    1. each chunk's data-parallel reduction (``finish_grad_sync``, averaging over DP x CP);
+    1. each chunk's data-parallel reduction (``finish_grad_sync``: the dense gradients averaged
+       over DP x CP, the expert gradients, ``allreduce = False``, summed over expert DP);
     2. the tied embedding gradient summed over the embedding group (pipeline ends);
     3. with per-token loss (``num_tokens`` given: this rank's token count, meaningful on the last
        stage) the count is broadcast from the last stage over the pipeline group, summed over
-       DP x CP, and every gradient buffer scaled by DP*CP / total so that gradients are
-       sum(loss) / total tokens.
+       DP x CP, and every gradient scaled by DP*CP / total so that gradients are
+       sum(loss) / total tokens;
+    4. with sequence parallelism, the gradients of the parameters replicated over TP whose
+       input was split along the sequence (norms, row-parallel biases) summed over TP.
 
-    ``parallel_state`` is the ``ParallelState`` of ``initialize_model_parallel`` (None: one process).
-    Sequence-parallel norm gradients are reduced separately (``allreduce_sequence_parallel_grads``).
+    The schedules call it (as ``config.finalize_model_grads_func``) after the last backward,
+    with the token count of the iteration. ``parallel_state`` is the ``ParallelState`` of
+    ``initialize_model_parallel`` (None: one process). ``timers`` time the whole
+    ('all-grads-sync') and the embedding and sequence-parallel reductions.
     """
 
     def timer(name):
         return timers(name, log_level=1) if timers is not None else None
 
+    sync_timer = timer("all-grads-sync")
+    if sync_timer:
+        sync_timer.start(barrier=get_model_config(model_chunks[0]).barrier_with_L1_time)
     for chunk in model_chunks:
         chunk.finish_grad_sync()
-    if parallel_state is None:
-        return
+    if parallel_state is not None:
+        _reduce_across_model_parallel_groups(model_chunks, parallel_state, num_tokens, timer)
+    if sync_timer:
+        sync_timer.stop()
+
+
+def _reduce_across_model_parallel_groups(model_chunks, parallel_state, num_tokens, timer):
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     if pp_size > 1:
         t = timer("embedding-grads-all-reduce")
@@ -98,7 +107,9 @@ def finalize_model_grads(
         if t:
             t.stop()
     if num_tokens is not None:
-        num_tokens = num_tokens.clone()
+        # The count may live on the CPU; the collectives need it where the gradients are.
+        device = next(model_chunks[0].parameters()).device
+        num_tokens = num_tokens.to(device, copy=True)
         if pp_size > 1:
             last = dist.get_global_rank(
                 parallel_state.get_pipeline_model_parallel_group(), pp_size - 1
@@ -113,9 +124,13 @@ def finalize_model_grads(
             )
         scale = dp_cp / max(1, int(num_tokens.item()))
         for chunk in model_chunks:
-            scale_gradients = getattr(chunk, "scale_gradients", None)
-            if scale_gradients is not None:  # FSDP2: the gradients are sharded DTensors
-                scale_gradients(scale)
-                continue
-            for buffer in getattr(chunk, "buffers", []):
-                buffer.data.mul_(scale)
+            chunk.scale_gradients(scale)
+    if get_model_config(model_chunks[0]).sequence_parallel:
+        t = timer("layernorm-grads-all-reduce")
+        if t:
+            t.start()
+        allreduce_sequence_parallel_grads(
+            model_chunks, parallel_state.get_tensor_model_parallel_group()
+        )
+        if t:
+            t.stop()

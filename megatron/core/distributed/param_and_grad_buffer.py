@@ -9,10 +9,11 @@ Megatron's): every param starts at a multiple of 64 elements and every bucket en
 of lcm(DP, 128), so each of the DP ranks owns an equal, contiguous 1/DP slice of every bucket.
 Without the distributed optimizer nothing is padded.
 
-Each bucket reduces its gradient slice with one collective: an all-reduce (plain DDP) or a
-reduce-scatter into this rank's slice (distributed optimizer). Gradients are pre-scaled by 1/DP
-and summed, or, with ``average_in_collective``, averaged by the collective itself (the backend's
-AVG when it has one; otherwise summed, then divided by DP).
+Each bucket reduces its gradient slice with one collective over the buffer's group: an
+all-reduce (plain DDP) or a reduce-scatter into this rank's slice (distributed optimizer).
+Gradients are pre-scaled by the buffer's ``gradient_scaling_factor`` (1/DP for dense params) and
+summed, or, with ``average_in_collective``, averaged by the collective itself (the backend's AVG
+when it has one; otherwise summed, then divided by the group size).
 
 With the distributed optimizer each bucket also all-gathers the updated param slices after the
 optimizer step; with ``--overlap-param-gather`` those gathers are launched asynchronously and
@@ -119,15 +120,14 @@ class Bucket:
             )
         self.launched = True
         buf = self.buffer
+        if buf.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(buf.gradient_scaling_factor)
         if buf.dp_size == 1:
             self.finished = True
             return
         op = dist.ReduceOp.SUM
-        if buf.average_in_collective:
-            if buf.native_avg:
-                op = dist.ReduceOp.AVG
-        else:
-            self.grad_data.mul_(1.0 / buf.dp_size)
+        if buf.average_in_collective and buf.native_avg:
+            op = dist.ReduceOp.AVG
         async_op = buf.overlap
         if buf.use_distributed_optimizer:
             # The output is a separate tensor: not every backend accepts an output that aliases
@@ -209,6 +209,9 @@ class ParamAndGradBuffer:
     ``param.main_grad`` is a view of ``grad_data``; with ``use_distributed_optimizer`` the param's
     storage (``param.data``) is a view of ``param_data``, so that the updated shards can be
     all-gathered in place.
+
+    ``gradient_scaling_factor`` multiplies the gradients before the collective; None means
+    1/DP (``dp_group``'s size), or 1 with ``average_in_collective``.
     """
 
     def __init__(
@@ -221,6 +224,7 @@ class ParamAndGradBuffer:
         use_distributed_optimizer: bool,
         average_in_collective: bool,
         overlap: bool,
+        gradient_scaling_factor: Optional[float] = None,
     ):
         self.params = params
         self.param_dtype = param_dtype
@@ -231,6 +235,9 @@ class ParamAndGradBuffer:
         self.use_distributed_optimizer = use_distributed_optimizer
         self.average_in_collective = average_in_collective
         self.native_avg = collectives.has_avg_op(dp_group)
+        if gradient_scaling_factor is None:
+            gradient_scaling_factor = 1.0 if average_in_collective else 1.0 / self.dp_size
+        self.gradient_scaling_factor = gradient_scaling_factor
         self.overlap = overlap
         self.param_index_map = {}
         """param -> (start, end, bucket index) in the buffer."""

@@ -84,6 +84,11 @@ class DistributedOptimizer(MegatronOptimizer):
                     "--use-distributed-optimizer needs the model chunks wrapped in "
                     "DistributedDataParallel built with use_distributed_optimizer=True"
                 )
+            if getattr(chunk, "expert_parallel_buffers", None):
+                raise ValueError(
+                    "--use-distributed-optimizer does not shard expert parameters "
+                    "(allreduce=False) yet"
+                )
         self.model_chunks = list(model_chunks)
         self.grad_scaler = grad_scaler
         self.optimizer_name = "adam" if issubclass(optimizer_cls, torch.optim.AdamW) else "sgd"

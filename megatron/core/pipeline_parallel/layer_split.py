@@ -61,6 +61,61 @@ class PipelineLayerSplit:
         )
 
 
+def layer_split_from_config(config) -> PipelineLayerSplit:
+    """The split of ``config.num_layers`` that a (Transformer)config's pipeline fields describe."""
+    return compute_layer_split(
+        config.num_layers,
+        config.pipeline_model_parallel_size,
+        config.virtual_pipeline_model_parallel_size,
+        config.num_layers_in_first_pipeline_stage,
+        config.num_layers_in_last_pipeline_stage,
+        config.account_for_embedding_in_pipeline_split,
+        config.account_for_loss_in_pipeline_split,
+    )
+
+
+def _stage_of(config, vp_stage: Optional[int], pp_rank: Optional[int]) -> Tuple[int, int]:
+    pp = config.pipeline_model_parallel_size
+    vp = config.virtual_pipeline_model_parallel_size or 1
+    if pp_rank is None:
+        if pp > 1:
+            raise ValueError(
+                f"with pipeline_model_parallel_size {pp} the pipeline rank of the model chunk is "
+                "needed (a pg_collection holding the pipeline group)"
+            )
+        pp_rank = 0
+    if vp_stage is None:
+        if vp > 1:
+            raise ValueError(
+                f"with {vp} virtual pipeline stages per rank the model chunk's vp_stage is needed"
+            )
+        vp_stage = 0
+    if not (0 <= pp_rank < pp and 0 <= vp_stage < vp):
+        raise ValueError(
+            f"pipeline rank {pp_rank} / virtual stage {vp_stage} out of range for "
+            f"pipeline_model_parallel_size {pp} x {vp} virtual stages"
+        )
+    return pp_rank, vp_stage
+
+
+def get_num_layers_to_build(
+    config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> int:
+    """Layers of the model chunk of pipeline rank ``pp_rank``, virtual stage ``vp_stage``
+    (Megatron Core's function; None means 0 where the config has no pipeline / no virtual
+    stages)."""
+    pp_rank, vp_stage = _stage_of(config, vp_stage, pp_rank)
+    return layer_split_from_config(config).num_layers_for(pp_rank, vp_stage)
+
+
+def get_transformer_layer_offset(
+    config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None
+) -> int:
+    """How many layers precede that model chunk (the 0-based global index of its first layer)."""
+    pp_rank, vp_stage = _stage_of(config, vp_stage, pp_rank)
+    return layer_split_from_config(config).offset_for(pp_rank, vp_stage)
+
+
 def resolve_virtual_pipeline_size(
     num_layers: int,
     pipeline_model_parallel_size: int,

@@ -7,9 +7,11 @@
 
 chosen by :func:`get_forward_backward_func`. The schedules read their options from the model
 config (attributes set by the trainer): ``grad_scale_func`` (loss scaling for fp16),
-``calculate_per_token_loss``, ``timers``, ``grad_sync_func``, ``microbatch_group_size_per_vp_stage``
-and, for tests, ``pipeline_event_callback`` (called with a :class:`PipelineEvent` after every
-forward and backward compute of the pipeline schedules).
+``calculate_per_token_loss``, ``timers``, ``grad_sync_func``,
+``microbatch_group_size_per_vp_stage``, ``finalize_model_grads_func`` (called after the last
+backward with the model chunks and, with ``calculate_per_token_loss``, the iteration's token
+count: the gradient reductions) and, for tests, ``pipeline_event_callback`` (called with a
+:class:`PipelineEvent` after every forward and backward compute of the pipeline schedules).
 """
 
 from __future__ import annotations
@@ -24,25 +26,7 @@ import torch
 
 from megatron.core.pipeline_parallel.layer_split import check_interleaved_microbatches
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, get_tensor_shape
-
-
-def get_model_config(model: torch.nn.Module):
-    """The TransformerConfig of a (possibly wrapped) model chunk.
-
-    Wrappers (DDP, Float16Module) are looked through: DDP's own ``config`` is its
-    DistributedDataParallelConfig, not the model's, so the first config with ``hidden_size`` wins.
-    """
-    inner, found = model, None
-    while inner is not None:
-        config = getattr(inner, "config", None)
-        if config is not None:
-            if hasattr(config, "hidden_size"):
-                return config
-            found = found if found is not None else config
-        inner = getattr(inner, "module", None)
-    if found is None:
-        raise ValueError(f"model {type(model).__name__} has no config attribute")
-    return found
+from megatron.core.utils import get_model_config, unwrap_model
 
 
 def get_forward_backward_func(
@@ -68,14 +52,12 @@ def _timer(config, name):
     return timers(name, log_level=2) if timers is not None else None
 
 
-def _unwrap_set_input_tensor(model):
-    inner = model
-    while not hasattr(inner, "set_input_tensor") and hasattr(inner, "module"):
-        inner = inner.module
-    fn = getattr(inner, "set_input_tensor", None)
-    if fn is None:
-        raise ValueError(f"pipeline stage model {type(model).__name__} has no set_input_tensor()")
-    return fn
+def _finalize_grads(config, model_chunks, total_tokens: torch.Tensor) -> None:
+    """Hand the gradients to ``config.finalize_model_grads_func`` once backward is complete."""
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if finalize is not None:
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        finalize(model_chunks, num_tokens=total_tokens if per_token else None)
 
 
 def forward_step(
@@ -108,7 +90,7 @@ def forward_step(
         timer.start()
     cp_size = getattr(config, "context_parallel_size", 1)
     if set_input_tensor:
-        _unwrap_set_input_tensor(model)(input_tensor)
+        unwrap_model(model).set_input_tensor(input_tensor)
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     num_tokens = torch.tensor(0, dtype=torch.int)
     if not is_last_stage:
@@ -181,9 +163,8 @@ def forward_backward_no_pipelining(
 ) -> List[Any]:
     """All micro-batches forward then backward, one at a time; returns the reported losses.
 
-    Gradient synchronisation happens after the last micro-batch (the trainer calls the DDP
-    wrapper's ``finish_grad_sync``). The total token count is stored on ``config`` as
-    ``last_num_tokens`` for per-token loss scaling.
+    Gradient synchronisation happens after the last micro-batch, in
+    ``config.finalize_model_grads_func`` (given the token count for per-token loss scaling).
     """
     if isinstance(model, list):
         if len(model) != 1:
@@ -224,7 +205,7 @@ def forward_backward_no_pipelining(
     total_tokens += num_tokens
     if not forward_only:
         backward_step(output, config)
-    config.last_num_tokens = total_tokens
+        _finalize_grads(config, [model], total_tokens)
     return forward_data_store
 
 
@@ -400,7 +381,8 @@ def _run_pipeline(
                 callback(PipelineEvent(pp_rank, chunk, mb, kind, start, time.monotonic_ns()))
         communicator.exchange(send_next=send_next, send_prev=send_prev, tensor_shape=tensor_shape)
         communicator.wait_for_sends()
-    config.last_num_tokens = total_tokens
+    if not forward_only:
+        _finalize_grads(config, model_chunks, total_tokens)
     return forward_data_store
 
 

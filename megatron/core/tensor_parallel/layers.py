@@ -32,7 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megatron.core.transformer.utils import new_constant_param, new_weight, param_device
+from megatron.core.tensor_parallel.parameters import new_constant_param, new_weight, param_device
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:

@@ -16,11 +16,16 @@ class ProcessGroupCollection:
     cp: Any = None
     """Context-parallel group: ranks that hold chunks of the same sequences."""
 
+    pp: Any = None
+    """Pipeline-parallel group: its rank is the stage a model chunk belongs to."""
+
     @classmethod
     def from_parallel_state(cls, state) -> "ProcessGroupCollection":
-        """From a :class:`megatron.core.parallel_state.ParallelState` (its tp and cp groups)."""
+        """From a :class:`megatron.core.parallel_state.ParallelState` (its tp, cp, pp groups)."""
         return cls(
-            tp=state.get_tensor_model_parallel_group(), cp=state.get_context_parallel_group()
+            tp=state.get_tensor_model_parallel_group(),
+            cp=state.get_context_parallel_group(),
+            pp=state.get_pipeline_model_parallel_group(),
         )
 
     @property
@@ -38,6 +43,14 @@ class ProcessGroupCollection:
     @property
     def cp_rank(self) -> int:
         return group_rank(self.cp)
+
+    @property
+    def pp_size(self) -> int:
+        return group_size(self.pp)
+
+    @property
+    def pp_rank(self) -> int:
+        return group_rank(self.pp)
 
 
 def resolve_pg_collection(config, pg_collection: Optional[Any] = None) -> ProcessGroupCollection:

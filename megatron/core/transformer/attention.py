@@ -11,12 +11,12 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
-from megatron.core.transformer.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.rotary_pos_embedding import apply_rotary_pos_emb
 from megatron.core.transformer.utils import recompute
 

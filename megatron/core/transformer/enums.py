@@ -3,13 +3,6 @@
 import enum
 
 
-class ModelType(enum.Enum):
-    """Kind of model a pretrain script builds; GPT is ``encoder_or_decoder``."""
-
-    encoder_or_decoder = 1
-    encoder_and_decoder = 2  # T5-style, no longer used by Megatron Core's schedules
-
-
 class AttnType(enum.Enum):
     self_attn = 1
     cross_attn = 2

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_gelu import gelu_tanh
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
 
 class MLP(MegatronModule):

@@ -12,7 +12,7 @@ LayerNorm does, so the following GEMM runs in the parameter dtype.
 import torch
 import torch.nn.functional as F
 
-from megatron.core.transformer.utils import new_constant_param
+from megatron.core.tensor_parallel.parameters import new_constant_param
 
 
 class _Norm(torch.nn.Module):

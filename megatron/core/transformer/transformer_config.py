@@ -30,6 +30,20 @@ class TransformerConfig(ModelParallelConfig):
     num_layers: int = 0
     """Number of transformer layers (``--num-layers``)."""
 
+    num_layers_in_first_pipeline_stage: Optional[int] = None
+    """Layers of the first pipeline stage when the split is uneven
+    (``--decoder-first-pipeline-num-layers``); None splits evenly."""
+
+    num_layers_in_last_pipeline_stage: Optional[int] = None
+    """Layers of the last pipeline stage when the split is uneven
+    (``--decoder-last-pipeline-num-layers``); None splits evenly."""
+
+    account_for_embedding_in_pipeline_split: bool = False
+    """The embedding takes the place of one layer on the first (virtual) pipeline stage."""
+
+    account_for_loss_in_pipeline_split: bool = False
+    """The loss takes the place of one layer on the last (virtual) pipeline stage."""
+
     hidden_size: int = 0
     """Width of the residual stream (``--hidden-size``)."""
 

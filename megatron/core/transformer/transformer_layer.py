@@ -1,23 +1,62 @@
-"""One pre-norm transformer layer: x + Attn(LN(x)), then x + MLP(LN(x)), in [s, b, h]."""
+"""One pre-norm transformer layer, assembled from a spec, in [s, b, h].
 
-from typing import Optional, Tuple
+    x = x + SelfAttention(input_layernorm(x))
+    x = x + CrossAttention(pre_cross_attn_layernorm(x), context)     (encoder-decoder models)
+    x = x + MLP(pre_mlp_layernorm(x))                                 (or a mixture of experts)
+
+Which modules fill the slots is the spec's choice (:class:`TransformerLayerSubmodules`): GPT's
+local spec is in ``megatron.core.models.gpt.gpt_layer_specs``.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
-from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.norms import build_norm
+from megatron.core.transformer.spec_utils import IdentityOp, ModuleSpec, build_module
 from megatron.core.transformer.utils import model_parallel_rng, recompute
+
+SlotSpec = Union[ModuleSpec, type, None]
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    """The modules of a layer (Megatron Core's names, which are also the state-dict names).
+
+    A norm slot left as ``IdentityOp`` has no norm; an attention or MLP slot left as None has no
+    such block (GPT and BERT have no cross-attention). The modules are built with:
+
+    * norms: ``(config=, hidden_size=, eps=)``;
+    * attentions: ``(config=, layer_number=, pg_collection=)``; the mask type comes from the spec's
+      params (``{"attn_mask_type": AttnMaskType.causal}`` for GPT, ``padding`` for BERT);
+    * the MLP: ``(config=, pg_collection=)``.
+
+    Attentions and the MLP return ``(output, bias or None)``; self-attention is called as
+    ``(x, attention_mask=, rotary_pos_emb=)``, cross-attention as
+    ``(x, attention_mask=context_mask, key_value_states=context)``, the MLP as ``(x)``.
+    """
+
+    input_layernorm: SlotSpec = IdentityOp
+    """Norm before the self-attention."""
+    self_attention: SlotSpec = None
+    """Self-attention (None: no self-attention block)."""
+    pre_cross_attn_layernorm: SlotSpec = IdentityOp
+    """Norm before the cross-attention."""
+    cross_attention: SlotSpec = None
+    """Attention over the encoder output ``context`` (None: no cross-attention block)."""
+    pre_mlp_layernorm: SlotSpec = IdentityOp
+    """Norm before the MLP."""
+    mlp: SlotSpec = None
+    """MLP, or a mixture of experts (None: no MLP block)."""
 
 
 class TransformerLayer(MegatronModule):
-    """input_layernorm -> self_attention -> bias-dropout-add -> pre_mlp_layernorm -> mlp ->
-    bias-dropout-add. With ``apply_residual_connection_post_layernorm`` the residual branch
-    starts from the norm's output instead of its input.
+    """Each block is norm -> module -> bias-dropout-add. With
+    ``apply_residual_connection_post_layernorm`` the residual branch starts from the norm's output
+    instead of its input.
 
     ``layer_number`` is 1-based and global (pipeline stages pass their offset). With sequence
     parallelism the norms, dropout and residual adds run on this rank's [s/TP, b, h] slice.
@@ -26,20 +65,40 @@ class TransformerLayer(MegatronModule):
     def __init__(
         self,
         config,
+        submodules: TransformerLayerSubmodules,
         layer_number: int = 1,
         hidden_dropout: Optional[float] = None,
-        attn_mask_type: AttnMaskType = AttnMaskType.causal,
         pg_collection=None,
     ):
         super().__init__(config)
+        self.submodules_config = submodules
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout if hidden_dropout is None else hidden_dropout
-        self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(
-            config, layer_number, attn_mask_type, pg_collection=pg_collection
+
+        # Built in this order (the order of the weights drawn from the layer's init generator).
+        def norm(spec):
+            return build_module(
+                spec, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+            )
+
+        def attention(spec):
+            if spec is None:
+                return None
+            return build_module(
+                spec, config=config, layer_number=layer_number, pg_collection=pg_collection
+            )
+
+        self.input_layernorm = norm(submodules.input_layernorm)
+        self.self_attention = attention(submodules.self_attention)
+        self.pre_cross_attn_layernorm = norm(submodules.pre_cross_attn_layernorm)
+        self.cross_attention = attention(submodules.cross_attention)
+        self.pre_mlp_layernorm = norm(submodules.pre_mlp_layernorm)
+        self.mlp = (
+            None
+            if submodules.mlp is None
+            else build_module(submodules.mlp, config=config, pg_collection=pg_collection)
         )
-        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config, pg_collection=pg_collection)
+
         self.residual_from_norm = config.apply_residual_connection_post_layernorm
         self.fp32_residual = config.fp32_residual_connection
         modules = (
@@ -66,39 +125,54 @@ class TransformerLayer(MegatronModule):
         self,
         hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
+        context: Optional[torch.Tensor] = None,
+        context_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb=None,
         **kwargs,
-    ) -> Tuple[torch.Tensor, None]:
-        """hidden_states [s, b, h] -> (hidden_states [s, b, h], context=None) as in Megatron."""
-        norm_checkpoint = self._norm_checkpoint()
-        normed = self._norm(self.input_layernorm, hidden_states, norm_checkpoint)
-        residual = normed if self.residual_from_norm else hidden_states
-        attention_output = self.self_attention(
-            normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
-        )
-        hidden_states = self._bias_dropout_add(attention_output, residual)
-        if norm_checkpoint is not None:
-            norm_checkpoint.discard_output_and_register_recompute(attention_output[0])
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """hidden_states [s, b, h] -> (hidden_states [s, b, h], context) as in Megatron.
 
-        norm_checkpoint = self._norm_checkpoint()
-        normed = self._norm(self.pre_mlp_layernorm, hidden_states, norm_checkpoint)
-        residual = normed if self.residual_from_norm else hidden_states
-        if self.recompute_mlp and self.training:
-            mlp_output = recompute(self.config, self.mlp, normed)
-        else:
-            mlp_output = self.mlp(normed)
-        hidden_states = self._bias_dropout_add(mlp_output, residual)
-        if norm_checkpoint is not None:
-            norm_checkpoint.discard_output_and_register_recompute(mlp_output[0])
-        return hidden_states, None
+        ``context`` [s_enc, b, h] and ``context_mask`` are the encoder output and its mask for
+        the cross-attention; they are returned unchanged for the next layer.
+        """
+        if self.self_attention is not None:
+            hidden_states = self._block(
+                self.input_layernorm,
+                lambda normed: self.self_attention(
+                    normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+                ),
+                hidden_states,
+            )
+        if self.cross_attention is not None:
+            hidden_states = self._block(
+                self.pre_cross_attn_layernorm,
+                lambda normed: self.cross_attention(
+                    normed, attention_mask=context_mask, key_value_states=context
+                ),
+                hidden_states,
+            )
+        if self.mlp is not None:
 
-    def _norm_checkpoint(self):
+            def mlp(normed):
+                if self.recompute_mlp and self.training:
+                    return recompute(self.config, self.mlp, normed)
+                return self.mlp(normed)
+
+            hidden_states = self._block(self.pre_mlp_layernorm, mlp, hidden_states)
+        return hidden_states, context
+
+    def _block(self, norm, module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """norm -> module -> bias-dropout-add; with 'layernorm' recompute the norm's output is
+        freed once the module has used it and recomputed in backward."""
+        norm_checkpoint = None
         if self.recompute_norms and self.training and torch.is_grad_enabled():
-            return CheckpointWithoutOutput()
-        return None
-
-    @staticmethod
-    def _norm(norm, hidden_states, norm_checkpoint):
-        if norm_checkpoint is None:
-            return norm(hidden_states)
-        return norm_checkpoint.checkpoint(norm, hidden_states)
+            norm_checkpoint = CheckpointWithoutOutput()
+            normed = norm_checkpoint.checkpoint(norm, hidden_states)
+        else:
+            normed = norm(hidden_states)
+        residual = normed if self.residual_from_norm else hidden_states
+        output_with_bias = module(normed)
+        hidden_states = self._bias_dropout_add(output_with_bias, residual)
+        if norm_checkpoint is not None:
+            norm_checkpoint.discard_output_and_register_recompute(output_with_bias[0])
+        return hidden_states

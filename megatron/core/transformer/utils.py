@@ -7,6 +7,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.random import checkpoint
+
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """Init method drawing from N(0, sigma) (Megatron's default for every weight matrix)."""
@@ -38,59 +40,6 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(F.relu(x), 2)
 
 
-def param_device(config) -> torch.device:
-    """Device new parameters are created on: meta with ``init_model_with_meta_device``, else CPU.
-
-    Weights are initialized on the CPU with the default CPU generator so that a seed gives the
-    same model on every device; the caller moves the model to its accelerator afterwards.
-    """
-    return torch.device("meta") if config.init_model_with_meta_device else torch.device("cpu")
-
-
-def set_default_tensor_parallel_attributes(param: torch.Tensor) -> None:
-    """Mark a parameter as not split across tensor-parallel ranks.
-
-    Every parameter carries ``tensor_model_parallel``/``partition_dim``/``partition_stride`` so that
-    optimizer and checkpoint code can read them without ``getattr`` defaults. At TP=1 nothing is
-    split, so all parameters get False / -1 / 1 (Megatron's values for unsplit parameters).
-    """
-    param.tensor_model_parallel = False
-    param.partition_dim = -1
-    param.partition_stride = 1
-
-
-def new_weight(shape, config, init_method: Callable) -> torch.nn.Parameter:
-    """A weight in ``config.params_dtype`` initialized by ``init_method`` (unless disabled).
-
-    Half-precision weights are drawn in fp32 and rounded, so fp32 and bf16/fp16 models built from
-    the same seed hold the same values up to rounding.
-    """
-    device = param_device(config)
-    weight = torch.empty(shape, dtype=config.params_dtype, device=device)
-    if config.perform_initialization and device.type != "meta":
-        with torch.no_grad():
-            if weight.dtype in (torch.float32, torch.float64):
-                init_method(weight)
-            else:
-                master = torch.empty(shape, dtype=torch.float32, device=device)
-                init_method(master)
-                weight.copy_(master)
-    param = torch.nn.Parameter(weight)
-    set_default_tensor_parallel_attributes(param)
-    return param
-
-
-def new_constant_param(shape, config, value: float) -> torch.nn.Parameter:
-    """A parameter filled with ``value`` (biases: 0, norm weights: 1, or 0 with zero-centred gamma)."""
-    device = param_device(config)
-    tensor = torch.empty(shape, dtype=config.params_dtype, device=device)
-    if device.type != "meta":
-        tensor.fill_(value)
-    param = torch.nn.Parameter(tensor)
-    set_default_tensor_parallel_attributes(param)
-    return param
-
-
 # Keys of the initialization scopes that are not transformer layers (layers use their number).
 EMBEDDING_INIT_KEY = 0
 OUTPUT_LAYER_INIT_KEY = 1 << 20
@@ -119,9 +68,6 @@ def recompute(config, function, *args, tp_group=None, distribute_saved_activatio
     (when set), so dropout masks, also those drawn on tensor-parallel-split activations, equal the
     first run's. ``distribute_saved_activations`` keeps 1/TP of ``args[0]`` per ``tp_group`` rank.
     """
-    # Imported here: the tensor_parallel package imports this module (weight init helpers).
-    from megatron.core.tensor_parallel.random import checkpoint
-
     return checkpoint(
         function,
         distribute_saved_activations,

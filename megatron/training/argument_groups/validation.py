@@ -9,10 +9,11 @@ import os
 import signal
 
 
-def fail(message):
-    # Imported at call time: arguments.py defines the error and imports this module.
-    from megatron.training.arguments import ArgumentValidationError
+class ArgumentValidationError(ValueError):
+    """A flag value, or a combination of flags, that cannot work. The message names them."""
 
+
+def fail(message):
     raise ArgumentValidationError(message)
 
 
@@ -266,6 +267,7 @@ def validate_model_shape(args):
             f"--position-embedding-type rope or none (got {args.position_embedding_type})",
         )
 
+    _validate_spec(args)
     if args.num_experts is not None:
         check(args.spec is None, "--num-experts cannot be combined with --spec")
         if args.moe_ffn_hidden_size is None:
@@ -281,6 +283,25 @@ def validate_model_shape(args):
         value = getattr(args, dest)
         if isinstance(value, list) and len(value) == 1:
             setattr(args, dest, value[0])
+
+
+def _validate_spec(args):
+    """``--spec <module> <name>`` must name a layer spec; ``--spec local`` is the default."""
+    if args.spec is None:
+        return
+    if list(args.spec) == ["local"]:
+        args.spec = None
+        return
+    check(
+        len(args.spec) == 2,
+        f"--spec takes <module> <name> (or local), got {' '.join(args.spec) or 'nothing'}",
+    )
+    from megatron.core.transformer.spec_utils import import_spec
+
+    try:
+        import_spec(tuple(args.spec))
+    except (ImportError, TypeError) as exc:
+        fail(f"--spec {' '.join(args.spec)}: {exc}")
 
 
 def validate_batch_size(args):
@@ -633,7 +654,7 @@ def validate_data_parallel_strategy(args):
 
 
 def _validate_fsdp2(args, what, one_connection):
-    """The limits of the FSDP2 path (MEGATRON_FACTS §3), for --use-torch-fsdp2 and for
+    """The limits Megatron puts on its FSDP paths, for --use-torch-fsdp2 and for
     --use-megatron-fsdp with optim_grads_params (which runs on FSDP2 here)."""
     for ok, why in (
         (args.pipeline_model_parallel_size == 1, "pipeline parallelism"),

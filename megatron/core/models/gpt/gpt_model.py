@@ -1,21 +1,23 @@
 """GPT decoder-only language model with Megatron Core's module names (local layer spec)."""
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from megatron.core.fusions.fused_linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.context_parallel import cp_chunk_indices
-from megatron.core.transformer.parallel_layers import ColumnParallelLinear
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import (
     EMBEDDING_INIT_KEY,
@@ -35,8 +37,12 @@ class GPTModel(LanguageModule):
     mlp.{linear_fc1,linear_fc2}}.*``, ``decoder.final_layernorm.*``, ``output_layer.weight``
     (absent when the output layer reuses the word embedding).
 
-    A pipeline stage builds its slice with ``pre_process``/``post_process`` and
-    ``num_layers``/``layer_number_offset``; ``set_input_tensor`` feeds a stage without the embedding.
+    The layers are built from ``transformer_layer_spec`` (a layer spec, or per-layer specs in a
+    ``TransformerBlockSubmodules``; default: ``get_gpt_layer_local_spec()``). A pipeline stage
+    builds its slice with ``pre_process``/``post_process`` and its virtual stage ``vp_stage``: the
+    layers it holds follow from the config's pipeline split and the pipeline rank of
+    ``pg_collection`` (``num_layers``/``layer_number_offset`` override them for a chunk built by
+    hand); ``set_input_tensor`` feeds a stage without the embedding.
 
     Model parallelism: ``pg_collection`` (a ``ProcessGroupCollection`` or the ``ParallelState`` of
     ``initialize_model_parallel``) gives the tensor- and context-parallel groups; None means one
@@ -64,9 +70,11 @@ class GPTModel(LanguageModule):
         rope_scaling_factor: float = 8.0,
         seq_len_interpolation_factor: Optional[float] = None,
         *,
-        num_layers: Optional[int] = None,
-        layer_number_offset: int = 0,
+        transformer_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules, None] = None,
+        vp_stage: Optional[int] = None,
         pg_collection=None,
+        num_layers: Optional[int] = None,
+        layer_number_offset: Optional[int] = None,
     ):
         super().__init__(config)
         self.pg_collection = resolve_pg_collection(config, pg_collection)
@@ -112,13 +120,18 @@ class GPTModel(LanguageModule):
             )
         else:
             self.rotary_pos_emb = None
+        if transformer_layer_spec is None:
+            transformer_layer_spec = get_gpt_layer_local_spec()
+        self.vp_stage = vp_stage
         self.decoder = TransformerBlock(
             config,
+            transformer_layer_spec,
             pre_process=pre_process,
             post_process=post_process,
+            pg_collection=self.pg_collection,
+            vp_stage=vp_stage,
             num_layers=num_layers,
             layer_number_offset=layer_number_offset,
-            pg_collection=self.pg_collection,
         )
         if post_process:
             with init_rng_scope(config.init_seed, OUTPUT_LAYER_INIT_KEY):

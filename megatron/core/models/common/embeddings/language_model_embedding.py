@@ -5,11 +5,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+from megatron.core.tensor_parallel.parameters import new_weight
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.parallel_layers import VocabParallelEmbedding
-from megatron.core.transformer.utils import new_weight
 
 _POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 

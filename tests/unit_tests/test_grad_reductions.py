@@ -1,0 +1,136 @@
+"""Gradient reductions after backward, checked against sums written out by hand:
+
+* DDP with expert parameters (``allreduce = False``): their own buffers, reduced over the expert
+  data-parallel group with the dense 1/DP scaling (Megatron's);
+* finalize_model_grads: the sequence-parallel norm gradients summed over TP, the per-token
+  scaling by DP x CP / total tokens.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from tests.unit_tests.dist_utils import run_distributed
+
+
+class _FakeMoE(torch.nn.Module):
+    """A dense weight and an expert weight; loss = dense . x[:4] + expert . x[4:], so the
+    gradients are the slices of ``x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        self.expert = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        self.expert.allreduce = False
+
+    def forward(self, x):
+        return (self.dense * x[:4]).sum() + (self.expert * x[4:]).sum()
+
+
+def _inputs(rank):
+    return torch.arange(1, 8, dtype=torch.float64) * (rank + 1) ** 2
+
+
+def _check_reduction(rank, state, average_in_collective):
+    model = _FakeMoE()
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(average_in_collective=average_in_collective),
+        model,
+        state.get_data_parallel_group(with_context_parallel=True),
+        expert_data_parallel_group=state.get_expert_data_parallel_group(),
+    )
+    assert [p for b in ddp.buffers for p in b.params] == [model.dense]
+    assert [p for b in ddp.expert_parallel_buffers for p in b.params] == [model.expert]
+    ddp.zero_grad_buffer()
+    ddp(_inputs(rank)).backward()
+    ddp.finish_grad_sync()
+
+    dp_ranks = state.ranks["dp-cp"]
+    expert_dp_ranks = state.ranks["expert-dp"]
+    dense = sum(_inputs(r)[:4] for r in dp_ranks) / len(dp_ranks)
+    expert = sum(_inputs(r)[4:] for r in expert_dp_ranks) / len(dp_ranks)
+    torch.testing.assert_close(model.dense.main_grad, dense, rtol=1e-15, atol=0)
+    torch.testing.assert_close(model.expert.main_grad, expert, rtol=1e-15, atol=0)
+
+    ddp.scale_gradients(0.5)
+    torch.testing.assert_close(model.expert.main_grad, expert / 2, rtol=1e-15, atol=0)
+    return len(dp_ranks), len(expert_dp_ranks)
+
+
+class _Chunk(torch.nn.Module):
+    """A model chunk after backward: a norm weight (replicated over TP, sequence-parallel input)
+    and a TP-sharded weight, with rank-dependent gradients."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.config = SimpleNamespace(sequence_parallel=True, barrier_with_L1_time=False)
+        self.norm = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        self.norm.sequence_parallel = True
+        self.sharded = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        self.norm.grad = torch.full((3,), float(rank + 1), dtype=torch.float64)
+        self.sharded.grad = torch.full((2,), float(rank + 1), dtype=torch.float64)
+        self.scales = []
+
+    def finish_grad_sync(self):
+        pass
+
+    def scale_gradients(self, scale):
+        self.scales.append(scale)
+
+
+def _check_finalize(rank, state):
+    chunk = _Chunk(rank)
+    tokens = torch.tensor(10 * (rank + 1))
+    finalize_model_grads([chunk], state, num_tokens=tokens)
+    tp_ranks, dp_ranks = state.ranks["tp"], state.ranks["dp-cp"]
+    torch.testing.assert_close(
+        chunk.norm.grad, torch.full((3,), float(sum(r + 1 for r in tp_ranks)), dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        chunk.sharded.grad, torch.full((2,), float(rank + 1), dtype=torch.float64)
+    )
+    assert chunk.scales == [len(dp_ranks) / sum(10 * (r + 1) for r in dp_ranks)]
+
+
+def _worker(rank, world_size, _args, _results):
+    import torch.distributed as dist
+
+    from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
+
+    # TP=1: dense DP over all 4 ranks; EP=2 -> expert DP pairs {0, 2} and {1, 3}.
+    state = initialize_model_parallel(expert_model_parallel_size=2)
+    try:
+        for average_in_collective in (False, True):
+            assert _check_reduction(rank, state, average_in_collective) == (4, 2)
+    finally:
+        destroy_model_parallel(state)
+    # TP=2, DP=2, EP=2 (expert TP = TP): every expert lives on one rank (expert DP = 1), its
+    # gradient is only scaled by 1/DP.
+    state = initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)
+    try:
+        assert _check_reduction(rank, state, False) == (2, 1)
+        _check_finalize(rank, state)
+    finally:
+        destroy_model_parallel(state)
+
+    with pytest.raises(ValueError, match="pass expert_data_parallel_group"):
+        DistributedDataParallel(DistributedDataParallelConfig(), _FakeMoE(), dist.group.WORLD)
+
+
+def test_expert_gradients_are_reduced_over_expert_data_parallel_ranks():
+    run_distributed(_worker, 4, None, None)
+
+
+def test_distributed_optimizer_refuses_expert_parameters():
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(use_distributed_optimizer=True), _FakeMoE()
+    )
+    config = OptimizerConfig(lr=1e-3, use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="does not shard expert parameters"):
+        get_megatron_optimizer(config, [ddp])
