@@ -93,8 +93,9 @@ def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_
             "torch.distributed.run",
             "--nproc-per-node",
             str(nproc),
-            "--master-port",
-            str(_free_port()),
+            # A rendezvous on localhost:0: the launcher binds a free port and keeps it, so two
+            # runs cannot race for one port (as a port picked here and bound later could).
+            "--standalone",
             str(REPO / script),
         ] + list(args)
     env = env_for_tests()
@@ -113,19 +114,14 @@ def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
+            stdout, stderr = proc.communicate()
+            raise AssertionError(
+                f"{' '.join(cmd)} did not finish within {timeout} s and was killed (a hang?)\n"
+                f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-3000:]}"
+            ) from None
     # A leaked process group can abort a rank at exit, intermittently: fail every time instead.
     assert "outlived the process-group teardown" not in stderr, stderr[-3000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_log_lines(stdout):
@@ -153,7 +149,8 @@ def read_tensorboard_scalars(logdir, tag):
 
 
 def train_metrics(args, nproc, tb_dir):
-    """Run training with TensorBoard in ``tb_dir``; {'loss': {it: lm loss}, 'norm': {it: grad norm}}."""
+    """Run training with TensorBoard in ``tb_dir``; returns
+    {'loss': {iteration: lm loss}, 'norm': {iteration: grad norm}}."""
     result = run_pretrain(list(args) + ["--tensorboard-dir", str(tb_dir)], nproc=nproc)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return {
