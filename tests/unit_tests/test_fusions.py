@@ -106,7 +106,8 @@ def test_linear_cross_entropy_bad_shapes_and_double_backward():
     h.requires_grad_()
     loss = linear_cross_entropy(h, w, target).sum()
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError):  # the saved numerator became the gradient in place
+    # The saved numerator became the gradient in place: a second backward must refuse.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
 

@@ -326,7 +326,7 @@ def test_reload_model_params_and_load_errors():
     )
 
     other = get_megatron_optimizer(_config(bf16=True), [nn.Linear(3, 3).to(torch.bfloat16)])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="optimizer state in the checkpoint does not match"):
         other.load_state_dict(opt.state_dict())
 
 

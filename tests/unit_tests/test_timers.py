@@ -48,9 +48,11 @@ def test_levels_make_dummies():
     assert timers("forward-backward") is timers("forward-backward", log_level=1)
     with pytest.raises(ValueError, match="log level"):
         timers("forward-backward", log_level=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"--timing-log-option\) must be one of .*got 'median'"):
         Timers(log_level=0, log_option="median")
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match=re.escape("(--timing-log-level) must be in [0, 2], got 3")
+    ):
         Timers(log_level=3, log_option="max")
 
 
