@@ -24,6 +24,13 @@ def _error_line(result):
         ),
         (["--num-attention-heads", "3", "--hidden-size", "63"], {"WORLD_SIZE": "2"}, []),
         (["--save", "/tmp/never"], {}, ["--save-interval"]),
+        # Accepted once, then every rank died in TransformerConfig with a traceback.
+        (
+            ["--group-query-attention", "--num-query-groups", "1"]
+            + ["--tensor-model-parallel-size", "2"],
+            {"WORLD_SIZE": "2"},
+            ["--num-query-groups (1)", "--tensor-model-parallel-size (2)"],
+        ),
     ],
 )
 def test_contradicting_flags(extra, env, words, tmp_path):

@@ -255,6 +255,23 @@ def test_dry_run_rejects_bad_layouts_with_the_parser_message(tmp_path):
     )
 
 
+def test_dry_run_refuses_query_groups_split_across_tp_ranks(capsys):
+    """A layout that validate_args once let through (and the dry run printed OK for) while
+    every rank of the real run then died building the model."""
+    from megatron.training.dry_run import main
+
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
+    flags += ["--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1"]
+    flags += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    flags += ["--train-iters", "1", "--group-query-attention", "--num-query-groups", "1"]
+    code = main(["--dry-run-world-size", "2", "--tensor-model-parallel-size", "2"] + flags)
+    captured = capsys.readouterr()
+    assert code == 2 and "dry run OK" not in captured.out
+    assert captured.err == (
+        "error: --num-query-groups (1) must be a multiple of --tensor-model-parallel-size (2)\n"
+    )
+
+
 def _args(argv):
     from megatron.training.arguments import parse_args, validate_args
 

@@ -845,8 +845,7 @@ RULES = [
         ],
         2,
         [
-            "--num-query-groups (3) must be a multiple or a divisor of "
-            "--tensor-model-parallel-size (2)"
+            "--num-query-groups (3) must be a multiple of --tensor-model-parallel-size (2)"
         ],
     ),
     (
