@@ -159,7 +159,16 @@ def train_metrics(args, nproc, tb_dir):
     }
 
 
-def assert_same_training(got, ref, iterations, loss_rtol=1e-4, norm_rtol=1e-3):
+# A parallel layout sums in another order than one process: float32 round-off, grown over 10
+# Adam steps. Measured over every layout these tests run (TP, SP, CP, PP, VPP, uneven PP, DP,
+# distributed optimizer, buckets, FSDP2, resumes): at most 1.6e-7 (loss) and 1.6e-6 (grad
+# norm, TP2 x PP2 x DP2). A real bug is far above: dropping the all-reduce of the
+# sequence-parallel norm gradients moves the first grad norm by 12 %.
+LOSS_RTOL = 1e-6
+GRAD_NORM_RTOL = 1e-5
+
+
+def assert_same_training(got, ref, iterations, loss_rtol=LOSS_RTOL, norm_rtol=GRAD_NORM_RTOL):
     """Per iteration, loss and grad norm of ``got`` equal ``ref`` within relative tolerances.
     Adam and clipping hide a wrongly scaled gradient from the loss; the norm does not."""
     assert sorted(got["loss"]) == list(iterations), got

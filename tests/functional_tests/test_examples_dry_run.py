@@ -273,11 +273,9 @@ def test_dry_run_refuses_query_groups_split_across_tp_ranks(capsys):
 
 
 def _args(argv):
-    from megatron.training.arguments import parse_args, validate_args
+    from tests.unit_tests.tiny_configs import validated_args
 
-    args = parse_args(argv=argv)
-    args.world_size, args.rank = 1, 0
-    return validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    return validated_args(argv, defaults={"tokenizer_type": "GPT2BPETokenizer"})
 
 
 @pytest.mark.parametrize(

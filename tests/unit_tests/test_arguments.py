@@ -23,29 +23,10 @@ from megatron.training.arguments import (
     print_args,
     validate_args,
 )
+from tests.unit_tests.tiny_configs import tiny_argv
 
-# A small model that passes every rule and uses no unimplemented feature.
-BASE = {
-    "--num-layers": "4",
-    "--hidden-size": "64",
-    "--num-attention-heads": "4",
-    "--max-position-embeddings": "256",
-    "--seq-length": "128",
-    "--micro-batch-size": "2",
-    "--train-iters": "10",
-    "--lr": "1e-3",
-    "--mock-data": None,
-    "--tokenizer-type": "NullTokenizer",
-    "--vocab-size": "128",
-}
-
-
-def make_argv(*extra, drop=()):
-    argv = []
-    for flag, value in BASE.items():
-        if flag not in drop:
-            argv += [flag] if value is None else [flag, value]
-    return argv + [str(a) for a in extra]
+# A small model that passes every rule and uses no unimplemented feature: tiny_argv().
+make_argv = tiny_argv
 
 
 @pytest.fixture(autouse=True)
@@ -844,9 +825,7 @@ RULES = [
             2,
         ],
         2,
-        [
-            "--num-query-groups (3) must be a multiple of --tensor-model-parallel-size (2)"
-        ],
+        ["--num-query-groups (3) must be a multiple of --tensor-model-parallel-size (2)"],
     ),
     (
         "hidden_heads",

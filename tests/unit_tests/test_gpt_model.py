@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from megatron.core.models.common.language_module import language_model_cross_entropy
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import squared_relu
+from tests.unit_tests.tiny_configs import TINY_SEQ, TINY_VOCAB
+from tests.unit_tests.tiny_configs import tiny_gpt_model as make_model
+from tests.unit_tests.tiny_configs import tiny_transformer_config as make_config
 
-VOCAB = 61
-SEQ = 12
+VOCAB, SEQ = TINY_VOCAB, TINY_SEQ
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,25 +25,6 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def make_config(**overrides):
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    base.update(overrides)
-    return TransformerConfig(**base)
-
-
-def make_model(seed=0, config=None, **model_kwargs):
-    torch.manual_seed(seed)
-    model_kwargs.setdefault("vocab_size", VOCAB)
-    model_kwargs.setdefault("max_sequence_length", SEQ)
-    return GPTModel(config or make_config(), **model_kwargs)
 
 
 def batch(b=2, s=SEQ, seed=1):

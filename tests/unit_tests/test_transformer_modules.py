@@ -15,7 +15,7 @@ from megatron.core.transformer.rotary_pos_embedding import (
     llama3_scale_inv_freq,
 )
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.tiny_configs import tiny_transformer_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,17 +27,9 @@ def _single_thread():
     torch.set_num_threads(threads)
 
 
-def cfg(**kw):
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float64,
-    )
-    base.update(kw)
-    return TransformerConfig(**base)
+def cfg(**overrides):
+    """The tiny config in float64: modules are compared with formulas to 1e-12."""
+    return tiny_transformer_config(**{"params_dtype": torch.float64, **overrides})
 
 
 # ----------------------------------------------------------------------------- RoPE

@@ -36,14 +36,19 @@ def tiny_argv(*extra, drop=()):
     return argv + [str(a) for a in extra]
 
 
-def tiny_args(*extra, world_size=1, rank=0, drop=(), defaults=None):
-    """The validated arguments of ``tiny_argv(*extra, drop=drop)`` on a world of
-    ``world_size`` processes (the environment's RANK/WORLD_SIZE are not read)."""
+def validated_args(argv, world_size=1, rank=0, defaults=None):
+    """parse_args + validate_args of ``argv`` as rank ``rank`` of ``world_size`` processes (the
+    environment's RANK/WORLD_SIZE are not read)."""
     from megatron.training.arguments import parse_args, validate_args
 
-    args = parse_args(argv=tiny_argv(*extra, drop=drop))
+    args = parse_args(argv=[str(a) for a in argv])
     args.world_size, args.rank = world_size, rank
     return validate_args(args, defaults)
+
+
+def tiny_args(*extra, world_size=1, rank=0, drop=(), defaults=None):
+    """The validated arguments of ``tiny_argv(*extra, drop=drop)``."""
+    return validated_args(tiny_argv(*extra, drop=drop), world_size, rank, defaults)
 
 
 def megatron_args(**overrides):
