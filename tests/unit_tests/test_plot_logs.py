@@ -162,6 +162,7 @@ def test_cli_errors_name_the_input(tmp_path):
         text=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
     )
     assert result.returncode == 2
     assert str(empty) in result.stderr and "no training log lines" in result.stderr
