@@ -82,8 +82,9 @@ def env_for_tests():
     return env
 
 
-def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_env=None):
-    """Run training; ``nproc=None`` runs a plain single process (no torchrun)."""
+def run_pretrain(args, nproc=None, timeout=240, script="pretrain_gpt.py", extra_env=None):
+    """Run training; ``nproc=None`` runs a plain single process (no torchrun). ``timeout`` stays
+    below pytest-timeout's 300 s so that a hang is reported here, with the run's output."""
     if nproc is None:
         cmd = [sys.executable, str(REPO / script)] + list(args)
     else:
@@ -119,6 +120,12 @@ def run_pretrain(args, nproc=None, timeout=600, script="pretrain_gpt.py", extra_
                 f"{' '.join(cmd)} did not finish within {timeout} s and was killed (a hang?)\n"
                 f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-3000:]}"
             ) from None
+        except BaseException:
+            # pytest-timeout or ^C: take torchrun's workers down too, or leaving the `with`
+            # (which waits for the launcher) would hang.
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
     # A leaked process group can abort a rank at exit, intermittently: fail every time instead.
     assert "outlived the process-group teardown" not in stderr, stderr[-3000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

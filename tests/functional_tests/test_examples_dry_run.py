@@ -148,7 +148,7 @@ def _run_for_real(case):
         env=_script_env(extra_env),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=240,
     )
 
 

@@ -347,7 +347,7 @@ def test_real_wandb_offline_run_is_written(tmp_path):
     )
     env = env_for_tests()
     env["WANDB_MODE"] = "offline"
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     runs = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 1000

@@ -63,7 +63,7 @@ TRAIN = [
 
 
 def _train(save_dir, fmt):
-    result = run_pretrain(TRAIN + ["--ckpt-format", fmt, "--save", str(save_dir)], timeout=300)
+    result = run_pretrain(TRAIN + ["--ckpt-format", fmt, "--save", str(save_dir)], timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
