@@ -10,11 +10,12 @@ install:
 	$(PIP_INSTALL) torch==2.13.0
 	$(PIP_INSTALL) -e .[dev]
 
+# --durations=15: the slowest tests, so that the suite's growth stays visible.
 test: install
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=15 tests
 
 test-fast:
-	$(PYTHON) -m pytest -q tests/unit_tests
+	$(PYTHON) -m pytest -q --durations=15 tests/unit_tests
 
 # Tokenize the shipped sample corpus into Megatron .bin/.idx files.
 prepare-ds-sample:

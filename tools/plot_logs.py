@@ -122,6 +122,12 @@ def plot_runs(runs, output, title=None, loss_key=None):
 
 def main(argv=None):
     args = get_args(argv)
+    # The inputs first: a bad log is reported whether or not matplotlib is installed.
+    try:
+        runs = load_runs(args.inputs, args.labels)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -130,11 +136,6 @@ def main(argv=None):
             "(or pip install matplotlib -c constraints.txt)",
             file=sys.stderr,
         )
-        return 2
-    try:
-        runs = load_runs(args.inputs, args.labels)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
         return 2
     plot_runs(runs, args.output, title=args.title, loss_key=args.loss_key)
     for label, run in runs:

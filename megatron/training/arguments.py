@@ -58,13 +58,13 @@ from megatron.training.argument_groups.training import (
     _add_training_args,
     _add_validation_args,
 )
+from megatron.training.argument_groups.validation import ArgumentValidationError
 from megatron.training.argument_groups.variants import (
     _add_experimental_attention_variant_args,
     _add_heterogeneous_args,
     _add_hybrid_model_args,
     _add_hyper_connection_args,
 )
-from megatron.training.argument_groups.validation import ArgumentValidationError
 
 __all__ = [
     "ArgumentValidationError",

@@ -211,7 +211,7 @@ def training_log(
             f"{tokens_per_sec / args.world_size:.1f} |"
         )
         if peak:
-            extra += f" MFU: {100.0 * throughput / peak:.1f}% of {peak:.0f} TFLOP/s |"
+            extra += f" MFU: {100.0 * throughput / peak:.1f}% of {peak:g} TFLOP/s |"
         print_rank_last(extra)
     for key in list(total_loss_dict):
         total_loss_dict[key] = 0 if key in (ADVANCED_KEY, SKIPPED_KEY, NAN_KEY) else 0.0

@@ -2,12 +2,12 @@
 
 import pytest
 
-from tests.functional_tests.runner import TINY_MODEL, run_pretrain
+from tests.functional_tests.runner import TINY_MODEL, parse_log_lines, run_pretrain
 
 
 def _error_line(result):
     assert result.returncode != 0
-    lines = [l for l in result.stderr.splitlines() if l.startswith("error:") or "error: " in l]
+    lines = [text for text in result.stderr.splitlines() if "error: " in text]
     assert lines, result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     return lines[-1]
@@ -24,6 +24,13 @@ def _error_line(result):
         ),
         (["--num-attention-heads", "3", "--hidden-size", "63"], {"WORLD_SIZE": "2"}, []),
         (["--save", "/tmp/never"], {}, ["--save-interval"]),
+        # Accepted once, then every rank died in TransformerConfig with a traceback.
+        (
+            ["--group-query-attention", "--num-query-groups", "1"]
+            + ["--tensor-model-parallel-size", "2"],
+            {"WORLD_SIZE": "2"},
+            ["--num-query-groups (1)", "--tensor-model-parallel-size (2)"],
+        ),
     ],
 )
 def test_contradicting_flags(extra, env, words, tmp_path):
@@ -45,12 +52,28 @@ def test_unknown_flag_is_an_error():
 
 def test_load_from_missing_directory_warns_and_exit_on_missing_fails(tmp_path):
     missing = tmp_path / "nothing_here"
+    tracker = missing / "latest_checkpointed_iteration.txt"
+    # Without --exit-on-missing-checkpoint: a warning naming the directory, then training
+    # from scratch (so --load and --save may name the same, still empty, directory).
+    result = run_pretrain(TINY_MODEL + ["--train-iters", "3", "--load", str(missing)], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (
+        f"WARNING: could not find the metadata file {tracker} (directory {missing} does not "
+        "exist)\n    will not load any checkpoints and will start from random"
+    ) in result.stdout, result.stdout[-2000:]
+    assert parse_log_lines(result.stdout).keys() == {1, 2, 3}
+    # With it: the same warning, an exit with status 1 and no training.
     result = run_pretrain(
         TINY_MODEL + ["--train-iters", "3", "--load", str(missing), "--exit-on-missing-checkpoint"],
         timeout=120,
     )
-    assert result.returncode != 0
-    assert str(missing) in result.stdout + result.stderr
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert (
+        f">> WARNING: could not find the metadata file {tracker} (directory {missing} does not "
+        "exist); exiting because --exit-on-missing-checkpoint is set"
+    ) in result.stdout, result.stdout[-2000:]
+    assert parse_log_lines(result.stdout) == {}
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
 
 
 def test_load_from_corrupt_checkpoint_names_the_file(tmp_path):

@@ -65,7 +65,7 @@ def test_preprocess_then_train_and_validate(tmp_path):
         env=env_for_tests(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=240,
     )
     assert pre.returncode == 0, pre.stderr[-2000:]
     data = f"{prefix}_text_document"

@@ -8,7 +8,7 @@ from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from megatron.core.timers import Timers
 from megatron.training import global_vars
-from tests.unit_tests.args_utils import megatron_args
+from tests.unit_tests.tiny_configs import megatron_args
 
 
 def checkpoint_args(tmp_path, ckpt_format: str, **overrides):

@@ -1,64 +1,92 @@
-"""Run a function in a small gloo world of spawned CPU processes."""
+"""Run a function in a small gloo world of spawned CPU processes, bounded in time."""
 
+import datetime
+import faulthandler
 import os
-import socket
+import sys
+import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from megatron.training.initialize import (
     import_torch_dynamo_before_process_groups,
     teardown_process_groups,
 )
 
+# A spawned world of tiny models takes seconds alone; the slowest took 81 s on a 2-core machine
+# shared with other test runs (load 15). Below pytest-timeout's 300 s, so that this harness,
+# not pytest, reports the hang and names the rank.
+DEFAULT_TIMEOUT_S = 240.0
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def _worker(rank, world_size, port, fn, args, errors):
+def _worker(rank, world_size, store_path, timeout_s, fn, args, errors, finished):
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # A rank still running just before the parent gives up prints where it is stuck.
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5.0), exit=False, file=sys.stderr)
     import_torch_dynamo_before_process_groups()
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file store: no port to pick, so two worlds started at once cannot meet by mistake.
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     try:
         fn(rank, world_size, *args)
+        finished[rank] = 1
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
     finally:
         leaked = teardown_process_groups()
+        faulthandler.cancel_dump_traceback_later()
     if leaked:
         message = (
-            f"rank {rank}: {leaked} gloo worker thread(s) outlived destroy_process_group(): something "
-            "the test built still references a process group (a leaked model, hook or cache)"
+            f"rank {rank}: {leaked} gloo worker thread(s) outlived destroy_process_group(): "
+            "something the test built still references a process group (a leaked model, hook "
+            "or cache)"
         )
         errors.put(message)
         raise RuntimeError(message)
 
 
-def run_distributed(fn, world_size: int, *args):
-    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; re-raise failures."""
+def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)``; re-raise the
+    first failure. A world still running after ``timeout_s`` seconds is killed and the test
+    fails naming the ranks that did not finish (their stacks are printed to stderr)."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = free_port()
-    try:
-        mp.start_processes(
+    finished = ctx.Array("b", world_size)  # rank r sets finished[r] once fn has returned
+    with tempfile.TemporaryDirectory(prefix="gloo_store_") as tmp:
+        store_path = os.path.join(tmp, "store")
+        context = mp.start_processes(
             _worker,
-            args=(world_size, port, fn, args, errors),
+            args=(world_size, store_path, timeout_s, fn, args, errors, finished),
             nprocs=world_size,
             start_method="spawn",
-            join=True,
+            join=False,
         )
-    except mp.ProcessRaisedException as exc:
-        details = errors.get() if not errors.empty() else str(exc)
-        raise AssertionError(details) from None
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    hung = [rank for rank in range(world_size) if not finished[rank]]
+                    for p in context.processes:
+                        if p.is_alive():
+                            p.kill()
+                    for p in context.processes:
+                        p.join(timeout=10)
+                    raise AssertionError(
+                        f"run_distributed({getattr(fn, '__name__', fn)}, {world_size}): rank(s) "
+                        f"{hung} had not finished after {timeout_s:.0f} s (a hang: a collective "
+                        "that not every rank reached?); their stacks are in the captured stderr"
+                    )
+        except ProcessException as exc:  # a rank raised, or died without a word
+            details = errors.get() if not errors.empty() else str(exc)
+            raise AssertionError(details) from None

@@ -31,7 +31,7 @@ from megatron.core.transformer.dot_product_attention import (
     DotProductAttention,
 )
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.tiny_configs import tiny_transformer_config
 
 
 def _qkv(sq, sk, b=2, n=3, d=8, dtype=torch.float64, seed=0):
@@ -200,16 +200,7 @@ def test_bad_shapes_are_refused_with_the_shapes():
 
 
 def _config(backend, **kw):
-    base = dict(
-        num_layers=1,
-        hidden_size=32,
-        num_attention_heads=4,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        attention_backend=backend,
-    )
-    base.update(kw)
-    return TransformerConfig(**base)
+    return tiny_transformer_config(**{"num_layers": 1, "attention_backend": backend, **kw})
 
 
 def _count_unfused_calls(monkeypatch):

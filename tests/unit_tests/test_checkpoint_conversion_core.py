@@ -1,4 +1,5 @@
-"""Megatron -> Megatron resharding of torch-format checkpoints through convert.py (core loader/saver)."""
+"""Megatron -> Megatron resharding of torch-format checkpoints through convert.py (core
+loader/saver)."""
 
 import argparse
 import os
@@ -7,8 +8,7 @@ import sys
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # a dependency (setup.py): missing, it must fail, not skip
 
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split  # noqa: E402

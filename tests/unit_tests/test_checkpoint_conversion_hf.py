@@ -12,8 +12,7 @@ import sys
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers  # a dependency (setup.py): missing, it must fail, not skip
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from megatron.core.models.gpt import GPTModel  # noqa: E402

@@ -1,4 +1,5 @@
-"""torch-format checkpoints: layout, weights-only loading, exact round trip, crash safety, errors."""
+"""torch-format checkpoints: layout, weights-only loading, exact round trip, crash safety,
+errors."""
 
 import argparse
 
@@ -84,7 +85,7 @@ def test_interrupted_save_keeps_previous_tracker(tmp_path, monkeypatch):
         raise KeyboardInterrupt("killed mid-save")
 
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="killed mid-save"):
         checkpointing.save_checkpoint(2, model, opt, sched)
     root = tmp_path / "ckpt"
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "1"
@@ -103,7 +104,7 @@ def test_wrong_model_gives_readable_mismatch(tmp_path):
     other = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2)
     )
-    with pytest.raises(checkpointing.CheckpointError) as err:
+    with pytest.raises(checkpointing.CheckpointError, match="does not fit this model") as err:
         checkpointing.load_checkpoint(other, None, None)
     msg = str(err.value)
     assert (

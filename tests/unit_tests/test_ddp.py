@@ -40,9 +40,18 @@ def test_fp32_grad_buffer_for_bf16_params_uses_hooks():
     ddp.zero_grad_buffer()
     ddp(_data(0, 0).bfloat16()).float().pow(2).sum().backward()
     ddp(_data(0, 1).bfloat16()).float().pow(2).sum().backward()
-    for p in model.parameters():
+    # Reference: each micro-batch's bf16 gradient of the same model, summed in float32.
+    ref = _model().to(torch.bfloat16)
+    sums = [torch.zeros_like(p, dtype=torch.float32) for p in ref.parameters()]
+    for micro in range(2):
+        ref.zero_grad()
+        ref(_data(0, micro).bfloat16()).float().pow(2).sum().backward()
+        for total, p in zip(sums, ref.parameters()):
+            total += p.grad.float()
+    for p, total in zip(model.parameters(), sums):
         assert p.grad is None and p.main_grad.dtype == torch.float32
-        assert p.main_grad.abs().sum() > 0
+        assert total.abs().sum() > 0
+        torch.testing.assert_close(p.main_grad, total, rtol=0, atol=0)
 
 
 def _check_average(rank, world_size):

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -171,7 +172,7 @@ def test_torch_format_still_works_and_formats_are_told_apart(tmp_path):
     assert (_iter_dir(tmp_path, 2) / "mp_rank_00" / "model_optim_rng.pt").is_file()
     assert checkpointing.detect_checkpoint_format(str(_iter_dir(tmp_path, 2))) == "torch"
     model2, opt2, sched2 = _setup(tmp_path, seed=4)  # --ckpt-format torch_dist
-    with pytest.raises(checkpointing.CheckpointError) as err:
+    with pytest.raises(checkpointing.CheckpointError, match="is a torch-format checkpoint") as err:
         checkpointing.load_checkpoint(model2, opt2, sched2)
     assert "is a torch-format checkpoint but --ckpt-format is torch_dist" in str(err.value)
     assert "--auto-detect-ckpt-format" in str(err.value)
@@ -194,7 +195,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(serialization.dcp, "save", crash)
     _train(model, opt, sched, 1)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="killed after writing the data files"):
         checkpointing.save_checkpoint(2, model, opt, sched)
     monkeypatch.setattr(serialization.dcp, "save", real_save)
 
@@ -247,7 +248,7 @@ def test_damaged_checkpoint_names_the_file(tmp_path, damage, words):
     else:
         (directory / ".metadata").unlink()
     model2, opt2, sched2 = _setup(tmp_path, seed=5)
-    with pytest.raises(checkpointing.CheckpointError) as err:
+    with pytest.raises(checkpointing.CheckpointError, match=re.escape(words[0])) as err:
         checkpointing.load_checkpoint(model2, opt2, sched2)
     for w in words:
         assert w in str(err.value), str(err.value)
@@ -257,7 +258,7 @@ def test_checkpoint_of_another_model_lists_the_mismatches(tmp_path):
     model, opt, sched = _setup(tmp_path)
     checkpointing.save_checkpoint(1, model, opt, sched)
     other, opt2, sched2 = _setup(tmp_path, model=_model(3, width=16), hidden_size=16)
-    with pytest.raises(checkpointing.CheckpointError) as err:
+    with pytest.raises(checkpointing.CheckpointError, match="does not fit this model") as err:
         checkpointing.load_checkpoint(other, opt2, sched2)
     msg = str(err.value)
     assert (

@@ -7,7 +7,8 @@ import pytest
 from megatron.training.flops import num_floating_point_operations
 
 
-def _by_hand(B, s, L, h, a, g, f, V, swiglu):
+def flops_by_hand(B, s, L, h, a, g, f, V, swiglu):
+    """FLOPs of one training step (forward + backward) counted matmul by matmul."""
     d = h // a
     per_token_per_layer = (
         2 * h * (a * d)  # Q projection
@@ -35,5 +36,5 @@ def test_matches_hand_count(gqa, swiglu):
         padded_vocab_size=8192,
         num_experts=None,
     )
-    expected = _by_hand(16, 512, 4, 256, 8, 2 if gqa else 8, 704, 8192, swiglu)
+    expected = flops_by_hand(16, 512, 4, 256, 8, 2 if gqa else 8, 704, 8192, swiglu)
     assert num_floating_point_operations(args, 16) == pytest.approx(expected, rel=1e-12)

@@ -29,10 +29,9 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     TorchFullyShardedDataParallel,
 )
-from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config, validated_args
 
 VOCAB, SEQ, LAYERS = 64, 16, 2
 MICRO, PER_RANK = 2, 2  # micro-batches per iteration, sequences per rank and micro-batch
@@ -43,18 +42,10 @@ TOLERANCES = {torch.float64: (1e-6, 1e-12, 1e-12), torch.float32: (1e-5, 1e-4, 1
 
 
 def _build(dtype=torch.float32):
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-    )
-    torch.manual_seed(1234)
-    return GPTModel(
+    config = tiny_transformer_config(num_layers=LAYERS, ffn_hidden_size=64, params_dtype=dtype)
+    return tiny_gpt_model(
         config,
+        seed=1234,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",
@@ -232,12 +223,8 @@ _FSDP2 = [
 
 
 def _validate(monkeypatch, *extra, world_size=2):
-    from megatron.training.arguments import parse_args, validate_args
-
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    return validate_args(parse_args(argv=_ARGV + [str(a) for a in extra]))
+    return validated_args(_ARGV + list(extra), world_size)
 
 
 def _error(monkeypatch, *extra, world_size=2):
@@ -301,8 +288,8 @@ def test_fsdp_flag_errors_name_the_flags(monkeypatch):
         monkeypatch, *_FSDP2, "--pipeline-model-parallel-size", "2"
     )
     assert (
-        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params does not support tied "
-        "embeddings"
+        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params does not "
+        "support tied embeddings"
     ) in _error(
         monkeypatch,
         "--use-megatron-fsdp",

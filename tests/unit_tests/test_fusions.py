@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from megatron.core.fusions import bias_gelu_tanh, gelu_tanh, linear_cross_entropy
 from megatron.core.fusions.fused_bias_gelu import BiasGeLUTanhFunction
-from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel import allreduce_sequence_parallel_grads
 from megatron.core.tensor_parallel import collectives as C
@@ -23,6 +22,7 @@ from megatron.core.tensor_parallel.layers import full_from_shards
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config
 
 
 def _reference_ce(hidden, weight, target, grad_loss):
@@ -106,7 +106,8 @@ def test_linear_cross_entropy_bad_shapes_and_double_backward():
     h.requires_grad_()
     loss = linear_cross_entropy(h, w, target).sum()
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError):  # the saved numerator became the gradient in place
+    # The saved numerator became the gradient in place: a second backward must refuse.
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
 
@@ -116,21 +117,16 @@ VOCAB, SEQ, BATCH = 64, 16, 2
 
 
 def _gpt(fusion, tied=True, tp=1, sp=False, pg_collection=None, **extra):
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
+    config = tiny_transformer_config(
         ffn_hidden_size=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         cross_entropy_loss_fusion=fusion,
         tensor_model_parallel_size=tp,
         sequence_parallel=sp,
         **extra,
     )
-    torch.manual_seed(1234)
-    return GPTModel(
+    return tiny_gpt_model(
         config,
+        seed=1234,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pg_collection=pg_collection,

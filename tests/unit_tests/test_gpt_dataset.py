@@ -1,4 +1,5 @@
-"""GPTDataset indices and samples against a slow, straightforward reference of MEGATRON_FACTS.md section 6."""
+"""GPTDataset indices and samples against a slow, straightforward reference of Megatron's
+index algorithms."""
 
 import os
 from types import SimpleNamespace
@@ -440,5 +441,5 @@ def test_mock_gpt_dataset_deterministic():
         assert sa["tokens"].shape == (32,) and sa["attention_mask"].shape == (1, 32, 32)
         for key in sa:
             assert torch.equal(sa[key], sb[key])
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="sample 64 out of range for a train split of 64"):
         a[64]

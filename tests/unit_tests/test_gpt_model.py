@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from megatron.core.models.common.language_module import language_model_cross_entropy
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import squared_relu
+from tests.unit_tests.tiny_configs import TINY_SEQ, TINY_VOCAB
+from tests.unit_tests.tiny_configs import tiny_gpt_model as make_model
+from tests.unit_tests.tiny_configs import tiny_transformer_config as make_config
 
-VOCAB = 61
-SEQ = 12
+VOCAB, SEQ = TINY_VOCAB, TINY_SEQ
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,25 +25,6 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def make_config(**overrides):
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    base.update(overrides)
-    return TransformerConfig(**base)
-
-
-def make_model(seed=0, config=None, **model_kwargs):
-    torch.manual_seed(seed)
-    model_kwargs.setdefault("vocab_size", VOCAB)
-    model_kwargs.setdefault("max_sequence_length", SEQ)
-    return GPTModel(config or make_config(), **model_kwargs)
 
 
 def batch(b=2, s=SEQ, seed=1):
@@ -617,18 +599,37 @@ def test_two_pipeline_stages_reproduce_the_full_model(tied):
     )
 
 
-def test_float16_module_casts_and_keeps_names():
+def test_float16_module_computes_in_bf16_and_returns_fp32():
     cfg = make_config(bf16=True, params_dtype=torch.bfloat16, fp32_residual_connection=True)
     torch.manual_seed(0)
     model = Float16Module(cfg, GPTModel(cfg, VOCAB, SEQ, position_embedding_type="rope"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(not k.startswith("module.") for k in model.state_dict())
+    # Reference: the same (bf16-valued) weights in a float64 model.
+    reference = GPTModel(
+        make_config(params_dtype=torch.float64), VOCAB, SEQ, position_embedding_type="rope"
+    )
+    reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     tokens, pos, labels = batch()
     losses = model(tokens, pos, None, labels=labels)
-    assert losses.dtype == torch.float32 and torch.isfinite(losses).all()
+    expected = reference(tokens, pos, None, labels=labels)
+    assert losses.dtype == torch.float32 and losses.shape == expected.shape
+    torch.testing.assert_close(losses.double(), expected.double(), rtol=1e-2, atol=0)
     logits = model(tokens, pos, None)
     assert logits.dtype == torch.float32
-    assert all(not k.startswith("module.") for k in model.state_dict())
+    reference_logits = reference(tokens, pos, None)
+    # bf16 keeps 8 significant bits: logits off by parts per thousand (measured 3.4e-3 of the
+    # largest). float32 arithmetic on the same weights stays near 1e-7, so the lower bound
+    # shows that the forward ran in bf16.
+    error = (logits.double() - reference_logits).abs().max() / reference_logits.abs().max()
+    assert 1e-4 < error.item() < 3e-2, error
     losses.sum().backward()
-    assert model.module.embedding.word_embeddings.weight.grad.dtype == torch.bfloat16
+    expected.sum().backward()
+    grad = model.module.embedding.word_embeddings.weight.grad
+    reference_grad = reference.embedding.word_embeddings.weight.grad
+    assert grad.dtype == torch.bfloat16
+    cosine = F.cosine_similarity(grad.double().flatten(), reference_grad.flatten(), dim=0)
+    assert cosine > 0.999, cosine
 
 
 def test_rejects_unsupported_options():

@@ -1,4 +1,5 @@
 import io
+import re
 
 import pytest
 import torch
@@ -96,14 +97,24 @@ def test_state_dict_round_trip_weights_only():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "kwargs, message",
     [
-        dict(initial_scale=0.0, min_scale=1.0),
-        dict(initial_scale=1.0, min_scale=2.0),
-        dict(initial_scale=4.0, min_scale=1.0, hysteresis=0),
-        dict(initial_scale=4.0, min_scale=1.0, growth_interval=0),
+        (dict(initial_scale=0.0, min_scale=1.0), "loss scale must be positive, got 0.0"),
+        (
+            dict(initial_scale=1.0, min_scale=2.0),
+            "min loss scale (--min-loss-scale 2.0) is larger than the initial loss scale "
+            "(--initial-loss-scale 1.0)",
+        ),
+        (
+            dict(initial_scale=4.0, min_scale=1.0, hysteresis=0),
+            "hysteresis (--hysteresis) must be >= 1, got 0",
+        ),
+        (
+            dict(initial_scale=4.0, min_scale=1.0, growth_interval=0),
+            "loss scale window (--loss-scale-window) must be > 0, got 0",
+        ),
     ],
 )
-def test_bad_arguments(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         DynamicGradScaler(**kwargs)

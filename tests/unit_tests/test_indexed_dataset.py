@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import re
 import struct
 
 import numpy as np
@@ -103,7 +104,7 @@ def test_round_trip(tmp_path, mmap):
     assert ds.sequence_lengths.tolist() == [len(s) for s in seqs]
     assert ds.document_indices.tolist() == [0, 2, 3, 3, 6, 7]
     assert ds.sequence_pointers.tolist() == [0, 6, 8, 16, 18, 20, 22]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=re.escape("get(2, offset=3, length=2) outside")):
         ds.get(2, offset=3, length=2)
     clone = pickle.loads(pickle.dumps(ds))
     assert clone[2].tolist() == seqs[2] and clone.mmap == mmap
@@ -149,13 +150,13 @@ def test_builder_rejects_out_of_range_ids_and_bad_lengths(tmp_path):
 
 def test_context_manager_removes_partial_bin(tmp_path):
     bin_path = str(tmp_path / "p.bin")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="worker died"):
         with IndexedDatasetBuilder(bin_path, dtype=np.int32) as builder:
             builder.add_item([1, 2, 3])
             raise RuntimeError("worker died")
     assert not os.path.exists(bin_path)
     # A successfully finalized builder keeps its files even if the block raises afterwards.
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="later failure"):
         with IndexedDatasetBuilder(bin_path, dtype=np.int32) as builder:
             builder.add_item([1, 2, 3])
             builder.end_document()

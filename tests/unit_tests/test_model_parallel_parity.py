@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.tensor_parallel import allreduce_sequence_parallel_grads
 from megatron.core.tensor_parallel import collectives as C
@@ -23,6 +22,7 @@ from megatron.core.tensor_parallel.layers import full_from_shards, shard_of
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config
 
 RTOL = 1e-5
 VOCAB = 64  # padded vocabulary (divisible by TP); labels only use the first TRUE_VOCAB ids
@@ -64,20 +64,16 @@ ARCHS = {
 
 def build(arch, tp=1, cp=1, sp=False, pg_collection=None):
     cfg_kwargs, model_kwargs = ARCHS[arch]
-    config = TransformerConfig(
-        num_layers=2,
-        hidden_size=32,
+    config = tiny_transformer_config(
         ffn_hidden_size=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
         sequence_parallel=sp,
         **cfg_kwargs,
     )
-    torch.manual_seed(1234)
-    return GPTModel(
+    return tiny_gpt_model(
         config,
+        seed=1234,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pg_collection=pg_collection,

@@ -1,8 +1,6 @@
 import copy
 import io
 import math
-import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.timers import Timers
+from tests.unit_tests.dist_utils import run_distributed
 
 
 class Embedding(nn.Module):
@@ -327,7 +326,7 @@ def test_reload_model_params_and_load_errors():
     )
 
     other = get_megatron_optimizer(_config(bf16=True), [nn.Linear(3, 3).to(torch.bfloat16)])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="optimizer state in the checkpoint does not match"):
         other.load_state_dict(opt.state_dict())
 
 
@@ -350,54 +349,42 @@ def test_timers_and_errors():
 
 
 # ---------------------------------------------------------------------------- two ranks
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _two_rank_steps(rank, world_size, queue):
+    group = dist.new_group([0, 1])
+    # A "tensor-parallel" weight (different slice per rank) and a replicated bias.
+    w = nn.Parameter(torch.zeros(2, 3))
+    w.tensor_model_parallel = True
+    b = nn.Parameter(torch.zeros(3))
+    module = nn.ParameterList([w, b])
+    opt = get_megatron_optimizer(
+        _config(clip_grad=1e9, log_num_zeros_in_grad=True),
+        [module],
+        model_parallel_group=group,
+        tp_rank=rank,
+    )
+    w.grad = torch.full((2, 3), float(rank + 1))
+    w.grad[0, 0] = 0.0
+    b.grad = torch.tensor([2.0, 0.0, 0.0])
+    _, norm, zeros = opt.step()
 
-
-def _worker(rank, port, queue):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        group = dist.new_group([0, 1])
-        # A "tensor-parallel" weight (different slice per rank) and a replicated bias.
-        w = nn.Parameter(torch.zeros(2, 3))
-        w.tensor_model_parallel = True
-        b = nn.Parameter(torch.zeros(3))
-        module = nn.ParameterList([w, b])
-        opt = get_megatron_optimizer(
-            _config(clip_grad=1e9, log_num_zeros_in_grad=True),
-            [module],
-            model_parallel_group=group,
-            tp_rank=rank,
-        )
-        w.grad = torch.full((2, 3), float(rank + 1))
-        w.grad[0, 0] = 0.0
-        b.grad = torch.tensor([2.0, 0.0, 0.0])
-        _, norm, zeros = opt.step()
-
-        half = nn.Linear(2, 2).half()
-        opt16 = get_megatron_optimizer(
-            _config(fp16=True, initial_loss_scale=4.0, hysteresis=1),
-            [half],
-            model_parallel_group=group,
-            tp_rank=rank,
-        )
-        for p in half.parameters():
-            p.grad = torch.ones_like(p)
-        if rank == 1:
-            half.weight.grad[0, 0] = float("nan")
-        ok16 = opt16.step()[0]
-        queue.put((rank, norm, zeros, ok16, opt16.get_loss_scale().item()))
-    finally:
-        dist.destroy_process_group()
+    half = nn.Linear(2, 2).half()
+    opt16 = get_megatron_optimizer(
+        _config(fp16=True, initial_loss_scale=4.0, hysteresis=1),
+        [half],
+        model_parallel_group=group,
+        tp_rank=rank,
+    )
+    for p in half.parameters():
+        p.grad = torch.ones_like(p)
+    if rank == 1:
+        half.weight.grad[0, 0] = float("nan")
+    ok16 = opt16.step()[0]
+    queue.put((rank, norm, zeros, ok16, opt16.get_loss_scale().item()))
 
 
 def test_two_rank_norm_zeros_and_overflow():
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue), nprocs=2, start_method="spawn")
+    queue = mp.get_context("spawn").SimpleQueue()
+    run_distributed(_two_rank_steps, 2, queue)
     results = sorted(queue.get() for _ in range(2))
     # w: 5 entries of 1 (rank 0) and 5 of 2 (rank 1); bias counted once (rank 0): [2, 0, 0].
     expected_norm = math.sqrt(5 * 1 + 5 * 4 + 4)

@@ -1,5 +1,7 @@
 """Rank-grid arithmetic (no processes) and group creation in a real gloo world."""
 
+import re
+
 import pytest
 
 from megatron.core.parallel_state import ParallelLayout, RankGenerator
@@ -93,7 +95,7 @@ def test_coordinates_invert_rank_formula():
     ],
 )
 def test_bad_layouts_name_the_sizes(kwargs, words):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=re.escape(words[0])) as err:
         ParallelLayout(**kwargs)
     for w in words:
         assert w in str(err.value)

@@ -1,4 +1,5 @@
-"""Pipeline schedules (1F1B and interleaved) against the single-process model, in one gloo world of 4.
+"""Pipeline schedules (1F1B and interleaved) against the single-process model, in one gloo world
+of 4.
 
 For each layout every rank builds the full model (the reference) and its own stage chunks with
 ``pre_process``/``post_process``/``num_layers``/``layer_number_offset`` from the layer split,
@@ -26,8 +27,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.tiny_configs import tiny_transformer_config
 
 RTOL = 1e-5
 VOCAB, SEQ, MBS, HIDDEN = 32, 8, 2, 16
@@ -38,13 +39,8 @@ def rel_err(a, b):
 
 
 def make_config(num_layers):
-    return TransformerConfig(
-        num_layers=num_layers,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=32,
-        num_attention_heads=2,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+    return tiny_transformer_config(
+        num_layers=num_layers, hidden_size=HIDDEN, ffn_hidden_size=32, num_attention_heads=2
     )
 
 

@@ -1,4 +1,5 @@
-"""tools/preprocess_data.py: written ids equal direct tokenization; sentences; .gz/globs; bad input."""
+"""tools/preprocess_data.py: written ids equal direct tokenization; sentences; .gz/globs; bad
+input."""
 
 import gzip
 import importlib.util
@@ -319,7 +320,7 @@ def test_empty_and_missing_inputs(tmp_path, capsys):
         "1",
     )
     assert code == 1 and "no file matches" in err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit, match="^2$"):
         tool.main(
             [
                 "--input",
@@ -512,7 +513,8 @@ def test_add_documents_writes_what_add_document_writes(tmp_path):
 def test_builtin_sentence_rules():
     split = SentenceSplitter(use_nltk=False).split
     text = (
-        'Dr. Smith met J. R. Tolkien. "Hello!" he said. See Fig. 3, e.g. the plot... Then 3 cats ran? Yes.'
+        'Dr. Smith met J. R. Tolkien. "Hello!" he said. See Fig. 3, e.g. the plot... '
+        "Then 3 cats ran? Yes."
         "\n\nno capital after a blank line\nstill the same sentence. end"
     )
     assert split(text) == [

@@ -23,10 +23,10 @@ import re
 import pytest
 import torch
 
-from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config
 
 VOCAB, SEQ, BATCH, LAYERS, HIDDEN = 64, 32, 2, 4, 32
 
@@ -56,17 +56,17 @@ def _single_thread():
 
 
 def build(recompute, dropout=0.1, **model_kwargs):
-    config = TransformerConfig(
+    config = tiny_transformer_config(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
-        num_attention_heads=4,
         hidden_dropout=dropout,
         attention_dropout=dropout,
         **recompute,
     )
-    torch.manual_seed(1234)
     model_kwargs.setdefault("position_embedding_type", "rope")
-    model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ, **model_kwargs)
+    model = tiny_gpt_model(
+        config, seed=1234, vocab_size=VOCAB, max_sequence_length=SEQ, **model_kwargs
+    )
     model.train()
     return model
 
@@ -146,7 +146,8 @@ def test_recompute_is_off_in_eval_mode():
 
 
 def _saved_bytes_hooks(model):
-    """(dict storage -> bytes it fills, saved-tensor hooks that record into it), parameters excluded."""
+    """(dict storage -> bytes it fills, saved-tensor hooks that record into it), parameters
+    excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 
@@ -213,10 +214,9 @@ def test_full_recompute_keeps_about_one_hidden_state_per_layer(saved):
 
 # ------------------------------------------------------------------ tensor parallelism (TP=2)
 def _build_tp(recompute, tp_state, tracker, sp=False, distribute=False):
-    config = TransformerConfig(
+    config = tiny_transformer_config(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
-        num_attention_heads=4,
         hidden_dropout=0.1,
         attention_dropout=0.1,
         tensor_model_parallel_size=2,
@@ -224,9 +224,9 @@ def _build_tp(recompute, tp_state, tracker, sp=False, distribute=False):
         distribute_saved_activations=distribute,
         **recompute,
     )
-    torch.manual_seed(1234)
-    model = GPTModel(
+    model = tiny_gpt_model(
         config,
+        seed=1234,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",

@@ -104,8 +104,10 @@ def test_model_parallel_seeds():
     with tracker.fork("model-parallel-rng"):
         tp = torch.rand(3)
     assert torch.equal(tp, torch.rand(3, generator=torch.Generator().manual_seed(1234 + 2718 + 1)))
-    # Calling again resets instead of failing on duplicate names.
+    # Calling again resets the streams instead of failing on duplicate names: the same draws.
     model_parallel_manual_seed(tracker, 1234, tp_rank=1)
+    with tracker.fork("model-parallel-rng"):
+        assert torch.equal(torch.rand(3), tp)
 
 
 def test_rejects_unknown_device():
@@ -121,7 +123,7 @@ def test_dropout_on_split_activations_uses_per_tp_rank_streams():
     from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
     from megatron.core.transformer.utils import model_parallel_rng
 
-    masks = []
+    masks, replicated = [], []
     for tp_rank in (0, 1):
         torch.manual_seed(0)
         tracker = RNGStatesTracker("cpu")
@@ -132,6 +134,7 @@ def test_dropout_on_split_activations_uses_per_tp_rank_streams():
             masks.append(F.dropout(torch.ones(64), 0.5, training=True))
         assert torch.equal(torch.get_rng_state(), before), "the default stream is left untouched"
         with model_parallel_rng(config, split_across_tp=False):  # replicated activations
-            replicated = F.dropout(torch.ones(64), 0.5, training=True)
+            replicated.append(F.dropout(torch.ones(64), 0.5, training=True))
         assert not torch.equal(torch.get_rng_state(), before)
     assert not torch.equal(masks[0], masks[1]), "TP ranks draw different masks for their heads"
+    assert torch.equal(replicated[0], replicated[1]), "replicated activations: one mask for all"

@@ -23,8 +23,8 @@ from megatron.core.tensor_parallel.layers import (
     full_from_shards,
     shard_of,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.tiny_configs import tiny_transformer_config
 
 RTOL = 1e-6
 
@@ -35,13 +35,8 @@ def close(actual, expected, what):
 
 
 def config(tp, sp=False, **kw):
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=16,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=sp,
-        **kw,
+    return tiny_transformer_config(
+        num_layers=1, hidden_size=16, tensor_model_parallel_size=tp, sequence_parallel=sp, **kw
     )
 
 

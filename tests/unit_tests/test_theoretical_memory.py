@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron.training.arguments import parse_args, validate_args
 from megatron.training.theoretical_memory import (
     NUM_BYTES_IN_MEGABYTE,
     bytes_per_parameter,
@@ -34,6 +33,7 @@ from megatron.training.theoretical_memory import (
     microbatches_in_flight,
 )
 from tests.unit_tests.dist_utils import run_distributed
+from tests.unit_tests.tiny_configs import validated_args
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -95,9 +95,7 @@ def _single_thread():
 def make_args(argv, world_size=1):
     from megatron.training.tokenizer import build_tokenizer
 
-    args = parse_args(argv=list(argv))
-    args.world_size, args.rank = world_size, 0
-    validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+    args = validated_args(argv, world_size, defaults={"tokenizer_type": "GPT2BPETokenizer"})
     with contextlib.redirect_stdout(io.StringIO()):
         build_tokenizer(args)
     return args
@@ -267,8 +265,9 @@ def test_tensor_parallel_shard_matches_a_spawned_tp2_world():
     "precision,plain,sharded", [([], 16, 8), (["--bf16"], 18, 6), (["--fp16"], 20, 4)]
 )
 def test_distributed_optimizer_bytes_per_parameter(precision, plain, sharded):
-    """MEGATRON_FACTS §10: fp32 16 -> 8 + 8/d, bf16 + fp32 grads 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d,
-    d = data parallel x context parallel (the group the distributed optimizer shards over)."""
+    """Megatron's bytes per parameter: fp32 16 -> 8 + 8/d, bf16 + fp32 grads 18 -> 6 + 12/d,
+    fp16 20 -> 4 + 16/d, d = data parallel x context parallel (the group the distributed
+    optimizer shards over)."""
     base = TINY + precision + ["--global-batch-size", "16"]
     args, _ = tool.validated_args(base, 8)
     assert bytes_per_parameter(args).total == plain

@@ -1,13 +1,11 @@
-import os
 import re
-import socket
 import time
 
 import pytest
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron.core.timers import DummyTimer, Timer, Timers
+from tests.unit_tests.dist_utils import run_distributed
 
 LINE_MINMAX = re.compile(r"^    (\S[^:]*?) \.*: \((\d+\.\d{2}), (\d+\.\d{2})\)$")
 LINE_MAX = re.compile(r"^    (\S[^:]*?) \.*: (\d+\.\d{2})$")
@@ -50,9 +48,11 @@ def test_levels_make_dummies():
     assert timers("forward-backward") is timers("forward-backward", log_level=1)
     with pytest.raises(ValueError, match="log level"):
         timers("forward-backward", log_level=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"--timing-log-option\) must be one of .*got 'median'"):
         Timers(log_level=0, log_option="median")
-    with pytest.raises(ValueError):
+    with pytest.raises(
+        ValueError, match=re.escape("(--timing-log-level) must be in [0, 2], got 3")
+    ):
         Timers(log_level=3, log_option="max")
 
 
@@ -109,36 +109,27 @@ def test_write():
     assert timers("optimizer").elapsed(reset=False) == pytest.approx(0.04)  # write does not reset
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, queue):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        out = {}
-        for option in ("minmax", "max", "all"):
-            timers = Timers(log_level=2, log_option=option)
-            _set_ms(timers, "both", 10.0 * (rank + 1))
-            if rank == 1:
-                _set_ms(timers, "only-rank-1", 7.0)
-            out[option] = timers.log(["both", "only-rank-1"], normalizer=1.0)
-        queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+def _logs_per_option(rank, world_size, queue):
+    out = {}
+    for option in ("minmax", "max", "all"):
+        timers = Timers(log_level=2, log_option=option)
+        _set_ms(timers, "both", 10.0 * (rank + 1))
+        if rank == 1:
+            _set_ms(timers, "only-rank-1", 7.0)
+        out[option] = timers.log(["both", "only-rank-1"], normalizer=1.0)
+    queue.put((rank, out))
 
 
 def test_across_two_ranks():
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(2, _free_port(), queue), nprocs=2, start_method="spawn")
+    queue = mp.get_context("spawn").SimpleQueue()
+    run_distributed(_logs_per_option, 2, queue)
     results = dict(queue.get() for _ in range(2))
     assert results[0] == results[1]
     out = results[1]
-    label = lambda n: "    " + (n + " ").ljust(48, ".")
+
+    def label(n):
+        return "    " + (n + " ").ljust(48, ".")
+
     assert out["minmax"] == (
         "(min, max) time across ranks (ms):\n"
         + label("both")

@@ -102,10 +102,23 @@ def test_validation_errors_name_the_flag(kwargs, match):
         cfg(**kwargs)
 
 
-def test_valid_recompute_settings():
-    cfg(recompute_granularity="full", recompute_method="block", recompute_num_layers=0)
-    cfg(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
-    cfg(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+def test_recompute_settings_at_the_edge_of_the_rules():
+    # 'block' may recompute no layer of the stage; 'uniform' chunks need at least one layer.
+    c = cfg(recompute_granularity="full", recompute_method="block", recompute_num_layers=0)
+    assert (c.recompute_granularity, c.recompute_method, c.recompute_num_layers) == (
+        "full",
+        "block",
+        0,
+    )
+    with pytest.raises(ValueError, match="'uniform' needs recompute_num_layers >= 1"):
+        cfg(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0)
+    c = cfg(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert (c.recompute_method, c.recompute_num_layers) == ("uniform", 1)
+    # Selective recompute takes exactly the modules this implementation can checkpoint.
+    c = cfg(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
+    assert c.recompute_modules == ["core_attn", "mlp"]
+    with pytest.raises(ValueError, match=r"recompute_modules \['layernorm'\] are not supported"):
+        cfg(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"])
 
 
 @pytest.mark.parametrize(

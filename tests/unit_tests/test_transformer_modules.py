@@ -15,7 +15,7 @@ from megatron.core.transformer.rotary_pos_embedding import (
     llama3_scale_inv_freq,
 )
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.tiny_configs import tiny_transformer_config
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,17 +27,9 @@ def _single_thread():
     torch.set_num_threads(threads)
 
 
-def cfg(**kw):
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=torch.float64,
-    )
-    base.update(kw)
-    return TransformerConfig(**base)
+def cfg(**overrides):
+    """The tiny config in float64: modules are compared with formulas to 1e-12."""
+    return tiny_transformer_config(**{"params_dtype": torch.float64, **overrides})
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -94,12 +86,19 @@ def test_rope_seq_len_interpolation_and_llama3_scaling():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [dict(rotary_percent=0.0), dict(rotary_percent=1.5), dict(kv_channels=6, rotary_percent=0.5)],
+    "kwargs, match",
+    [
+        (
+            dict(rotary_percent=0.0),
+            r"rotary_percent must be in \(0, 1\] \(--rotary-percent\), got 0",
+        ),
+        (dict(rotary_percent=1.5), r"rotary_percent must be in \(0, 1\] .*got 1.5"),
+        (dict(kv_channels=6, rotary_percent=0.5), r"= 3 must be a positive even number"),
+    ],
 )
-def test_rope_rejects_bad_settings(kwargs):
+def test_rope_rejects_bad_settings(kwargs, match):
     kwargs.setdefault("kv_channels", 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         RotaryEmbedding(**kwargs)
 
 
@@ -203,8 +202,22 @@ def test_block_layer_numbers_final_norm_and_input_tensor():
         block(None)
     x = torch.randn(4, 2, 32, dtype=torch.float64)
     block.set_input_tensor(x)
-    assert block(None).shape == (4, 2, 32)
-    assert TransformerBlock(cfg()).final_layernorm is not None
+    # The received tensor goes through the same layers as an input would on a first stage.
+    first_stage = TransformerBlock(
+        cfg(num_layers=8), num_layers=3, layer_number_offset=4, post_process=False
+    )
+    first_stage.load_state_dict(block.state_dict())
+    out = block(None)
+    torch.testing.assert_close(out, first_stage(x), rtol=0, atol=0)
+    assert not torch.allclose(out, x)
+    # A last stage ends with the final norm.
+    last_stage = TransformerBlock(
+        cfg(num_layers=8), num_layers=3, layer_number_offset=4, pre_process=False
+    )
+    assert last_stage.final_layernorm is not None
+    last_stage.load_state_dict(block.state_dict(), strict=False)
+    last_stage.set_input_tensor(x)
+    torch.testing.assert_close(last_stage(None), last_stage.final_layernorm(out), rtol=0, atol=0)
 
 
 def test_embedding_output_is_sequence_first():

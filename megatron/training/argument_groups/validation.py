@@ -198,10 +198,12 @@ def validate_model_shape(args):
             heads % groups == 0,
             f"--num-attention-heads ({heads}) is not divisible by --num-query-groups ({groups})",
         )
+        # Megatron's rule (TransformerConfig): every TP rank holds whole key/value groups. A
+        # divisor of TP would need the groups replicated across ranks, which no layer builds.
         check(
-            groups % tp == 0 or tp % groups == 0,
-            f"--num-query-groups ({groups}) must be a "
-            f"multiple or a divisor of --tensor-model-parallel-size ({tp})",
+            groups % tp == 0,
+            f"--num-query-groups ({groups}) must be a multiple of "
+            f"--tensor-model-parallel-size ({tp})",
         )
     else:
         args.num_query_groups = heads
@@ -476,7 +478,8 @@ def validate_pipeline(args):
 
 def _validate_layer_split(args):
     """The split the trainer will build, computed now so a bad one fails before any process
-    group exists; with virtual stages also Megatron's micro-batch rules of the interleaved schedule."""
+    group exists; with virtual stages also Megatron's micro-batch rules of the interleaved
+    schedule."""
     from megatron.core.pipeline_parallel.layer_split import (
         check_interleaved_microbatches,
         compute_layer_split,

@@ -1,0 +1,89 @@
+"""Tiny configurations shared by the tests: command lines and Megatron argument namespaces,
+TransformerConfigs and GPT models small enough for a CPU test.
+
+One module, so that a flag made required or a config field renamed is fixed in one place.
+Each builder takes overrides; a test states the values it relies on, not the defaults here.
+"""
+
+import torch
+
+# A small model that passes every rule of validate_args and uses no unimplemented feature.
+TINY_FLAGS = {
+    "--num-layers": "4",
+    "--hidden-size": "64",
+    "--num-attention-heads": "4",
+    "--max-position-embeddings": "256",
+    "--seq-length": "128",
+    "--micro-batch-size": "2",
+    "--train-iters": "10",
+    "--lr": "1e-3",
+    "--mock-data": None,
+    "--tokenizer-type": "NullTokenizer",
+    "--vocab-size": "128",
+}
+
+# Vocabulary and sequence length of tiny_gpt_model.
+TINY_VOCAB = 61
+TINY_SEQ = 12
+
+
+def tiny_argv(*extra, drop=()):
+    """TINY_FLAGS as a command line, without the flags in ``drop``, then ``extra``."""
+    argv = []
+    for flag, value in TINY_FLAGS.items():
+        if flag not in drop:
+            argv += [flag] if value is None else [flag, value]
+    return argv + [str(a) for a in extra]
+
+
+def validated_args(argv, world_size=1, rank=0, defaults=None):
+    """parse_args + validate_args of ``argv`` as rank ``rank`` of ``world_size`` processes (the
+    environment's RANK/WORLD_SIZE are not read)."""
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args(argv=[str(a) for a in argv])
+    args.world_size, args.rank = world_size, rank
+    return validate_args(args, defaults)
+
+
+def tiny_args(*extra, world_size=1, rank=0, drop=(), defaults=None):
+    """The validated arguments of ``tiny_argv(*extra, drop=drop)``."""
+    return validated_args(tiny_argv(*extra, drop=drop), world_size, rank, defaults)
+
+
+def megatron_args(**overrides):
+    """The arguments of a command line without flags (every flag at its Megatron default), with
+    ``overrides`` set on top: code that starts reading another flag still finds it here, unlike in
+    a hand-written ``argparse.Namespace``."""
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(argv=[])
+    for name, value in overrides.items():
+        setattr(args, name, value)
+    return args
+
+
+def tiny_transformer_config(**overrides):
+    """A 2-layer, 32-wide, 4-head TransformerConfig without dropout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    settings = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def tiny_gpt_model(config=None, seed=0, **model_kwargs):
+    """A GPTModel of ``config`` (tiny_transformer_config() by default), initialized from
+    ``seed``, with TINY_VOCAB tokens and TINY_SEQ positions unless given."""
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(seed)
+    model_kwargs.setdefault("vocab_size", TINY_VOCAB)
+    model_kwargs.setdefault("max_sequence_length", TINY_SEQ)
+    return GPTModel(config or tiny_transformer_config(), **model_kwargs)
