@@ -131,7 +131,10 @@ def test_torch_dist_integrity_progress_memory_and_resume(tmp_path, capsys):
     assert all(m["tokens"] == "0.00" for m in saved)  # 4 x 8 x 32 tokens
 
     # Memory scalars under Megatron's tags; on CPU the resident set size, said at start-up.
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # The kernel's resident-set counters are per-CPU approximations (batched by up to 64 pages
+    # per CPU), so /proc/self/statm read during the run can exceed ru_maxrss read after it by a
+    # few hundred KiB (seen: 0.05%): 1% of slack, far below any wrong unit or quantity.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 * 1.01
     for tag in ("mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes"):
         values = read_tensorboard_scalars(tb, tag)
         assert sorted(values) == [1, 2, 3, 4], tag
