@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch.distributed as dist
 
-from .checkpointing import CheckpointError
+from .checkpointing_common import CheckpointError
 
 MANIFEST_NAME = "integrity.sha256"
 _CHUNK = 1 << 20
@@ -102,6 +102,14 @@ def write_manifest(directory: str, digests: Dict[str, str]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, manifest_path(directory))
+
+
+def integrity_digests(args, directory: str) -> Optional[Dict[str, str]]:
+    """--verify-integrity: the digests of the files of `directory` written so far (a
+    collective), or None without the flag."""
+    if not getattr(args, "verify_integrity", False):
+        return None
+    return hash_checkpoint_files(directory)
 
 
 def seal(directory: str, digests: Optional[Dict[str, str]]) -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
 from . import global_vars
+from .checkpoint_integrity import integrity_digests, seal, verify_checkpoint
 from .checkpointing_common import (
     CHECKPOINT_VERSION,
     CheckpointError,
@@ -37,13 +38,11 @@ from .checkpointing_common import (
     checkpoint_dir,
     checkpoint_name,
     commit_tracker,
-    integrity_digests,
     print_loaded_checkpoint,
     print_saved_checkpoint,
     read_tracker,
     remove_unretained,
     rng_state,
-    seal,
     set_rng_state,
     tracker_path,
 )
@@ -306,8 +305,6 @@ def load_checkpoint(
         iteration, release = args.ckpt_step, False
     fmt = format_to_load(args, checkpoint_dir(load_dir, iteration, release))
     if getattr(args, "verify_integrity", False):
-        from .checkpoint_integrity import verify_checkpoint
-
         verify_checkpoint(checkpoint_dir(load_dir, iteration, release))
         print_rank_0(
             f" > --verify-integrity: {checkpoint_dir(load_dir, iteration, release)} matches"

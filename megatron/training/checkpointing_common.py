@@ -95,24 +95,6 @@ def read_tracker(load_dir: str):
 _ITER_DIR = re.compile(r"iter_(\d{7,})(\.tmp)?$")
 
 
-def integrity_digests(args, directory: str):
-    """--verify-integrity: the digests of the files of `directory` written so far (a
-    collective), or None without the flag."""
-    if not getattr(args, "verify_integrity", False):
-        return None
-    from .checkpoint_integrity import hash_checkpoint_files
-
-    return hash_checkpoint_files(directory)
-
-
-def seal(directory: str, digests) -> None:
-    """Write the --verify-integrity manifest of `directory` (rank 0), if digests were taken."""
-    if digests is not None:
-        from .checkpoint_integrity import seal as write_manifest
-
-        write_manifest(directory, digests)
-
-
 def remove_unretained(args, save_dir: str, iteration: int) -> None:
     """``--save-retain-interval N``: after a successful save of ``iteration``, delete (on rank 0)
     the older checkpoints whose iteration is not a multiple of N; never the one just saved, nor

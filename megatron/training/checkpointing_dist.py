@@ -37,6 +37,7 @@ from megatron.core.dist_checkpointing.optimizer_state import (
 from megatron.core.utils import unwrap_model
 
 from . import global_vars
+from .checkpoint_integrity import integrity_digests, seal
 from .checkpointing_common import (
     CHECKPOINT_VERSION,
     CheckpointError,
@@ -44,11 +45,9 @@ from .checkpointing_common import (
     checkpoint_args,
     checkpoint_dir,
     commit_tracker,
-    integrity_digests,
     print_saved_checkpoint,
     remove_unretained,
     rng_state,
-    seal,
     set_rng_state,
 )
 from .utils import get_device, get_rank, print_rank_0

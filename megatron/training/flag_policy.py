@@ -20,41 +20,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-HONOURED = "honoured"
-NO_EFFECT = "no effect here"
-REFUSED = "refused"
-KINDS = (HONOURED, NO_EFFECT, REFUSED)
-
-# (value, the user's args) -> whether the flag counts as given for its rule.
-Given = Callable[[Any, argparse.Namespace], bool]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """The policy of one flag (one argparse dest)."""
-
-    dest: str
-    """The argparse dest the rule is about."""
-
-    kind: str
-    """HONOURED, NO_EFFECT or REFUSED."""
-
-    reason: str
-    """Why: printed in the start-up note, the refusal line and --help."""
-
-    given: Optional[Given] = None
-    """When the flag triggers its rule; None: when its value differs from the parser default.
-    A REFUSED or NO_EFFECT rule with a predicate applies to those values only; the flag's other
-    values are honoured."""
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"{self.dest}: unknown policy kind {self.kind!r}")
-        if not self.reason:
-            raise ValueError(f"{self.dest}: a policy rule needs its reason")
+from megatron.training.argument_groups.all_groups import add_argument_groups
+from megatron.training.flag_policy_table import HONOURED, NO_EFFECT, POLICY, REFUSED, Rule
 
 
 def flag_of(action: argparse.Action) -> str:
@@ -65,9 +34,7 @@ def flag_of(action: argparse.Action) -> str:
 @functools.lru_cache(maxsize=1)
 def _megatron_actions() -> Dict[str, argparse.Action]:
     """dest -> the action of Megatron's parser (built once; no env-dependent use here)."""
-    from megatron.training.arguments import add_megatron_arguments
-
-    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    parser = add_argument_groups(argparse.ArgumentParser(allow_abbrev=False))
     actions: Dict[str, argparse.Action] = {}
     for action in parser._actions:
         if action.option_strings and action.help != argparse.SUPPRESS and action.dest != "help":
@@ -77,8 +44,6 @@ def _megatron_actions() -> Dict[str, argparse.Action]:
 
 
 def _table() -> Dict[str, Rule]:
-    from megatron.training.flag_policy_table import POLICY
-
     return POLICY
 
 

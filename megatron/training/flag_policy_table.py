@@ -8,10 +8,44 @@ are honoured). A feature's own issue moves its rows to HONOURED.
 
 from __future__ import annotations
 
+import argparse
 import os
-from typing import Dict
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
 
-from megatron.training.flag_policy import HONOURED, NO_EFFECT, REFUSED, Rule
+HONOURED = "honoured"
+NO_EFFECT = "no effect here"
+REFUSED = "refused"
+KINDS = (HONOURED, NO_EFFECT, REFUSED)
+
+# (value, the user's args) -> whether the flag counts as given for its rule.
+Given = Callable[[Any, argparse.Namespace], bool]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The policy of one flag (one argparse dest)."""
+
+    dest: str
+    """The argparse dest the rule is about."""
+
+    kind: str
+    """HONOURED, NO_EFFECT or REFUSED."""
+
+    reason: str
+    """Why: printed in the start-up note, the refusal line and --help."""
+
+    given: Optional[Given] = None
+    """When the flag triggers its rule; None: when its value differs from the parser default.
+    A REFUSED or NO_EFFECT rule with a predicate applies to those values only; the flag's other
+    values are honoured."""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.dest}: unknown policy kind {self.kind!r}")
+        if not self.reason:
+            raise ValueError(f"{self.dest}: a policy rule needs its reason")
+
 
 POLICY: Dict[str, Rule] = {}
 

@@ -65,7 +65,11 @@ def _assert_manifest_is_true(directory):
             assert hashlib.sha256(f.read()).hexdigest() == digest, name
     if shutil.which("sha256sum"):
         check = subprocess.run(
-            ["sha256sum", "-c", MANIFEST], cwd=directory, capture_output=True, text=True
+            ["sha256sum", "-c", MANIFEST],
+            cwd=directory,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert check.returncode == 0, check.stdout + check.stderr
     return entries

@@ -115,10 +115,10 @@ def test_recompute_settings_at_the_edge_of_the_rules():
     c = cfg(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     assert (c.recompute_method, c.recompute_num_layers) == ("uniform", 1)
     # Selective recompute takes exactly the modules this implementation can checkpoint.
-    c = cfg(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])
-    assert c.recompute_modules == ["core_attn", "mlp"]
-    with pytest.raises(ValueError, match=r"recompute_modules \['layernorm'\] are not supported"):
-        cfg(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"])
+    c = cfg(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "mlp"])
+    assert c.recompute_modules == ["core_attn", "layernorm", "mlp"]
+    with pytest.raises(ValueError, match=r"recompute_modules \['moe_act'\] are not supported"):
+        cfg(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"])
 
 
 @pytest.mark.parametrize(

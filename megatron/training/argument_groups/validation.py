@@ -326,16 +326,8 @@ def validate_batch_size(args):
     sizes = [("--global-batch-size", gbs)]
 
     if args.rampup_batch_size is not None:
-        values = args.rampup_batch_size
-        check(
-            len(values) == 3,
-            "--rampup-batch-size takes 3 values: <start batch size> "
-            f"<batch size increment> <ramp-up samples> (got {values})",
-        )
-        try:
-            start, incr, samples = (int(v) for v in values)
-        except ValueError:
-            fail(f"--rampup-batch-size values must be integers (got {values})")
+        values = args.rampup_batch_size  # the parser takes exactly three integers
+        start, incr, samples = values
         check(
             start > 0 and incr > 0 and samples >= 0,
             f"--rampup-batch-size needs start > 0, increment > 0 and samples >= 0 (got {values})",
