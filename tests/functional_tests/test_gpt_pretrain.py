@@ -36,7 +36,8 @@ def test_dp2_loss_decreases_and_log_lines_parse(straight_run):
     )
     first, last = sum(losses[i] for i in (1, 2, 3)) / 3, sum(losses[i] for i in (18, 19, 20)) / 3
     assert last < first - 0.5, (first, last)
-    # Initial loss of a random init is close to ln(vocab) (padded vocab 512 at TP=1 for 500 + NullTokenizer).
+    # Initial loss of a random init is close to ln(vocab) (padded vocab 512 at TP=1 for 500 +
+    # NullTokenizer).
     assert abs(losses[1] - math.log(512)) < 0.5
     lines = parse_log_lines(result.stdout)
     assert int(lines[20]["consumed"]) == 20 * 8 and int(lines[20]["gbs"]) == 8
