@@ -32,7 +32,7 @@ def test_dp2_loss_decreases_and_log_lines_parse(straight_run):
     result, _ = straight_run
     losses = _losses(result)
     assert sorted(losses) == list(range(1, 21)), (
-        "one log line per iteration, each matching §4's format"
+        "one log line per iteration, each in Megatron's per-iteration log line format"
     )
     first, last = sum(losses[i] for i in (1, 2, 3)) / 3, sum(losses[i] for i in (18, 19, 20)) / 3
     assert last < first - 0.5, (first, last)
