@@ -4,14 +4,18 @@ NPROC ?= 2
 RUN_DIR ?= runs/quickstart
 PIP_INSTALL = $(PYTHON) -m pip install -q -c constraints.txt
 
-.PHONY: install test test-fast quickstart quickstart-mock prepare-ds-sample clean
+.PHONY: install lint test test-fast quickstart quickstart-mock prepare-ds-sample clean
 
 install:
 	$(PIP_INSTALL) torch==2.13.0
 	$(PIP_INSTALL) -e .[dev]
 
-# --durations=15: the slowest tests, so that the suite's growth stays visible.
-test: install
+# ruff (configured in pyproject.toml): lint rules and the formatting the tree is kept in.
+lint:
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .
+
+# Lint first; --durations=15: the slowest tests, so that the suite's growth stays visible.
+test: install lint
 	$(PYTHON) -m pytest -q --durations=15 tests
 
 test-fast:

@@ -1,4 +1,5 @@
-"""Pretrain a GPT (or Llama-style) decoder: ``torchrun --nproc-per-node N pretrain_gpt.py <flags>``."""
+"""Pretrain a GPT (or Llama-style) decoder:
+``torchrun --nproc-per-node N pretrain_gpt.py <flags>``."""
 
 from functools import partial
 
@@ -90,7 +91,8 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Sum of masked per-token losses, token count, and the [sum, count] pair reported as 'lm loss'."""
+    """Sum of masked per-token losses, token count, and the [sum, count] pair reported as 'lm
+    loss'."""
     args = get_args()
     losses = output_tensor.float().view(-1)
     loss_mask = loss_mask.view(-1).float()
@@ -105,7 +107,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         torch.distributed.all_reduce(num_tokens, group=state.get_context_parallel_group())
     if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
         raise RuntimeError(
-            f"NaN or Inf loss on rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0} "
+            "NaN or Inf loss on rank "
+            f"{torch.distributed.get_rank() if torch.distributed.is_initialized() else 0} "
             f"at iteration {args.iteration + 1}"
         )
     reported = torch.cat([loss.clone().detach().view(1), local_tokens.float().view(1)])

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Causal attention forward + backward on CPU: torch's fused kernel against the unfused blocked path.
+"""Causal attention forward + backward on CPU: torch's fused kernel against the unfused blocked
+path.
 
     python benchmarks/attention_cpu.py                       # seq 256, 512, 1024, 2048
     python benchmarks/attention_cpu.py --seqs 256 --threads 1
@@ -77,7 +78,8 @@ def parse_args(argv=None):
     for seq in args.seqs:
         if seq <= 0 or args.tokens % seq:
             p.error(
-                f"every --seqs value must be positive and divide --tokens ({args.tokens}); got {seq}"
+                f"every --seqs value must be positive and divide --tokens ({args.tokens}); "
+                f"got {seq}"
             )
     return args
 
@@ -145,10 +147,12 @@ def main(argv=None):
     allocator = "on" if configure_cpu_allocator("cpu") else "off"
     print(
         f"torch {torch.__version__}, {args.threads} threads, allocator setting {allocator}, "
-        f"{args.heads} heads x {args.head_dim}, {args.groups} key/value groups, {args.tokens} tokens per batch, "
+        f"{args.heads} heads x {args.head_dim}, {args.groups} key/value groups, "
+        f"{args.tokens} tokens per batch, "
         f"fp32, causal, "
         f"attention dropout {args.dropout}; "
-        f"'auto' takes the unfused path up to seq {UNFUSED_AUTO_MAX_SEQ}; 1-min load {os.getloadavg()[0]:.2f}"
+        f"'auto' takes the unfused path up to seq {UNFUSED_AUTO_MAX_SEQ}; "
+        f"1-min load {os.getloadavg()[0]:.2f}"
     )
     print(
         f"{'seq':>5} {'batch':>5}  {'sdpa ms':>8}  {'unfused ms':>10}  {'sdpa/unfused':>12}  "

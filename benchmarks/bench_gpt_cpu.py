@@ -2,7 +2,7 @@
 """GPT training throughput on CPU: this project against Hugging Face ``transformers`` and a
 minimal plain-PyTorch loop, on the same GPT-2 model, data and optimizer.
 
-    python benchmarks/bench_gpt_cpu.py                 # defaults below, ~1-2 min on a quiet 2-core machine
+    python benchmarks/bench_gpt_cpu.py  # defaults below, ~1-2 min on a quiet 2-core machine
     python benchmarks/bench_gpt_cpu.py --rounds 20 --steps 2 --threads 1
     python benchmarks/bench_gpt_cpu.py --no-ce-fusion  # ours without --cross-entropy-loss-fusion
     MEGATRON_CPU_MALLOPT=0 python benchmarks/bench_gpt_cpu.py   # ours without the allocator setting
@@ -214,7 +214,8 @@ def count_params(model):
 
 
 def configure_allocator():
-    """The project's allocator setting (what initialize_megatron does on a CPU): 'on', or why not."""
+    """The project's allocator setting (what initialize_megatron does on a CPU): 'on', or why
+    not."""
     from megatron.training.cpu_allocator import ENV_VAR, configure_cpu_allocator
 
     if configure_cpu_allocator("cpu"):
@@ -654,14 +655,18 @@ def report(args, res, load_start):
     print("loss after the last step: " + ", ".join(f"{n} {v:.4f}" for n, v in last_loss.items()))
     load_end = os.getloadavg()[0]
     print(
-        f"\n{res['rounds']} rounds x {args.steps} timed steps per trainer in {res['seconds']:.0f} s "
-        f"({tokens_per_step} tokens/step, {args.threads} threads; 1-min load average {load_start:.2f} "
-        f"before, {load_end:.2f} after (this run adds about {args.threads}), on {os.cpu_count()} CPUs)"
+        f"\n{res['rounds']} rounds x {args.steps} timed steps per trainer "
+        f"in {res['seconds']:.0f} s "
+        f"({tokens_per_step} tokens/step, {args.threads} threads; "
+        f"1-min load average {load_start:.2f} "
+        f"before, {load_end:.2f} after (this run adds about {args.threads}), "
+        f"on {os.cpu_count()} CPUs)"
     )
     if load_start > 0.5 * os.cpu_count() or load_end > args.threads + 0.5 * os.cpu_count():
         print(
             "  note: other processes were using the CPUs; wall-clock figures are noisy, the "
-            "tok/CPU-s column (at --threads 1 especially) and the best-step ratio are the steadier figures"
+            "tok/CPU-s column (at --threads 1 especially) and the best-step ratio are the "
+            "steadier figures"
         )
     print(
         f"  {'':6s} {'tok/s median':>12s} {'[min-max] over rounds':>22s} {'best step':>10s} "
@@ -670,16 +675,20 @@ def report(args, res, load_start):
     for n in rate:
         spread = f"[{min(rate[n]):.0f}-{max(rate[n]):.0f}]"
         print(
-            f"  {n:6s} {statistics.median(rate[n]):12.0f} {spread:>22s} {tokens_per_step / best[n]:10.0f} "
-            f"{statistics.median(cpu_rate[n]):10.0f} {statistics.median(faults[n]):12.0f} {peak[n]:13.0f}"
+            f"  {n:6s} {statistics.median(rate[n]):12.0f} {spread:>22s} "
+            f"{tokens_per_step / best[n]:10.0f} "
+            f"{statistics.median(cpu_rate[n]):10.0f} {statistics.median(faults[n]):12.0f} "
+            f"{peak[n]:13.0f}"
         )
     for other in ("hf", "plain"):
         if other in rate:
             per_round = [a / b for a, b in zip(rate["ours"], rate[other])]
             cpu_ratio = statistics.median(cpu_rate["ours"]) / statistics.median(cpu_rate[other])
             print(
-                f"  ours/{other:<5s} {statistics.median(per_round):.3f}  (median of per-round ratios: "
-                f"{', '.join(f'{x:.2f}' for x in per_round)}; best-step ratio {best[other] / best['ours']:.3f}, "
+                f"  ours/{other:<5s} {statistics.median(per_round):.3f}  "
+                f"(median of per-round ratios: "
+                f"{', '.join(f'{x:.2f}' for x in per_round)}; "
+                f"best-step ratio {best[other] / best['ours']:.3f}, "
                 f"CPU-time ratio {cpu_ratio:.3f})"
             )
     spread = max(last_loss.values()) - min(last_loss.values())

@@ -3,7 +3,7 @@
 GPTDataset index build for a large synthetic dataset.
 
     python benchmarks/preprocess.py [--size-mb 20] [--workers 1 2] [--rounds 3]
-                                    [--index-documents 1000000 --index-tokens 100000000 --seq-length 2048]
+        [--index-documents 1000000 --index-tokens 100000000 --seq-length 2048]
 
 Input: the shipped corpus (``tests/data/corpus.jsonl`` + ``topics.jsonl``) repeated to about
 ``--size-mb`` MB of JSON lines (``--size-mb 0``: one copy, 2.2 MB), tokenized with the shipped
@@ -127,7 +127,8 @@ def _encode(line):
 
 
 def cpu_seconds():
-    """(this process, its finished children): CPU seconds, user + system (as the tool counts them)."""
+    """(this process, its finished children): CPU seconds, user + system (as the tool counts
+    them)."""
     import resource
 
     own, children = (
@@ -261,13 +262,15 @@ def bench_preprocess(args, tmp):
             identical &= same
             if ref["docs"] != n or ours["docs"] != n:
                 raise SystemExit(
-                    f"document counts differ: input {n}, baseline {ref['docs']}, ours {ours['docs']}"
+                    f"document counts differ: input {n}, baseline {ref['docs']}, "
+                    f"ours {ours['docs']}"
                 )
             runs[("upstream", workers)].append(ref)
             runs[("ours", workers)].append(ours)
             print(
                 f"round {r + 1} workers {workers}: upstream {n / ref['seconds']:8.1f} docs/s  ours "
-                f"{n / ours['seconds']:8.1f} docs/s  ratio {ref['seconds'] / ours['seconds']:4.1f}x  CPU ratio "
+                f"{n / ours['seconds']:8.1f} docs/s  "
+                f"ratio {ref['seconds'] / ours['seconds']:4.1f}x  CPU ratio "
                 f"{ref['cpu'] / ours['cpu']:4.1f}x  identical {same}  load {before} -> {load()}",
                 flush=True,
             )
@@ -283,12 +286,14 @@ def bench_preprocess(args, tmp):
             sec, best = statistics.median(x["seconds"] for x in rs), min(x["seconds"] for x in rs)
             cpu = statistics.median(x["cpu"] for x in rs)
             print(
-                f"| {workers} | {impl} | {n / sec:.0f} ({n / best:.0f}) | {mb / sec:.2f} ({mb / best:.2f}) | "
+                f"| {workers} | {impl} | {n / sec:.0f} ({n / best:.0f}) | "
+                f"{mb / sec:.2f} ({mb / best:.2f}) | "
                 f"{cpu:.2f} | {n / cpu:.0f} | {statistics.median(x['wall'] for x in rs):.2f} | "
                 f"{max(x['rss_mb'] for x in rs):.0f} |"
             )
     print(
-        "\n| workers | ours / upstream docs/s: median of rounds (min-max) | best / best | CPU-time ratio median "
+        "\n| workers | ours / upstream docs/s: median of rounds (min-max) | best / best | "
+        "CPU-time ratio median "
         "(min-max) | identical output |"
     )
     print("|---|---|---|---|---|")
@@ -298,8 +303,10 @@ def bench_preprocess(args, tmp):
         cpu = [a["cpu"] / b["cpu"] for a, b in pairs]
         best = min(a["seconds"] for a, _ in pairs) / min(b["seconds"] for _, b in pairs)
         print(
-            f"| {workers} | **{statistics.median(ratios):.1f}x** ({min(ratios):.1f}-{max(ratios):.1f}) | "
-            f"{best:.1f}x | {statistics.median(cpu):.1f}x ({min(cpu):.1f}-{max(cpu):.1f}) | {identical} |"
+            f"| {workers} | **{statistics.median(ratios):.1f}x** "
+            f"({min(ratios):.1f}-{max(ratios):.1f}) | "
+            f"{best:.1f}x | {statistics.median(cpu):.1f}x ({min(cpu):.1f}-{max(cpu):.1f}) | "
+            f"{identical} |"
         )
     return identical
 
@@ -373,7 +380,8 @@ def bench_index(args, tmp):
     build_shuffle_index(sample_index.shape[0] - 1, sample_index.shape[0] - 1, state)
     t3 = time.time()
     print(
-        f"\nGPTDataset indices: {documents} documents, {tokens} tokens, seq length {args.seq_length}, one epoch: "
+        f"\nGPTDataset indices: {documents} documents, {tokens} tokens, "
+        f"seq length {args.seq_length}, one epoch: "
         f"{len(built)} samples"
     )
     print("| step | seconds |")
@@ -409,7 +417,8 @@ def main():
     parser.add_argument("--skip-index", action="store_true")
     args = parser.parse_args()
     print(
-        f"python {sys.version.split()[0]}, numpy {np.__version__}; load average {load()} (1/5/15 min)"
+        f"python {sys.version.split()[0]}, numpy {np.__version__}; "
+        f"load average {load()} (1/5/15 min)"
     )
     identical = True
     with tempfile.TemporaryDirectory() as tmp:

@@ -254,12 +254,14 @@ def main(argv=None):
         "--output-dir", default=str(Path(__file__).resolve().parent.parent / "tests" / "data")
     )
     args = parser.parse_args(argv)
-    # The Rust trainers are order-independent, but keep them single-threaded for byte-identical output.
+    # The Rust trainers are order-independent, but keep them single-threaded for byte-identical
+    # output.
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if sys.version_info[:3] != BUILT_WITH_PYTHON:
         print(
-            f"note: the committed corpus was built from CPython {'.'.join(map(str, BUILT_WITH_PYTHON))}'s stdlib; "
+            "note: the committed corpus was built from "
+            f"CPython {'.'.join(map(str, BUILT_WITH_PYTHON))}'s stdlib; "
             f"this is {sys.version.split()[0]}, so the files will differ slightly",
             file=sys.stderr,
         )

@@ -78,7 +78,8 @@ def merge(prefixes: List[str], output_prefix: str, multimodal: bool = False) -> 
         if other != dtype:
             raise ValueError(
                 f"dtype mismatch: {prefix}.idx holds {other.__name__} tokens but {first}.idx holds "
-                f"{dtype.__name__}; re-run preprocess_data.py on one of them with the same tokenizer"
+                f"{dtype.__name__}; re-run preprocess_data.py on one of them "
+                "with the same tokenizer"
             )
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)

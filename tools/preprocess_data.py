@@ -2,7 +2,8 @@
 """Tokenize a JSON-lines corpus into Megatron ``.bin/.idx`` datasets.
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
-        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
+        --merge-file gpt2-merges.txt \\
         --append-eod --workers 8
 
 writes ``data/corpus_text_document.bin/.idx`` (one ``<prefix>_<key>_<level>`` pair per
@@ -134,7 +135,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--log-interval must be at least 1, got {args.log_interval}")
     if args.keep_newlines and not args.split_sentences:
         print(
-            "note: --keep-newlines only changes --split-sentences output; documents always keep their newlines",
+            "note: --keep-newlines only changes --split-sentences output; "
+            "documents always keep their newlines",
             file=sys.stderr,
         )
     if len(set(args.json_keys)) != len(args.json_keys):
@@ -215,7 +217,10 @@ def _parse_line_exactly(line: bytes, keys: List[str]):
     for key in keys:
         if key not in record:
             present = ", ".join(repr(k) for k in list(record)[:10])
-            return f"missing key '{key}' (the object has {present or 'no keys'}; choose with --json-keys)"
+            return (
+                f"missing key '{key}' (the object has {present or 'no keys'}; "
+                "choose with --json-keys)"
+            )
         value = record[key]
         if not isinstance(value, str):
             return f"key '{key}' holds {type(value).__name__}, expected a string"
@@ -287,7 +292,8 @@ def _locate_tokenizer_error(lines: List[bytes], keys: List[str], k: int) -> Tupl
 def _pack(
     tokens: np.ndarray, lengths: np.ndarray, counts: np.ndarray, eod: Optional[int]
 ) -> KeyResult:
-    """One key's sentences as documents: drop empty sentences, append EOD to each non-empty document.
+    """One key's sentences as documents: drop empty sentences, append EOD to each non-empty
+    document.
 
     ``tokens`` are the sentences' ids back to back, ``lengths`` the ids per sentence, ``counts``
     the sentences per document. EOD belongs to the document's last sequence (as in Megatron).
@@ -435,7 +441,8 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
         backend = SentenceSplitter(lang=args.lang).backend
         if backend != "nltk-punkt" and args.lang != "english":
             print(
-                f"note: NLTK punkt is unavailable; the built-in sentence rules are English-oriented "
+                "note: NLTK punkt is unavailable; "
+                "the built-in sentence rules are English-oriented "
                 f"(--lang {args.lang})",
                 file=sys.stderr,
             )
@@ -502,8 +509,10 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
     main_cpu, workers_cpu = (now - then for now, then in zip(cpu_seconds(), cpu_start))
     print(
         f"Done: {documents} documents, {outputs.sequences} sequences, {outputs.tokens} tokens in "
-        f"{elapsed:.1f} s ({documents / elapsed:.2f} docs/s, {nbytes / elapsed / 1024 / 1024:.2f} MB/s); "
-        f"CPU {main_cpu + workers_cpu:.2f} s (main process {main_cpu:.2f} s, workers {workers_cpu:.2f} s).",
+        f"{elapsed:.1f} s ({documents / elapsed:.2f} docs/s, "
+        f"{nbytes / elapsed / 1024 / 1024:.2f} MB/s); "
+        f"CPU {main_cpu + workers_cpu:.2f} s (main process {main_cpu:.2f} s, "
+        f"workers {workers_cpu:.2f} s).",
         file=sys.stderr,
     )
     for prefix in prefixes.values():

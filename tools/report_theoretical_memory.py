@@ -112,10 +112,12 @@ def report_lines(args) -> List[str]:
     elif recompute == "selective":
         recompute += f" ({', '.join(args.recompute_modules or ['core_attn'])})"
     lines = [
-        f"theoretical memory per GPU: world size {args.world_size} = TP {tp} x PP {pp} x CP {cp} x DP {dp}"
+        f"theoretical memory per GPU: world size {args.world_size} = "
+        f"TP {tp} x PP {pp} x CP {cp} x DP {dp}"
         f"{' (sequence parallel)' if args.sequence_parallel else ''}, {precision}, "
         f"optimizer {args.optimizer}{' (distributed)' if args.use_distributed_optimizer else ''}, "
-        f"recompute {recompute}, {m} micro-batches of {args.micro_batch_size} x {args.seq_length} tokens"
+        f"recompute {recompute}, {m} micro-batches of "
+        f"{args.micro_batch_size} x {args.seq_length} tokens"
     ]
     for rank in range(pp):
         memory = compute_theoretical_memory(args, m, pp_rank=rank, family=GPT)

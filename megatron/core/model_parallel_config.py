@@ -39,7 +39,8 @@ class ModelParallelConfig:
     """Number of ranks the MoE experts are distributed over."""
 
     expert_tensor_parallel_size: Optional[int] = None
-    """Tensor parallel size inside each expert; None means the same as tensor_model_parallel_size."""
+    """Tensor parallel size inside each expert; None means the same as
+    tensor_model_parallel_size."""
 
     # ---------------------------------------------------------------- initialization
     perform_initialization: bool = True
@@ -78,7 +79,8 @@ class ModelParallelConfig:
     """Scales the loss before backward (fp16 loss scaling); None means no scaling."""
 
     no_sync_func: Optional[Callable] = None
-    """Context manager factory that disables gradient synchronization (all but the last micro-batch)."""
+    """Context manager factory that disables gradient synchronization (all but the last
+    micro-batch)."""
 
     grad_sync_func: Optional[Callable] = None
     """Starts the gradient reduction of a model chunk (overlap with the pipeline schedule)."""
@@ -91,7 +93,8 @@ class ModelParallelConfig:
     """dtype of the activations sent between pipeline stages; None means params_dtype."""
 
     variable_seq_lengths: bool = False
-    """Micro-batches may have different sequence lengths; the schedule then exchanges shapes first."""
+    """Micro-batches may have different sequence lengths; the schedule then exchanges shapes
+    first."""
 
     overlap_p2p_comm: bool = False
     """Overlap pipeline send/receive with compute (interleaved schedule)."""

@@ -153,13 +153,16 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         diff = self.global_batch_size - self.start_global_batch_size
         if diff < 0:
             raise ValueError(
-                f"global batch size ({self.global_batch_size}) must be >= the --rampup-batch-size start "
+                f"global batch size ({self.global_batch_size}) must be >= "
+                "the --rampup-batch-size start "
                 f"batch size ({self.start_global_batch_size})"
             )
         if diff % self.batch_size_increment != 0:
             raise ValueError(
-                f"global batch size ({self.global_batch_size}) minus the --rampup-batch-size start batch "
-                f"size ({self.start_global_batch_size}) must be divisible by the batch size increment "
+                f"global batch size ({self.global_batch_size}) minus "
+                "the --rampup-batch-size start batch "
+                f"size ({self.start_global_batch_size}) must be divisible by "
+                "the batch size increment "
                 f"({self.batch_size_increment})"
             )
         num_increments = diff // self.batch_size_increment
@@ -169,7 +172,8 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
         )
         if rank == 0:
             logger.info(
-                "will use batch size rampup starting from global batch size %d to global batch size "
+                "will use batch size rampup starting from global batch size %d "
+                "to global batch size "
                 "%d with batch size increments %d over %d samples.",
                 self.start_global_batch_size,
                 self.global_batch_size,
@@ -197,7 +201,8 @@ class RampupBatchsizeNumMicroBatchesCalculator(NumMicroBatchesCalculator):
             elif consistency_check:
                 raise ValueError(
                     f"current global batch size ({gbs}) is not divisible by micro batch size "
-                    f"({self.micro_batch_size}) times data parallel size ({self.data_parallel_size}); "
+                    f"({self.micro_batch_size}) times data parallel size "
+                    f"({self.data_parallel_size}); "
                     "choose --rampup-batch-size values that are multiples of it or pass "
                     "--decrease-batch-size-if-needed"
                 )

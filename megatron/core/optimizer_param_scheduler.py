@@ -62,7 +62,8 @@ class OptimizerParamScheduler:
             raise ValueError(f"minimum learning rate (--min-lr) must be >= 0, got {self.min_lr}")
         if self.max_lr < self.min_lr:
             raise ValueError(
-                f"learning rate (--lr {self.max_lr}) must be >= minimum learning rate (--min-lr {self.min_lr})"
+                f"learning rate (--lr {self.max_lr}) must be >= minimum learning rate "
+                f"(--min-lr {self.min_lr})"
             )
         if self.init_lr > self.max_lr:
             raise ValueError(
@@ -78,13 +79,15 @@ class OptimizerParamScheduler:
             raise ValueError(f"learning-rate warmup steps must be >= 0, got {self.lr_warmup_steps}")
         if not self.lr_warmup_steps < self.lr_decay_steps:
             raise ValueError(
-                f"learning-rate warmup steps ({self.lr_warmup_steps}) must be smaller than the decay "
+                f"learning-rate warmup steps ({self.lr_warmup_steps}) must be smaller than "
+                "the decay "
                 f"steps ({self.lr_decay_steps}); check --lr-warmup-iters/--lr-warmup-samples/"
                 "--lr-warmup-fraction against --lr-decay-iters/--lr-decay-samples"
             )
         if self.lr_decay_style not in LR_DECAY_STYLES:
             raise ValueError(
-                f"--lr-decay-style must be one of {list(LR_DECAY_STYLES)}, got {self.lr_decay_style!r}"
+                f"--lr-decay-style must be one of {list(LR_DECAY_STYLES)}, "
+                f"got {self.lr_decay_style!r}"
             )
         if self.lr_decay_style == "WSD":
             if self.wsd_decay_steps is None:
@@ -104,12 +107,14 @@ class OptimizerParamScheduler:
             )
         if self.end_wd < self.start_wd:
             raise ValueError(
-                f"end weight decay (--end-weight-decay {self.end_wd}) must be >= start weight decay "
+                f"end weight decay (--end-weight-decay {self.end_wd}) must be >= "
+                "start weight decay "
                 f"(--start-weight-decay {self.start_wd})"
             )
         if self.wd_incr_style not in WD_INCR_STYLES:
             raise ValueError(
-                f"--weight-decay-incr-style must be one of {list(WD_INCR_STYLES)}, got {self.wd_incr_style!r}"
+                f"--weight-decay-incr-style must be one of {list(WD_INCR_STYLES)}, "
+                f"got {self.wd_incr_style!r}"
             )
         if self.wd_incr_style == "constant" and self.start_wd != self.end_wd:
             raise ValueError(
@@ -120,7 +125,8 @@ class OptimizerParamScheduler:
             raise ValueError(f"weight-decay increment steps must be > 0, got {self.wd_incr_steps}")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ValueError(
-                "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler are both set"
+                "--override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler "
+                "are both set"
             )
 
     # ------------------------------------------------------------------ schedules
@@ -208,8 +214,10 @@ class OptimizerParamScheduler:
             return cls_value
         if not self.use_checkpoint_opt_param_scheduler and cls_value != sd_value:
             raise ValueError(
-                f"OptimizerParamScheduler: {name} is {cls_value} on the command line but {sd_value} "
-                "in the checkpoint; pass --use-checkpoint-opt-param-scheduler to take the checkpoint "
+                f"OptimizerParamScheduler: {name} is {cls_value} on the command line "
+                f"but {sd_value} "
+                "in the checkpoint; pass --use-checkpoint-opt-param-scheduler "
+                "to take the checkpoint "
                 "value or --override-opt-param-scheduler to take the command-line value"
             )
         logger.info(" > using checkpoint value %s for %s", sd_value, name)

@@ -58,7 +58,8 @@ class RankGenerator:
         return strides
 
     def get_ranks(self, token: str) -> List[List[int]]:
-        """All groups of type ``token`` (e.g. ``"dp"`` or ``"tp-pp"``), each a sorted-by-grid list."""
+        """All groups of type ``token`` (e.g. ``"dp"`` or ``"tp-pp"``), each a sorted-by-grid
+        list."""
         varied = token.lower().split("-")
         for name in varied:
             if name not in self.sizes:
@@ -68,7 +69,8 @@ class RankGenerator:
         fixed_in_order = [d for d in self.order if d not in varied]
         groups = []
         # Outer loop over the fixed coordinates (first fixed dimension fastest), inner over the
-        # varied ones (first varied dimension fastest), so groups and members come out in grid order.
+        # varied ones (first varied dimension fastest), so groups and members come out in grid
+        # order.
         fixed_ranges = [range(self.sizes[d]) for d in reversed(fixed_in_order)]
         varied_ranges = [range(self.sizes[d]) for d in reversed(varied_in_order)]
         for fixed_coords in itertools.product(*fixed_ranges):
@@ -124,7 +126,8 @@ class ParallelLayout:
             raise ValueError(
                 f"world size ({self.world_size}) is not divisible by tensor-model-parallel size "
                 f"({self.tensor_model_parallel_size}) x pipeline-model-parallel size "
-                f"({self.pipeline_model_parallel_size}) x context-parallel size ({self.context_parallel_size})"
+                f"({self.pipeline_model_parallel_size}) x context-parallel size "
+                f"({self.context_parallel_size})"
             )
         expert_model = (
             self.expert_tensor_parallel_size
@@ -135,7 +138,8 @@ class ParallelLayout:
             raise ValueError(
                 f"world size ({self.world_size}) is not divisible by expert-tensor-parallel size "
                 f"({self.expert_tensor_parallel_size}) x expert-model-parallel size "
-                f"({self.expert_model_parallel_size}) x pipeline-model-parallel size ({self.pipeline_model_parallel_size})"
+                f"({self.expert_model_parallel_size}) x pipeline-model-parallel size "
+                f"({self.pipeline_model_parallel_size})"
             )
 
     @property

@@ -144,7 +144,8 @@ class Timers:
             )
         if not 0 <= int(log_level) <= _MAX_LOG_LEVEL:
             raise ValueError(
-                f"timing log level (--timing-log-level) must be in [0, {_MAX_LOG_LEVEL}], got {log_level}"
+                f"timing log level (--timing-log-level) must be in [0, {_MAX_LOG_LEVEL}], "
+                f"got {log_level}"
             )
         self._log_level = int(log_level)
         self._log_option = log_option

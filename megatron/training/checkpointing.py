@@ -243,8 +243,10 @@ def _load_file(path: str) -> dict:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
-        lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
-        reason = next((l for l in lines if "Unpickler error" in l), lines[0] if lines else "")
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next(
+            (line for line in lines if "Unpickler error" in line), lines[0] if lines else ""
+        )
         raise CheckpointError(
             f"cannot read checkpoint file {path}: {type(exc).__name__}: {reason}"
         ) from None
@@ -372,7 +374,8 @@ def load_checkpoint(
         ):
             raise CheckpointError(
                 f"checkpoint {path} was saved {'with' if saved_distributed else 'without'} "
-                f"--use-distributed-optimizer and this run is {'without' if saved_distributed else 'with'} it: "
+                f"--use-distributed-optimizer and this run is "
+                f"{'without' if saved_distributed else 'with'} it: "
                 "the torch format keeps the two optimizer states in different layouts; "
                 "pass --no-load-optim to start a fresh optimizer from the loaded weights"
             )
@@ -534,7 +537,8 @@ def load_args_from_checkpoint(args, load_arg: str = "load"):
             continue
         if not forced and ours is not None:
             say(
-                f" > keeping --{name.replace('_', '-')} {ours} from the command line (the checkpoint has {theirs})",
+                f" > keeping --{name.replace('_', '-')} {ours} from the command line "
+                f"(the checkpoint has {theirs})",
                 flush=True,
             )
             continue

@@ -199,7 +199,8 @@ def _async_group():
 
 
 def release_async_save_group() -> None:
-    """Forget the async-save group (at teardown, once no save is pending), so it can be destroyed."""
+    """Forget the async-save group (at teardown, once no save is pending), so it can be
+    destroyed."""
     if _AsyncState.pending is not None:
         raise RuntimeError("an asynchronous save is still pending; finalize it before the teardown")
     _AsyncState.group = _AsyncState.world = None
@@ -376,7 +377,10 @@ def _restore_rng(common: dict, state, num_chunks: int) -> None:
     )
     if not same:
         print_rank_0(
-            " > RNG state not restored: the checkpoint was saved with TP={} PP={}, this run uses TP={} PP={}".format(
+            (
+                " > RNG state not restored: the checkpoint was saved with TP={} PP={}, "
+                "this run uses TP={} PP={}"
+            ).format(
                 saved.get("tensor_model_parallel_size"),
                 saved.get("pipeline_model_parallel_size"),
                 ours["tensor_model_parallel_size"],

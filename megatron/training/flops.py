@@ -53,7 +53,8 @@ def num_floating_point_operations(args, batch_size: int) -> float:
 
 
 def peak_tflops_per_device() -> Optional[float]:
-    """Peak dense TFLOP/s of this device for MFU: $MEGATRON_PEAK_TFLOPS, else a known GPU's bf16 peak."""
+    """Peak dense TFLOP/s of this device for MFU: $MEGATRON_PEAK_TFLOPS, else a known GPU's bf16
+    peak."""
     override = os.environ.get("MEGATRON_PEAK_TFLOPS")
     if override:
         return float(override)

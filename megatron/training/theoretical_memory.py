@@ -57,7 +57,8 @@ class ParameterCount:
     per_layer: int
     """One transformer layer: norms, QKV, projection, MLP, with their biases."""
     per_layer_replicated: int
-    """The part of ``per_layer`` every tensor-parallel rank holds whole (norms, row-parallel biases)."""
+    """The part of ``per_layer`` every tensor-parallel rank holds whole (norms, row-parallel
+    biases)."""
     final_norm: int
     """The final layer norm (on the last pipeline stage)."""
     output_layer: int
@@ -272,7 +273,8 @@ class LayerActivations:
     """Activation bytes one transformer layer saves for backward, for one micro-batch."""
 
     outside_tp: float
-    """Norm inputs, QKV / fc1 inputs and dropout masks (split by TP only with sequence parallelism)."""
+    """Norm inputs, QKV / fc1 inputs and dropout masks (split by TP only with sequence
+    parallelism)."""
     inside_tp: float
     """Tensors inside the tensor-parallel regions: Q, K, V, projection input, MLP intermediates."""
     attention_scores: float
@@ -293,7 +295,8 @@ def layer_activation_bytes(args) -> LayerActivations:
     s = seq / cp
     sbh = s * b * h
     ffn_ratio = args.ffn_hidden_size / h
-    # Outside TP: two norm inputs (4), QKV and fc1 inputs (4 total) and two dropout masks (2 x 1 byte).
+    # Outside TP: two norm inputs (4), QKV and fc1 inputs (4 total) and two dropout masks
+    # (2 x 1 byte).
     outside = (8 * scale + 2) * sbh
     inside = (8 + 4 * ffn_ratio) * scale * sbh / tp  # Q, K (4), V (2), proj input (2), MLP 4*ffn/h
     scores = (4 * scale + 1) * args.num_attention_heads * s * seq * b / tp
@@ -424,7 +427,8 @@ class TheoreticalMemory:
         mb = NUM_BYTES_IN_MEGABYTE
         return (
             f"Theoretical memory footprints: weight and optimizer="
-            f"{self.weight_and_optimizer_bytes / mb:.2f} MB, activation={self.activation_bytes / mb:.2f} MB, "
+            f"{self.weight_and_optimizer_bytes / mb:.2f} MB, "
+            f"activation={self.activation_bytes / mb:.2f} MB, "
             f"total={self.total_bytes / mb:.2f} MB"
         )
 
@@ -434,13 +438,15 @@ class TheoreticalMemory:
         what = "weights, gradients and optimizer" if per.params_sharded else "optimizer"
         sharded = f", {what} sharded over {per.shards} ranks" if per.shards > 1 else ""
         lines = [
-            f"  pipeline rank {self.pp_rank}: {self.parameters} parameters per tensor-parallel rank, "
+            f"  pipeline rank {self.pp_rank}: {self.parameters} parameters "
+            "per tensor-parallel rank, "
             f"{per.total:g} bytes/parameter (weight {per.weight:g} + gradient {per.grad:g} + "
             f"optimizer {per.optimizer:g}{sharded})",
             f"    weights: {self.weight_bytes / mb:.2f} MB",
             f"    gradients: {self.gradient_bytes / mb:.2f} MB",
             f"    optimizer state: {self.optimizer_bytes / mb:.2f} MB",
-            f"    activations ({self.microbatches_in_flight:g} of {self.num_microbatches} micro-batches "
+            f"    activations ({self.microbatches_in_flight:g} of {self.num_microbatches} "
+            "micro-batches "
             f"in flight): {self.activation_bytes / mb:.2f} MB",
         ]
         lines += [f"      {name}: {value / mb:.2f} MB" for name, value in self.activations.items()]

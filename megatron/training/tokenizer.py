@@ -11,7 +11,8 @@ Contract of :func:`build_tokenizer`:
   tools with a partial namespace work;
 * sets ``args.padded_vocab_size``: ``--padded-vocab-size`` when given (it must not be smaller
   than the tokenizer's vocab), the vocab size itself with ``--no-pad-vocab-size``, otherwise the
-  vocab size rounded up to a multiple of ``make_vocab_size_divisible_by * tensor_model_parallel_size``;
+  vocab size rounded up to a multiple of
+  ``make_vocab_size_divisible_by * tensor_model_parallel_size``;
 * prints ``> building {type} tokenizer ...`` and `` > padded vocab (size: V) with K dummy tokens
   (new size: P)`` when ``args.rank == 0``;
 * returns the :class:`megatron.core.tokenizers.MegatronTokenizer`.
@@ -23,7 +24,8 @@ from megatron.core.tokenizers import MegatronTokenizer, build_tokenizer_from_opt
 
 
 def _vocab_size_with_padding(orig_vocab_size: int, args, logging_enabled: bool = True) -> int:
-    """Round the vocab up so the embedding splits evenly over tensor-parallel ranks in aligned rows."""
+    """Round the vocab up so the embedding splits evenly over tensor-parallel ranks in aligned
+    rows."""
     multiple = getattr(args, "make_vocab_size_divisible_by", 128) * getattr(
         args, "tensor_model_parallel_size", 1
     )
@@ -35,7 +37,8 @@ def _vocab_size_with_padding(orig_vocab_size: int, args, logging_enabled: bool =
     after = int(math.ceil(orig_vocab_size / multiple) * multiple)
     if logging_enabled and getattr(args, "rank", 0) == 0:
         print(
-            f" > padded vocab (size: {orig_vocab_size}) with {after - orig_vocab_size} dummy tokens "
+            f" > padded vocab (size: {orig_vocab_size}) "
+            f"with {after - orig_vocab_size} dummy tokens "
             f"(new size: {after})",
             flush=True,
         )
@@ -43,7 +46,8 @@ def _vocab_size_with_padding(orig_vocab_size: int, args, logging_enabled: bool =
 
 
 def build_tokenizer(args) -> MegatronTokenizer:
-    """Build ``args.tokenizer_type`` and set ``args.padded_vocab_size`` (see the module docstring)."""
+    """Build ``args.tokenizer_type`` and set ``args.padded_vocab_size`` (see the module
+    docstring)."""
     if getattr(args, "rank", 0) == 0:
         print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
     tokenizer = build_tokenizer_from_options(
@@ -66,7 +70,8 @@ def build_tokenizer(args) -> MegatronTokenizer:
     if padded is not None:
         if padded < vocab_size:
             raise ValueError(
-                f"--padded-vocab-size {padded} is smaller than the tokenizer's vocab size {vocab_size}"
+                f"--padded-vocab-size {padded} is smaller than "
+                f"the tokenizer's vocab size {vocab_size}"
             )
     elif (
         getattr(args, "no_pad_vocab_size", False) or getattr(args, "pad_vocab_size", True) is False

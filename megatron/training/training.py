@@ -242,7 +242,8 @@ def _leave_process_group():
     leaked = teardown_process_groups()
     if leaked:
         print(
-            f"WARNING: {leaked} gloo worker thread(s) outlived the process-group teardown (something "
+            f"WARNING: {leaked} gloo worker thread(s) outlived the process-group teardown "
+            "(something "
             "still references a group); the process may abort at exit",
             file=sys.stderr,
             flush=True,
@@ -755,7 +756,8 @@ def _train_loop(
 def _checkpoint_and_decide_exit(
     model, optimizer, opt_param_scheduler, iteration, flops
 ) -> Optional[int]:
-    """Save on the interval; on a signal, --exit-interval or --exit-duration-in-mins save and stop."""
+    """Save on the interval; on a signal, --exit-interval or --exit-duration-in-mins save and
+    stop."""
     args = global_vars.get_args()
     handler = global_vars.get_signal_handler()
 
@@ -769,7 +771,8 @@ def _checkpoint_and_decide_exit(
     if handler is not None and handler.signals_received():
         save()
         print_datetime(
-            f"exiting program after receiving {handler.sig.name if hasattr(handler.sig, 'name') else 'a signal'}"
+            "exiting program after receiving "
+            f"{handler.sig.name if hasattr(handler.sig, 'name') else 'a signal'}"
         )
         return 0
     if args.save and args.save_interval and iteration % args.save_interval == 0:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The per-interval line of MEGATRON_FACTS §4, written from its description (not from our code).
+# Megatron's per-iteration log line (printed every --log-interval iterations), written from
+# Megatron's format (not from our code).
 LOG_LINE = re.compile(
     r"^ \[\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d+)?\]"
     r" iteration +(?P<iteration>\d+)/ +(?P<train_iters>\d+) \|"

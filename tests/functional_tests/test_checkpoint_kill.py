@@ -3,8 +3,9 @@
 The child runs ``pretrain_gpt.py`` with a ``sitecustomize`` on its path (test code only) that
 wraps one step of the save, so the process kills itself with SIGKILL during the second save
 (iteration 4): for ``torch_dist`` after every data file is written and before the directory
-is marked complete; for ``torch`` as the shard starts to be written. Afterwards the tracker still names iteration 2, nothing named iteration 4 looks
-complete, and a resumed run trains iterations 3..6 with the straight run's losses.
+is marked complete; for ``torch`` as the shard starts to be written. Afterwards the tracker
+still names iteration 2, nothing named iteration 4 looks complete, and a resumed run trains
+iterations 3..6 with the straight run's losses.
 """
 
 import os

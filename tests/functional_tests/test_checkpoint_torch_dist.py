@@ -6,8 +6,8 @@ original layout. Runs that load iteration 3 at other layouts (TP=1 without the d
 optimizer and with the model flags read from the checkpoint; TP=4 x DP=2 with it; CP=2 x PP=2;
 TP=1 x PP=4 with virtual stages) must reproduce those losses within 1e-5 relative (only the
 order of floating-point sums differs between layouts). The last one saves asynchronously; its
-checkpoint is converted to the torch format (by 2 processes) and resumed once more. Bad input (another model, a
-missing data file) ends with one clear error line.
+checkpoint is converted to the torch format (by 2 processes) and resumed once more. Bad input
+(another model, a missing data file) ends with one clear error line.
 """
 
 import shutil
@@ -139,7 +139,8 @@ def test_async_save_convert_and_resume(saved, tmp_path):
         tmp_path / "tb1",
     )
     _assert_same_losses(losses, straight, range(4, 7))
-    # Committed at exit; iteration 5 is outside the retain interval and was deleted after 6 was saved.
+    # Committed at exit; iteration 5 is outside the retain interval and was deleted after 6 was
+    # saved.
     assert (async_ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert sorted(p.name for p in async_ckpt.iterdir()) == [
         "iter_0000004",

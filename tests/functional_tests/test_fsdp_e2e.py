@@ -12,7 +12,8 @@ from tests.functional_tests.runner import (
 )
 
 ITERS = 6
-# FSDP2 needs untied embeddings and no gradient-accumulation fusion (MEGATRON_FACTS §3).
+# FSDP2 needs untied embeddings and no gradient-accumulation fusion (the argument validation
+# refuses --use-torch-fsdp2 otherwise, as Megatron's does).
 BASE = TINY_MODEL + [
     "--hidden-dropout",
     "0.0",

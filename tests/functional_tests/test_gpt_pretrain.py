@@ -32,11 +32,12 @@ def test_dp2_loss_decreases_and_log_lines_parse(straight_run):
     result, _ = straight_run
     losses = _losses(result)
     assert sorted(losses) == list(range(1, 21)), (
-        "one log line per iteration, each matching §4's format"
+        "one log line per iteration, each in Megatron's per-iteration log line format"
     )
     first, last = sum(losses[i] for i in (1, 2, 3)) / 3, sum(losses[i] for i in (18, 19, 20)) / 3
     assert last < first - 0.5, (first, last)
-    # Initial loss of a random init is close to ln(vocab) (padded vocab 512 at TP=1 for 500 + NullTokenizer).
+    # Initial loss of a random init is close to ln(vocab) (padded vocab 512 at TP=1 for 500 +
+    # NullTokenizer).
     assert abs(losses[1] - math.log(512)) < 0.5
     lines = parse_log_lines(result.stdout)
     assert int(lines[20]["consumed"]) == 20 * 8 and int(lines[20]["gbs"]) == 8

@@ -2,8 +2,8 @@
 refused flags (the flag policy table; its own tests are in test_flag_policy.py), print_args and
 --help.
 
-Expected defaults are Megatron's literal values (MEGATRON_FACTS.md section 3), written out
-here rather than read back from the parser.
+Expected defaults are the literal values of Megatron-LM's argument parser, written out here
+rather than read back from our parser.
 """
 
 import argparse

@@ -16,7 +16,8 @@ from megatron.core.datasets.utils import Split
 
 
 def reference_blend(weights, size):
-    """MEGATRON_FACTS.md section 6: sample n goes to argmax_i weight_i * max(n, 1) - count_i (ties: lowest i)."""
+    """Megatron's blending rule (its C++ build_blending_indices), written out independently:
+    sample n goes to argmax_i weight_i * max(n, 1) - count_i (ties: lowest i)."""
     counts = [0] * len(weights)
     index, sample = [], []
     for n in range(size):

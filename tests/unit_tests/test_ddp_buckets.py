@@ -1,4 +1,5 @@
-"""DDP buckets: layout (reverse order, sizes, distributed-optimizer padding) and overlapped reduction."""
+"""DDP buckets: layout (reverse order, sizes, distributed-optimizer padding) and overlapped
+reduction."""
 
 import torch
 

@@ -65,7 +65,8 @@ def _worker(rank, world, directory):
     if rank == 0:
         dc.write_metadata_json(directory)
     torch.distributed.barrier()
-    # One copy of everything: 2 (fc1 blocks) x 2 TP ranks + 2 TP shards + 1 of each replicated tensor.
+    # One copy of everything: 2 (fc1 blocks) x 2 TP ranks + 2 TP shards + 1 of each replicated
+    # tensor.
     chunks = dc.read_dcp_metadata(directory).state_dict_metadata
     assert len(chunks["fc1.weight"].chunks) == 4 and len(chunks["fc2.weight"].chunks) == 2
     assert len(chunks["norm.weight"].chunks) == 1 and len(chunks["fc2.bias"].chunks) == 1

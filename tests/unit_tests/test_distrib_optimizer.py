@@ -30,7 +30,8 @@ def _model(dtype=torch.float32):
 
 
 def _local_batch(step, rank, world_size, dtype=torch.float32):
-    """This rank's share of the global batch of ``step`` (the same global batch at every DP size)."""
+    """This rank's share of the global batch of ``step`` (the same global batch at every DP
+    size)."""
     g = torch.Generator().manual_seed(step)
     x = torch.randn(GLOBAL_BATCH, 6, generator=g)
     y = torch.randn(GLOBAL_BATCH, 3, generator=g)

@@ -19,7 +19,8 @@ from megatron.core.datasets.indexed_dataset import (
     optimal_dtype,
 )
 
-# Independent description of the format (MEGATRON_FACTS.md section 5).
+# Independent description of Megatron's .idx/.bin format (dtype codes, header and index
+# layout), written from the format rather than from our implementation.
 CODES = {
     np.uint8: 1,
     np.int8: 2,

@@ -1,4 +1,5 @@
-"""tools/merge_datasets.py: round trip, agreement with preprocessing the whole input, dtype mismatch."""
+"""tools/merge_datasets.py: round trip, agreement with preprocessing the whole input, dtype
+mismatch."""
 
 import importlib.util
 import os

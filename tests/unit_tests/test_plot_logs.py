@@ -1,5 +1,6 @@
-"""tools/plot_logs.py and megatron/training/log_parsing.py: parse the §4 log line and TensorBoard
-event files back into series equal to what was written, and draw them into a PNG."""
+"""tools/plot_logs.py and megatron/training/log_parsing.py: parse Megatron's per-iteration log
+line and TensorBoard event files back into series equal to what was written, and draw them into
+a PNG."""
 
 import os
 import subprocess
@@ -18,7 +19,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _line(iteration, loss, lr, grad_norm, elapsed_ms, *, extra_before_lr="", extra_after_norm=""):
-    """A log line written by hand from MEGATRON_FACTS §4 (field formats and order)."""
+    """A log line written by hand in Megatron's per-iteration log line format (its field
+    formats and order)."""
     return (
         f" [2026-01-02 03:04:05] iteration {iteration:8d}/{100:8d} |"
         f" consumed samples: {iteration * 16:12d} |"

@@ -36,7 +36,8 @@ def _sched(style="linear", opt=None, warmup=WARMUP, **kw):
 def _reference_lr(
     n, style, wsd_steps=None, wsd_style=None, warmup=WARMUP, max_lr=MAX_LR, min_lr=MIN_LR
 ):
-    """The §11 formulas, written out independently of the implementation."""
+    """Megatron's learning-rate schedule formulas (warmup, then the decay style), written out
+    independently of the implementation."""
     if warmup > 0 and n <= warmup:
         return INIT_LR + (max_lr - INIT_LR) * n / warmup
     if style == "constant":

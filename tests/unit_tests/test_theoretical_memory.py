@@ -7,7 +7,8 @@
   fp32 / bf16 / fp16 with Adam, fp32 with SGD, both stages of PP=2 (tied embedding copy on the
   last stage), and one spawned TP=2 world with sequence parallelism. Within 10 % (the issue's
   bound); in practice the only difference is Adam's per-tensor step counters.
-* Bytes per parameter with --use-distributed-optimizer (MEGATRON_FACTS §10).
+* Bytes per parameter with --use-distributed-optimizer (Megatron's figures per precision, the
+  optimizer's share divided over the ranks it is sharded across).
 * Activations: the per-layer formula (Korthikanti et al.), the in-flight micro-batches of the
   pipeline schedules, and Megatron's own activation formula (written out independently below)
   for the case it assumes (sequence parallelism + selective recompute).

@@ -96,7 +96,8 @@ def test_gpt2_matches_transformers_and_python_reference(gpt2, corpus):
         vocab = json.load(f)
     with open(GPT2_MERGES, encoding="utf-8") as f:
         merges = [tuple(line.split()) for line in f.read().splitlines()[1:] if line]
-    # transformers 5 silently builds an empty tokenizer from vocab_file=/merges_file=; pass the data.
+    # transformers 5 silently builds an empty tokenizer from vocab_file=/merges_file=; pass the
+    # data.
     reference = GPT2Tokenizer(vocab=vocab, merges=merges)
     assert len(reference) == len(vocab)
     slow = GPT2BPETokenizer(GPT2_VOCAB, GPT2_MERGES, use_fast=False)
@@ -308,8 +309,8 @@ def test_padded_vocab_rule(vocab, divisible, tp, capsys):
     out = capsys.readouterr().out
     assert "> building NullTokenizer tokenizer ..." in out
     assert (
-        f" > padded vocab (size: {vocab}) with {expected - vocab} dummy tokens (new size: {expected})"
-        in out
+        f" > padded vocab (size: {vocab}) with {expected - vocab} dummy tokens "
+        f"(new size: {expected})" in out
     )
 
 

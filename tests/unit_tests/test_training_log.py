@@ -1,4 +1,4 @@
-"""The log line (§4) and validation block formats."""
+"""Megatron's per-iteration log line and validation block formats."""
 
 from megatron.training.training_log import format_log_line
 from tests.functional_tests.runner import LOG_LINE, parse_log_lines
@@ -28,7 +28,8 @@ def _line(**overrides):
 
 
 def test_line_equals_megatron_example_character_for_character():
-    # The example line of MEGATRON_FACTS §4, typed in from the spec.
+    # An example of Megatron's per-iteration log line, typed in by hand (not produced by our
+    # code).
     expected = (
         " [2024-05-01 10:00:00] iteration      609/  500000 | consumed samples:       311808 |"
         " elapsed time per iteration (ms): 1234.5 | learning rate: 5.999998E-05 |"

@@ -1,4 +1,5 @@
-"""Convert checkpoints between formats and parallel layouts (Megatron's tools/checkpoint/convert.py).
+"""Convert checkpoints between formats and parallel layouts (Megatron's
+tools/checkpoint/convert.py).
 
     python tools/checkpoint/convert.py --model-type GPT --loader hf_llama --saver core \\
         --load-dir /path/to/hf_model --save-dir ckpt/llama --target-tensor-parallel-size 2
@@ -7,7 +8,8 @@ A loader plugin (module ``loader_<name>``) runs in this process and sends the mo
 ``multiprocessing.Queue``, one message at a time, to a saver plugin (``saver_<name>``) running in
 a child process; the messages are described in ``protocol.py``. Plugins: ``core`` (our torch-format
 checkpoints at any TP/PP, and torch_dist ones as a loader; ``mcore`` and ``megatron`` are aliases),
-``hf_gpt2`` (GPT-2) and ``hf_llama`` (Llama 2/3, Mistral, Qwen2). Everything runs on the CPU, offline.
+``hf_gpt2`` (GPT-2) and ``hf_llama`` (Llama 2/3, Mistral, Qwen2). Everything runs on the CPU,
+offline.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Loader plugin ``core``: our Megatron Core checkpoint (``--ckpt-format torch`` at any TP/PP/virtual
-stages, its shards merged into full tensors; or ``torch_dist``, whose tensors are already global)
-sent in the protocol of ``protocol.py``."""
+"""Loader plugin ``core``: our Megatron Core checkpoint (``--ckpt-format torch`` at any
+TP/PP/virtual stages, its shards merged into full tensors; or ``torch_dist``, whose tensors are
+already global) sent in the protocol of ``protocol.py``."""
 
 from __future__ import annotations
 

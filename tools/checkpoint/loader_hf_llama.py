@@ -82,7 +82,8 @@ def metadata_from_config(config: dict, args, load_dir: str):
         and window < max_pos
     ):
         print(
-            f"WARNING: {model_type} sliding_window={window} is not implemented here; the converted model "
+            f"WARNING: {model_type} sliding_window={window} is not implemented here; "
+            "the converted model "
             f"attends to the whole sequence (identical for sequences up to {window} tokens)",
             file=sys.stderr,
         )

@@ -163,7 +163,8 @@ def get(q, expected: str, alive: Optional[Callable[[], bool]] = None) -> Dict:
 
 
 def take(message: Dict, key: str, shape=None) -> torch.Tensor:
-    """Remove and return ``message[key]``, checking its shape; errors name the message and tensor."""
+    """Remove and return ``message[key]``, checking its shape; errors name the message and
+    tensor."""
     if key not in message:
         raise ConversionError(f"message '{message.get('name')}' has no tensor '{key}'")
     tensor = message.pop(key)
@@ -206,7 +207,8 @@ def qkv_from_separate(
     num_groups: int,
     head_dim: int,
 ) -> torch.Tensor:
-    """[np*d, ...], [ng*d, ...], [ng*d, ...] -> grouped [ng*(np/ng+2)*d, ...] (weights or biases)."""
+    """[np*d, ...], [ng*d, ...], [ng*d, ...] -> grouped [ng*(np/ng+2)*d, ...] (weights or
+    biases)."""
     rest = q.shape[1:]
     per_group = num_heads // num_groups
     q = q.reshape(num_groups, per_group * head_dim, *rest)

@@ -109,5 +109,6 @@ def save_checkpoint(queue, args, alive=None):
     write_weights(args.save_dir, out, int(args.max_shard_size_gb * 2**30))
     copy_tokenizer(md.tokenizer_model, args.save_dir)
     print(
-        f"saved a Hugging Face GPT-2 model ({md.num_layers} layers, vocab {vocab}) to {args.save_dir}"
+        f"saved a Hugging Face GPT-2 model ({md.num_layers} layers, vocab {vocab}) "
+        f"to {args.save_dir}"
     )

@@ -246,7 +246,8 @@ class TorchCheckpointReader:
                             i = int(m.group(1))
                             if i >= count:
                                 raise ConversionError(
-                                    f"pipeline stage {p} chunk {c} holds layer {i} but the layer split of the "
+                                    f"pipeline stage {p} chunk {c} holds layer {i} "
+                                    "but the layer split of the "
                                     f"checkpoint's args gives it {count} layers"
                                 )
                             name = f"decoder.layers.{offset + i}.{m.group(2)}"
@@ -273,7 +274,8 @@ class TorchCheckpointReader:
 
 
 class TorchCheckpointWriter:
-    """Collects full tensors by global name, then writes every (TP, PP) shard file and the tracker."""
+    """Collects full tensors by global name, then writes every (TP, PP) shard file and the
+    tracker."""
 
     def __init__(
         self,

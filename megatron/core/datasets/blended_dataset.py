@@ -116,7 +116,8 @@ class BlendedDataset(torch.utils.data.Dataset):
                 dataset_sample_index = load_cache_array(paths["dataset_sample_index.npy"])
                 if dataset_index.shape != dataset_sample_index.shape:
                     raise ValueError(
-                        f"{paths['dataset_index.npy']}: inconsistent blend cache; delete it to rebuild"
+                        f"{paths['dataset_index.npy']}: inconsistent blend cache; "
+                        "delete it to rebuild"
                     )
                 return dataset_index, dataset_sample_index
 
@@ -134,7 +135,8 @@ class BlendedDataset(torch.utils.data.Dataset):
         log_single_rank(
             logger,
             logging.INFO,
-            f"> built the {type(self).__name__} {self.split.name} indices in {time.time() - started:.2f} s",
+            f"> built the {type(self).__name__} {self.split.name} indices "
+            f"in {time.time() - started:.2f} s",
         )
         rank = dist_rank()
         if paths is not None and (rank is None or rank == 0):

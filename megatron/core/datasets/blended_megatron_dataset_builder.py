@@ -1,4 +1,5 @@
-"""Build the train / valid / test datasets from a config: one prefix, a blend, or one blend per split."""
+"""Build the train / valid / test datasets from a config: one prefix, a blend, or one blend per
+split."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def _size_per_split_per_dataset(
 
 
 class BlendedMegatronDatasetBuilder:
-    """``build()`` returns ``[train, valid, test]`` (None for an empty split or a rank not building).
+    """``build()`` returns ``[train, valid, test]`` (None for an empty split or a rank not
+    building).
 
     ``sizes`` are the target sample counts per split (None: one epoch). ``is_built_on_rank``
     says whether this rank needs the datasets (it must be True on global rank 0). In a
@@ -87,7 +89,8 @@ class BlendedMegatronDatasetBuilder:
             if isinstance(dataset, BlendedDataset) and dataset.size is not None:
                 if len(dataset) != dataset.size:
                     raise RuntimeError(
-                        f"internal error: {dataset.split.name} blend has {len(dataset)} samples, expected {dataset.size}"
+                        f"internal error: {dataset.split.name} blend has {len(dataset)} samples, "
+                        f"expected {dataset.size}"
                     )
         return datasets
 

@@ -111,7 +111,8 @@ def _check_blend(blend: Blend, flag: str) -> None:
     if weights is not None:
         if len(weights) != len(prefixes):
             raise ValueError(
-                f"{flag}: {len(prefixes)} prefixes but {len(weights)} weights; give weight/prefix pairs"
+                f"{flag}: {len(prefixes)} prefixes but {len(weights)} weights; "
+                "give weight/prefix pairs"
             )
         for weight, prefix in zip(weights, prefixes):
             if not weight > 0:

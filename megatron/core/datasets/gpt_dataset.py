@@ -46,13 +46,15 @@ class GPTDatasetConfig(BlendedMegatronDatasetConfig):
     """Zero the loss where the input token is end-of-document (``--eod-mask-loss``)."""
 
     create_attention_mask: bool = True
-    """Return an explicit ``attention_mask`` (``--no-create-attention-mask-in-dataloader`` turns it off)."""
+    """Return an explicit ``attention_mask`` (``--no-create-attention-mask-in-dataloader`` turns it
+    off)."""
 
     drop_last_partial_validation_sequence: bool = True
     """Drop the last incomplete validation sample instead of padding it."""
 
     add_extra_token_to_sequence: bool = True
-    """Read ``sequence_length + 1`` tokens per sample so inputs and labels both have ``sequence_length``."""
+    """Read ``sequence_length + 1`` tokens per sample so inputs and labels both have
+    ``sequence_length``."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -70,7 +72,8 @@ def get_ltor_masks_and_position_ids(
     eod_mask_loss: bool,
     create_attention_mask: bool,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Causal mask ([1, s, s] bool, True = masked), loss mask (float) and position ids of one sample.
+    """Causal mask ([1, s, s] bool, True = masked), loss mask (float) and position ids of one
+    sample.
 
     A document ends *at* its EOD token: the EOD still belongs to (and attends within) the
     document it closes, and the next position starts a new document.
@@ -216,10 +219,12 @@ class GPTDataset(MegatronDataset):
         return sample
 
     def _query_document_sample_shuffle_indices(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Tokens (int64, ``sequence_length + extra``, padded) and the document ids of one sample."""
+        """Tokens (int64, ``sequence_length + extra``, padded) and the document ids of one
+        sample."""
         if not 0 <= int(idx) < len(self):
             raise IndexError(
-                f"sample {idx} out of range for a {self.index_split.name} split of {len(self)} samples"
+                f"sample {idx} out of range for a {self.index_split.name} split "
+                f"of {len(self)} samples"
             )
         j = int(self.shuffle_index[idx])
         doc_beg, offset_beg = (int(v) for v in self.sample_index[j])
@@ -320,7 +325,8 @@ class GPTDataset(MegatronDataset):
         ):
             raise ValueError(
                 f"{paths['sample_index.npy']}: index cache is inconsistent "
-                f"(sample index {sample_index.shape}, shuffle index {shuffle_index.shape}); delete it to rebuild"
+                f"(sample index {sample_index.shape}, shuffle index {shuffle_index.shape}); "
+                "delete it to rebuild"
             )
         return document_index, sample_index, shuffle_index
 

@@ -106,7 +106,8 @@ def build_sample_index(
 def build_shuffle_index(
     num_samples: int, total_size: int, numpy_random_state: np.random.RandomState
 ) -> np.ndarray:
-    """``arange(total_size)`` with ``[0, num_samples)`` and ``[num_samples, total_size)`` shuffled separately."""
+    """``arange(total_size)`` with ``[0, num_samples)`` and ``[num_samples, total_size)``
+    shuffled separately."""
     dtype = np.uint32
     if total_size >= (np.iinfo(np.uint32).max - 1):
         dtype = np.int64

@@ -9,7 +9,8 @@ On-disk layout (little-endian, as Megatron writes it)::
                   u64 document_count          (= documents + 1)
                   int32[sequence_count]       sequence_lengths (in tokens)
                   int64[sequence_count]       sequence_pointers (byte offsets into .bin)
-                  int64[document_count]       document_indices (sequence boundaries, 0 ... sequence_count)
+                  int64[document_count]       document_indices (sequence boundaries,
+                                              0 ... sequence_count)
                   int8[sequence_count]        sequence_modes (multimodal only)
     <prefix>.bin  all sequences concatenated in the token dtype, no header
 
@@ -138,7 +139,8 @@ class _Index:
             )
         if len(header) < HEADER_SIZE:
             raise IndexedDatasetError(
-                f"{idx_path}: truncated index: {file_size} bytes, the header alone needs {HEADER_SIZE}"
+                f"{idx_path}: truncated index: {file_size} bytes, "
+                f"the header alone needs {HEADER_SIZE}"
             )
         _, version, code, sequence_count, document_count = _HEADER.unpack(header)
         if version != _INDEX_VERSION:
@@ -302,7 +304,8 @@ class IndexedDataset:
         raise TypeError(f"cannot index an IndexedDataset with {type(idx).__name__}")
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
-        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end if length is None)."""
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end if length is
+        None)."""
         index = self.index
         i = int(idx)
         if not 0 <= i < index.sequence_count:

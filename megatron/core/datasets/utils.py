@@ -95,8 +95,9 @@ def get_blend_and_blend_per_split(
 ):
     """``(blend, blend_per_split)`` from the data flags (at most one of the two is not None).
 
-    ``--data-args-path`` is a text file holding what ``--data-path`` would; ``--per-split-data-args-path``
-    a JSON object with ``train``/``valid``/``test`` entries (a list or a whitespace-separated string).
+    ``--data-args-path`` is a text file holding what ``--data-path`` would;
+    ``--per-split-data-args-path`` a JSON object with ``train``/``valid``/``test`` entries (a list
+    or a whitespace-separated string).
     """
     if data_path and data_args_path:
         raise ValueError("--data-path and --data-args-path are mutually exclusive")

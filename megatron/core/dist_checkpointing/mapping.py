@@ -95,7 +95,8 @@ def tensor_parallel_sharded(
     local = shape[partition_dim]
     if stride < 1 or local % stride:
         raise ValueError(
-            f"{key}: local size {local} along dim {partition_dim} is not divisible by stride {stride}"
+            f"{key}: local size {local} along dim {partition_dim} "
+            f"is not divisible by stride {stride}"
         )
     block = local // stride
     global_shape = list(shape)

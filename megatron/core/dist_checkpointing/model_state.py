@@ -3,7 +3,8 @@
 The global name of a tensor is its key in the whole model at TP=1, PP=1:
 * a pipeline stage's layers are numbered from 0 locally; a module that carries
   ``layer_number_offset`` and a ``layers`` list (the TransformerBlock) shifts them, so
-  ``decoder.layers.0`` of a stage whose first layer is the model's fourth becomes ``decoder.layers.3``;
+  ``decoder.layers.0`` of a stage whose first layer is the model's fourth becomes
+  ``decoder.layers.3``;
 * a tensor-parallel parameter (``tensor_model_parallel`` set by the TP layers) is the
   ``partition_dim`` shard of the global tensor (``partition_stride`` blocks for fused weights);
   other tensors are replicated over TP and saved by TP rank 0 only;

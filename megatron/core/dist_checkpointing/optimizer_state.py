@@ -60,7 +60,8 @@ def state_names(optimizer) -> Tuple[str, ...]:
 
 
 def _main_params(optimizer) -> List[Tuple[torch.Tensor, torch.Tensor, bool]]:
-    """(model param, the param the inner optimizer updates, whether that is a separate fp32 copy)."""
+    """(model param, the param the inner optimizer updates, whether that is a separate fp32
+    copy)."""
     if hasattr(optimizer, "fp32_from_float16_groups"):
         pairs = [
             (p, m, True)
@@ -101,7 +102,8 @@ def optimizer_common_state(optimizer) -> Dict[str, Any]:
 
 
 def _aligned_groups(current: List[dict], saved: List[dict]) -> List[Optional[dict]]:
-    """The saved group for each current one: same (wd_mult, lr_mult, ...) signature, else position."""
+    """The saved group for each current one: same (wd_mult, lr_mult, ...) signature, else
+    position."""
     by_signature = {}
     for group in saved:
         by_signature.setdefault(tuple(group.get(k) for k in _SIGNATURE), group)
@@ -184,7 +186,8 @@ def optimizer_sharded_state_dict(
 
 
 def _param_slices(optimizer):
-    """(buffer index, dtype key, model param, bucket index, start within the bucket's flat state)."""
+    """(buffer index, dtype key, model param, bucket index, start within the bucket's flat
+    state)."""
     for gbuf_idx, buffer in enumerate(optimizer.buffers):
         dtype_key = (buffer.param_dtype, buffer.grad_dtype)
         for param, (start, _end, bucket_id) in buffer.param_index_map.items():

@@ -88,7 +88,8 @@ def check_tiling(all_plans: List[SavePlan]) -> None:
         dtypes = {c[2] for c in chunks}
         if len(shapes) > 1 or len(dtypes) > 1:
             problems.append(
-                f"{key}: ranks disagree on its global shape/dtype ({sorted(map(str, shapes | dtypes))})"
+                f"{key}: ranks disagree on its global shape/dtype "
+                f"({sorted(map(str, shapes | dtypes))})"
             )
             continue
         shape = chunks[0][1]
@@ -188,7 +189,8 @@ class ShardedLoadPlanner(LoadPlanner):
                 raise KeyError(f"{key} is not a tensor in the checkpoint")
             if tuple(md.size) != tuple(sharded.global_shape):
                 raise ValueError(
-                    f"{key}: checkpoint shape {tuple(md.size)} vs model {tuple(sharded.global_shape)}"
+                    f"{key}: checkpoint shape {tuple(md.size)} "
+                    f"vs model {tuple(sharded.global_shape)}"
                 )
             local = [
                 ChunkStorageMetadata(offsets=torch.Size(c.global_offset), sizes=torch.Size(c.shape))

@@ -41,7 +41,8 @@ _MAX_LISTED = 5
 
 
 class CheckpointingError(ValueError):
-    """A distributed checkpoint that cannot be written or read; the message names the file or keys."""
+    """A distributed checkpoint that cannot be written or read; the message names the file or
+    keys."""
 
 
 class StrictHandling(enum.Enum):
@@ -247,7 +248,8 @@ def check_storage_files(directory: str, metadata: Metadata) -> List[str]:
             problems.append(f"{path} is missing")
         elif os.path.getsize(path) < needed[name]:
             problems.append(
-                f"{path} is truncated ({os.path.getsize(path)} bytes, expected at least {needed[name]})"
+                f"{path} is truncated ({os.path.getsize(path)} bytes, "
+                f"expected at least {needed[name]})"
             )
     return problems
 
@@ -293,7 +295,8 @@ def _dcp_failure(exc: CheckpointException, directory: str) -> CheckpointingError
     for rank, failure in sorted(failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else failure
         reasons.append(
-            f"rank {rank}: {type(inner).__name__}: {str(inner).splitlines()[0] if str(inner) else ''}"
+            f"rank {rank}: {type(inner).__name__}: "
+            f"{str(inner).splitlines()[0] if str(inner) else ''}"
         )
     return CheckpointingError(
         f"checkpoint {directory}: " + ("; ".join(reasons[:_MAX_LISTED]) or str(exc))

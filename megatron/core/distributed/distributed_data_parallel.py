@@ -36,7 +36,8 @@ from megatron.core.tensor_parallel import collectives
 from .param_and_grad_buffer import ParamAndGradBuffer
 
 DEFAULT_BUCKET_SIZE = 40_000_000
-"""Elements per bucket with --overlap-grad-reduce when --ddp-bucket-size is not given (or 1M x DP)."""
+"""Elements per bucket with --overlap-grad-reduce when --ddp-bucket-size is not given (or 1M x
+DP)."""
 
 
 @dataclass
@@ -60,7 +61,8 @@ class DistributedDataParallelConfig:
     """Elements per bucket (``--ddp-bucket-size``). With overlap, None means
     max(40M, 1M x DP); without overlap each buffer is one bucket whatever this says."""
     average_in_collective: bool = False
-    """Average inside the collective instead of pre-scaling by 1/DP (``--ddp-average-in-collective``)."""
+    """Average inside the collective instead of pre-scaling by 1/DP
+    (``--ddp-average-in-collective``)."""
     check_for_nan_in_grad: bool = False
     """Raise if a reduced gradient holds NaN/Inf."""
 
@@ -188,7 +190,8 @@ class DistributedDataParallel(torch.nn.Module):
         return self.buffers + self.expert_parallel_buffers
 
     def _register_param_gather_hooks(self):
-        """Before a module's forward, wait for the all-gathers of the buckets holding its own params."""
+        """Before a module's forward, wait for the all-gathers of the buckets holding its own
+        params."""
         bucket_of = {}
         for buffer in self.all_buffers:
             bucket_of.update(buffer.param_to_bucket)

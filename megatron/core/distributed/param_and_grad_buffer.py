@@ -112,7 +112,8 @@ class Bucket:
         self._scratch = None
 
     def start_grad_sync(self):
-        """Launch this bucket's reduction (asynchronously when the DDP overlaps it with backward)."""
+        """Launch this bucket's reduction (asynchronously when the DDP overlaps it with
+        backward)."""
         if self.launched:
             raise RuntimeError(
                 f"gradient reduction of bucket {self.index} was started twice in one iteration; "
@@ -191,7 +192,8 @@ class Bucket:
             self._gather_input = None
 
     def register_grad_ready(self, param: torch.nn.Parameter):
-        """Called by the backward hook on the last micro-batch: launch once every param has its grad."""
+        """Called by the backward hook on the last micro-batch: launch once every param has its
+        grad."""
         if param in self.params_with_grad:
             raise RuntimeError(
                 "a parameter received its gradient twice in the last micro-batch while "
@@ -203,7 +205,8 @@ class Bucket:
 
 
 class ParamAndGradBuffer:
-    """Flat gradient buffer (and, for the distributed optimizer, flat param buffer) of one dtype pair.
+    """Flat gradient buffer (and, for the distributed optimizer, flat param buffer) of one dtype
+    pair.
 
     ``params`` are given in buffer order (reverse registration order). After construction:
     ``param.main_grad`` is a view of ``grad_data``; with ``use_distributed_optimizer`` the param's

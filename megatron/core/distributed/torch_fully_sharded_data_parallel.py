@@ -179,7 +179,8 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             self.is_last_microbatch = True
 
     def zero_grad_buffer(self):
-        """Drop last iteration's gradients (FSDP creates fresh sharded ones in the next backward)."""
+        """Drop last iteration's gradients (FSDP creates fresh sharded ones in the next
+        backward)."""
         for _, param, local in self._shards:
             param.grad = None
             param.main_grad = None

@@ -60,7 +60,8 @@ def _use_fused(x: torch.Tensor) -> bool:
 
 
 def bias_gelu_tanh(input_: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """gelu(input + bias) with the tanh approximation; ``bias`` [h] broadcast over input [..., h]."""
+    """gelu(input + bias) with the tanh approximation; ``bias`` [h] broadcast over input
+    [..., h]."""
     if _use_fused(input_) and (bias is None or bias.dtype == input_.dtype):
         return BiasGeLUTanhFunction.apply(input_, bias)
     x = input_ if bias is None else input_ + bias

@@ -105,7 +105,8 @@ def count_zeros_fp32(
     grad_stats_parallel_group=None,
     tp_rank: int = 0,
 ) -> int:
-    """Number of zero entries in the ``.grad`` of the params this rank owns, summed over the group."""
+    """Number of zero entries in the ``.grad`` of the params this rank owns, summed over the
+    group."""
     parameters = list(parameters)
     grads = [
         p.grad.detach()

@@ -252,7 +252,8 @@ class DistributedOptimizer(MegatronOptimizer):
             chunk.finish_param_sync()
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        # A forward normally waited for last step's gathers; never write a slice still being gathered.
+        # A forward normally waited for last step's gathers; never write a slice still being
+        # gathered.
         self._finish_param_gathers()
         return self._step_on_main_params()
 
@@ -275,7 +276,7 @@ class DistributedOptimizer(MegatronOptimizer):
                     total += value.numel() * value.element_size()
         return total
 
-    # ------------------------------------------------------------------ checkpointing: model_optim_rng.pt
+    # ------------------------------------------------------------ checkpointing: model_optim_rng.pt
     def state_dict(self) -> Dict[str, Any]:
         inner = self.optimizer.state_dict()
         groups = []
@@ -320,7 +321,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if "grad_scaler" in state_dict and self.grad_scaler is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
-    # ------------------------------------------------------------------ checkpointing: distrib_optim.pt
+    # -------------------------------------------------------------- checkpointing: distrib_optim.pt
     def _state_keys(self) -> Tuple[str, ...]:
         return ("param",) + _STATE_KEYS[self.optimizer_name]
 

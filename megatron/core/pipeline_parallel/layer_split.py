@@ -8,7 +8,8 @@ Split rules (Megatron's, flag names in the messages):
 
 * even split: ``num_layers`` (+1 with ``--account-for-embedding-in-pipeline-split``, +1 with
   ``--account-for-loss-in-pipeline-split``) divided evenly over PP ranks, then over the chunks of
-  each rank; the embedding / loss then take the place of one layer on the first / last virtual stage;
+  each rank; the embedding / loss then take the place of one layer on the first / last virtual
+  stage;
 * uneven split: ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``
   fix the first / last rank's layer count; the rest is divided evenly over the other ranks; each
   rank's count is divided evenly over its chunks.
@@ -51,7 +52,8 @@ class PipelineLayerSplit:
         return sum(self.counts[v % pp][v // pp] for v in range(target))
 
     def chunk_args(self, pp_rank: int, chunk: int = 0) -> dict:
-        """Keyword arguments for a model provider: pre/post_process, num_layers, layer_number_offset."""
+        """Keyword arguments for a model provider: pre/post_process, num_layers,
+        layer_number_offset."""
         pp, vp = self.pipeline_model_parallel_size, self.num_chunks
         return dict(
             pre_process=(pp_rank == 0 and chunk == 0),
@@ -160,11 +162,13 @@ def resolve_virtual_pipeline_size(
     ):
         raise ValueError(
             "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers use "
-            "--num-virtual-stages-per-pipeline-rank instead of --num-layers-per-virtual-pipeline-stage"
+            "--num-virtual-stages-per-pipeline-rank instead of "
+            "--num-layers-per-virtual-pipeline-stage"
         )
     if num_layers % pp != 0:
         raise ValueError(
-            f"--num-layers ({num_layers}) must be divisible by --pipeline-model-parallel-size ({pp}) "
+            f"--num-layers ({num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({pp}) "
             "to use --num-layers-per-virtual-pipeline-stage"
         )
     per_rank = num_layers // pp
@@ -251,7 +255,8 @@ def compute_layer_split(
             counts[pp - 1][vp - 1] -= 1
         if counts[0][0] < 0 or counts[pp - 1][vp - 1] < 0:
             raise ValueError(
-                "--account-for-*-in-pipeline-split leaves a virtual stage with fewer than zero layers; "
+                "--account-for-*-in-pipeline-split leaves a virtual stage with fewer than "
+                "zero layers; "
                 "use fewer pipeline stages"
             )
     return PipelineLayerSplit(
@@ -282,7 +287,8 @@ def _uneven_per_rank(
     if middle_stages == 0:
         if rest != 0:
             raise ValueError(
-                f"--decoder-first-pipeline-num-layers ({first}) + --decoder-last-pipeline-num-layers "
+                f"--decoder-first-pipeline-num-layers ({first}) + "
+                "--decoder-last-pipeline-num-layers "
                 f"({last}) must equal --num-layers ({num_layers}) with "
                 f"--pipeline-model-parallel-size {pp}"
             )
@@ -322,14 +328,17 @@ def check_interleaved_microbatches(
     if not pp <= g <= m:
         raise ValueError(
             f"interleaved pipeline schedule: the micro-batch group size per virtual stage "
-            f"(--microbatch-group-size-per-virtual-pipeline-stage, default = --pipeline-model-parallel-size) "
-            f"is {g} but must lie in [PP={pp}, number of micro-batches={m}]; the number of micro-batches is "
+            f"(--microbatch-group-size-per-virtual-pipeline-stage, "
+            f"default = --pipeline-model-parallel-size) "
+            f"is {g} but must lie in [PP={pp}, number of micro-batches={m}]; "
+            f"the number of micro-batches is "
             f"--global-batch-size / (--micro-batch-size x data-parallel size)"
         )
     rest = m % g
     if 0 < rest < pp:
         raise ValueError(
-            f"interleaved pipeline schedule: number of micro-batches ({m}) mod the micro-batch group size ({g}) "
+            f"interleaved pipeline schedule: number of micro-batches ({m}) mod "
+            f"the micro-batch group size ({g}) "
             f"is {rest}; it must be 0 or >= --pipeline-model-parallel-size ({pp}). Choose "
             f"--global-batch-size so that the number of micro-batches is a multiple of {g}"
         )

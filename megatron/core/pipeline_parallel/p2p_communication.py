@@ -229,7 +229,8 @@ class P2PCommunicator:
     def send_forward_recv_forward(
         self, output_tensor, recv_prev: bool, tensor_shape
     ) -> Optional[torch.Tensor]:
-        """Send to the next stage (if ``output_tensor``) and receive from the previous (if ``recv_prev``)."""
+        """Send to the next stage (if ``output_tensor``) and receive from the previous (if
+        ``recv_prev``)."""
         return self._communicate(
             "forward-send-forward-recv",
             send_next=output_tensor,
@@ -240,7 +241,8 @@ class P2PCommunicator:
     def send_backward_recv_backward(
         self, input_tensor_grad, recv_next: bool, tensor_shape
     ) -> Optional[torch.Tensor]:
-        """Send to the previous stage (if ``input_tensor_grad``) and receive from the next (if ``recv_next``)."""
+        """Send to the previous stage (if ``input_tensor_grad``) and receive from the next (if
+        ``recv_next``)."""
         return self._communicate(
             "backward-send-backward-recv",
             send_prev=input_tensor_grad,
@@ -270,7 +272,8 @@ class P2PCommunicator:
         recv_next: bool = False,
         tensor_shape=None,
     ):
-        """Any combination of the four directions, named by Megatron's timer for that combination."""
+        """Any combination of the four directions, named by Megatron's timer for that
+        combination."""
         forward = send_next is not None or recv_prev
         backward = send_prev is not None or recv_next
         if not forward and not backward:

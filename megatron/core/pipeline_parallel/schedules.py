@@ -127,9 +127,9 @@ def backward_step(
     input_tensor: Optional[torch.Tensor] = None,
     output_tensor_grad: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
-    """Backward from the loss (``output_tensor_grad`` None: last stage, loss scaling applies) or from
-    the gradient of this stage's output received from the next stage; returns the gradient of
-    ``input_tensor`` (the activation received from the previous stage), if any."""
+    """Backward from the loss (``output_tensor_grad`` None: last stage, loss scaling applies) or
+    from the gradient of this stage's output received from the next stage; returns the gradient
+    of ``input_tensor`` (the activation received from the previous stage), if any."""
     timer = _timer(config, "backward-compute")
     if timer:
         timer.start()

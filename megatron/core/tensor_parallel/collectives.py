@@ -58,7 +58,8 @@ def has_avg_op(group) -> bool:
 def all_gather_into_tensor(
     output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False
 ):
-    """Fill ``output`` ([size * n, ...], contiguous) with every rank's ``input_`` ([n, ...]) in rank order.
+    """Fill ``output`` ([size * n, ...], contiguous) with every rank's ``input_`` ([n, ...]) in
+    rank order.
 
     Returns ``output``; with ``async_op`` the work handle instead (None when already complete).
     """
@@ -82,7 +83,8 @@ def all_gather_into_tensor(
 def reduce_scatter_tensor(
     output: torch.Tensor, input_: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM
 ):
-    """Reduce ``input_`` ([size * n, ...]) over ``group`` and put this rank's slice [n, ...] in ``output``.
+    """Reduce ``input_`` ([size * n, ...]) over ``group`` and put this rank's slice [n, ...] in
+    ``output``.
 
     Returns ``output``; with ``async_op`` the work handle instead (None when already complete).
     """
@@ -188,7 +190,8 @@ def check_group_size(expected: int, group, what: str, flag: str) -> None:
     actual = group_size(group)
     if actual != expected:
         raise ValueError(
-            f"{what} size {expected} ({flag}) does not match the process group passed to the model, "
+            f"{what} size {expected} ({flag}) does not match the process group passed to "
+            "the model, "
             f"which has {actual} rank(s); build the model with the groups of "
             f"megatron.core.parallel_state.initialize_model_parallel(...) (pg_collection=...)"
         )

@@ -188,7 +188,8 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(
         self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``weight`` overrides the layer's own (the tied output layer passes the embedding shard)."""
+        """``weight`` overrides the layer's own (the tied output layer passes the embedding
+        shard)."""
         if weight is None:
             weight = self.weight
             if weight is None:
@@ -316,7 +317,8 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.tp_rank = C.group_rank(tp_group)
         if num_embeddings % self.tp_size != 0:
             raise ValueError(
-                f"vocabulary size {num_embeddings} is not divisible by the tensor-parallel size {self.tp_size}; "
+                f"vocabulary size {num_embeddings} is not divisible by "
+                f"the tensor-parallel size {self.tp_size}; "
                 "pad it (--make-vocab-size-divisible-by, padded vocab = multiple of divisor * TP)"
             )
         self.num_embeddings_per_partition = num_embeddings // self.tp_size

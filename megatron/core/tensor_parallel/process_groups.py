@@ -1,4 +1,5 @@
-"""The process groups a model needs, passed explicitly (there is no global parallel state in core)."""
+"""The process groups a model needs, passed explicitly (there is no global parallel state in
+core)."""
 
 from dataclasses import dataclass
 from typing import Any, Optional

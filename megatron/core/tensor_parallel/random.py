@@ -37,7 +37,8 @@ def _resolve_device(device: Union[str, torch.device, None]) -> torch.device:
 
 
 def get_device_rng_state(device: torch.device) -> torch.Tensor:
-    """State of the default generator of ``device`` (a CUDA device without index: the current one)."""
+    """State of the default generator of ``device`` (a CUDA device without index: the current
+    one)."""
     if device.type == "cuda":
         return torch.cuda.get_rng_state(device if device.index is not None else "cuda")
     return torch.get_rng_state()
@@ -51,7 +52,8 @@ def set_device_rng_state(state: torch.Tensor, device: torch.device) -> None:
 
 
 def manual_seed_device(seed: int, device: torch.device) -> None:
-    """Seed only the default generator of ``device`` (not every device, unlike torch.manual_seed)."""
+    """Seed only the default generator of ``device`` (not every device, unlike
+    torch.manual_seed)."""
     if device.type == "cuda":
         if device.index is None:
             torch.cuda.manual_seed(seed)  # the current device
@@ -218,7 +220,8 @@ class RNGSnapshot:
 
 
 def _split_for_saving(tensor: torch.Tensor, group) -> torch.Tensor:
-    """This rank's 1/size chunk of the flattened ``tensor`` (zero-padded to equal chunks), a copy."""
+    """This rank's 1/size chunk of the flattened ``tensor`` (zero-padded to equal chunks), a
+    copy."""
     size, rank = collectives.group_size(group), collectives.group_rank(group)
     flat = tensor.detach().reshape(-1)
     chunk = -(-flat.numel() // size)

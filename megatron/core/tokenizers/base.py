@@ -48,7 +48,8 @@ class MegatronTokenizer(ABC):
     def tokenize_batch_packed(
         self, texts: Iterable[str], dtype=np.int64
     ) -> Tuple[np.ndarray, np.ndarray]:
-        """The ids of several texts back to back in one ``dtype`` array, and each text's id count (int64).
+        """The ids of several texts back to back in one ``dtype`` array, and each text's id count
+        (int64).
 
         What ``preprocess_data.py`` writes. This default goes through ``tokenize_batch``; families
         that can produce the array without a Python int per id override it.

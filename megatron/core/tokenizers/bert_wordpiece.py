@@ -1,4 +1,5 @@
-"""BERT WordPiece (``--tokenizer-type BertWordPieceLowerCase|BertWordPieceCase --vocab-file vocab.txt``).
+"""BERT WordPiece (``--tokenizer-type BertWordPieceLowerCase|BertWordPieceCase
+--vocab-file vocab.txt``).
 
 The algorithm is BERT's: clean the text (drop NUL / U+FFFD / control characters, map whitespace
 to spaces), put spaces around CJK ideographs, split on whitespace, lower-case and strip accents
@@ -22,8 +23,10 @@ from .base import MegatronTokenizer
 MAX_WORD_CHARS = 200
 
 _PROBE_TEXT = (
-    "Hello, World! It's 3.14 -- naïve café RÉSUMÉ Straße İstanbul ǅ \u4e2d\u6587 \U0002a6b0 \u3042\u3044 "
-    "tabs\tand\nnewlines\r\n\u00a0nbsp \u2028 \x00nul \ufffd ctrl\x07 \u200bzw e\u0301 [MASK] <extra_id_0> "
+    "Hello, World! It's 3.14 -- naïve café RÉSUMÉ Straße İstanbul ǅ \u4e2d\u6587 \U0002a6b0 "
+    "\u3042\u3044 "
+    "tabs\tand\nnewlines\r\n\u00a0nbsp \u2028 \x00nul \ufffd ctrl\x07 \u200bzw e\u0301 [MASK] "
+    "<extra_id_0> "
     "supercalifragilisticexpialidocious " + "x" * 205 + " don't ¿qué? «quotes» ‘single’ $5 a_b a-b"
 )
 
@@ -135,7 +138,8 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         ]
         if missing:
             raise ValueError(f"{vocab_file}: WordPiece vocab lacks {' '.join(missing)}")
-        # Ids of the file are fixed before anything is appended, so the Rust engine sees the same vocab.
+        # Ids of the file are fixed before anything is appended, so the Rust engine sees the same
+        # vocab.
         file_vocab = dict(self._vocab)
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._bos_id = self._add_token("[BOS]")
@@ -149,7 +153,8 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
                 self._fast = engine
             elif use_fast:
                 raise ValueError(
-                    f"the Rust 'tokenizers' WordPiece is unavailable or disagrees with the reference "
+                    f"the Rust 'tokenizers' WordPiece is unavailable or disagrees with "
+                    "the reference "
                     f"for {vocab_file}; use use_fast=False"
                 )
 

@@ -1,4 +1,5 @@
-"""Build a tokenizer from the values of Megatron's tokenizer flags (``--tokenizer-type`` and friends).
+"""Build a tokenizer from the values of Megatron's tokenizer flags (``--tokenizer-type`` and
+friends).
 
 Takes plain keyword arguments (no global args) so core code and tools can call it; the training
 side's ``megatron.training.tokenizer.build_tokenizer(args)`` maps the parsed args onto it. Errors
@@ -105,7 +106,8 @@ def build_tokenizer_from_options(
 
         if tokenizer_model is None:
             raise ValueError(
-                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer directory)"
+                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+                "(a tokenizer directory)"
             )
         return HuggingFaceTokenizer(
             tokenizer_model,

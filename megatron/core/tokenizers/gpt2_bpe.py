@@ -1,4 +1,5 @@
-"""GPT-2 byte-level BPE (``--tokenizer-type GPT2BPETokenizer``, ``--vocab-file`` + ``--merge-file``).
+"""GPT-2 byte-level BPE (``--tokenizer-type GPT2BPETokenizer``, ``--vocab-file`` +
+``--merge-file``).
 
 The files are the GPT-2 ones: ``vocab.json`` maps byte-level token strings to ids, ``merges.txt``
 lists merge rules in priority order (an optional ``#version`` first line). EOD is
@@ -54,7 +55,8 @@ GPT2_SPLIT_PATTERN_ASCII = (
     r"""'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+"""
 )
 # The whitespace of GPT2_SPLIT_PATTERN's \s (the `regex` module's White_Space set), spelled out for
-# the stdlib engine, whose unicode \s also matches \x1c-\x1f; a test checks it code point by code point.
+# the stdlib engine, whose unicode \s also matches \x1c-\x1f; a test checks it code point by code
+# point.
 GPT2_WHITESPACE_CLASS = r"\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 # Chunks whose boundaries are boundaries of the GPT-2 split (see the module docstring): optional
 # whitespace + non-whitespace run, else a whitespace run that leaves its last character to the
@@ -68,9 +70,12 @@ GPT2_CHUNK_PATTERN = (
 # runs of spaces, unicode whitespace, digits, CJK, emoji, combining marks, a lone surrogate-free
 # private-use char, control chars and the EOD string as plain text.
 _PROBE_TEXT = (
-    "Hello world! It's what they'll've said: don't   stop.\n\n\tTabs\u00a0nbsp\u2003em\u2028ls\u3000ideo "
-    "12345 3.14159 x=y+z; <|endoftext|> caf\u00e9 e\u0301 \u4e2d\u6587\u5b57 \U0001f600\U0001f44d\U0001f3fd "
-    "\u0394\u03b5\u03bb\u03c4\u03b1 \u0645\u0631\u062d\u0628\u0627 \ue000\x00\x07\x7f trailing   \n  \r\n"
+    "Hello world! It's what they'll've said: don't   stop.\n\n"
+    "\tTabs\u00a0nbsp\u2003em\u2028ls\u3000ideo "
+    "12345 3.14159 x=y+z; <|endoftext|> caf\u00e9 e\u0301 \u4e2d\u6587\u5b57 "
+    "\U0001f600\U0001f44d\U0001f3fd "
+    "\u0394\u03b5\u03bb\u03c4\u03b1 \u0645\u0631\u062d\u0628\u0627 "
+    "\ue000\x00\x07\x7f trailing   \n  \r\n"
 )
 
 
@@ -98,7 +103,8 @@ def bytes_to_unicode() -> Dict[int, str]:
 def load_gpt2_files(
     vocab_file: str, merge_file: str
 ) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
-    """Read and check a GPT-2 ``vocab.json`` / ``merges.txt`` pair; errors name the file and line."""
+    """Read and check a GPT-2 ``vocab.json`` / ``merges.txt`` pair; errors name the file and
+    line."""
     try:
         with open(vocab_file, encoding="utf-8") as f:
             encoder = json.load(f)
@@ -123,7 +129,8 @@ def load_gpt2_files(
             for token in (a, b, a + b):
                 if token not in encoder:
                     raise ValueError(
-                        f"{merge_file}:{lineno}: token {token!r} of merge {line!r} is not in {vocab_file}"
+                        f"{merge_file}:{lineno}: token {token!r} of merge {line!r} "
+                        f"is not in {vocab_file}"
                     )
             merges.append((a, b))
     return encoder, merges

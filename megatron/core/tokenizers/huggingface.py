@@ -60,7 +60,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         except (OSError, ValueError) as e:
             if local_only and not os.path.isdir(pretrained_model_name_or_path):
                 where = (
-                    "it is not a local directory and not in the Hugging Face cache (downloads are off; "
+                    "it is not a local directory and not in the Hugging Face cache "
+                    "(downloads are off; "
                     "set HF_HUB_OFFLINE=0 to allow them)"
                 )
             else:

@@ -39,7 +39,8 @@ class NullTokenizer(MegatronTokenizer):
                     f"NullTokenizer expects whitespace-separated integers, got {word[:40]!r}"
                 ) from None
             if not 0 <= ids[-1] < self.vocab_size:
-                # An out-of-range id would index past the embedding table much later, far from its cause.
+                # An out-of-range id would index past the embedding table much later, far from
+                # its cause.
                 raise ValueError(
                     f"NullTokenizer: id {ids[-1]} is outside [0, {self.vocab_size - 1}] "
                     f"(--vocab-size {self._text_vocab_size})"

@@ -61,7 +61,8 @@ def get_batch_on_this_cp_rank(
         s = value.shape[seq_dim]
         if s % (2 * cp_size) != 0:
             raise ValueError(
-                f"sequence length {s} of '{key}' must be divisible by 2 x context-parallel size = {2 * cp_size} "
+                f"sequence length {s} of '{key}' must be divisible by "
+                f"2 x context-parallel size = {2 * cp_size} "
                 f"(--seq-length must be a multiple of 2 * --context-parallel-size)"
             )
         chunked = value.view(
@@ -87,7 +88,8 @@ class _RingShift(torch.autograd.Function):
 
 
 def _block(q, k, v, scale, causal, dropout_p, training):
-    """Attention of q [b, h, sq, d] to k, v [b, h, sk, d]; returns (out fp32, lse fp32 [b, h, sq])."""
+    """Attention of q [b, h, sq, d] to k, v [b, h, sk, d]; returns (out fp32, lse fp32 [b, h,
+    sq])."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         mask = torch.ones(

@@ -146,7 +146,8 @@ class DotProductAttention(MegatronModule):
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool:
                 raise ValueError(
-                    f"attention_mask must be a bool tensor (True = masked), got {attention_mask.dtype}"
+                    f"attention_mask must be a bool tensor (True = masked), "
+                    f"got {attention_mask.dtype}"
                 )
             sdpa_mask = ~attention_mask  # SDPA's boolean masks mean "may attend"
         elif mask_type == AttnMaskType.causal:

@@ -25,7 +25,8 @@ class _Norm(torch.nn.Module):
         self.weight = new_constant_param(
             (hidden_size,), config, 0.0 if self.zero_centered_gamma else 1.0
         )
-        # Under sequence parallelism the norm's grads are partial per TP rank and need an all-reduce.
+        # Under sequence parallelism the norm's grads are partial per TP rank and need an
+        # all-reduce.
         self.weight.sequence_parallel = config.sequence_parallel
 
     def _gamma(self, dtype: torch.dtype) -> torch.Tensor:

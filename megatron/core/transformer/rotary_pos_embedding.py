@@ -62,7 +62,8 @@ class RotaryEmbedding(torch.nn.Module):
         dim = kv_channels if rotary_percent == 1.0 else int(kv_channels * rotary_percent)
         if dim <= 0 or dim % 2 != 0:
             raise ValueError(
-                f"rotary dimension int(kv_channels * rotary_percent) = {dim} must be a positive even "
+                f"rotary dimension int(kv_channels * rotary_percent) = {dim} "
+                "must be a positive even "
                 f"number (kv_channels={kv_channels}, --rotary-percent={rotary_percent})"
             )
         if rotary_base <= 0:

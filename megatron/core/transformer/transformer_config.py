@@ -59,7 +59,8 @@ class TransformerConfig(ModelParallelConfig):
     ``--swiglu`` the argument parser, not this class, picks int(4h * 2/3 / 64) * 64.)"""
 
     kv_channels: Optional[int] = None
-    """Size of one attention head (``--kv-channels``); None means hidden_size // num_attention_heads."""
+    """Size of one attention head (``--kv-channels``); None means
+    hidden_size // num_attention_heads."""
 
     softmax_scale: Optional[float] = None
     """Scale applied to q.k before the softmax; None means 1 / sqrt(kv_channels)."""
@@ -74,7 +75,8 @@ class TransformerConfig(ModelParallelConfig):
 
     # ---------------------------------------------------------------- residual / norms
     fp32_residual_connection: bool = False
-    """Keep the residual stream in fp32 when parameters are fp16/bf16 (``--fp32-residual-connection``)."""
+    """Keep the residual stream in fp32 when parameters are fp16/bf16
+    (``--fp32-residual-connection``)."""
 
     apply_residual_connection_post_layernorm: bool = False
     """Take the residual from the norm's output instead of its input
@@ -104,7 +106,8 @@ class TransformerConfig(ModelParallelConfig):
     together with activation_func=F.silu)."""
 
     activation_func: Callable = F.gelu
-    """Activation of the MLP: F.gelu (default), F.silu for SwiGLU, squared_relu for ``--squared-relu``."""
+    """Activation of the MLP: F.gelu (default), F.silu for SwiGLU, squared_relu for
+    ``--squared-relu``."""
 
     num_moe_experts: Optional[int] = None
     """Number of MoE experts (``--num-experts``); None means dense MLPs. MoE is not implemented
@@ -164,7 +167,8 @@ class TransformerConfig(ModelParallelConfig):
     N(0, init_method_std / sqrt(2 * num_layers))."""
 
     init_model_with_meta_device: bool = False
-    """Create parameters on the meta device, without initializing them (``--init-model-with-meta-device``)."""
+    """Create parameters on the meta device, without initializing them
+    (``--init-model-with-meta-device``)."""
 
     init_seed: Optional[int] = None
     """Seed of the layout-independent initialization. When set, the embedding, each transformer
@@ -204,13 +208,15 @@ class TransformerConfig(ModelParallelConfig):
 
     # ---------------------------------------------------------------- fusions (stored)
     bias_activation_fusion: bool = False
-    """Fuse the bias add with the MLP activation (``--no-bias-gelu-fusion``/``--no-bias-swiglu-fusion``
-    turn it off). Megatron's fused bias-GeLU kernel (and Transformer Engine's GeLU) is the tanh
-    approximation, so with this flag on, add_bias_linear on and activation_func F.gelu, the MLP
-    uses F.gelu(approximate='tanh') to reproduce Megatron's numerics. Other activations are exact."""
+    """Fuse the bias add with the MLP activation
+    (``--no-bias-gelu-fusion``/``--no-bias-swiglu-fusion`` turn it off). Megatron's fused bias-GeLU
+    kernel (and Transformer Engine's GeLU) is the tanh approximation, so with this flag on,
+    add_bias_linear on and activation_func F.gelu, the MLP uses F.gelu(approximate='tanh') to
+    reproduce Megatron's numerics. Other activations are exact."""
 
     masked_softmax_fusion: bool = False
-    """Fused scale-mask-softmax kernel (``--no-masked-softmax-fusion``). Stored only (SDPA is used)."""
+    """Fused scale-mask-softmax kernel (``--no-masked-softmax-fusion``). Stored only (SDPA is
+    used)."""
 
     persist_layer_norm: bool = False
     """Apex persistent LayerNorm kernel (``--no-persist-layer-norm``). Stored only."""
@@ -231,8 +237,8 @@ class TransformerConfig(ModelParallelConfig):
     given (megatron/core/fusions/fused_linear_cross_entropy.py)."""
 
     cross_entropy_fusion_impl: str = "native"
-    """Which fused cross entropy to use: 'native' or 'te' (``--cross-entropy-fusion-impl``); both run
-    the same local fused path here (Transformer Engine is not used)."""
+    """Which fused cross entropy to use: 'native' or 'te' (``--cross-entropy-fusion-impl``); both
+    run the same local fused path here (Transformer Engine is not used)."""
 
     calculate_per_token_loss: bool = False
     """Divide the summed loss by the number of tokens of the whole global batch instead of per
@@ -252,7 +258,8 @@ class TransformerConfig(ModelParallelConfig):
     (``--recompute-num-layers``)."""
 
     distribute_saved_activations: Optional[bool] = None
-    """Shard checkpointed layer inputs across the tensor parallel ranks (``--distribute-saved-activations``)."""
+    """Shard checkpointed layer inputs across the tensor parallel ranks
+    (``--distribute-saved-activations``)."""
 
     recompute_modules: Optional[List[str]] = None
     """Submodules recomputed by selective recompute (``--recompute-modules``); None means
@@ -268,8 +275,10 @@ class TransformerConfig(ModelParallelConfig):
                 raise ValueError(f"{name} must be a positive integer ({flag}), got {value!r}")
         if self.num_attention_heads % self.tensor_model_parallel_size != 0:
             raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}, --num-attention-heads) must be a multiple of "
-                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, --tensor-model-parallel-size)"
+                f"num_attention_heads ({self.num_attention_heads}, --num-attention-heads) "
+                "must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, "
+                "--tensor-model-parallel-size)"
             )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
@@ -280,8 +289,10 @@ class TransformerConfig(ModelParallelConfig):
             )
         if self.num_query_groups % self.tensor_model_parallel_size != 0:
             raise ValueError(
-                f"num_query_groups ({self.num_query_groups}, --num-query-groups) must be a multiple of "
-                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, --tensor-model-parallel-size)"
+                f"num_query_groups ({self.num_query_groups}, --num-query-groups) "
+                "must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, "
+                "--tensor-model-parallel-size)"
             )
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
@@ -291,8 +302,10 @@ class TransformerConfig(ModelParallelConfig):
             )
         if self.ffn_hidden_size % self.tensor_model_parallel_size != 0:
             raise ValueError(
-                f"ffn_hidden_size ({self.ffn_hidden_size}, --ffn-hidden-size) must be a multiple of "
-                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, --tensor-model-parallel-size)"
+                f"ffn_hidden_size ({self.ffn_hidden_size}, --ffn-hidden-size) "
+                "must be a multiple of "
+                f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, "
+                "--tensor-model-parallel-size)"
             )
         if self.attention_backend not in ("flash", "fused", "unfused", "local", "auto"):
             raise ValueError(
@@ -336,7 +349,8 @@ class TransformerConfig(ModelParallelConfig):
             )
         if self.normalization not in _NORMALIZATIONS:
             raise ValueError(
-                f"normalization must be one of {_NORMALIZATIONS} (--normalization), got {self.normalization!r}"
+                f"normalization must be one of {_NORMALIZATIONS} (--normalization), "
+                f"got {self.normalization!r}"
             )
         if not callable(self.activation_func):
             raise ValueError(f"activation_func must be callable, got {self.activation_func!r}")
@@ -438,12 +452,14 @@ class TransformerConfig(ModelParallelConfig):
                 )
             if self.recompute_method == "uniform" and self.recompute_num_layers == 0:
                 raise ValueError(
-                    "recompute_method 'uniform' needs recompute_num_layers >= 1 (--recompute-num-layers)"
+                    "recompute_method 'uniform' needs recompute_num_layers >= 1 "
+                    "(--recompute-num-layers)"
                 )
         else:
             if self.recompute_method is not None:
                 raise ValueError(
-                    "recompute_method (--recompute-method) must not be set with recompute_granularity 'selective'"
+                    "recompute_method (--recompute-method) must not be set with "
+                    "recompute_granularity 'selective'"
                 )
             if self.recompute_num_layers is not None:
                 raise ValueError(

@@ -34,10 +34,12 @@ class _CrossEntropy(torch.autograd.Function):
 
 
 def language_model_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross entropy of ``logits`` [..., V] against ``labels`` [...]; returns [...] in the logits' dtype."""
+    """Cross entropy of ``logits`` [..., V] against ``labels`` [...]; returns [...] in the
+    logits' dtype."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
-            f"labels of shape {tuple(labels.shape)} do not match logits of shape {tuple(logits.shape)}"
+            f"labels of shape {tuple(labels.shape)} do not match "
+            f"logits of shape {tuple(logits.shape)}"
         )
     vocab = logits.shape[-1]
     flat = _CrossEntropy.apply(logits.reshape(-1, vocab), labels.reshape(-1))

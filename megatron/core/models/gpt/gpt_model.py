@@ -198,7 +198,8 @@ class GPTModel(LanguageModule):
 
     def _drop_causal_mask(self, attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Return None when the mask is exactly the causal mask, so attention takes SDPA's faster
-        is_causal path; checked once per forward (O(b * s^2) compares, far below attention's cost)."""
+        is_causal path; checked once per forward (O(b * s^2) compares, far below attention's
+        cost)."""
         if attention_mask is None:
             return None
         if attention_mask.dtype != torch.bool:
@@ -270,7 +271,8 @@ class GPTModel(LanguageModule):
                 raise ValueError(f"GPTModel.forward: unsupported arguments {unsupported}")
         if decoder_input is not None and not torch.is_floating_point(decoder_input):
             raise ValueError(
-                "GPTModel.forward: decoder_input (4th argument) must be float hidden states [s, b, h]; "
+                "GPTModel.forward: decoder_input (4th argument) must be float hidden states "
+                "[s, b, h]; "
                 "pass labels by keyword (labels=...)"
             )
         cp_size, cp_rank = self.pg_collection.cp_size, self.pg_collection.cp_rank
