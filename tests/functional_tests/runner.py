@@ -102,7 +102,9 @@ def run_pretrain(args, nproc=None, timeout=240, script="pretrain_gpt.py", extra_
         ] + list(args)
     env = env_for_tests()
     env.update(extra_env or {})
-    # A session of its own, so that a timeout kills torchrun's workers too, not only the launcher.
+    # A session of its own, so that killing it never reaches pytest. torchrun starts each worker
+    # in yet another session, so killpg alone would orphan them: _stop asks torchrun first
+    # (SIGTERM, which it forwards to its workers), then kills whatever is left of its session.
     with subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -115,8 +117,7 @@ def run_pretrain(args, nproc=None, timeout=240, script="pretrain_gpt.py", extra_
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
+            stdout, stderr = _stop(proc)
             raise AssertionError(
                 f"{' '.join(cmd)} did not finish within {timeout} s and was killed (a hang?)\n"
                 f"stdout:\n{stdout[-2000:]}\nstderr:\n{stderr[-3000:]}"
@@ -124,12 +125,21 @@ def run_pretrain(args, nproc=None, timeout=240, script="pretrain_gpt.py", extra_
         except BaseException:
             # pytest-timeout or ^C: take torchrun's workers down too, or leaving the `with`
             # (which waits for the launcher) would hang.
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            _stop(proc)
             raise
     # A leaked process group can abort a rank at exit, intermittently: fail every time instead.
     assert "outlived the process-group teardown" not in stderr, stderr[-3000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _stop(proc):
+    """SIGTERM to the launcher (torchrun passes it to its workers), SIGKILL after 15 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()
 
 
 def parse_log_lines(stdout):
