@@ -134,7 +134,8 @@ def main(argv=None) -> None:
         engine.stop_followers()
         _fail(f"cannot serve on --host {args.host} --port {args.port}: {exc.strerror or exc}")
     try:
-        server.run(on_ready=lambda line: print(line, flush=True))
+        # The pid is the process to signal for a clean stop of every rank (under torchrun).
+        server.run(on_ready=lambda line: print(f"{line} (pid {os.getpid()})", flush=True))
     finally:
         engine.stop_followers()
     print("text generation server stopped", flush=True)
