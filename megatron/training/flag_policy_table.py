@@ -641,9 +641,7 @@ refused(
 refused(
     _TEXT_GEN,
     """
-    inference_batch_times_seqlen_threshold max_tokens_to_oom flash_decode
-    use_legacy_static_engine inference_max_requests inference_max_seq_length
-    num_speculative_tokens inference_logging_step_interval inference_text_gen_server_logging
+    flash_decode use_legacy_static_engine num_speculative_tokens inference_logging_step_interval inference_text_gen_server_logging
     inference_wandb_logging inference_coordinator_port inference_shards
     inference_use_synchronous_zmq_collectives inference_disable_ep_consensus
     mamba_inference_conv_states_dtype mamba_inference_ssm_states_dtype
@@ -671,6 +669,16 @@ refused(
     inference_moe_disable_fused_quant_kernels inference_moe_token_dispatcher_type
     mlp_chunks_for_prefill inference_rng_tracker
     """,
+)
+honoured(
+    "the text generation server's limits (tools/run_text_generation_server.py): prompts per "
+    "request, tokens per sequence, prompts x tokens per request",
+    "inference_max_requests inference_max_seq_length max_tokens_to_oom",
+)
+no_effect(
+    "splits large inference batches into micro-batches for pipelining; generation here runs "
+    "each batch whole, with the same tokens",
+    "inference_batch_times_seqlen_threshold",
 )
 refused(
     _RL,

@@ -177,6 +177,7 @@ BAD_REQUESTS = [
     ({"prompts": ["a"], "logprobs": "yes"}, "logprobs must be a boolean value"),
     ({"prompts": ["a"], "random_seed": -2}, "random_seed must be a non-negative integer"),
     ({"prompts": ["a"], "stop_token": VOCAB}, "stop_token must be a token id"),
+    ({"prompts": ["a"] * 9}, "Maximum number of prompts is 8"),  # --inference-max-requests
     ({"prompts": ["a"], "max_len": 5}, "max_len is no longer used"),
     ({"prompts": ["a"], "length_penalty": 2}, "length_penalty applies to beam search"),
     ({"prompts": ["a"], "temprature": 1.0}, "unknown field(s) temprature"),
