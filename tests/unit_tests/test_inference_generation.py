@@ -200,3 +200,58 @@ def test_scoring_only_with_zero_tokens_to_generate():
     out = generate(step_of(model), [PROMPTS[0]], params, SpecialTokens(), MAX_LEN)
     _, want = reference_greedy(model, PROMPTS[0], 0)
     torch.testing.assert_close(out.log_probs[0].double(), want, rtol=0, atol=1e-5)
+
+
+class ScriptedStep:
+    """A stand-in model whose greedy next token after position p is ``script[p + 1]``."""
+
+    vocab_size = VOCAB
+    pp_group = None
+    pp_size = 1
+
+    def __init__(self, script):
+        self.script = script
+
+    def __call__(self, tokens, position_ids, context):
+        logits = torch.zeros(tokens.shape + (VOCAB,))
+        nxt = torch.tensor(self.script)[(position_ids + 1).clamp(max=len(self.script) - 1)]
+        return logits.scatter(2, nxt.unsqueeze(2), 10.0)
+
+
+NL, NLNL, EOD = 11, 12, 13
+
+
+@pytest.mark.parametrize(
+    "script, options, length",
+    [
+        ([1, 2, 5, NL, 6, NL, NL, 7], dict(stop_on_double_eol=True), 7),  # two newlines in a row
+        ([1, 2, 5, NLNL, 6, 7, 8, 9], dict(stop_on_double_eol=True), 4),
+        ([1, 2, 5, NL, 6, 7, 8, 9], dict(stop_on_eol=True), 4),
+        ([1, 2, 5, NL, EOD, 7, 8, 9], {}, 5),  # the default stop token is end of document
+        ([1, 2, 5, NL, EOD, 7, 8, 9], dict(stop_token=7), 6),
+        ([1, 2, 5, NL, EOD, 7, 8, 9], dict(stop_on_eol=True, stop_token=5), 4),
+    ],
+)
+def test_stop_rules_on_a_scripted_model(script, options, length):
+    special = SpecialTokens(eod=EOD, newline=NL, double_newline=NLNL)
+    params = SamplingParams(num_tokens_to_generate=6, top_k=1, **options)
+    out = generate(ScriptedStep(script), [script[:2]], params, special, MAX_LEN)
+    assert out.lengths == [length]
+    assert out.tokens[0, :length].tolist() == script[:length]
+
+
+def test_top_p_decays_to_its_bound(monkeypatch):
+    import megatron.core.inference.generation as generation
+
+    seen = []
+
+    def recording_sample(logits, top_k, top_p, temperature, generator):
+        seen.append(top_p)
+        return sample(logits, top_k, top_p, temperature, generator)
+
+    monkeypatch.setattr(generation, "sample", recording_sample)
+    params = SamplingParams(
+        num_tokens_to_generate=4, top_p=0.9, top_p_decay=0.5, top_p_bound=0.2, random_seed=1
+    )
+    generate(ScriptedStep(list(range(10))), [[0, 1]], params, SpecialTokens(), MAX_LEN)
+    assert seen == pytest.approx([0.9, 0.45, 0.225, 0.2])

@@ -168,7 +168,11 @@ def generate(
         new_tokens = torch.zeros(batch, dtype=torch.long, device=tokens.device)
         if logits is not None:
             last = logits[:, -1, :]
-            if params.prevent_newline_after_colon and special.newline is not None:
+            if (
+                params.prevent_newline_after_colon
+                and special.newline is not None
+                and special.colon is not None
+            ):
                 after_colon = tokens[:, position - 1] == special.colon
                 last = last.clone()
                 last[after_colon, special.newline] = float("-inf")
