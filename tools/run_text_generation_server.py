@@ -67,6 +67,10 @@ def _check_server_args(args) -> None:
         _fail(f"--top_p {args.top_p} must be within [0, 1]")
     if args.top_k > 0 and args.top_p > 0.0:
         _fail(f"--top_k {args.top_k} and --top_p {args.top_p} cannot both be set")
+    if args.inference_max_requests < 1:
+        _fail(f"--inference-max-requests {args.inference_max_requests} must be >= 1")
+    if args.inference_max_seq_length < 1:
+        _fail(f"--inference-max-seq-length {args.inference_max_seq_length} must be >= 1")
     if args.load is None:
         _fail("--load is required: the checkpoint to serve")
     if args.virtual_pipeline_model_parallel_size is not None:
@@ -118,6 +122,7 @@ def main(argv=None) -> None:
         max_sequence_length=min(args.max_position_embeddings, args.inference_max_seq_length),
         max_tokens=args.max_tokens_to_oom,
         device=get_device(),
+        max_batch_size=args.inference_max_requests,
     )
     if args.rank != 0:
         engine.follow()
@@ -126,7 +131,7 @@ def main(argv=None) -> None:
         engine,
         RequestDefaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
         vocab_size=tokenizer.vocab_size,
-        max_prompts=min(MAX_PROMPTS, args.inference_max_requests),
+        max_prompts=MAX_PROMPTS,
     )
     try:
         server = MegatronServer(app, args.host, args.port)

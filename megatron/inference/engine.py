@@ -45,7 +45,9 @@ class TextGenerationEngine:
 
     ``max_sequence_length``: prompt + generated tokens per sequence (the smaller of the model's
     positions and --inference-max-seq-length); ``max_tokens``: prompts x that length per request
-    (--max-tokens-to-oom).
+    (--max-tokens-to-oom); ``max_batch_size``: prompts generated together
+    (--inference-max-requests): a request with more runs in consecutive batches, each padded to
+    its own longest prompt.
     """
 
     def __init__(
@@ -55,12 +57,14 @@ class TextGenerationEngine:
         max_sequence_length: int,
         max_tokens: int,
         device,
+        max_batch_size: int = 8,
     ):
         self.step = step
         self.tokenizer = tokenizer
         self.special = special_tokens_of(tokenizer)
         self.max_sequence_length = max_sequence_length
         self.max_tokens = max_tokens
+        self.max_batch_size = max_batch_size
         self.device = device
         distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size() if distributed else 1
@@ -93,31 +97,30 @@ class TextGenerationEngine:
                 f"Too many tokens.  {length * len(prompts)} is greater than {self.max_tokens} "
                 "(--max-tokens-to-oom)"
             )
-        self._broadcast_command(
-            GENERATE, {"prompts": prompts, "params": dataclasses.asdict(params)}
-        )
-        result = self._generate(prompts, params)
-        return self._response(result, params.return_log_probs)
+        response = {"text": [], "segments": [], "tokens": [], "logprobs": None}
+        if params.return_log_probs:
+            response["logprobs"] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            batch = prompts[start : start + self.max_batch_size]
+            self._broadcast_command(
+                GENERATE, {"prompts": batch, "params": dataclasses.asdict(params)}
+            )
+            self._add_to_response(response, self._generate(batch, params))
+        return response
 
     def stop_followers(self) -> None:
         """Tell every other rank to leave :meth:`follow`."""
         self._broadcast_command(EXIT, {})
 
-    def _response(self, result, logprobs: bool) -> Dict:
-        texts, segments, tokens, log_probs = [], [], [], []
+    def _add_to_response(self, response: Dict, result) -> None:
+        """Megatron's response fields for each sequence of ``result``."""
         for i, length in enumerate(result.lengths):
             ids = result.tokens[i, :length].tolist()
-            tokens.append(ids)
-            texts.append(self.tokenizer.detokenize(ids))
-            segments.append([self.tokenizer.detokenize([t]) for t in ids])
-            if logprobs:
-                log_probs.append(result.log_probs[i, : length - 1].tolist())
-        return {
-            "text": texts,
-            "segments": segments,
-            "tokens": tokens,
-            "logprobs": log_probs if logprobs else None,
-        }
+            response["tokens"].append(ids)
+            response["text"].append(self.tokenizer.detokenize(ids))
+            response["segments"].append([self.tokenizer.detokenize([t]) for t in ids])
+            if response["logprobs"] is not None:
+                response["logprobs"].append(result.log_probs[i, : length - 1].tolist())
 
     # ------------------------------------------------------------------ every rank
     def _generate(self, prompts: List[List[int]], params: SamplingParams):

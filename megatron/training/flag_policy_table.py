@@ -671,8 +671,8 @@ refused(
     """,
 )
 honoured(
-    "the text generation server's limits (tools/run_text_generation_server.py): prompts per "
-    "request, tokens per sequence, prompts x tokens per request",
+    "the text generation server's limits (tools/run_text_generation_server.py): prompts "
+    "generated together, tokens per sequence, prompts x tokens per request",
     "inference_max_requests inference_max_seq_length max_tokens_to_oom",
 )
 no_effect(

@@ -177,7 +177,7 @@ BAD_REQUESTS = [
     ({"prompts": ["a"], "logprobs": "yes"}, "logprobs must be a boolean value"),
     ({"prompts": ["a"], "random_seed": -2}, "random_seed must be a non-negative integer"),
     ({"prompts": ["a"], "stop_token": VOCAB}, "stop_token must be a token id"),
-    ({"prompts": ["a"] * 9}, "Maximum number of prompts is 8"),  # --inference-max-requests
+    ({"prompts": ["a"] * 129}, "Maximum number of prompts is 128"),
     ({"prompts": ["a"], "max_len": 5}, "max_len is no longer used"),
     ({"prompts": ["a"], "length_penalty": 2}, "length_penalty applies to beam search"),
     ({"prompts": ["a"], "temprature": 1.0}, "unknown field(s) temprature"),
@@ -224,6 +224,11 @@ def test_server_one_process_matches_transformers_and_refuses_bad_requests(checkp
             rtol=0,
             atol=1e-4,
         )
+    # More prompts than --inference-max-requests (8) run in consecutive batches.
+    one = server.put({"prompts": ["The"], "tokens_to_generate": 3, "top_k": 1})
+    nine = server.put({"prompts": ["The"] * 9, "tokens_to_generate": 3, "top_k": 1})
+    assert one[0] == nine[0] == 200
+    assert nine[1]["tokens"] == one[1]["tokens"] * 9 and nine[1]["text"] == one[1]["text"] * 9
     # Seeded sampling repeats; without logprobs the field is null.
     first = server.put(SAMPLED)
     assert first[0] == 200 and first[1]["logprobs"] is None
