@@ -143,8 +143,15 @@ class Server:
         assert any("text generation server stopped" in line for line in self.output)
 
     def kill(self):
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        """Stop everything after a failure: torchrun starts its workers in sessions of their
+        own, so they are reached through torchrun's SIGTERM handling, not the process group."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
 
 @pytest.fixture(scope="module")
