@@ -28,7 +28,7 @@ def hf_model(kind):
     if kind == "gpt2":
         config = transformers.GPT2Config(
             n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64,
-            initializer_range=0.2,
+            initializer_range=0.2, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
         )  # fmt: skip
         return transformers.GPT2LMHeadModel(config).eval()
     config = transformers.LlamaConfig(
