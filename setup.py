@@ -22,6 +22,8 @@ setup(
         "safetensors>=0.4.3,<1",
         "tensorboard",
         "wandb",
+        # The text generation server (tools/run_text_generation_server.py).
+        "flask>=2.2,<4",
     ],
     extras_require={
         # Everything `make test` needs, so that no test is skipped on a fresh machine.

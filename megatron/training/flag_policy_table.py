@@ -376,7 +376,10 @@ _HYBRID = f"hybrid (Mamba) and linear-attention models are {_NYI}"
 _FP8 = "fp8/fp4 training needs Transformer Engine, which this code base does not use"
 _BERT_T5 = f"BERT/T5 models are {_NYI}"
 _VISION = f"vision models are {_NYI}"
-_TEXT_GEN = f"text generation and inference are {_NYI}"
+_TEXT_GEN = (
+    f"the dynamic-batching inference engine and its kernels are {_NYI} (the static text "
+    "generation server is built: tools/run_text_generation_server.py)"
+)
 _FT = f"fault tolerance (rerun engine, in-process restart, fault injection, autoresume) is {_NYI}"
 _RL = f"reinforcement learning and distillation are {_NYI}"
 _PROFILER = f"the PyTorch profiler and CUDA memory-history dumps are {_NYI}"
@@ -675,9 +678,8 @@ refused(
 refused(
     _TEXT_GEN,
     """
-    inference_batch_times_seqlen_threshold max_tokens_to_oom flash_decode
-    use_legacy_static_engine inference_max_requests inference_max_seq_length
-    num_speculative_tokens inference_logging_step_interval inference_text_gen_server_logging
+    flash_decode num_speculative_tokens inference_logging_step_interval
+    inference_text_gen_server_logging
     inference_wandb_logging inference_coordinator_port inference_shards
     inference_use_synchronous_zmq_collectives inference_disable_ep_consensus
     mamba_inference_conv_states_dtype mamba_inference_ssm_states_dtype
@@ -705,6 +707,20 @@ refused(
     inference_moe_disable_fused_quant_kernels inference_moe_token_dispatcher_type
     mlp_chunks_for_prefill inference_rng_tracker
     """,
+)
+honoured(
+    "the text generation server's limits (tools/run_text_generation_server.py): prompts "
+    "generated together, tokens per sequence, prompts x tokens per request",
+    "inference_max_requests inference_max_seq_length max_tokens_to_oom",
+)
+no_effect(
+    "splits large inference batches into micro-batches for pipelining; generation here runs "
+    "each batch whole, with the same tokens",
+    "inference_batch_times_seqlen_threshold",
+)
+no_effect(
+    "selects Megatron's legacy static inference engine; the one engine here is a static one",
+    "use_legacy_static_engine",
 )
 refused(
     _RL,

@@ -113,11 +113,14 @@ class SelfAttention(MegatronModule):
         hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb=None,
+        inference_context=None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """hidden_states [s, b, h] -> (output [s, b, h], bias or None).
 
         ``rotary_pos_emb``: None, a (cos, sin) pair from ``RotaryEmbedding.get_cos_sin`` or a
-        Megatron angle table [s, 1, 1, rot].
+        Megatron angle table [s, 1, 1, rot] (for the positions of ``hidden_states``).
+        ``inference_context``: a ``StaticInferenceContext`` during generation; the new tokens'
+        keys and values join its cache and the queries attend over all cached tokens.
         """
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         s, b = key.shape[0], key.shape[1]
@@ -130,8 +133,18 @@ class SelfAttention(MegatronModule):
         query = query.reshape(
             s, b, self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
         )
+        mask_type = None
+        if inference_context is not None:
+            if attention_mask is not None:
+                raise ValueError("the KV cache (inference_context) builds its own attention mask")
+            attention_mask = inference_context.attention_mask(s, key.device)
+            key, value = inference_context.append_key_value(self.layer_number, key, value)
+            if attention_mask is None and key.shape[0] != s:
+                mask_type = AttnMaskType.no_mask  # one new token sees every cached one
         if self.recompute_core_attention and self.training:
             context = recompute(self.config, self.core_attention, query, key, value, attention_mask)
         else:
-            context = self.core_attention(query, key, value, attention_mask)
+            context = self.core_attention(
+                query, key, value, attention_mask, attn_mask_type=mask_type
+            )
         return self.linear_proj(context)

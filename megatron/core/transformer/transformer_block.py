@@ -146,11 +146,12 @@ class TransformerBlock(MegatronModule):
         context: Optional[torch.Tensor] = None,
         context_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb=None,
+        inference_context=None,
         **kwargs,
     ) -> torch.Tensor:
         """[s, b, h] -> [s, b, h]. ``hidden_states`` is ignored when not ``pre_process``.
         ``context`` / ``context_mask``: the encoder output and its mask, for layers with
-        cross-attention."""
+        cross-attention. ``inference_context``: the KV cache during generation."""
         if not self.pre_process:
             if self.input_tensor is None:
                 raise ValueError(
@@ -159,10 +160,14 @@ class TransformerBlock(MegatronModule):
             hidden_states = self.input_tensor
         config = self.config
         if config.recompute_granularity == "full" and self.training:
+            if inference_context is not None:
+                raise ValueError("the KV cache (inference_context) is for inference, not training")
             hidden_states = self._forward_full_recompute(
                 hidden_states, attention_mask, context, context_mask, rotary_pos_emb
             )
         else:
+            # Passed only when set, so layer modules without a KV cache keep working.
+            cache = {} if inference_context is None else {"inference_context": inference_context}
             for layer in self.layers:
                 hidden_states, context = layer(
                     hidden_states,
@@ -170,6 +175,7 @@ class TransformerBlock(MegatronModule):
                     context=context,
                     context_mask=context_mask,
                     rotary_pos_emb=rotary_pos_emb,
+                    **cache,
                 )
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)

@@ -128,18 +128,23 @@ class TransformerLayer(MegatronModule):
         context: Optional[torch.Tensor] = None,
         context_mask: Optional[torch.Tensor] = None,
         rotary_pos_emb=None,
+        inference_context=None,
         **kwargs,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """hidden_states [s, b, h] -> (hidden_states [s, b, h], context) as in Megatron.
 
         ``context`` [s_enc, b, h] and ``context_mask`` are the encoder output and its mask for
         the cross-attention; they are returned unchanged for the next layer.
+        ``inference_context``: the KV cache during generation (see
+        ``megatron.core.inference.contexts``); only the self-attention uses it for now.
         """
         if self.self_attention is not None:
+            # Passed only when set, so attention modules without a KV cache keep working.
+            cache = {} if inference_context is None else {"inference_context": inference_context}
             hidden_states = self._block(
                 self.input_layernorm,
                 lambda normed: self.self_attention(
-                    normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb
+                    normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb, **cache
                 ),
                 hidden_states,
             )

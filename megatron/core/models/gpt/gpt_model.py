@@ -226,10 +226,15 @@ class GPTModel(LanguageModule):
             return None
         return attention_mask
 
-    def _rotary_tables(self, source: torch.Tensor):
+    def _rotary_tables(self, source: torch.Tensor, offset: int = 0):
         """RoPE tables for the sequence attention sees: the whole local sequence (gathered over TP
-        with sequence parallelism), and with CP this rank's chunks of the full sequence."""
+        with sequence parallelism), and with CP this rank's chunks of the full sequence. During
+        generation the tokens start at position ``offset`` (the KV cache holds the earlier ones)."""
         seq_len = source.shape[0]
+        if offset:
+            return self.rotary_pos_emb.get_cos_sin(
+                seq_len, self._activation_dtype(), source.device, offset=offset
+            )
         if self.config.sequence_parallel and self.pg_collection.tp_size > 1:
             seq_len *= self.pg_collection.tp_size
         cp_size = self.pg_collection.cp_size
@@ -255,6 +260,7 @@ class GPTModel(LanguageModule):
         decoder_input: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        inference_context=None,
         **kwargs,
     ) -> torch.Tensor:
         """input_ids, position_ids [b, s]; attention_mask bool [b, 1, s, s] (True = masked) or None
@@ -264,6 +270,10 @@ class GPTModel(LanguageModule):
         ``fp16_lm_cross_entropy``). Stages without ``post_process`` return hidden states [s, b, h].
         Argument order is Megatron's: pass ``labels`` by keyword. ``loss_mask`` is accepted for
         call compatibility and not used (the caller applies it to the returned losses).
+
+        ``inference_context`` (a ``StaticInferenceContext``): generation with a KV cache; the
+        inputs are the tokens after the cached ones (``position_ids`` continue from the cache's
+        ``sequence_len_offset``), ``attention_mask`` is None, and the caller advances the cache.
         """
         if kwargs:
             unsupported = sorted(k for k, v in kwargs.items() if v is not None)
@@ -276,6 +286,11 @@ class GPTModel(LanguageModule):
                 "pass labels by keyword (labels=...)"
             )
         cp_size, cp_rank = self.pg_collection.cp_size, self.pg_collection.cp_rank
+        if inference_context is not None and (cp_size > 1 or self.config.sequence_parallel):
+            raise ValueError(
+                "generation with a KV cache supports neither context parallelism "
+                "(--context-parallel-size > 1) nor --sequence-parallel"
+            )
         if cp_size > 1:
             if attention_mask is not None:
                 raise ValueError(
@@ -297,10 +312,12 @@ class GPTModel(LanguageModule):
                 raise ValueError(
                     "GPTModel without pre_process needs set_input_tensor() before forward"
                 )
-            rotary = self._rotary_tables(source)
+            offset = 0 if inference_context is None else inference_context.sequence_len_offset
+            rotary = self._rotary_tables(source, offset)
 
+        cache = {} if inference_context is None else {"inference_context": inference_context}
         hidden_states = self.decoder(
-            decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary
+            decoder_input, attention_mask=attention_mask, rotary_pos_emb=rotary, **cache
         )
         if not self.post_process:
             return hidden_states
