@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron.core import dist_checkpointing as dc
-from megatron.core.dist_checkpointing.megatron_layout import unstack
+from megatron.core.dist_checkpointing.megatron_layout import unstack, with_extra_state
 from tests.functional_tests.runner import TINY_MODEL, run_pretrain
 from tests.unit_tests.dist_utils import run_distributed
 
@@ -206,6 +206,12 @@ def test_checkpoint_written_here_at_tp2_pp2_distopt_loads_in_megatron_core(tmp_p
         share_embeddings_and_output_weights=True,
     )
     _load(model, state, directory)
+    # The torch format's model entry: megatron-core's state_dict() has the same other entries
+    # (_extra_state) as ours writes.
+    ours_other = with_extra_state(model, model.state_dict())
+    assert (
+        sorted(k for k, v in ours_other.items() if not torch.is_tensor(v)) == loaded["other_keys"]
+    )
     tokens, positions, labels = _batch(vocab, seq)
     with torch.no_grad():
         ours = model(tokens, positions, None, labels=labels).mean().item()

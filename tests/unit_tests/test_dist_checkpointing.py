@@ -272,6 +272,36 @@ def test_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monkeypat
         assert torch.equal(a, b), name
 
 
+def test_torch_format_model_entries_carry_megatron_extra_state(tmp_path):
+    # megatron-core 0.16.1's local-spec GPT state_dict() holds an _extra_state (None) for each
+    # layer's linear_qkv, linear_proj, linear_fc1, linear_fc2 and for output_layer (even tied);
+    # Megatron-LM loads the torch format strictly, so ours writes them and ignores them on load.
+    from megatron.core.dist_checkpointing.megatron_layout import with_extra_state
+    from tests.unit_tests.tiny_configs import tiny_gpt_model
+
+    model = tiny_gpt_model(seed=0, share_embeddings_and_output_weights=True)
+    state = with_extra_state(model, model.state_dict())
+    extra = {k: v for k, v in state.items() if not torch.is_tensor(v)}
+    assert extra == {
+        f"decoder.layers.{layer}.{module}._extra_state": None
+        for layer in (0, 1)
+        for module in ("self_attention.linear_qkv", "self_attention.linear_proj")
+        + ("mlp.linear_fc1", "mlp.linear_fc2")
+    } | {"output_layer._extra_state": None}
+
+    args = _args(tmp_path, ckpt_format="torch")
+    model, opt, sched = setup_training_state(args, lambda: tiny_gpt_model(seed=0))
+    checkpointing.save_checkpoint(1, model, opt, sched, 0.0)
+    path = _iter_dir(tmp_path, 1) / "mp_rank_00" / "model_optim_rng.pt"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        saved = torch.load(path, weights_only=True)["model"]
+    assert "decoder.layers.1.mlp.linear_fc2._extra_state" in saved
+    model2, opt2, sched2 = setup_training_state(args, lambda: tiny_gpt_model(seed=3))
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
+    for (name, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_torch_format_still_works_and_formats_are_told_apart(tmp_path):
     model, opt, sched = _setup(tmp_path, ckpt_format="torch")
     checkpointing.save_checkpoint(2, model, opt, sched)

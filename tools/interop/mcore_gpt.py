@@ -8,8 +8,9 @@ project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, 
     python tools/interop/mcore_gpt.py load DIR --out result.json --tensors state.pt [model flags]
 
 ``save`` builds the model from ``--seed`` and writes it; ``load`` reads DIR into a model built
-from another seed. Both write ``{"loss": ..., "keys": [...]}`` to ``--out``; ``load`` also writes
-the loaded model's state dict (per-layer names) to ``--tensors``.
+from another seed. Both write ``{"loss": ..., "keys": [...], "other_keys": [...]}`` (the
+tensor and the other entries of the model's state_dict) to ``--out``; ``load`` also writes the
+loaded model's state dict (per-layer names) to ``--tensors``.
 
 megatron-core 0.16.1 imports without Transformer Engine or apex; its local spec runs on CPU once
 ``torch.cuda.current_device`` and the CUDA RNG calls are pointed at the CPU (done here, in the
@@ -123,9 +124,15 @@ def main(argv=None) -> int:
     causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
     with torch.no_grad():
         losses = model(tokens, positions, causal.view(1, 1, *causal.shape), labels=labels)
-    state = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    full = model.state_dict()
+    state = {k: v for k, v in full.items() if torch.is_tensor(v)}
+    result = {
+        "loss": losses.float().mean().item(),
+        "keys": sorted(state),
+        "other_keys": sorted(k for k in full if k not in state),  # _extra_state entries
+    }
     with open(args.out, "w") as f:
-        json.dump({"loss": losses.float().mean().item(), "keys": sorted(state)}, f)
+        json.dump(result, f)
     if args.tensors:
         torch.save(state, args.tensors)
     dist.destroy_process_group()

@@ -66,8 +66,13 @@ EXTRA_STATE_MODULES: Tuple[str, ...] = (
     "mlp.linear_fc2",
 )
 
+# Modules outside the layers whose ``_extra_state`` megatron-core's state_dict() holds (the
+# ``torch`` format; its sharded state dict leaves it out).
+EXTRA_STATE_OTHER_MODULES: Tuple[str, ...] = ("output_layer",)
+
 # What megatron-core stores for the extra state of a linear layer without fp8 metadata.
 EMPTY_EXTRA_STATE = None
+EXTRA_STATE_SUFFIX = "._extra_state"
 
 _LAYER_KEY = re.compile(r"^(?P<block>(?:.*\.)?layers\.)(?P<index>\d+)\.(?P<rest>.+)$")
 
@@ -142,6 +147,24 @@ def to_megatron_layout(
                     )
                 )
     return out, by_old, objects
+
+
+def with_extra_state(chunk: torch.nn.Module, state: Dict[str, object]) -> Dict[str, object]:
+    """``state`` (``chunk.state_dict()``) with the ``_extra_state`` entries that megatron-core's
+    local-spec modules add to theirs, so that Megatron-LM loads a ``torch``-format file strictly."""
+    out = dict(state)
+    for name, _ in chunk.named_modules():
+        parts = split_layer_key(name + ".")  # "<block>layers.<l>.<module>."
+        module = parts[2][:-1] if parts is not None else None
+        if module in EXTRA_STATE_MODULES or name in EXTRA_STATE_OTHER_MODULES:
+            out.setdefault(name + EXTRA_STATE_SUFFIX, EMPTY_EXTRA_STATE)
+    return out
+
+
+def without_extra_state(state: Dict[str, object]) -> Dict[str, object]:
+    """``state`` without ``_extra_state`` entries (Megatron-LM's, or written by
+    :func:`with_extra_state`): none of our modules keeps extra state."""
+    return {k: v for k, v in state.items() if not k.endswith(EXTRA_STATE_SUFFIX)}
 
 
 def is_per_layer_layout(checkpoint_keys: Iterable[str]) -> bool:
