@@ -5,7 +5,9 @@ megatron-core runs in its own environment (its import name ``megatron`` is ours 
 environment and runs this file (``make test`` does not collect it: see pyproject.toml).
 
 * megatron-core writes a 4-layer GPT (local spec, fp32); this code base loads it at TP=2 and at
-  PP=2 and must give the loss megatron-core gave on the same batch (1e-5 relative).
+  PP=2 and must give the loss megatron-core gave on the same batch (1e-5 relative);
+  ``pretrain_gpt.py --load`` says in one line that it holds no optimizer state, and resumes
+  from it with ``--no-load-optim``.
 * ``pretrain_gpt.py`` trains 3 iterations at TP=2 x PP=2 with the distributed optimizer and
   saves; megatron-core loads that checkpoint: every tensor it loaded equals the checkpoint's
   (read here, whole, by name), no model tensor is left out, and its loss on the batch equals the
@@ -140,11 +142,32 @@ def _worker_loads_mcore_checkpoint(rank, world, directory, expected):
 
 
 def test_megatron_core_checkpoint_loads_here_at_tp2_and_pp2(tmp_path):
-    written = tmp_path / "mcore"
-    result = _mcore("save", written, tmp_path / "saved.json", "--num-layers", LAYERS)
+    saved = tmp_path / "mcore"
+    result = _mcore("save", saved, tmp_path / "saved.json", "--num-layers", LAYERS)
+    written = saved / "iter_0000001"
     names = set(dc.tensor_shapes(dc.read_dcp_metadata(str(written))))
     assert "decoder.layers.self_attention.linear_qkv.weight" in names  # the layout we map
     run_distributed(_worker_loads_mcore_checkpoint, 2, str(written), result["loss"])
+
+    # Through pretrain_gpt.py: the checkpoint holds no optimizer state, which one clear line
+    # says; with --no-load-optim the model loads and training goes on from its iteration.
+    flags = ["--num-layers", LAYERS, "--hidden-size", HIDDEN, "--num-attention-heads", HEADS]
+    flags += ["--seq-length", SEQ, "--max-position-embeddings", SEQ, "--vocab-size", VOCAB - 1]
+    flags += ["--make-vocab-size-divisible-by", "1", "--untie-embeddings-and-output-weights"]
+    flags += ["--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
+    flags += ["--tokenizer-type", "NullTokenizer", "--log-interval", "1", "--load", saved]
+    flags = [str(f) for f in flags]
+    refused = run_pretrain(flags)
+    assert refused.returncode == 1, refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    line = [x for x in refused.stderr.splitlines() if x.startswith("error:")][-1]
+    assert "holds no optimizer state" in line and "--no-load-optim or --finetune" in line, line
+    resumed = run_pretrain(flags + ["--no-load-optim"])
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"successfully loaded checkpoint from {saved}" in resumed.stdout
+    # Resumed after iteration 1: iteration 2 is the only one trained.
+    assert "iteration        2/       2" in resumed.stdout
+    assert "iteration        1/       2" not in resumed.stdout
 
 
 # ------------------------------------------------------------------ written here, read there

@@ -7,7 +7,8 @@ project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, 
     python tools/interop/mcore_gpt.py save DIR --out result.json [model flags]
     python tools/interop/mcore_gpt.py load DIR --out result.json --tensors state.pt [model flags]
 
-``save`` builds the model from ``--seed`` and writes it; ``load`` reads DIR into a model built
+``save`` builds the model from ``--seed`` and writes it into DIR/iter_0000001 (with the tracker
+file, as Megatron-LM lays it out); ``load`` reads the torch_dist directory DIR into a model built
 from another seed. Both write ``{"loss": ..., "keys": [...], "other_keys": [...]}`` (the
 tensor and the other entries of the model's state_dict) to ``--out``; ``load`` also writes the
 loaded model's state dict (per-layer names) to ``--tensors``.
@@ -23,6 +24,8 @@ import os
 import sys
 
 import torch
+
+ITERATION = 1  # of the checkpoint that ``save`` writes
 
 
 def _cuda_calls_on_cpu() -> None:
@@ -112,9 +115,17 @@ def main(argv=None) -> int:
     # As Megatron-LM's training loop does: the model's sharded state under "model", the
     # non-tensor state (iteration, ...) beside it in common.pt.
     if args.action == "save":
-        os.makedirs(args.directory, exist_ok=True)
-        state = {"model": model.sharded_state_dict(), "iteration": 0, "checkpoint_version": 3.0}
-        dist_checkpointing.save(state, args.directory)
+        # Megatron-LM's directory: DIR/iter_0000001 and the tracker naming it.
+        directory = os.path.join(args.directory, f"iter_{ITERATION:07d}")
+        os.makedirs(directory, exist_ok=True)
+        state = {
+            "model": model.sharded_state_dict(),
+            "iteration": ITERATION,
+            "checkpoint_version": 3.0,
+        }
+        dist_checkpointing.save(state, directory)
+        with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
     else:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, args.directory)
         model.load_state_dict(loaded["model"])
