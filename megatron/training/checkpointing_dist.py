@@ -300,7 +300,8 @@ def load_checkpoint_dist(
     try:
         dc.check_complete(directory)
         common = dc.load_common(directory, safe_globals=[argparse.Namespace])
-        ckpt_keys = set(dc.tensor_shapes(dc.read_dcp_metadata(directory)))
+        dcp_metadata = dc.read_dcp_metadata(directory)
+        ckpt_keys = set(dc.tensor_shapes(dcp_metadata))
     except dc.CheckpointingError as exc:
         raise CheckpointError(str(exc)) from None
     ckpt_args = common.get("args")
@@ -311,6 +312,13 @@ def load_checkpoint_dist(
     finetune = args.finetune or release
     load_optim = not finetune and not args.no_load_optim and optimizer is not None
     optim_load = None
+    if load_optim and _holds_dp_reshardable_optimizer(dcp_metadata.state_dict_metadata):
+        raise CheckpointError(
+            f"checkpoint {directory} holds the distributed optimizer's state in Megatron-LM's "
+            "dp_reshardable layout (optimizer.distributed.*), which this code base cannot read "
+            "(Megatron-LM writes optimizer.state.* with --dist-ckpt-optim-fully-reshardable); "
+            "pass --no-load-optim or --finetune to load the model only"
+        )
     if load_optim:
         if "optimizer" not in common:
             raise CheckpointError(
@@ -372,6 +380,14 @@ def load_checkpoint_dist(
             _restore_rng(common, state, len(chunks))
     barrier()
     return iteration, float(common.get("num_floating_point_operations_so_far", 0.0)), ckpt_args
+
+
+def _holds_dp_reshardable_optimizer(keys) -> bool:
+    """Megatron-LM's default distributed-optimizer layout: per-bucket flat state keyed
+    ``optimizer.distributed.dp_group_idx_<i>.…``, no per-parameter ``optimizer.state.*``."""
+    return any(k.startswith("optimizer.distributed.") for k in keys) and not any(
+        k.startswith(STATE_PREFIX) for k in keys
+    )
 
 
 def _restore_rng(common: dict, state, num_chunks: int) -> None:

@@ -272,6 +272,36 @@ def test_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monkeypat
         assert torch.equal(a, b), name
 
 
+def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path, monkeypatch):
+    # Megatron-LM's default distributed-optimizer layout keys its flat per-bucket state
+    # optimizer.distributed.dp_group_idx_<i>.*: written here by renaming our entries.
+    model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 1)
+    entries = dc.optimizer_sharded_state_dict
+
+    def megatron_dp_reshardable(*a, **k):
+        out = entries(*a, **k)
+        for entry in out.values():
+            entry.key = entry.key.replace(
+                "optimizer.state.", "optimizer.distributed.dp_group_idx_0."
+            )
+        return out
+
+    monkeypatch.setattr(dc, "optimizer_sharded_state_dict", megatron_dp_reshardable)
+    checkpointing.save_checkpoint(1, model, opt, sched, 0.0)
+    monkeypatch.undo()
+    model2, opt2, sched2 = _setup(tmp_path, seed=3)
+    with pytest.raises(
+        checkpointing.CheckpointError,
+        match="dp_reshardable layout .* pass --no-load-optim or --finetune to load the model only",
+    ):
+        checkpointing.load_checkpoint(model2, opt2, sched2)
+    global_vars.get_args().no_load_optim = True
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_torch_format_model_entries_carry_megatron_extra_state(tmp_path):
     # megatron-core 0.16.1's local-spec GPT state_dict() holds an _extra_state (None) for each
     # layer's linear_qkv, linear_proj, linear_fc1, linear_fc2 and for output_layer (even tied);
