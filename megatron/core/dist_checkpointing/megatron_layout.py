@@ -16,6 +16,9 @@ Everything model-specific is in the tables below; a model family adds rows:
 * :data:`EXTRA_STATE_MODULES` -- the layer modules that carry an ``_extra_state`` object (written
   for every such module whose ``weight`` the layer has).
 
+The ``torch`` format's model entries get megatron-core's ``_extra_state`` entries too
+(:func:`with_extra_state`: one per column/row-parallel linear module, no table needed).
+
 Keys outside the layers of a block (embeddings, final norm, output layer) are not changed.
 Checkpoints written before this layout (one key per layer, ``decoder.layers.3.…``) are told
 apart by :func:`is_per_layer_layout` and read with per-layer keys.
@@ -27,6 +30,8 @@ import re
 from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import torch
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from .mapping import Chunk, ShardedObject, ShardedTensor
 
@@ -65,10 +70,6 @@ EXTRA_STATE_MODULES: Tuple[str, ...] = (
     "mlp.linear_fc1",
     "mlp.linear_fc2",
 )
-
-# Modules outside the layers whose ``_extra_state`` megatron-core's state_dict() holds (the
-# ``torch`` format; its sharded state dict leaves it out).
-EXTRA_STATE_OTHER_MODULES: Tuple[str, ...] = ("output_layer",)
 
 # What megatron-core stores for the extra state of a linear layer without fp8 metadata.
 EMPTY_EXTRA_STATE = None
@@ -151,12 +152,12 @@ def to_megatron_layout(
 
 def with_extra_state(chunk: torch.nn.Module, state: Dict[str, object]) -> Dict[str, object]:
     """``state`` (``chunk.state_dict()``) with the ``_extra_state`` entries that megatron-core's
-    local-spec modules add to theirs, so that Megatron-LM loads a ``torch``-format file strictly."""
+    state_dict() has, so that Megatron-LM loads a ``torch``-format file strictly: its column- and
+    row-parallel linear layers (every one, the output layer included) define an empty extra
+    state; ours are the same modules and keep none."""
     out = dict(state)
-    for name, _ in chunk.named_modules():
-        parts = split_layer_key(name + ".")  # "<block>layers.<l>.<module>."
-        module = parts[2][:-1] if parts is not None else None
-        if module in EXTRA_STATE_MODULES or name in EXTRA_STATE_OTHER_MODULES:
+    for name, module in chunk.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             out.setdefault(name + EXTRA_STATE_SUFFIX, EMPTY_EXTRA_STATE)
     return out
 
