@@ -12,8 +12,12 @@ environment and runs this file (``make test`` does not collect it: see pyproject
   saves; megatron-core loads that checkpoint: every tensor it loaded equals the checkpoint's
   (read here, whole, by name), no model tensor is left out, and its loss on the batch equals the
   loss of this code base's model loaded from the same checkpoint.
+* The ``torch`` format (``mp_rank_00/model_optim_rng.pt``), model part: megatron-core's file
+  resumes ``pretrain_gpt.py --ckpt-format torch``; ours loads strictly into megatron-core's model
+  and gives the loss ours gives.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -24,7 +28,11 @@ import pytest
 import torch
 
 from megatron.core import dist_checkpointing as dc
-from megatron.core.dist_checkpointing.megatron_layout import unstack, with_extra_state
+from megatron.core.dist_checkpointing.megatron_layout import (
+    unstack,
+    with_extra_state,
+    without_extra_state,
+)
 from tests.functional_tests.runner import TINY_MODEL, run_pretrain
 from tests.unit_tests.dist_utils import run_distributed
 
@@ -143,7 +151,16 @@ def _worker_loads_mcore_checkpoint(rank, world, directory, expected):
 
 def test_megatron_core_checkpoint_loads_here_at_tp2_and_pp2(tmp_path):
     saved = tmp_path / "mcore"
-    result = _mcore("save", saved, tmp_path / "saved.json", "--num-layers", LAYERS)
+    in_torch_format = tmp_path / "mcore_torch"
+    result = _mcore(
+        "save",
+        saved,
+        tmp_path / "saved.json",
+        "--num-layers",
+        LAYERS,
+        "--torch-save",
+        in_torch_format,
+    )
     written = saved / "iter_0000001"
     names = set(dc.tensor_shapes(dc.read_dcp_metadata(str(written))))
     assert "decoder.layers.self_attention.linear_qkv.weight" in names  # the layout we map
@@ -168,6 +185,12 @@ def test_megatron_core_checkpoint_loads_here_at_tp2_and_pp2(tmp_path):
     # Resumed after iteration 1: iteration 2 is the only one trained.
     assert "iteration        2/       2" in resumed.stdout
     assert "iteration        1/       2" not in resumed.stdout
+    # The same model in Megatron-LM's torch format (mp_rank_00/model_optim_rng.pt).
+    flags[flags.index("--load") + 1] = str(in_torch_format)
+    resumed = run_pretrain(flags + ["--no-load-optim", "--ckpt-format", "torch"])
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"successfully loaded checkpoint from {in_torch_format}" in resumed.stdout
+    assert "iteration        2/       2" in resumed.stdout
 
 
 # ------------------------------------------------------------------ written here, read there
@@ -211,8 +234,25 @@ def test_checkpoint_written_here_at_tp2_pp2_distopt_loads_in_megatron_core(tmp_p
     model_flags += ["--num-attention-heads", _flag("--num-attention-heads")]
     model_flags += ["--vocab-size", str(vocab), "--seq-length", str(seq)]
     model_flags += ["--max-position-embeddings", _flag("--max-position-embeddings")]
+    # The same model in the torch format, at TP=1 x PP=1 (one file), for megatron-core to load
+    # strictly as Megatron-LM does.
+    torch_save = tmp_path / "ours_torch"
+    result = run_pretrain(
+        args
+        + ["--ckpt-format", "torch", "--train-iters", "3", "--save", str(torch_save)]
+        + ["--save-interval", "3", "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    torch_file = torch_save / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
     loaded = _mcore(
-        "load", directory, tmp_path / "mc.json", "--tensors", tmp_path / "mc.pt", *model_flags
+        "load",
+        directory,
+        tmp_path / "mc.json",
+        "--tensors",
+        tmp_path / "mc.pt",
+        "--torch-load",
+        torch_file,
+        *model_flags,
     )
     theirs = torch.load(tmp_path / "mc.pt", weights_only=True)
     assert sorted(theirs) == sorted(tensors)  # no model tensor left out, none extra
@@ -239,6 +279,14 @@ def test_checkpoint_written_here_at_tp2_pp2_distopt_loads_in_megatron_core(tmp_p
     with torch.no_grad():
         ours = model(tokens, positions, None, labels=labels).mean().item()
     assert abs(ours - loaded["loss"]) <= RTOL * abs(loaded["loss"]), (ours, loaded["loss"])
+
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        saved = torch.load(torch_file, weights_only=True)["model"]
+    model.load_state_dict(without_extra_state(saved), strict=True)
+    with torch.no_grad():
+        ours = model(tokens, positions, None, labels=labels).mean().item()
+    expected = loaded["torch_loss"]
+    assert abs(ours - expected) <= RTOL * abs(expected), ("torch format", ours, expected)
 
 
 if __name__ == "__main__":

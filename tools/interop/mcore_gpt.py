@@ -56,6 +56,12 @@ def parse(argv=None):
     p.add_argument("--max-position-embeddings", type=int, default=None)
     p.add_argument("--tied", action="store_true", help="share embedding and output weights")
     p.add_argument("--batch-seed", type=int, default=7)
+    p.add_argument(
+        "--torch-save", help="save: also write DIR/iter_0000001/mp_rank_00/model_optim_rng.pt"
+    )
+    p.add_argument(
+        "--torch-load", help="load: also load this torch-format file (strictly) into another model"
+    )
     return p.parse_args(argv)
 
 
@@ -65,6 +71,17 @@ def batch(args):
     tokens = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
     labels = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
     return tokens, labels
+
+
+def loss_of(model, args) -> float:
+    """The mean per-token loss of ``batch(args)``."""
+    model.eval()
+    tokens, labels = batch(args)
+    positions = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
+    causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
+    with torch.no_grad():
+        losses = model(tokens, positions, causal.view(1, 1, *causal.shape), labels=labels)
+    return losses.float().mean().item()
 
 
 def main(argv=None) -> int:
@@ -129,19 +146,32 @@ def main(argv=None) -> int:
     else:
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, args.directory)
         model.load_state_dict(loaded["model"])
-    model.eval()
-    tokens, labels = batch(args)
-    positions = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
-    causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
-    with torch.no_grad():
-        losses = model(tokens, positions, causal.view(1, 1, *causal.shape), labels=labels)
+    if args.action == "save" and args.torch_save:
+        # Megatron-LM's torch format at TP=1, PP=1 (the model part and the iteration).
+        directory = os.path.join(args.torch_save, f"iter_{ITERATION:07d}", "mp_rank_00")
+        os.makedirs(directory, exist_ok=True)
+        state = {"model": model.state_dict(), "iteration": ITERATION, "checkpoint_version": 3.0}
+        torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+        with open(os.path.join(args.torch_save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
     full = model.state_dict()
     state = {k: v for k, v in full.items() if torch.is_tensor(v)}
     result = {
-        "loss": losses.float().mean().item(),
+        "loss": loss_of(model, args),
         "keys": sorted(state),
         "other_keys": sorted(k for k in full if k not in state),  # _extra_state entries
     }
+    if args.action == "load" and args.torch_load:
+        other = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.max_position_embeddings or args.seq_length,
+            share_embeddings_and_output_weights=args.tied,
+        )
+        saved = torch.load(args.torch_load, map_location="cpu", weights_only=False)
+        other.load_state_dict(saved["model"], strict=True)  # as Megatron-LM loads it
+        result["torch_loss"] = loss_of(other, args)
     with open(args.out, "w") as f:
         json.dump(result, f)
     if args.tensors:
