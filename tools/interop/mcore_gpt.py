@@ -11,7 +11,9 @@ project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, 
 file, as Megatron-LM lays it out); ``load`` reads the torch_dist directory DIR into a model built
 from another seed. Both write ``{"loss": ..., "keys": [...], "other_keys": [...]}`` (the
 tensor and the other entries of the model's state_dict) to ``--out``; ``load`` also writes the
-loaded model's state dict (per-layer names) to ``--tensors``.
+loaded model's state dict (per-layer names) to ``--tensors``. ``--torch-save D`` (save) also
+writes the torch format, ``D/iter_0000001/mp_rank_00/model_optim_rng.pt``; ``--torch-load FILE``
+(load) also loads a torch-format file strictly into another model (``"torch_loss"``).
 
 megatron-core 0.16.1 imports without Transformer Engine or apex; its local spec runs on CPU once
 ``torch.cuda.current_device`` and the CUDA RNG calls are pointed at the CPU (done here, in the
