@@ -4,7 +4,7 @@ NPROC ?= 2
 RUN_DIR ?= runs/quickstart
 PIP_INSTALL = $(PYTHON) -m pip install -q -c constraints.txt
 
-.PHONY: install lint test test-fast quickstart quickstart-mock prepare-ds-sample clean
+.PHONY: install lint test test-fast interop quickstart quickstart-mock prepare-ds-sample clean
 
 install:
 	$(PIP_INSTALL) torch==2.13.0
@@ -20,6 +20,17 @@ test: install lint
 
 test-fast:
 	$(PYTHON) -m pytest -q --durations=15 tests/unit_tests
+
+# torch_dist checkpoints exchanged with the real megatron-core, both ways (tests/interop). It
+# runs in its own environment (its import name `megatron` is ours too), made once in
+# MCORE_VENV with the same pinned CPU torch; not part of `make test` (see README.md for cost).
+MCORE_VENV ?= .venv-mcore
+MCORE_VERSION ?= 0.16.1
+interop: install
+	test -x $(MCORE_VENV)/bin/python || $(PYTHON) -m venv $(MCORE_VENV)
+	$(MCORE_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0 \
+		megatron-core==$(MCORE_VERSION) psutil
+	MCORE_PYTHON=$(MCORE_VENV)/bin/python $(PYTHON) -m pytest -q --durations=5 tests/interop
 
 # Tokenize the shipped sample corpus into Megatron .bin/.idx files.
 prepare-ds-sample:

@@ -26,6 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron.core.dist_checkpointing.megatron_layout import with_extra_state, without_extra_state
 from megatron.core.utils import unwrap_model
 
 from . import global_vars
@@ -164,11 +165,11 @@ def save_checkpoint(
             "iteration": iteration,
             "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
         }
-        if len(chunks) == 1:
-            state_dict["model"] = unwrap_model(chunks[0]).state_dict()
-        else:
-            for i, chunk in enumerate(chunks):
-                state_dict[f"model{i}"] = unwrap_model(chunk).state_dict()
+        # Megatron's model entries, _extra_state included, so that Megatron-LM loads them strictly.
+        for i, chunk in enumerate(chunks):
+            inner = unwrap_model(chunk)
+            key = "model" if len(chunks) == 1 else f"model{i}"
+            state_dict[key] = with_extra_state(inner, inner.state_dict())
         if not args.no_save_optim:
             if optimizer is not None:
                 state_dict["optimizer"] = optimizer.state_dict()
@@ -349,8 +350,9 @@ def load_checkpoint(
         if key not in state_dict:
             raise CheckpointError(f"checkpoint {path} has no '{key}' entry")
         inner = unwrap_model(chunk)
-        _check_model_state(inner, state_dict[key], path, strict)
-        inner.load_state_dict(state_dict[key], strict=strict)
+        saved = without_extra_state(state_dict[key])  # Megatron-LM's, and ours
+        _check_model_state(inner, saved, path, strict)
+        inner.load_state_dict(saved, strict=strict)
 
     finetune = args.finetune or release
     if finetune:

@@ -2,7 +2,9 @@
 
 Layout: ``<save>/iter_0000100/`` with DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` (model
 and optimizer tensors under global names, readable at any TP/PP/DP/CP layout, with or without
-virtual stages or the distributed optimizer), ``common.pt`` (args, iteration, scheduler,
+virtual stages or the distributed optimizer; the layers stacked and named as Megatron-LM writes
+them, see megatron.core.dist_checkpointing.megatron_layout; checkpoints written here with one key
+per layer still load), ``common.pt`` (args, iteration, scheduler,
 optimizer hyperparameters and grad scaler, every rank's RNG state; read with
 ``weights_only=True``) and ``metadata.json``.
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing.async_save import AsyncSave
+from megatron.core.dist_checkpointing.megatron_layout import is_per_layer_layout
 from megatron.core.dist_checkpointing.optimizer_state import (
     STATE_PREFIX,
     is_distributed,
@@ -91,10 +94,13 @@ def _all_gather_object(obj) -> list:
     return out
 
 
-def _sharded_model(model, state):
+def _sharded_model(model, state, megatron_layout: bool = True):
     chunks = [unwrap_model(c) for c in (model if isinstance(model, list) else [model])]
     entries, by_param = dc.model_sharded_state_dict(
-        chunks, state.get_tensor_model_parallel_rank(), state.get_tensor_model_parallel_world_size()
+        chunks,
+        state.get_tensor_model_parallel_rank(),
+        state.get_tensor_model_parallel_world_size(),
+        megatron_layout=megatron_layout,
     )
     return chunks, entries, by_param
 
@@ -294,15 +300,25 @@ def load_checkpoint_dist(
     try:
         dc.check_complete(directory)
         common = dc.load_common(directory, safe_globals=[argparse.Namespace])
-        ckpt_keys = set(dc.tensor_shapes(dc.read_dcp_metadata(directory)))
+        dcp_metadata = dc.read_dcp_metadata(directory)
+        ckpt_keys = set(dc.tensor_shapes(dcp_metadata))
     except dc.CheckpointingError as exc:
         raise CheckpointError(str(exc)) from None
     ckpt_args = common.get("args")
-    chunks, entries, by_param = _sharded_model(model, state)
+    # Checkpoints written here before the Megatron layout have one key per layer: read them so.
+    per_layer = is_per_layer_layout(ckpt_keys)
+    chunks, entries, by_param = _sharded_model(model, state, megatron_layout=not per_layer)
 
     finetune = args.finetune or release
     load_optim = not finetune and not args.no_load_optim and optimizer is not None
     optim_load = None
+    if load_optim and _holds_dp_reshardable_optimizer(dcp_metadata.state_dict_metadata):
+        raise CheckpointError(
+            f"checkpoint {directory} holds the distributed optimizer's state in Megatron-LM's "
+            "dp_reshardable layout (optimizer.distributed.*), which this code base cannot read "
+            "(Megatron-LM writes optimizer.state.* with --dist-ckpt-optim-fully-reshardable); "
+            "pass --no-load-optim or --finetune to load the model only"
+        )
     if load_optim:
         if "optimizer" not in common:
             raise CheckpointError(
@@ -364,6 +380,14 @@ def load_checkpoint_dist(
             _restore_rng(common, state, len(chunks))
     barrier()
     return iteration, float(common.get("num_floating_point_operations_so_far", 0.0)), ckpt_args
+
+
+def _holds_dp_reshardable_optimizer(keys) -> bool:
+    """Megatron-LM's default distributed-optimizer layout: per-bucket flat state keyed
+    ``optimizer.distributed.dp_group_idx_<i>.…``, no per-parameter ``optimizer.state.*``."""
+    return any(k.startswith("optimizer.distributed.") for k in keys) and not any(
+        k.startswith(STATE_PREFIX) for k in keys
+    )
 
 
 def _restore_rng(common: dict, state, num_chunks: int) -> None:

@@ -220,7 +220,7 @@ honoured(
     "save_tokenizer_assets",
 )
 honoured(
-    "there is no Transformer Engine extra state here to drop",
+    "the _extra_state objects written here are empty (no fp8 metadata): there is none to drop",
     "ckpt_drop_redundant_extra_state",
 )
 honoured(

@@ -68,17 +68,22 @@ def test_checkpoint_layout(saved):
     ckpt, _ = saved
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "6"
     directory = ckpt / "iter_0000003"
-    assert (
-        directory / "metadata.json"
-    ).read_text() == '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+    assert (directory / "metadata.json").read_text() == (
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
+        '"common_backend": "torch", "common_backend_version": 1}'
+    )
     assert {f"__{r}_0.distcp" for r in range(8)} <= {p.name for p in directory.iterdir()}
     shapes = tensor_shapes(read_dcp_metadata(str(directory)))
-    # Global names and global (TP=1) shapes; tied output weight stored once as the embedding.
-    assert shapes["decoder.layers.7.self_attention.linear_qkv.weight"][0] == (192, 64)
-    assert shapes["optimizer.state.exp_avg_sq.decoder.layers.5.mlp.linear_fc1.weight"][0] == (
+    # Megatron's names and global (TP=1) shapes with the 8 layers stacked on a leading axis;
+    # tied output weight stored once as the embedding.
+    assert shapes["decoder.layers.self_attention.linear_qkv.weight"][0] == (8, 192, 64)
+    assert shapes["decoder.layers.mlp.linear_fc1.layer_norm_weight"][0] == (8, 64)
+    assert shapes["optimizer.state.exp_avg_sq.decoder.layers.mlp.linear_fc1.weight"][0] == (
+        8,
         256,
         64,
     )
+    assert not any(k.startswith("decoder.layers.7.") for k in shapes)
     assert (
         shapes["embedding.word_embeddings.weight"][0] == (512, 64)
         and "output_layer.weight" not in shapes

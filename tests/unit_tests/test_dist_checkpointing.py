@@ -79,11 +79,11 @@ def test_strided_tensor_parallel_shard_maps_to_global_blocks():
     ] == [(2, 0), (6, 0)]
 
 
-def test_global_names_of_a_later_pipeline_stage_with_tied_embeddings():
+def _last_stage_of_four_layers():
     cfg = TransformerConfig(
         num_layers=4, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True
     )
-    last = GPTModel(
+    return GPTModel(
         cfg,
         vocab_size=64,
         max_sequence_length=8,
@@ -93,7 +93,11 @@ def test_global_names_of_a_later_pipeline_stage_with_tied_embeddings():
         num_layers=2,
         layer_number_offset=2,
     )
-    entries, by_param = dc.model_sharded_state_dict([last])
+
+
+def test_global_names_of_a_later_pipeline_stage_with_tied_embeddings():
+    last = _last_stage_of_four_layers()
+    entries, by_param = dc.model_sharded_state_dict([last], megatron_layout=False)
     layers = sorted({k.split(".")[2] for k in entries if k.startswith("decoder.layers.")})
     assert layers == ["2", "3"]
     assert "output_layer.weight" not in entries
@@ -104,6 +108,56 @@ def test_global_names_of_a_later_pipeline_stage_with_tied_embeddings():
         by_param[id(last.decoder.layers[1].mlp.linear_fc1.weight)].key
         == "decoder.layers.3.mlp.linear_fc1.weight"
     )
+
+
+def test_megatron_layout_stacks_layers_with_te_norm_names_and_extra_state():
+    # Megatron-LM's keys as megatron-core 0.16.1 writes them for a 4-layer local-spec GPT: one
+    # key per parameter kind with a leading layer axis; the input norm under linear_qkv's
+    # layer_norm_*, the pre-MLP norm under linear_fc1's; an _extra_state object per linear
+    # module and layer, keyed <name>/shard_<layer>_<num_layers>.
+    last = _last_stage_of_four_layers()
+    entries, by_param = dc.model_sharded_state_dict([last])
+    tensors = {e.key: e for e in entries.values() if isinstance(e, dc.ShardedTensor)}
+    objects = {e.name for e in entries.values() if isinstance(e, dc.ShardedObject)}
+    layer_keys = {k for k in tensors if k.startswith("decoder.layers.")}
+    assert layer_keys == {
+        "decoder.layers." + k
+        for k in (
+            "self_attention.linear_qkv.layer_norm_weight",
+            "self_attention.linear_qkv.layer_norm_bias",
+            "self_attention.linear_qkv.weight",
+            "self_attention.linear_qkv.bias",
+            "self_attention.linear_proj.weight",
+            "self_attention.linear_proj.bias",
+            "mlp.linear_fc1.layer_norm_weight",
+            "mlp.linear_fc1.layer_norm_bias",
+            "mlp.linear_fc1.weight",
+            "mlp.linear_fc1.bias",
+            "mlp.linear_fc2.weight",
+            "mlp.linear_fc2.bias",
+        )
+    }
+    assert objects == {
+        f"decoder.layers.{m}._extra_state/shard_{layer}_4"
+        for m in ("self_attention.linear_qkv", "self_attention.linear_proj")
+        + ("mlp.linear_fc1", "mlp.linear_fc2")
+        for layer in (2, 3)
+    }
+    # This stage's two layers are slices 2 and 3 of the [4, 3h, h] tensor, views of the weights.
+    qkv = [
+        e for e in entries.values() if e.key == "decoder.layers.self_attention.linear_qkv.weight"
+    ]
+    assert sorted(c.global_offset for e in qkv for c in e.chunks) == [(2, 0, 0), (3, 0, 0)]
+    assert all(e.global_shape == (4, 48, 16) for e in qkv)
+    layer3 = by_param[id(last.decoder.layers[1].self_attention.linear_qkv.weight)]
+    assert layer3.chunks[0].global_offset == (3, 0, 0)
+    assert (
+        layer3.data.data_ptr() == last.decoder.layers[1].self_attention.linear_qkv.weight.data_ptr()
+    )
+    norm = by_param[id(last.decoder.layers[0].input_layernorm.weight)]
+    assert norm.key == "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    assert norm.global_shape == (4, 16) and norm.chunks[0].global_offset == (2, 0)
+    assert tensors["decoder.final_layernorm.weight"].global_shape == (16,)
 
 
 @pytest.mark.parametrize("fully_parallel", [True, False])
@@ -144,6 +198,8 @@ def test_round_trip_resumes_exactly(tmp_path, dtype):
     assert json.loads((directory / "metadata.json").read_text()) == {
         "sharded_backend": "torch_dist",
         "sharded_backend_version": 1,
+        "common_backend": "torch",
+        "common_backend_version": 1,
     }
     assert {".metadata", "__0_0.distcp", "common.pt", "metadata.json"} == set(os.listdir(directory))
     with torch.serialization.safe_globals([argparse.Namespace]):
@@ -164,6 +220,116 @@ def test_round_trip_resumes_exactly(tmp_path, dtype):
     assert _train(model2, opt2, sched2, 3, seed=8) == straight
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+def _train_gpt(model, opt, sched, steps, seed):
+    from tests.unit_tests.tiny_configs import TINY_SEQ, TINY_VOCAB
+
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, TINY_VOCAB, (2, TINY_SEQ), generator=g)
+        positions = torch.arange(TINY_SEQ).unsqueeze(0).expand_as(tokens)
+        opt.zero_grad()
+        loss = model(tokens, positions, None, labels=tokens.roll(-1, 1)).mean()
+        loss.backward()
+        opt.step()
+        sched.step(2)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["old-per-layer-keys", "megatron-keys"])
+def test_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monkeypatch, per_layer):
+    # Checkpoints written here before the Megatron layout keyed each layer on its own
+    # (decoder.layers.1.input_layernorm.weight): they must still resume, model and optimizer.
+    from tests.unit_tests.tiny_configs import tiny_gpt_model
+
+    model, opt, sched = _setup(tmp_path, model=tiny_gpt_model(seed=0))
+    _train_gpt(model, opt, sched, 2, seed=1)
+    if per_layer:
+        writer = checkpointing_dist._sharded_model
+        monkeypatch.setattr(
+            checkpointing_dist,
+            "_sharded_model",
+            lambda m, s, megatron_layout=True: writer(m, s, megatron_layout=False),
+        )
+    checkpointing.save_checkpoint(2, model, opt, sched, 0.0)
+    monkeypatch.undo()
+    keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(_iter_dir(tmp_path, 2)))))
+    layer_key = (
+        "decoder.layers.1.input_layernorm.weight"
+        if per_layer
+        else "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    )
+    assert {layer_key, "optimizer.state.exp_avg." + layer_key} <= keys
+    straight = _train_gpt(model, opt, sched, 2, seed=2)
+
+    model2, opt2, sched2 = _setup(tmp_path, model=tiny_gpt_model(seed=5))
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 2
+    assert _train_gpt(model2, opt2, sched2, 2, seed=2) == straight
+    for (name, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path, monkeypatch):
+    # Megatron-LM's default distributed-optimizer layout keys its flat per-bucket state
+    # optimizer.distributed.dp_group_idx_<i>.*: written here by renaming our entries.
+    model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 1)
+    entries = dc.optimizer_sharded_state_dict
+
+    def megatron_dp_reshardable(*a, **k):
+        out = entries(*a, **k)
+        for entry in out.values():
+            entry.key = entry.key.replace(
+                "optimizer.state.", "optimizer.distributed.dp_group_idx_0."
+            )
+        return out
+
+    monkeypatch.setattr(dc, "optimizer_sharded_state_dict", megatron_dp_reshardable)
+    checkpointing.save_checkpoint(1, model, opt, sched, 0.0)
+    monkeypatch.undo()
+    model2, opt2, sched2 = _setup(tmp_path, seed=3)
+    with pytest.raises(
+        checkpointing.CheckpointError,
+        match="dp_reshardable layout .* pass --no-load-optim or --finetune to load the model only",
+    ):
+        checkpointing.load_checkpoint(model2, opt2, sched2)
+    global_vars.get_args().no_load_optim = True
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_torch_format_model_entries_carry_megatron_extra_state(tmp_path):
+    # megatron-core 0.16.1's local-spec GPT state_dict() holds an _extra_state (None) for each
+    # layer's linear_qkv, linear_proj, linear_fc1, linear_fc2 and for output_layer (even tied);
+    # Megatron-LM loads the torch format strictly, so ours writes them and ignores them on load.
+    from megatron.core.dist_checkpointing.megatron_layout import with_extra_state
+    from tests.unit_tests.tiny_configs import tiny_gpt_model
+
+    model = tiny_gpt_model(seed=0, share_embeddings_and_output_weights=True)
+    state = with_extra_state(model, model.state_dict())
+    extra = {k: v for k, v in state.items() if not torch.is_tensor(v)}
+    assert extra == {
+        f"decoder.layers.{layer}.{module}._extra_state": None
+        for layer in (0, 1)
+        for module in ("self_attention.linear_qkv", "self_attention.linear_proj")
+        + ("mlp.linear_fc1", "mlp.linear_fc2")
+    } | {"output_layer._extra_state": None}
+
+    args = _args(tmp_path, ckpt_format="torch")
+    model, opt, sched = setup_training_state(args, lambda: tiny_gpt_model(seed=0))
+    checkpointing.save_checkpoint(1, model, opt, sched, 0.0)
+    path = _iter_dir(tmp_path, 1) / "mp_rank_00" / "model_optim_rng.pt"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        saved = torch.load(path, weights_only=True)["model"]
+    assert "decoder.layers.1.mlp.linear_fc2._extra_state" in saved
+    model2, opt2, sched2 = setup_training_state(args, lambda: tiny_gpt_model(seed=3))
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
+    for (name, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), name
 
 
 def test_torch_format_still_works_and_formats_are_told_apart(tmp_path):
@@ -370,13 +536,15 @@ def test_async_staging_copies_every_written_chunk():
             "r": dc.replicated("r", torch.ones(2), replica=True),
         }
     )
-    assert list(staged) == ["w"]  # replicas are not written, so not copied
+    # Replicas are not written, so not copied; each written chunk is one compact copy.
+    assert sorted(staged) == ["w@(2, 0)", "w@(6, 0)"]
     local.zero_()
-    chunks = staged["w"].chunks
-    assert [c.global_offset for c in chunks] == [(2, 0), (6, 0)]
-    for chunk in chunks:
+    for entry in staged.values():
+        assert entry.key == "w" and entry.global_shape == (8, 3) and len(entry.chunks) == 1
+        (chunk,) = entry.chunks
         rows = full[chunk.global_offset[0] : chunk.global_offset[0] + chunk.shape[0]]
-        assert torch.equal(staged["w"].view(chunk), rows)
+        assert torch.equal(entry.view(chunk), rows)
+        assert entry.data.untyped_storage().nbytes() == rows.numel() * rows.element_size()
 
 
 # ------------------------------------------------------------------ --save-retain-interval

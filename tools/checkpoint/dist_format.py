@@ -19,6 +19,7 @@ from protocol import ConversionError
 from torch_format import find_iteration_dir
 
 from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing.megatron_layout import unstack
 
 
 class DistCheckpointReader:
@@ -53,7 +54,8 @@ class DistCheckpointReader:
             dc.load(entries, d)
         except dc.CheckpointingError as exc:
             raise ConversionError(str(exc)) from None
-        self._tensors = {k: e.data for k, e in entries.items()}
+        # Megatron's layout (stacked layers, TE norm names) back to one tensor per layer.
+        self._tensors = unstack({k: e.data for k, e in entries.items()})
 
     def names(self) -> List[str]:
         return list(self._tensors)

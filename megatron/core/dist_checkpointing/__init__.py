@@ -8,7 +8,7 @@ torch.distributed.checkpoint, readable at any parallel layout.
 * :mod:`.async_save` -- writing in a background thread.
 """
 
-from .mapping import Chunk, ShardedTensor, replicated, tensor_parallel_sharded
+from .mapping import Chunk, ShardedObject, ShardedTensor, replicated, tensor_parallel_sharded
 from .model_state import model_sharded_state_dict, spread_writes
 from .optimizer_state import OptimizerLoad, optimizer_common_state, optimizer_sharded_state_dict
 from .serialization import (
@@ -30,6 +30,7 @@ from .serialization import (
 
 __all__ = [
     "Chunk",
+    "ShardedObject",
     "ShardedTensor",
     "replicated",
     "tensor_parallel_sharded",

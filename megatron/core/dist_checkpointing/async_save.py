@@ -11,59 +11,37 @@ The caller decides when the save is over: :meth:`done` is local; every rank must
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Dict, Optional
 
-from .mapping import Chunk, ShardedTensor
+from .mapping import Chunk, ShardedObject, ShardedTensor
 from .serialization import save
 
 
 def stage(sharded_state_dict: Dict[str, ShardedTensor]) -> Dict[str, ShardedTensor]:
-    """Private CPU copies of the chunks this rank writes (replicas are left out)."""
+    """Private CPU copies of the chunks (and objects) this rank writes (replicas are left out).
+
+    Each chunk becomes its own compact entry (named ``<entry name>@<global offset>``), so the
+    copy holds only what is written; the planner finds chunks by checkpoint key and offset.
+    """
     staged = {}
-    for key, entry in sharded_state_dict.items():
+    for name, entry in sharded_state_dict.items():
         if entry.replica:
             continue
-        # Each chunk becomes its own compact tensor, so the copy holds only what is written.
+        if isinstance(entry, ShardedObject):
+            staged[name] = copy.deepcopy(entry)
+            continue
         for chunk in entry.chunks:
             data = entry.view(chunk).detach().to("cpu", copy=True).contiguous()
             zeros = (0,) * len(chunk.shape)
-            part = ShardedTensor(
-                key, data, entry.global_shape, (Chunk(chunk.global_offset, zeros, chunk.shape),)
+            staged[f"{name}@{chunk.global_offset}"] = ShardedTensor(
+                entry.key,
+                data,
+                entry.global_shape,
+                (Chunk(chunk.global_offset, zeros, chunk.shape),),
             )
-            if key in staged:
-                prev = staged[key]
-                staged[key] = _merge(prev, part)
-            else:
-                staged[key] = part
     return staged
-
-
-class _MultiChunk(ShardedTensor):
-    """A staged entry whose chunks live in separate tensors."""
-
-    def __init__(self, key, global_shape, parts):
-        self.parts = parts  # {global offset: tensor}
-        first = next(iter(parts.values()))
-        super().__init__(
-            key,
-            first,
-            global_shape,
-            tuple(Chunk(off, (0,) * len(t.shape), tuple(t.shape)) for off, t in parts.items()),
-        )
-
-    def view(self, chunk: Chunk):
-        return self.parts[chunk.global_offset]
-
-
-def _merge(prev: ShardedTensor, part: ShardedTensor) -> ShardedTensor:
-    parts = (
-        dict(prev.parts)
-        if isinstance(prev, _MultiChunk)
-        else {prev.chunks[0].global_offset: prev.data}
-    )
-    parts[part.chunks[0].global_offset] = part.data
-    return _MultiChunk(prev.key, prev.global_shape, parts)
 
 
 class AsyncSave:

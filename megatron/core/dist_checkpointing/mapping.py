@@ -38,6 +38,14 @@ class ShardedTensor:
     """Where the pieces of ``data`` sit in the global tensor."""
     replica: bool = False
     """True when another rank saves the same pieces: loaded here, never saved from here."""
+    name_suffix: str = ""
+    """Appended to ``key`` to name the entry in a sharded state dict, where the key alone is not
+    unique: a rank holding several layers of a stacked tensor has one entry per layer."""
+
+    @property
+    def name(self) -> str:
+        """The entry's name in a sharded state dict (unique on the rank)."""
+        return self.key + self.name_suffix
 
     def view(self, chunk: Chunk) -> torch.Tensor:
         """The part of ``data`` that holds ``chunk`` (a view: writing to it writes ``data``)."""
@@ -55,15 +63,50 @@ class ShardedTensor:
         raise KeyError(f"{self.key} has no chunk at offset {wanted}")
 
     def with_data(self, key: str, data: torch.Tensor, replica: bool = None) -> "ShardedTensor":
-        """The same sharding for another tensor of the same local shape (optimizer state)."""
-        if tuple(data.shape) != tuple(self.data.shape):
+        """The same sharding for another tensor of the same local size (optimizer state), viewed
+        in this entry's local shape."""
+        if data.numel() == self.data.numel():
+            data = data.view(self.data.shape)
+        else:
             raise ValueError(
                 f"{key}: local shape {tuple(data.shape)} differs from {self.key}'s "
                 f"{tuple(self.data.shape)}"
             )
         return ShardedTensor(
-            key, data, self.global_shape, self.chunks, self.replica if replica is None else replica
+            key,
+            data,
+            self.global_shape,
+            self.chunks,
+            self.replica if replica is None else replica,
+            self.name_suffix,
         )
+
+
+@dataclass
+class ShardedObject:
+    """A picklable object stored as one piece of a grid of objects (Megatron's ShardedObject,
+    e.g. a layer's ``_extra_state``); its checkpoint key is :attr:`unique_key`."""
+
+    key: str
+    """Name of the grid, e.g. ``decoder.layers.self_attention.linear_qkv._extra_state``."""
+    data: object
+    """The object (saved with ``torch.save``)."""
+    global_shape: Tuple[int, ...]
+    """Shape of the grid, e.g. ``(num_layers,)``."""
+    global_offset: Tuple[int, ...]
+    """This object's place in the grid."""
+    replica: bool = False
+    """True when another rank saves the same object."""
+
+    @property
+    def unique_key(self) -> str:
+        offset = ".".join(str(i) for i in self.global_offset)
+        shape = ".".join(str(i) for i in self.global_shape)
+        return f"{self.key}/shard_{offset}_{shape}"
+
+    @property
+    def name(self) -> str:
+        return self.unique_key
 
 
 def replicated(key: str, tensor: torch.Tensor, replica: bool = False) -> ShardedTensor:

@@ -10,6 +10,10 @@ The global name of a tensor is its key in the whole model at TP=1, PP=1:
   other tensors are replicated over TP and saved by TP rank 0 only;
 * with tied input/output embeddings, the last stage's ``output_layer.weight`` is a copy of the
   first stage's ``embedding.word_embeddings.weight``: loaded from that key, never saved.
+
+Then, by default, the layers are stacked and renamed as Megatron-LM writes them
+(:mod:`.megatron_layout`); ``megatron_layout=False`` keeps one key per layer, the layout of
+checkpoints written here before.
 """
 
 from __future__ import annotations
@@ -19,22 +23,32 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 
-from .mapping import ShardedTensor, replicated, tensor_parallel_sharded
+from .mapping import ShardedObject, ShardedTensor, replicated, tensor_parallel_sharded
+from .megatron_layout import to_megatron_layout
 
 TIED_OUTPUT_KEY = "output_layer.weight"
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 
-def _layer_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int]]:
-    """(state-dict prefix of a layer list, number of model layers before it) for each block."""
+def _blocks(chunk: torch.nn.Module) -> List[Tuple[str, int, int]]:
+    """(state-dict prefix of a layer list, number of model layers before it, number of layers of
+    the whole model) for each block, longest prefix first."""
     found = []
     for name, module in chunk.named_modules():
         offset = getattr(module, "layer_number_offset", None)
         if isinstance(offset, int) and isinstance(
             getattr(module, "layers", None), torch.nn.ModuleList
         ):
-            found.append(((name + "." if name else "") + "layers.", offset))
+            total = getattr(getattr(module, "config", None), "num_layers", None)
+            if not isinstance(total, int):
+                total = offset + len(module.layers)
+            found.append(((name + "." if name else "") + "layers.", offset, total))
     return sorted(found, key=lambda item: -len(item[0]))
+
+
+def _layer_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int]]:
+    """(state-dict prefix of a layer list, number of model layers before it) for each block."""
+    return [(prefix, offset) for prefix, offset, _ in _blocks(chunk)]
 
 
 def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
@@ -56,18 +70,25 @@ def _ties_output_to_embedding(chunk: torch.nn.Module) -> bool:
 
 
 def model_sharded_state_dict(
-    chunks: Sequence[torch.nn.Module], tp_rank: int = 0, tp_size: int = 1
+    chunks: Sequence[torch.nn.Module],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    megatron_layout: bool = True,
 ) -> Tuple[Dict[str, ShardedTensor], Dict[int, ShardedTensor]]:
     """Sharded entries for the (unwrapped) model chunks of this rank.
 
-    Returns ``({global key: entry}, {id(parameter): entry})``; the second map lets the optimizer
+    Returns ``({entry name: entry}, {id(parameter): entry})``; the second map lets the optimizer
     state of a parameter be keyed and sharded like the parameter. ``replica`` is set for tensors
-    another TP rank (or the first pipeline stage, for a tied output layer) saves.
+    another TP rank (or the first pipeline stage, for a tied output layer) saves. In Megatron's
+    layout the first map also holds the layers' ``_extra_state`` objects (ShardedObject).
     """
     entries: Dict[str, ShardedTensor] = {}
     by_param: Dict[int, ShardedTensor] = {}
+    num_layers: Dict[str, int] = {}
     for chunk in chunks:
-        offsets = _layer_offsets(chunk)
+        blocks = _blocks(chunk)
+        num_layers.update({prefix: total for prefix, _, total in blocks})
+        offsets = [(prefix, offset) for prefix, offset, _ in blocks]
         tied = _ties_output_to_embedding(chunk)
         for local_key, tensor in chunk.state_dict(keep_vars=True).items():
             if not torch.is_tensor(tensor) or local_key.endswith("_extra_state"):
@@ -93,7 +114,12 @@ def model_sharded_state_dict(
                 entry = replicated(key, data, replica=forced_replica or tp_rank != 0)
             entries[key] = entry
             by_param[id(tensor)] = entry
-    return entries, by_param
+    if not megatron_layout:
+        return entries, by_param
+    stacked, by_old, objects = to_megatron_layout(entries, num_layers, tp_rank == 0)
+    out: Dict[str, object] = dict(stacked)
+    out.update({o.name: o for o in objects})
+    return out, {pid: by_old[e.key] for pid, e in by_param.items()}
 
 
 def spread_writes(
@@ -110,10 +136,15 @@ def spread_writes(
         return
     load = [0] * dp_size
     order = sorted(
-        (k for k, e in entries.items() if not e.replica),
-        key=lambda k: (-entries[k].data.numel() * entries[k].data.element_size(), k),
+        (k for k, e in entries.items() if not e.replica), key=lambda k: (-_nbytes(entries[k]), k)
     )
     for key in order:
         writer = min(range(dp_size), key=lambda r: (load[r], r))
-        load[writer] += entries[key].data.numel() * entries[key].data.element_size()
+        load[writer] += _nbytes(entries[key])
         entries[key].replica = writer != dp_rank
+
+
+def _nbytes(entry) -> int:
+    if isinstance(entry, ShardedObject):
+        return 1
+    return entry.data.numel() * entry.data.element_size()

@@ -175,14 +175,14 @@ def optimizer_sharded_state_dict(
         for name in names:
             value = state.get(name)
             if torch.is_tensor(value):
-                out[state_key(name, entry.key)] = entry.with_data(
-                    state_key(name, entry.key), value.detach().view(entry.data.shape)
-                )
+                _add(out, entry.with_data(state_key(name, entry.key), value.detach()))
         if separate:
-            out[state_key(FP32_PARAM, entry.key)] = entry.with_data(
-                state_key(FP32_PARAM, entry.key), main.detach().view(entry.data.shape)
-            )
+            _add(out, entry.with_data(state_key(FP32_PARAM, entry.key), main.detach()))
     return out
+
+
+def _add(out: Dict[str, ShardedTensor], entry: ShardedTensor) -> None:
+    out[entry.name] = entry
 
 
 def _param_slices(optimizer):
@@ -209,7 +209,7 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
                 if param.dtype == torch.float32:
                     continue  # the model weight itself
                 name = FP32_PARAM
-            out[state_key(name, entry.key)] = entry.with_data(state_key(name, entry.key), value)
+            _add(out, entry.with_data(state_key(name, entry.key), value))
     return out
 
 
@@ -240,8 +240,7 @@ class OptimizerLoad:
             self._prepare_local(by_param, names)
 
     def _target(self, entry: ShardedTensor, name: str, data: torch.Tensor) -> None:
-        key = state_key(name, entry.key)
-        self.targets[key] = entry.with_data(key, data, replica=False)
+        _add(self.targets, entry.with_data(state_key(name, entry.key), data, replica=False))
 
     def _prepare_local(self, by_param, names) -> None:
         self._reload_masters = []

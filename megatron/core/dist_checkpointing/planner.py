@@ -6,11 +6,16 @@ shard (even one made of several strided blocks) is stored as chunks of the globa
 any layout reads back exactly the pieces it holds. The save planner checks on the coordinator
 that the chunks of every key tile the global tensor exactly once (nothing written twice,
 nothing missing) before a byte is written.
+
+The dict's keys only name the entries; the checkpoint key is each entry's ``key``, so several
+entries (the layers of a stacked tensor held by one rank) may write chunks of the same key.
+:class:`ShardedObject` entries are written as pickled bytes under their ``unique_key``.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import io
+from typing import Dict, List, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -33,7 +38,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .mapping import ShardedTensor
+from .mapping import Chunk, ShardedObject, ShardedTensor
 
 _MAX_LISTED = 5
 
@@ -123,27 +128,54 @@ def check_tiling(all_plans: List[SavePlan]) -> None:
         )
 
 
+def chunk_index(
+    state_dict: Dict[str, ShardedTensor],
+) -> Dict[Tuple[str, Tuple[int, ...]], Tuple[ShardedTensor, Chunk]]:
+    """{(checkpoint key, global offset of a chunk): (entry, chunk)} over the tensor entries."""
+    index = {}
+    for name, sharded in state_dict.items():
+        if not isinstance(sharded, ShardedTensor):
+            continue
+        for chunk in sharded.chunks:
+            place = (sharded.key, tuple(chunk.global_offset))
+            if place in index:
+                raise ValueError(
+                    f"{name}: two entries hold the chunk of {sharded.key} at {place[1]}"
+                )
+            index[place] = (sharded, chunk)
+    return index
+
+
 class ShardedSavePlanner(SavePlanner):
-    """Writes every non-replica chunk of a flat ``{key: ShardedTensor}`` dict."""
+    """Writes every non-replica chunk (and object) of a flat ``{name: entry}`` dict."""
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         for key, value in state_dict.items():
-            if not isinstance(value, ShardedTensor):
+            if not isinstance(value, (ShardedTensor, ShardedObject)):
                 raise TypeError(f"{key}: expected a ShardedTensor, got {type(value).__name__}")
-        self.state_dict: Dict[str, ShardedTensor] = state_dict
+        self.state_dict: Dict[str, Union[ShardedTensor, ShardedObject]] = state_dict
+        self._chunks = chunk_index(state_dict)
+        self._objects = {
+            v.unique_key: v for v in state_dict.values() if isinstance(v, ShardedObject)
+        }
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         items = []
-        for key, sharded in self.state_dict.items():
+        for sharded in self.state_dict.values():
             if sharded.replica:
+                continue
+            if isinstance(sharded, ShardedObject):
+                items.append(
+                    WriteItem(index=MetadataIndex(sharded.unique_key), type=WriteItemType.BYTE_IO)
+                )
                 continue
             properties = TensorProperties(dtype=sharded.data.dtype)
             for chunk in sharded.chunks:
                 offsets = torch.Size(chunk.global_offset)
                 items.append(
                     WriteItem(
-                        index=MetadataIndex(key, offsets),
+                        index=MetadataIndex(sharded.key, offsets),
                         type=WriteItemType.SHARD,
                         tensor_data=TensorWriteData(
                             chunk=ChunkStorageMetadata(
@@ -167,23 +199,32 @@ class ShardedSavePlanner(SavePlanner):
         self.plan = new_plan
         return new_plan
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        sharded = self.state_dict[write_item.index.fqn]
-        return _compact_cpu(sharded.view(sharded.chunk_at(write_item.index.offset)))
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            # megatron-core stores, under an object's unique key, the list of the objects its
+            # rank holds for that key (one): it reads back a list.
+            torch.save([self._objects[write_item.index.fqn].data], buffer)
+            buffer.seek(0)
+            return buffer
+        sharded, chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        return _compact_cpu(sharded.view(chunk))
 
 
 class ShardedLoadPlanner(LoadPlanner):
-    """Reads, for every entry of a flat ``{key: ShardedTensor}`` dict, the saved pieces that
+    """Reads, for every entry of a flat ``{name: ShardedTensor}`` dict, the saved pieces that
     overlap its chunks, straight into its local tensor."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.state_dict: Dict[str, ShardedTensor] = state_dict
+        self._chunks = chunk_index(state_dict)
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
         requests: List[ReadItem] = []
-        for key, sharded in self.state_dict.items():
+        for sharded in self.state_dict.values():
+            key = sharded.key
             md = self.metadata.state_dict_metadata.get(key)
             if not isinstance(md, TensorStorageMetadata):
                 raise KeyError(f"{key} is not a tensor in the checkpoint")
@@ -211,8 +252,10 @@ class ShardedLoadPlanner(LoadPlanner):
         )
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        sharded = self.state_dict[read_item.dest_index.fqn]
-        target = sharded.view(sharded.chunk_at(read_item.dest_index.offset))
+        sharded, chunk = self._chunks[
+            (read_item.dest_index.fqn, tuple(read_item.dest_index.offset))
+        ]
+        target = sharded.view(chunk)
         for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             if start != 0 or length != target.shape[dim]:
                 target = target.narrow(dim, start, length)

@@ -3,7 +3,8 @@
 A directory holds PyTorch DCP's ``.metadata`` and ``__<rank>_<n>.distcp`` files (the tensors,
 as chunks of the global tensors), ``common.pt`` (the non-tensor state, read back with
 ``torch.load(weights_only=True)``) and ``metadata.json`` = ``{"sharded_backend": "torch_dist",
-"sharded_backend_version": 1}``. ``metadata.json`` is written last, by the caller, once every
+"sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}`` (as
+megatron-core writes it). ``metadata.json`` is written last, by the caller, once every
 rank has finished: a directory without it is an incomplete save and is never loaded.
 
 Loading checks before reading a tensor: the directory is complete, every data file that the
@@ -20,7 +21,7 @@ import os
 import pickle
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -29,11 +30,13 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .mapping import ShardedTensor
+from .mapping import ShardedObject, ShardedTensor
 from .planner import ShardedLoadPlanner, ShardedSavePlanner, ShardingError
 
 SHARDED_BACKEND = "torch_dist"
 SHARDED_BACKEND_VERSION = 1
+COMMON_BACKEND = "torch"
+COMMON_BACKEND_VERSION = 1
 METADATA_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 DCP_METADATA_FILE = ".metadata"
@@ -103,6 +106,8 @@ def write_metadata_json(directory: str) -> None:
             {
                 "sharded_backend": SHARDED_BACKEND,
                 "sharded_backend_version": SHARDED_BACKEND_VERSION,
+                "common_backend": COMMON_BACKEND,
+                "common_backend_version": COMMON_BACKEND_VERSION,
             },
             f,
         )
@@ -161,27 +166,35 @@ def load_common(directory: str, safe_globals: Sequence = ()) -> dict:
 
 
 # ---------------------------------------------------------------------------------- DCP metadata
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
-}
+_ALLOWED_GLOBALS = (
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        # megatron-core's .metadata also pickles the save plans (plain dataclasses and an enum).
+        ("torch.distributed.checkpoint.planner", name)
+        for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "Path"),
+        ("collections", "OrderedDict"),
+    }
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -305,7 +318,7 @@ def _dcp_failure(exc: CheckpointException, directory: str) -> CheckpointingError
 
 # ---------------------------------------------------------------------------------- save / load
 def save(
-    sharded_state_dict: Dict[str, ShardedTensor],
+    sharded_state_dict: Dict[str, Union[ShardedTensor, ShardedObject]],
     directory: str,
     process_group=None,
     thread_count: int = 1,
@@ -359,7 +372,7 @@ def check_complete(directory: str) -> None:
 
 
 def load(
-    sharded_state_dict: Dict[str, ShardedTensor],
+    sharded_state_dict: Dict[str, Union[ShardedTensor, ShardedObject]],
     directory: str,
     process_group=None,
     strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
@@ -372,7 +385,11 @@ def load(
     (``counts_as_unexpected(key)`` narrows which checkpoint keys may be unexpected, e.g. not the
     optimizer state when the optimizer is not being loaded). Every rank raises the same
     :class:`CheckpointingError`, listing the first mismatches, or none does.
+    :class:`ShardedObject` entries (``_extra_state``) are not read.
     """
+    sharded_state_dict = {
+        k: v for k, v in sharded_state_dict.items() if isinstance(v, ShardedTensor)
+    }
     problem = None
     if _is_first(process_group):
         try:
@@ -387,14 +404,17 @@ def load(
         raise CheckpointingError(problem)
 
     shapes = tensor_shapes(read_dcp_metadata(directory))
-    local_missing = sorted(k for k in sharded_state_dict if k not in shapes)
-    local_bad_shapes = [
-        f"{k}: checkpoint {shapes[k][0]} vs model {tuple(v.global_shape)}"
-        for k, v in sharded_state_dict.items()
-        if k in shapes and tuple(shapes[k][0]) != tuple(v.global_shape)
-    ]
+    local_keys = {v.key for v in sharded_state_dict.values()}
+    local_missing = sorted(k for k in local_keys if k not in shapes)
+    local_bad_shapes = sorted(
+        {
+            f"{v.key}: checkpoint {shapes[v.key][0]} vs model {tuple(v.global_shape)}"
+            for v in sharded_state_dict.values()
+            if v.key in shapes and tuple(shapes[v.key][0]) != tuple(v.global_shape)
+        }
+    )
     gathered = _all_gather_object(
-        (sorted(sharded_state_dict), local_missing, local_bad_shapes), process_group
+        (sorted(local_keys), local_missing, local_bad_shapes), process_group
     )
     requested = set()
     missing, bad_shapes = set(), []
@@ -422,7 +442,7 @@ def load(
             f"checkpoint {directory} does not fit this model ({' | '.join(problems)})"
         )
 
-    to_read = {k: v for k, v in sharded_state_dict.items() if k not in missing}
+    to_read = {k: v for k, v in sharded_state_dict.items() if v.key not in missing}
     no_dist = not _use_dist(process_group)
     try:
         with warnings.catch_warnings():

@@ -1,0 +1,187 @@
+"""Drive megatron-core's own GPTModel on CPU: save or load a ``torch_dist`` checkpoint through
+``megatron.core.dist_checkpointing`` and compute the loss of a fixed batch.
+
+Runs in a Python environment that has megatron-core (see ``make interop``), never in this
+project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, local spec).
+
+    python tools/interop/mcore_gpt.py save DIR --out result.json [model flags]
+    python tools/interop/mcore_gpt.py load DIR --out result.json --tensors state.pt [model flags]
+
+``save`` builds the model from ``--seed`` and writes it into DIR/iter_0000001 (with the tracker
+file, as Megatron-LM lays it out); ``load`` reads the torch_dist directory DIR into a model built
+from another seed. Both write ``{"loss": ..., "keys": [...], "other_keys": [...]}`` (the
+tensor and the other entries of the model's state_dict) to ``--out``; ``load`` also writes the
+loaded model's state dict (per-layer names) to ``--tensors``. ``--torch-save D`` (save) also
+writes the torch format, ``D/iter_0000001/mp_rank_00/model_optim_rng.pt``; ``--torch-load FILE``
+(load) also loads a torch-format file strictly into another model (``"torch_loss"``).
+
+megatron-core 0.16.1 imports without Transformer Engine or apex; its local spec runs on CPU once
+``torch.cuda.current_device`` and the CUDA RNG calls are pointed at the CPU (done here, in the
+driver, before megatron-core is imported).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ITERATION = 1  # of the checkpoint that ``save`` writes
+
+
+def _cuda_calls_on_cpu() -> None:
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: None
+    import megatron.core.tensor_parallel.random as mcore_random
+
+    mcore_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("action", choices=("save", "load"))
+    p.add_argument("directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tensors")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=32)
+    p.add_argument("--ffn-hidden-size", type=int, default=None)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=64)
+    p.add_argument("--seq-length", type=int, default=16)
+    p.add_argument("--max-position-embeddings", type=int, default=None)
+    p.add_argument("--tied", action="store_true", help="share embedding and output weights")
+    p.add_argument("--batch-seed", type=int, default=7)
+    p.add_argument(
+        "--torch-save", help="save: also write DIR/iter_0000001/mp_rank_00/model_optim_rng.pt"
+    )
+    p.add_argument(
+        "--torch-load", help="load: also load this torch-format file (strictly) into another model"
+    )
+    return p.parse_args(argv)
+
+
+def batch(args):
+    """The batch both code bases compute the loss of: [2, seq] tokens and labels."""
+    g = torch.Generator().manual_seed(args.batch_seed)
+    tokens = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
+    labels = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
+    return tokens, labels
+
+
+def loss_of(model, args) -> float:
+    """The mean per-token loss of ``batch(args)``."""
+    model.eval()
+    tokens, labels = batch(args)
+    positions = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
+    causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
+    with torch.no_grad():
+        losses = model(tokens, positions, causal.view(1, 1, *causal.shape), labels=labels)
+    return losses.float().mean().item()
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        print(
+            "error: `megatron.core` here is not megatron-core (run with the Python of an "
+            "environment that has it, without this repository on PYTHONPATH)",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"megatron-core {package_info.__version__}")
+    _cuda_calls_on_cpu()
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".mcore_store")
+    if os.path.exists(store):
+        os.remove(store)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed if args.action == "save" else args.seed + 1)
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        share_embeddings_and_output_weights=args.tied,
+    )
+    # As Megatron-LM's training loop does: the model's sharded state under "model", the
+    # non-tensor state (iteration, ...) beside it in common.pt.
+    if args.action == "save":
+        # Megatron-LM's directory: DIR/iter_0000001 and the tracker naming it.
+        directory = os.path.join(args.directory, f"iter_{ITERATION:07d}")
+        os.makedirs(directory, exist_ok=True)
+        state = {
+            "model": model.sharded_state_dict(),
+            "iteration": ITERATION,
+            "checkpoint_version": 3.0,
+        }
+        dist_checkpointing.save(state, directory)
+        with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+    else:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, args.directory)
+        model.load_state_dict(loaded["model"])
+    if args.action == "save" and args.torch_save:
+        # Megatron-LM's torch format at TP=1, PP=1 (the model part and the iteration).
+        directory = os.path.join(args.torch_save, f"iter_{ITERATION:07d}", "mp_rank_00")
+        os.makedirs(directory, exist_ok=True)
+        state = {"model": model.state_dict(), "iteration": ITERATION, "checkpoint_version": 3.0}
+        torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+        with open(os.path.join(args.torch_save, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(ITERATION))
+    full = model.state_dict()
+    state = {k: v for k, v in full.items() if torch.is_tensor(v)}
+    result = {
+        "loss": loss_of(model, args),
+        "keys": sorted(state),
+        "other_keys": sorted(k for k in full if k not in state),  # _extra_state entries
+    }
+    if args.action == "load" and args.torch_load:
+        other = GPTModel(
+            config,
+            get_gpt_layer_local_spec(),
+            vocab_size=args.vocab_size,
+            max_sequence_length=args.max_position_embeddings or args.seq_length,
+            share_embeddings_and_output_weights=args.tied,
+        )
+        saved = torch.load(args.torch_load, map_location="cpu", weights_only=False)
+        other.load_state_dict(saved["model"], strict=True)  # as Megatron-LM loads it
+        result["torch_loss"] = loss_of(other, args)
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    if args.tensors:
+        torch.save(state, args.tensors)
+    dist.destroy_process_group()
+    os.remove(store)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
