@@ -199,6 +199,10 @@ honoured(
     """,
 )
 honoured(
+    "BERT (pretrain_bert.py): binary sentence-order head, masking and short-sample probabilities",
+    "bert_binary_head mask_prob short_seq_prob",
+)
+honoured(
     "the causal mask is implicit here; masks are built only for --reset-attention-mask",
     "create_attention_mask_in_dataloader",
 )
@@ -340,7 +344,7 @@ _MOE = f"mixture of experts is {_NYI}"
 _MLA = f"multi-latent attention is {_NYI}"
 _HYBRID = f"hybrid (Mamba) and linear-attention models are {_NYI}"
 _FP8 = "fp8/fp4 training needs Transformer Engine, which this code base does not use"
-_BERT_T5 = f"BERT/T5 models are {_NYI}"
+_BERT_T5 = f"T5 and BERT embedders are {_NYI}"
 _VISION = f"vision models are {_NYI}"
 _TEXT_GEN = f"text generation and inference are {_NYI}"
 _FT = f"fault tolerance (rerun engine, in-process restart, fault injection, autoresume) is {_NYI}"
@@ -436,8 +440,7 @@ refused(
     _BERT_T5,
     """
     decoder_num_layers decoder_seq_length relative_attention_num_buckets
-    relative_attention_max_distance bert_binary_head mask_prob short_seq_prob
-    output_bert_embeddings bert_embedder_type
+    relative_attention_max_distance output_bert_embeddings bert_embedder_type
     """,
 )
 refused(
