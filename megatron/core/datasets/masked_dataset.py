@@ -179,6 +179,9 @@ class MaskedPredictions:
     """The original token at each masked position."""
     spans: List[List[int]]
     """The masked n-grams (their positions), in position order."""
+    spans_in_draw_order: List[List[int]]
+    """The same n-grams in the order they were chosen (the first one's length is the drawn n
+    unless the budget or the end of the sample shortened it)."""
 
 
 def create_masked_lm_predictions(
@@ -251,12 +254,12 @@ def create_masked_lm_predictions(
             labels.append(token_ids[i])
         spans.append(indices)
     order = np.argsort(positions, kind="stable")
-    spans.sort(key=lambda span: span[0])
     return MaskedPredictions(
         tokens=masked,
         positions=[positions[k] for k in order],
         labels=[labels[k] for k in order],
-        spans=spans,
+        spans=sorted(spans, key=lambda span: span[0]),
+        spans_in_draw_order=spans,
     )
 
 
