@@ -217,27 +217,27 @@ def create_masked_lm_predictions(
     nprobs = nprobs / nprobs.sum(keepdims=True)
     if config.masking_use_longer_ngrams:
         nprobs = nprobs[::-1]
-    # candidate_ngrams[c][n - 1]: the words c .. c + n - 1 (fewer at the end of the sample).
-    candidate_ngrams = [
-        [candidates[c : c + n] for n in ngram_sizes] for c in range(len(candidates))
-    ]
-    rng.shuffle(candidate_ngrams)
+    # Candidate c's n-gram is the words c .. c + n - 1 (fewer at the end of the sample). The
+    # visiting order is a shuffle of the candidates (the same draws as shuffling their n-gram
+    # lists, which Megatron does).
+    order = list(range(len(candidates)))
+    rng.shuffle(order)
+    max_ngram = config.masking_max_ngram
 
     masked = list(token_ids)
     positions: List[int] = []
     labels: List[int] = []
     spans: List[List[int]] = []
     taken = set()
-    for ngrams in candidate_ngrams:
+    for c in order:
         if len(positions) >= n_maskings:
             break
         if config.masking_use_geometric_distribution:
-            n = min(int(rng.geometric(0.2)), config.masking_max_ngram)
+            n = min(int(rng.geometric(0.2)), max_ngram)
         else:
-            probs = nprobs[: len(ngrams)] / nprobs[: len(ngrams)].sum(keepdims=True)
-            n = int(rng.choice(ngram_sizes[: len(ngrams)], p=probs))
+            n = int(rng.choice(ngram_sizes, p=nprobs))
         while True:
-            indices = [i for word in ngrams[n - 1] for i in word]
+            indices = [i for word in candidates[c : c + n] for i in word]
             n -= 1
             if n_maskings >= len(positions) + len(indices):
                 break

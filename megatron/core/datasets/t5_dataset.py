@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -36,6 +36,26 @@ class T5MaskedWordPieceDatasetConfig(MaskedWordPieceDatasetConfig):
                 "T5's span corruption needs sentinel tokens: give --vocab-extra-ids (e.g. 100) "
                 "or a tokenizer with <extra_id_N> tokens"
             )
+
+
+def span_corruption(
+    tokens: List[int], spans: List[List[int]], sentinels: List[int], bos: int, eos: int
+) -> Tuple[List[int], List[int], List[int]]:
+    """(encoder input, decoder input, labels) of ``tokens`` whose ``spans`` (position lists in
+    position order) are masked: span k becomes ``sentinels[k]`` in the encoder input; the decoder
+    input is ``bos`` then each span's sentinel and tokens; the labels are each span's sentinel and
+    tokens, then ``eos``."""
+    encoder_input, decoder_input, labels = [], [bos], []
+    start = 0
+    for sentinel, span in zip(sentinels, spans):
+        original = [tokens[i] for i in span]
+        encoder_input += tokens[start : span[0]] + [sentinel]
+        decoder_input += [sentinel] + original
+        labels += [sentinel] + original
+        start = span[-1] + 1
+    encoder_input += tokens[start:]
+    labels.append(eos)
+    return encoder_input, decoder_input, labels
 
 
 class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
@@ -90,16 +110,9 @@ class T5MaskedWordPieceDataset(MaskedWordPieceDataset):
                 f"sample {idx} has {len(predictions.spans)} masked spans but the tokenizer has "
                 f"{len(sentinels)} sentinels (--vocab-extra-ids)"
             )
-        encoder_input, decoder_input, decoder_output = [], [tokenizer.bos], []
-        start = 0
-        for sentinel, span in zip(sentinels, predictions.spans):
-            original = [tokens[i] for i in span]
-            encoder_input += tokens[start : span[0]] + [sentinel]
-            decoder_input += [sentinel] + original
-            decoder_output += [sentinel] + original
-            start = span[-1] + 1
-        encoder_input += tokens[start:]
-        decoder_output.append(tokenizer.eos)
+        encoder_input, decoder_input, decoder_output = span_corruption(
+            tokens, predictions.spans, sentinels, tokenizer.bos, tokenizer.eos
+        )
 
         enc_len, dec_len = cfg.sequence_length_encoder, cfg.sequence_length_decoder
         if len(decoder_input) > dec_len:
