@@ -30,21 +30,23 @@ def test_target_lengths_come_from_the_standard_mt19937():
 
 
 def test_sample_mapping_on_hand_worked_documents():
-    # Documents (sentence lengths): d0 [5, 4, 3, 2, 6]; d1 [1]; d2 [600, 2]; d3 []; d4 [6, 6].
-    sizes = np.array([5, 4, 3, 2, 6, 1, 600, 2, 6, 6])
-    docs = np.array([0, 5, 6, 8, 8, 10])
+    # Documents (sentence lengths): d0 [5, 4, 3, 2, 6]; d1 [1]; d2 [600, 2]; d3 []; d4 [6, 6];
+    # d5 [9, 1].
+    sizes = np.array([5, 4, 3, 2, 6, 1, 600, 2, 6, 6, 9, 1])
+    docs = np.array([0, 5, 6, 8, 8, 10, 12])
     got = build_sample_mapping(docs, sizes, 1, 10**9, 8, 0.0, 1, min_num_sent=2)
     # d0: 5+4 reaches 8 with 3 sentences left -> (0, 2); 3+2+6 ends the document -> (2, 5).
     # d1 has one sentence (< 2), d2 holds a sentence > 512 tokens, d3 is empty: all skipped.
     # d4: 6 alone has one sentence left after it; 6+6 ends the document -> (8, 10).
-    assert got.tolist() == [[0, 2, 8], [2, 5, 8], [8, 10, 8]]
+    # d5: 9 reaches the target, but a sample never leaves one sentence behind -> (10, 12).
+    assert got.tolist() == [[0, 2, 8], [2, 5, 8], [8, 10, 8], [10, 12, 8]]
     # Without the binary head one sentence suffices: d1 becomes a sample; d0's first sample
     # still needs 5+4 >= 8.
     got = build_sample_mapping(docs, sizes, 1, 10**9, 8, 0.0, 1, min_num_sent=1)
-    assert got.tolist() == [[0, 2, 8], [2, 5, 8], [5, 6, 8], [8, 10, 8]]
-    # Whole epochs until the requested number is reached: 3 per epoch, 4 wanted -> 2 epochs.
-    got = build_sample_mapping(docs, sizes, 100, 4, 8, 0.0, 1, min_num_sent=2)
-    assert got.tolist() == [[0, 2, 8], [2, 5, 8], [8, 10, 8]] * 2
+    assert got.tolist() == [[0, 2, 8], [2, 5, 8], [5, 6, 8], [8, 10, 8], [10, 12, 8]]
+    # Whole epochs until the requested number is reached: 4 per epoch, 5 wanted -> 2 epochs.
+    got = build_sample_mapping(docs, sizes, 100, 5, 8, 0.0, 1, min_num_sent=2)
+    assert got.tolist() == [[0, 2, 8], [2, 5, 8], [8, 10, 8], [10, 12, 8]] * 2
     with pytest.raises(ValueError, match="no sample can be made from 2 documents.*at least 2"):
         build_sample_mapping(np.array([0, 1, 2]), np.array([3, 4]), 5, 10, 8, 0.0, 1, 2)
 
