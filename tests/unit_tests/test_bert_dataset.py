@@ -192,3 +192,40 @@ def test_index_is_cached_and_reloaded(corpus, tokenizer, tmp_path):
     assert np.array_equal(ds.sample_index, again.sample_index)
     other, _ = _dataset(corpus, tokenizer, 50, path_to_cache=str(tmp_path), masking_probability=0.2)
     assert other.built_anew_on_cache_miss  # the masking settings are part of the cache name
+
+
+def test_without_binary_head_one_segment_and_single_sentence_samples(corpus, tokenizer):
+    ds, low = _dataset(corpus, tokenizer, 300, classification_head=False)
+    single = 0
+    for idx in range(100):
+        sample = ds[idx]
+        first, end, _ = (int(v) for v in ds.sample_index[idx])
+        single += end - first == 1
+        n = int(sample["padding_mask"].sum())
+        text = sample["text"][:n]
+        assert text[0] == tokenizer.cls and text[-1] == tokenizer.sep
+        assert (text[1:-1] != tokenizer.sep).all()  # [CLS] A [SEP]: no B segment
+        assert not sample["types"].any() and sample["is_random"] == 0
+    assert single > 0  # one sentence suffices without the sentence-order task
+
+
+def test_blended_bert_datasets(corpus, tokenizer):
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
+    config = BERTMaskedWordPieceDatasetConfig(
+        random_seed=3,
+        sequence_length=64,
+        tokenizer=tokenizer,
+        blend=([corpus, corpus], [0.25, 0.75]),
+        split="80,10,10",
+    )
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        BERTMaskedWordPieceDataset, [200, 20, 10], lambda: True, config
+    ).build()
+    # Megatron blends sum(ceil(size * weight)) samples: ceil(2.5) + ceil(7.5) = 11 for test.
+    assert (len(train), len(valid), len(test)) == (200, 20, 11)
+    ids = [int(train[i]["dataset_id"]) for i in range(200)]
+    assert ids.count(0) == 50 and ids.count(1) == 150  # the blend's greedy 1:3 schedule
+    assert {"text", "labels", "loss_mask", "is_random"} <= set(train[0])
