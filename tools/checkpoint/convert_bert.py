@@ -4,8 +4,11 @@ Supported: ``--loader core --saver core`` (a ``torch``-format checkpoint rewritt
 ``--target-tensor-parallel-size`` / ``--target-pipeline-parallel-size`` /
 ``--target-num-virtual-stages-per-pipeline-rank``) and ``--loader core --saver
 hf_megatron_bert`` (a transformers ``MegatronBertForPreTraining`` directory: config.json and
-safetensors). Everything runs in this process on the CPU: a BERT state dict is small next to the
-models the queue protocol of the GPT plugins is built for.
+safetensors), and ``--loader hf_megatron_bert --saver core`` back. The Hugging Face model
+applies one activation to the MLP and the LM head: the MLP must use the exact GeLU
+(``--no-bias-gelu-fusion``; the fused bias-GeLU is the tanh approximation). Everything runs in
+this process on the CPU: a BERT state dict is small next to the models the queue protocol of the
+GPT plugins is built for.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import hf_megatron_bert
 from protocol import ConversionError, padded_vocab_size, resize_vocab
 from torch_format import TorchCheckpointReader, TorchCheckpointWriter
 
-LOADERS = ("core",)
+LOADERS = ("core", "hf_megatron_bert")
 SAVERS = ("core", "hf_megatron_bert")
 _VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.bias", "output_layer.weight")
 
@@ -61,6 +64,7 @@ def _save_core(args, reader, state, source_args) -> None:
     target.tensor_model_parallel_size = args.target_tensor_parallel_size or 1
     target.pipeline_model_parallel_size = args.target_pipeline_parallel_size or 1
     target.virtual_pipeline_model_parallel_size = args.target_num_virtual_stages_per_pipeline_rank
+    target.num_virtual_stages_per_pipeline_rank = args.target_num_virtual_stages_per_pipeline_rank
     target.num_layers_per_virtual_pipeline_stage = None
     rows = state["embedding.word_embeddings.weight"].shape[0]
     divisible_by = getattr(source_args, "make_vocab_size_divisible_by", 128)
@@ -86,6 +90,12 @@ def _save_hf(args, state, source_args) -> None:
     from hf_io import write_weights
 
     heads = source_args.num_attention_heads
+    if getattr(source_args, "bias_gelu_fusion", False) and source_args.add_bias_linear:
+        raise ConversionError(
+            "the checkpoint's MLP uses the tanh-approximated GeLU (--bias-gelu-fusion, the "
+            "default) and its LM head the exact one; MegatronBertForPreTraining has one "
+            "activation for both: train with --no-bias-gelu-fusion to export"
+        )
     if getattr(source_args, "num_query_groups", heads) != heads:
         raise ConversionError("MegatronBertForPreTraining has no grouped-query attention")
     if getattr(source_args, "normalization", "LayerNorm") != "LayerNorm" or getattr(
@@ -126,13 +136,59 @@ def _save_hf(args, state, source_args) -> None:
         json.dump(config, f, indent=2)
 
 
+def _read_hf(load_dir: str):
+    """(a reader-like source, Megatron args, core state) of a MegatronBertForPreTraining dir."""
+    from hf_io import HFWeights, read_config
+
+    from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
+
+    config = read_config(load_dir)
+    if config.get("model_type") != "megatron-bert" or config.get("hidden_act") != "gelu":
+        raise ConversionError(
+            f"{load_dir} is not a MegatronBertForPreTraining with GeLU (model_type "
+            f"{config.get('model_type')!r}, hidden_act {config.get('hidden_act')!r})"
+        )
+    if config.get("type_vocab_size", 2) != 2:
+        raise ConversionError(f"{load_dir}: type_vocab_size must be 2 (BERT's A/B segments)")
+    weights = HFWeights(load_dir)
+    state = {name: weights.get(name) for name in weights.keys()}
+    flags = [
+        "--num-layers", config["num_hidden_layers"], "--hidden-size", config["hidden_size"],
+        "--ffn-hidden-size", config["intermediate_size"],
+        "--num-attention-heads", config["num_attention_heads"],
+        "--max-position-embeddings", config["max_position_embeddings"],
+        "--seq-length", config["max_position_embeddings"],
+        "--norm-epsilon", config.get("layer_norm_eps", 1e-12), "--no-bias-gelu-fusion",
+        "--hidden-dropout", config.get("hidden_dropout_prob", 0.1),
+        "--attention-dropout", config.get("attention_probs_dropout_prob", 0.1),
+        "--micro-batch-size", 1, "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", config["vocab_size"],
+        "--ckpt-format", "torch", "--skip-train",
+    ]  # fmt: skip
+    try:
+        args = parse_args(argv=[str(f) for f in flags])
+        args.world_size = 1
+        args = validate_args(args)
+    except (ArgumentValidationError, SystemExit) as exc:
+        raise ConversionError(f"{load_dir}: the model does not fit the trainer's flags: {exc}")
+    args.padded_vocab_size = config["vocab_size"]
+    args.iteration = 0
+    source = argparse.Namespace(checkpoint_iteration=0, release=True, swiglu=False)
+    return source, args, hf_megatron_bert.hf_to_core(state, config["num_attention_heads"])
+
+
 def convert_bert(args) -> None:
     if args.loader not in LOADERS or args.saver not in SAVERS:
         raise ConversionError(
             f"--model-type BERT converts with --loader {'/'.join(LOADERS)} and --saver "
             f"{'/'.join(SAVERS)}; got --loader {args.loader} --saver {args.saver}"
         )
-    reader, source_args, state = _read_core(args.load_dir)
+    if args.loader == "core":
+        reader, source_args, state = _read_core(args.load_dir)
+    else:
+        if args.saver != "core":
+            raise ConversionError("--loader hf_megatron_bert saves with --saver core")
+        reader, source_args, state = _read_hf(args.load_dir)
     if args.saver == "core":
         _save_core(args, reader, state, source_args)
     else:

@@ -79,7 +79,8 @@ def hf_to_core(state: Dict[str, torch.Tensor], num_heads: int) -> Dict[str, torc
     """MegatronBertForPreTraining's state dict -> a TP=1 BertModel's (tied output layer); the
     decoder must equal the word embedding, as Megatron ties them."""
     word = state["bert.embeddings.word_embeddings.weight"]
-    if not torch.equal(state["cls.predictions.decoder.weight"], word):
+    decoder = state.get("cls.predictions.decoder.weight")  # absent when saved tied
+    if decoder is not None and not torch.equal(decoder, word):
         raise ValueError(
             "the checkpoint's output (decoder) weight differs from its word embedding; "
             "Megatron's BERT ties them"
