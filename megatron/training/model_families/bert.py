@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.training.flops import num_floating_point_operations as _gpt_flops
-from megatron.training.model_families import ModelFamily
+from megatron.training.model_families import ModelFamily, refuse_other_models_flags
 from megatron.training.model_families.gpt import MODEL_FAMILY as _GPT
 from megatron.training.theoretical_memory import (
     ParameterCount,
@@ -77,4 +77,5 @@ MODEL_FAMILY = ModelFamily(
     count_parameters=count_parameters,
     activation_components=activation_components,
     checkpoint_model_args=_GPT.checkpoint_model_args + ("bert_binary_head",),
+    check_args=lambda args: refuse_other_models_flags(args, "bert"),
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.training.model_families import ModelFamily
+from megatron.training.model_families import ModelFamily, refuse_other_models_flags
 from megatron.training.model_families.gpt import MODEL_FAMILY as _GPT
 from megatron.training.theoretical_memory import (
     ParameterCount,
@@ -95,6 +95,17 @@ def count_parameters(args, padded_vocab_size) -> T5ParameterCount:
     return T5ParameterCount(**vars(gpt), extra=extra, extra_split=extra_split)
 
 
+def check_args(args) -> None:
+    """Megatron's refusal of pipeline parallelism; the decoder length is required."""
+    from megatron.training.argument_groups.validation import ArgumentValidationError
+
+    refuse_other_models_flags(args, "t5")
+    if args.pipeline_model_parallel_size > 1:
+        raise ArgumentValidationError("Pipeline parallelism is not supported for T5.")
+    if args.decoder_seq_length is None:
+        raise ArgumentValidationError("T5 needs --decoder-seq-length")
+
+
 MODEL_FAMILY = ModelFamily(
     name="t5",
     args_defaults={"tokenizer_type": "BertWordPieceLowerCase"},
@@ -102,4 +113,5 @@ MODEL_FAMILY = ModelFamily(
     count_parameters=count_parameters,
     activation_components=activation_components,
     checkpoint_model_args=_GPT.checkpoint_model_args + ("decoder_num_layers",),
+    check_args=check_args,
 )
