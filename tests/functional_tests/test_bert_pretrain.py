@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.functional_tests.runner import (
     REPO,
@@ -103,11 +104,45 @@ def _metrics(tb):
     }
 
 
+def _check_conversion_round_trip(ckpt, tmp_path):
+    """The trainer's torch-format BERT checkpoint, resharded by convert.py to TP=2 x PP=2 with
+    two virtual stages and back, holds the same tensors bit for bit."""
+    sys.path.insert(0, str(REPO / "tools" / "checkpoint"))
+    import convert
+    from torch_format import TorchCheckpointReader
+
+    mid, back = str(tmp_path / "tp2pp2"), str(tmp_path / "back")
+    common = ["--model-type", "BERT", "--loader", "core", "--saver", "core"]
+    convert.convert(
+        common + ["--load-dir", str(ckpt), "--save-dir", mid]
+        + ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]
+        + ["--target-num-virtual-stages-per-pipeline-rank", "2"]
+    )  # fmt: skip
+    convert.convert(common + ["--load-dir", mid, "--save-dir", back])
+    original, restored = (
+        {
+            k: v
+            for k, v in TorchCheckpointReader(d).files[(0, 0)]["model"].items()
+            if not k.endswith("_extra_state")
+        }
+        for d in (str(ckpt), back)
+    )
+    assert sorted(restored) == sorted(original) and len(original) > 40
+    for name, tensor in original.items():
+        assert torch.equal(restored[name], tensor), name
+
+
 def test_bert_layouts_and_resume_match_one_process(corpus, tmp_path):
     flags = _flags(corpus, tmp_path)
-    ref_tb = tmp_path / "ref"
-    result = run_pretrain(flags + ["--tensorboard-dir", str(ref_tb)], script="pretrain_bert.py")
+    ref_tb, ref_ckpt = tmp_path / "ref", tmp_path / "ref_ckpt"
+    result = run_pretrain(
+        flags
+        + ["--tensorboard-dir", str(ref_tb), "--save", str(ref_ckpt), "--save-interval", "10"]
+        + ["--ckpt-format", "torch"],
+        script="pretrain_bert.py",
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    _check_conversion_round_trip(ref_ckpt, tmp_path)
     ref = _metrics(ref_tb)
     sop = read_tensorboard_scalars(ref_tb, "sop loss")
     assert sorted(sop) == list(range(1, 11))
