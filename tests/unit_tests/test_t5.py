@@ -1,6 +1,7 @@
 """T5: span corruption on hand-worked input, span lengths against the geometric distribution
 (chi-square bound stated), samples of the shipped corpus decode back to their text, and the
-model's refusal of pipeline parallelism and its parameter count."""
+model's refusal of pipeline parallelism, its parameter count, and its logits against a float64
+reference written out from the weights."""
 
 import argparse
 import dataclasses
@@ -179,3 +180,73 @@ def test_t5_family_counts_the_parameters_and_the_decoder_reads_the_encoder():
         changed_real[:, 3] = (enc[:, 3] + 1) % 64
         assert torch.equal(model(changed_pad, dec, padding), base)
         assert (model(changed_real, dec, padding) - base).abs().max() > 1e-4
+
+
+def _reference_t5_logits(model, enc, dec, padding, heads):
+    """T5 written out in float64 from the model's weights (Megatron's layouts: per head q, k, v
+    rows in linear_qkv, per head k, v rows in linear_kv; pre-norm layers; exact GeLU)."""
+    sd = {k: v.double() for k, v in model.state_dict().items()}
+    h = sd["embedding.word_embeddings.weight"].shape[1]
+    d = h // heads
+
+    def ln(x, p):
+        return torch.nn.functional.layer_norm(x, (h,), sd[p + ".weight"], sd[p + ".bias"], 1e-5)
+
+    def lin(x, p):
+        return x @ sd[p + ".weight"].T + sd[p + ".bias"]
+
+    def attention(q, k, v, masked):  # [b, s, heads, d]; masked [b or 1, sq, sk], True = masked
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / d**0.5
+        scores = scores.masked_fill(masked[:, None], float("-inf"))
+        out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+        return out.reshape(*out.shape[:2], h)
+
+    def embed(ids):
+        positions = sd["embedding.position_embeddings.weight"][: ids.shape[1]]
+        return sd["embedding.word_embeddings.weight"][ids] + positions
+
+    def layer(x, p, self_mask, context=None, context_mask=None):
+        b, s, _ = x.shape
+        qkv = lin(ln(x, p + "input_layernorm"), p + "self_attention.linear_qkv")
+        q, k, v = qkv.view(b, s, heads, 3, d).unbind(3)
+        x = x + lin(attention(q, k, v, self_mask), p + "self_attention.linear_proj")
+        if context is not None:
+            q = lin(ln(x, p + "pre_cross_attn_layernorm"), p + "cross_attention.linear_q")
+            kv = lin(context, p + "cross_attention.linear_kv")
+            k, v = kv.view(b, context.shape[1], heads, 2, d).unbind(3)
+            q = q.view(b, s, heads, d)
+            x = x + lin(attention(q, k, v, context_mask), p + "cross_attention.linear_proj")
+        y = lin(ln(x, p + "pre_mlp_layernorm"), p + "mlp.linear_fc1")
+        return x + lin(torch.nn.functional.gelu(y), p + "mlp.linear_fc2")
+
+    key_masked = (padding == 0)[:, None, :]  # [b, 1, s_enc]
+    x = embed(enc)
+    for i in range(len(model.encoder.layers)):
+        x = layer(x, f"encoder.layers.{i}.", key_masked)
+    context = ln(x, "encoder.final_layernorm")
+    s_dec = dec.shape[1]
+    causal = torch.ones(s_dec, s_dec, dtype=torch.bool).triu(1)[None]
+    x = embed(dec)
+    for i in range(len(model.decoder.layers)):
+        x = layer(x, f"decoder.layers.{i}.", causal, context, key_masked)
+    x = ln(x, "decoder.final_layernorm")
+    return x @ sd["embedding.word_embeddings.weight"].T + sd["lm_head.output_layer.bias"]
+
+
+def test_t5_logits_match_a_float64_reference():
+    config = _t5_config(init_method_std=0.1)
+    model = T5Model(config, dataclasses.replace(config, num_layers=3), 64, 16).eval()
+    with torch.no_grad():  # non-trivial biases and norms
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(2)
+    enc = torch.randint(0, 64, (2, 12), generator=g)
+    dec = torch.randint(0, 64, (2, 7), generator=g)
+    padding = torch.ones_like(enc)
+    padding[1, 8:] = 0
+    with torch.no_grad():
+        logits = model(enc, dec, padding)
+    expected = _reference_t5_logits(model, enc, dec, padding, heads=4)
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(logits.double(), expected, rtol=0, atol=1e-4)
