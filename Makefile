@@ -4,7 +4,8 @@ NPROC ?= 2
 RUN_DIR ?= runs/quickstart
 PIP_INSTALL = $(PYTHON) -m pip install -q -c constraints.txt
 
-.PHONY: install lint test test-fast interop quickstart quickstart-mock prepare-ds-sample clean
+.PHONY: install lint test test-fast interop quickstart quickstart-mock prepare-ds-sample clean \
+	prepare-ds-sample-bert quickstart-bert quickstart-t5
 
 install:
 	$(PIP_INSTALL) torch==2.13.0
@@ -41,6 +42,20 @@ prepare-ds-sample:
 # A tiny GPT trained on the sample corpus with 2 CPU processes (data parallel).
 quickstart: install prepare-ds-sample
 	NPROC=$(NPROC) RUN_DIR=$(RUN_DIR) DATA_PATH=$(RUN_DIR)/data/corpus_text_document bash examples/gpt3/tiny_cpu.sh
+
+# The sample corpus split into sentences and WordPiece-tokenized, for BERT and T5
+# (<RUN_DIR>/data/corpus_text_sentence). The sentence splitter is built in (NLTK is optional).
+prepare-ds-sample-bert:
+	$(PYTHON) tools/preprocess_data.py --input tests/data/corpus.jsonl --output-prefix $(RUN_DIR)/data/corpus \
+		--tokenizer-type BertWordPieceLowerCase --vocab-file tests/data/bert-vocab.txt \
+		--split-sentences --workers 2
+
+# A tiny BERT / T5 trained on the sentence-split sample corpus with 2 CPU processes.
+quickstart-bert: install prepare-ds-sample-bert
+	NPROC=$(NPROC) RUN_DIR=$(RUN_DIR)/bert DATA_PATH=$(RUN_DIR)/data/corpus_text_sentence bash examples/bert/tiny_cpu.sh
+
+quickstart-t5: install prepare-ds-sample-bert
+	NPROC=$(NPROC) RUN_DIR=$(RUN_DIR)/t5 DATA_PATH=$(RUN_DIR)/data/corpus_text_sentence bash examples/t5/tiny_cpu.sh
 
 # The same on generated (mock) data.
 quickstart-mock: install
@@ -100,6 +115,7 @@ ablate-cpu: $(DATA_DIR)/corpus_text_document.bin
 
 # Validate every launch script's flags (DRY_RUN=1) and print its layout.
 dry-run-examples:
-	@for script in examples/gpt3/train_gpt3_*.sh examples/llama/train_*.sh; do \
+	@for script in examples/gpt3/train_gpt3_*.sh examples/llama/train_*.sh \
+		examples/bert/train_bert_*.sh examples/t5/train_t5_*.sh; do \
 		echo "=== $$script"; DRY_RUN=1 PYTHON=$(PYTHON) bash $$script 2>&1 | grep -E '^  |error|dry run OK'; \
 	done

@@ -11,6 +11,8 @@
 #   DRY_RUN=1                              validate the flags for WORLD_SIZE=GPUS_PER_NODE*NNODES
 #                                          and print the layout instead of training
 #   PYTHON=python                          interpreter for the dry run
+#   PRETRAIN_SCRIPT=pretrain_gpt.py        entry point (pretrain_bert.py, pretrain_t5.py)
+#   DRY_RUN_MODEL=gpt                      model family of the dry run (bert, t5)
 # Extra flags given to a script ("$@") are appended to its flags; the last occurrence wins.
 
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -55,11 +57,15 @@ launch() {
     local cmd
     if [[ "${DRY_RUN:-0}" == "1" ]]; then
         cmd=(env "PYTHONPATH=$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}" "WORLD_SIZE=$WORLD_SIZE" RANK=0
-             "${PYTHON:-python}" -m megatron.training.dry_run "$@")
+             "${PYTHON:-python}" -m megatron.training.dry_run)
+        if [[ "${DRY_RUN_MODEL:-gpt}" != "gpt" ]]; then
+            cmd+=(--dry-run-model "$DRY_RUN_MODEL")
+        fi
+        cmd+=("$@")
     else
         # Keeps the kernel order of tensor/sequence-parallel communication (as Megatron's scripts).
         export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
-        cmd=(torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_ROOT/pretrain_gpt.py" "$@")
+        cmd=(torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_ROOT/${PRETRAIN_SCRIPT:-pretrain_gpt.py}" "$@")
     fi
     if [[ -n "${LOG_FILE:-}" ]]; then
         mkdir -p "$(dirname "$LOG_FILE")"

@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     args.world_size, args.rank = world_size, 0
     try:
         validate_args(args, dict(family.args_defaults))
+        family.check_args(args)
     except ArgumentValidationError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -233,6 +233,11 @@ honoured(
     """,
 )
 honoured(
+    "BERT and T5 (pretrain_bert.py, pretrain_t5.py): binary head, masking, short samples, "
+    "decoder depth and length",
+    "bert_binary_head mask_prob short_seq_prob decoder_num_layers decoder_seq_length",
+)
+honoured(
     "the causal mask is implicit here; masks are built only for --reset-attention-mask",
     "create_attention_mask_in_dataloader",
 )
@@ -374,7 +379,7 @@ _MOE = f"mixture of experts is {_NYI}"
 _MLA = f"multi-latent attention is {_NYI}"
 _HYBRID = f"hybrid (Mamba) and linear-attention models are {_NYI}"
 _FP8 = "fp8/fp4 training needs Transformer Engine, which this code base does not use"
-_BERT_T5 = f"BERT/T5 models are {_NYI}"
+_BERT_T5 = f"T5 relative position buckets and BERT embedders are {_NYI}"
 _VISION = f"vision models are {_NYI}"
 _TEXT_GEN = (
     f"the dynamic-batching inference engine and its kernels are {_NYI} (the static text "
@@ -472,9 +477,8 @@ refused(f"YaRN is {_NYI}", "rope_type", given=lambda value, args: value == "yarn
 refused(
     _BERT_T5,
     """
-    decoder_num_layers decoder_seq_length relative_attention_num_buckets
-    relative_attention_max_distance bert_binary_head mask_prob short_seq_prob
-    output_bert_embeddings bert_embedder_type
+    relative_attention_num_buckets relative_attention_max_distance output_bert_embeddings
+    bert_embedder_type
     """,
 )
 refused(

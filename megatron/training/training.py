@@ -23,6 +23,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from . import global_vars
+from .argument_groups.validation import ArgumentValidationError
 from .checkpointing import (
     CheckpointError,
     convert_checkpoint_and_exit,
@@ -133,6 +134,11 @@ def _pretrain(
     initialize_megatron(
         extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv
     )
+    try:  # the model's own rules (another model's flags, a parallelism it refuses)
+        global_vars.get_model_family().check_args(global_vars.get_args())
+    except ArgumentValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)  # every rank has the same flags: all leave here together
     args = global_vars.get_args()
     timers = global_vars.get_timers()
     if dist.is_initialized():

@@ -121,6 +121,21 @@ for _layout, _shape in {
         GPT2_LARGE_PARAMS,
     )
 
+# BERT-large with the shipped WordPiece vocabulary (7936 rows once padded): transformers'
+# MegatronBertForPreTraining of that shape counts 313,075,458 parameters (built on the meta device).
+CASES["bert_340m"] = (
+    "examples/bert/train_bert_340m_distributed.sh",
+    {},
+    (8, 1, 1, 1, 8, 4, 32, 512),
+    313_075_458,
+)
+CASES["t5_220m_tp2"] = (
+    "examples/t5/train_t5_220m_distributed.sh",
+    {"TP": "2"},
+    (8, 2, 1, 1, 4, 64, 512, 512),
+    None,
+)
+
 # Published sizes of the GPT-3 paper (table 2.1), to 2 %: the counts are rounded there.
 GPT3_PAPER = {
     "gpt3_125m": 125e6,
@@ -221,7 +236,9 @@ def test_dry_run_layout(results, case):
     assert int(layout["micro-batches per step"]) * mbs * dp == gbs
     assert int(layout["tokens per step"]) == gbs * seq
     assert layout["sequence parallel"] == (
-        "on" if case == "gpt2large_sp2" or (tp > 1 and not case.startswith("gpt2large")) else "off"
+        "on"
+        if case == "gpt2large_sp2" or (tp > 1 and not case.startswith(("gpt2large", "t5_")))
+        else "off"
     )
     total = int(layout["parameters"].split()[0])
     if params is not None:

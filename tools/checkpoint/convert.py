@@ -68,7 +68,7 @@ def build_parser():
         type=str,
         required=True,
         choices=["GPT", "BERT"],
-        help="Type of the model (only GPT is supported).",
+        help="Type of the model (BERT: see convert_bert.py for its loaders and savers).",
     )
     parser.add_argument(
         "--loader", type=str, default="core", help="Loader plugin (module loader_<name>)."
@@ -98,14 +98,20 @@ def parse(argv=None):
     """Two passes, as Megatron's converter: the plugin names first, then every plugin's flags."""
     parser = build_parser()
     known, _ = parser.parse_known_args(argv)
+    if known.model_type == "BERT":
+        import convert_bert
+
+        convert_bert.add_arguments(parser)
+        args = parser.parse_args(argv)
+        if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
+            raise ConversionError("--save-dir must differ from --load-dir")
+        return args, None, None
     loader = load_plugin("loader", known.loader)
     saver = load_plugin("saver", known.saver)
     loader.add_arguments(parser)
     saver.add_arguments(parser)
     args = parser.parse_args(argv)
     args.no_checking = not args.checking
-    if args.model_type != "GPT":
-        raise ConversionError(f"--model-type {args.model_type} is not supported yet (only GPT)")
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
         raise ConversionError("--save-dir must differ from --load-dir")
     return args, loader, saver
@@ -133,6 +139,11 @@ def convert(argv=None, in_process: bool = False) -> None:
     ``in_process`` runs the saver in a thread instead of a child process (same protocol; used by
     tests to save the process start-up)."""
     args, loader, saver = parse(argv)
+    if args.model_type == "BERT":
+        import convert_bert
+
+        convert_bert.convert_bert(args)
+        return
     if in_process:
         q, status = queue_module.Queue(maxsize=args.max_queue_size), queue_module.Queue()
         worker = threading.Thread(

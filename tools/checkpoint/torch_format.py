@@ -33,17 +33,23 @@ from megatron.training.checkpointing_common import (
     checkpoint_name,
 )
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# A layer tensor of a layer stack: GPT's "decoder", BERT's "encoder".
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")
+# BERT's tensors outside the layers that every TP rank holds whole (its heads, token types).
+_BERT_REPLICATED = ("embedding.tokentype_embeddings.", "lm_head.", "pooler.", "binary_head.")
 
 # How each tensor is split over tensor-parallel ranks.
 _COLUMN, _ROW, _REPLICATED, _GLU = "column", "row", "replicated", "glu"
 
 
 def split_kind(name: str, swiglu: bool) -> str:
-    local = _LAYER.sub(r"\2", name)
+    local = _LAYER.sub(r"\3", name)
+    if local.startswith(_BERT_REPLICATED):
+        return _REPLICATED
     if local in (
         "embedding.word_embeddings.weight",
         "output_layer.weight",
+        "output_layer.bias",
         "self_attention.linear_qkv.weight",
         "self_attention.linear_qkv.bias",
     ):
@@ -243,14 +249,14 @@ class TorchCheckpointReader:
                             continue
                         m = _LAYER.match(local)
                         if m:
-                            i = int(m.group(1))
+                            i = int(m.group(2))
                             if i >= count:
                                 raise ConversionError(
                                     f"pipeline stage {p} chunk {c} holds layer {i} "
                                     "but the layer split of the "
                                     f"checkpoint's args gives it {count} layers"
                                 )
-                            name = f"decoder.layers.{offset + i}.{m.group(2)}"
+                            name = f"{m.group(1)}.layers.{offset + i}.{m.group(3)}"
                         else:
                             name = local
                         index.setdefault(name, [None] * self.tp)
@@ -318,14 +324,17 @@ class TorchCheckpointWriter:
         m = _LAYER.match(name)
         last = (self.pp - 1, self.num_chunks - 1)
         if m:
-            p, c, local = self._where_layer(int(m.group(1)))
-            places = [(p, c, f"decoder.layers.{local}.{m.group(2)}")]
+            p, c, local = self._where_layer(int(m.group(2)))
+            places = [(p, c, f"{m.group(1)}.layers.{local}.{m.group(3)}")]
         elif name.startswith("embedding."):
             places = [(0, 0, name)]
             if name == "embedding.word_embeddings.weight" and self.tied and last != (0, 0):
                 # The last stage keeps its own copy of the tied weight as its output layer.
                 places.append((last[0], last[1], "output_layer.weight"))
-        elif name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        elif name.startswith(
+            ("decoder.final_layernorm.", "encoder.final_layernorm.", "output_layer.")
+            + _BERT_REPLICATED[1:]
+        ):
             places = [(last[0], last[1], name)]
         else:
             raise ConversionError(f"unexpected tensor name '{name}'")

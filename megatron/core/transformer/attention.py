@@ -148,3 +148,85 @@ class SelfAttention(MegatronModule):
                 query, key, value, attention_mask, attn_mask_type=mask_type
             )
         return self.linear_proj(context)
+
+
+class CrossAttention(MegatronModule):
+    """Attention of the hidden states over ``key_value_states`` (the encoder output):
+    linear_q -> core_attention -> linear_proj, with keys and values from linear_kv.
+
+    ``linear_kv`` maps h -> ng * 2 * d with rows grouped per query group [key, value] (Megatron's
+    layout); tensor parallelism shards whole groups like SelfAttention's ``linear_qkv``. With
+    sequence parallelism both projections gather their own [s/TP, b, h] input."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int = 1,
+        attn_mask_type: AttnMaskType = AttnMaskType.padding,
+        pg_collection=None,
+    ):
+        super().__init__(config)
+        pg_collection = resolve_pg_collection(config, pg_collection)
+        tp_group = pg_collection.tp
+        if pg_collection.cp_size > 1:
+            raise ValueError("cross-attention does not support context parallelism")
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.hidden_size_per_attention_head = config.kv_channels
+        tp = config.tensor_model_parallel_size
+        self.num_attention_heads_per_partition = config.num_attention_heads // tp
+        self.num_query_groups_per_partition = config.num_query_groups // tp
+        query_size = config.kv_channels * config.num_attention_heads
+        kv_size = config.kv_channels * config.num_query_groups
+        bias = config.add_bias_linear or config.add_qkv_bias
+        self.linear_q = ColumnParallelLinear(
+            config.hidden_size,
+            query_size,
+            config=config,
+            init_method=config.init_method,
+            bias=bias,
+            gather_output=False,
+            tp_group=tp_group,
+        )
+        self.linear_kv = ColumnParallelLinear(
+            config.hidden_size,
+            2 * kv_size,
+            config=config,
+            init_method=config.init_method,
+            bias=bias,
+            gather_output=False,
+            tp_group=tp_group,
+        )
+        self.core_attention = DotProductAttention(
+            config, layer_number, attn_mask_type, pg_collection=pg_collection
+        )
+        self.linear_proj = RowParallelLinear(
+            query_size,
+            config.hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            tp_group=tp_group,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        key_value_states: Optional[torch.Tensor] = None,
+        rotary_pos_emb=None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """hidden_states [sq, b, h], key_value_states [sk, b, h] -> (output [sq, b, h], bias)."""
+        if key_value_states is None:
+            raise ValueError("CrossAttention needs key_value_states (the encoder output)")
+        query, _ = self.linear_q(hidden_states)
+        sq, b, _ = query.shape
+        d = self.hidden_size_per_attention_head
+        query = query.view(sq, b, self.num_attention_heads_per_partition, d)
+        mixed, _ = self.linear_kv(key_value_states)
+        sk = mixed.shape[0]
+        mixed = mixed.view(sk, b, self.num_query_groups_per_partition, 2, d)
+        key, value = mixed.unbind(3)
+        context = self.core_attention(query, key, value, attention_mask)
+        return self.linear_proj(context)

@@ -35,6 +35,36 @@ class ModelFamily:
     held at the peak, by component."""
     checkpoint_model_args: Tuple[str, ...]
     """Flags whose values a checkpoint must share with the run loading it (the model's shape)."""
+    check_args: Callable[[Any], None] = lambda args: None
+    """(validated args) -> None, or ArgumentValidationError naming the flags this model cannot
+    honour (another model's flags, a parallelism it refuses); run by pretrain and the dry run."""
+
+
+# Flags only some pretrain scripts read: a script that does not read one refuses it when given.
+MODEL_SPECIFIC_FLAGS = {
+    "bert_binary_head": ("--bert-no-binary-head", ("bert",)),
+    "mask_prob": ("--mask-prob", ("bert", "t5")),
+    "short_seq_prob": ("--short-seq-prob", ("bert", "t5")),
+    "decoder_num_layers": ("--decoder-num-layers", ("t5",)),
+    "decoder_seq_length": ("--decoder-seq-length", ("t5",)),
+}
+
+
+def refuse_other_models_flags(args, family_name: str) -> None:
+    """ArgumentValidationError for the first flag of MODEL_SPECIFIC_FLAGS given (away from
+    Megatron's default) that the ``family_name`` model does not read."""
+    from megatron.training.argument_groups.validation import ArgumentValidationError
+    from megatron.training.flag_policy import _megatron_actions
+
+    actions = _megatron_actions()
+    for dest, (flag, families) in MODEL_SPECIFIC_FLAGS.items():
+        if family_name in families or not hasattr(args, dest):
+            continue
+        if getattr(args, dest) != actions[dest].default:
+            scripts = " / ".join(f"pretrain_{name}.py" for name in families)
+            raise ArgumentValidationError(
+                f"{flag} is read by {scripts} only; the {family_name} model would ignore it"
+            )
 
 
 def model_family_names() -> List[str]:

@@ -1,7 +1,7 @@
 """GPT (and Llama-style) decoder-only models: Megatron's formulas for decoder transformers."""
 
 from megatron.training.flops import num_floating_point_operations
-from megatron.training.model_families import ModelFamily
+from megatron.training.model_families import ModelFamily, refuse_other_models_flags
 from megatron.training.theoretical_memory import activation_components, count_parameters
 
 MODEL_FAMILY = ModelFamily(
@@ -24,4 +24,5 @@ MODEL_FAMILY = ModelFamily(
         "add_bias_linear",
         "normalization",
     ),
+    check_args=lambda args: refuse_other_models_flags(args, "gpt"),
 )

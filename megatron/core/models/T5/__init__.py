@@ -1,0 +1,3 @@
+from megatron.core.models.T5.t5_model import T5Model
+
+__all__ = ["T5Model"]
