@@ -14,9 +14,8 @@ from tests.unit_tests.tiny_configs import tiny_args
 
 sys.path.insert(0, str(REPO / "tools" / "checkpoint"))
 import convert  # noqa: E402
+import transformers  # noqa: E402  (a dependency of the package)
 from torch_format import TorchCheckpointReader, TorchCheckpointWriter  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 4, 64, 4, 32, 256
 

@@ -7,12 +7,11 @@ import sys
 
 import pytest
 import torch
+import transformers  # noqa: E402  (a dependency of the package)
 
 from megatron.core.models.bert import BertModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.functional_tests.runner import REPO
-
-transformers = pytest.importorskip("transformers")
 
 _spec = importlib.util.spec_from_file_location(
     "hf_megatron_bert", REPO / "tools" / "checkpoint" / "hf_megatron_bert.py"
