@@ -33,6 +33,7 @@ from .checkpointing_common import (
     CHECKPOINT_VERSION,
     CheckpointError,
     barrier,
+    check_model_args,
     checkpoint_args,
     checkpoint_dir,
     checkpoint_name,
@@ -335,14 +336,7 @@ def load_checkpoint(
     state_dict = _load_file(path)
 
     ckpt_args = state_dict.get("args")
-    if ckpt_args is not None:
-        for name in global_vars.get_model_family().checkpoint_model_args:
-            ours, theirs = getattr(args, name, None), getattr(ckpt_args, name, None)
-            if ours is not None and theirs is not None and ours != theirs:
-                raise CheckpointError(
-                    f"checkpoint {path} was saved with --{name.replace('_', '-')} {theirs}, "
-                    f"but this run uses {ours}"
-                )
+    check_model_args(ckpt_args, args, global_vars.get_model_family().checkpoint_model_args, path)
 
     chunks = model if isinstance(model, list) else [model]
     for i, chunk in enumerate(chunks):

@@ -172,6 +172,20 @@ def checkpoint_args(args) -> argparse.Namespace:
     return saved
 
 
+def check_model_args(ckpt_args, args, model_arg_names, path: str) -> None:
+    """Refuse a checkpoint whose model flags differ from this run's: a model with other heads or
+    groups can have the very same tensor shapes, so loading it would train another model."""
+    if ckpt_args is None:
+        return
+    for name in model_arg_names:
+        ours, theirs = getattr(args, name, None), getattr(ckpt_args, name, None)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise CheckpointError(
+                f"checkpoint {path} was saved with --{name.replace('_', '-')} {theirs}, "
+                f"but this run uses {ours}"
+            )
+
+
 # ------------------------------------------------------------------------------ RNG states
 def rng_state(tracker) -> dict:
     """This process's Python, numpy, torch (CPU and CUDA) and model-parallel RNG states, with

@@ -41,6 +41,7 @@ from .checkpointing_common import (
     CHECKPOINT_VERSION,
     CheckpointError,
     barrier,
+    check_model_args,
     checkpoint_args,
     checkpoint_dir,
     commit_tracker,
@@ -272,15 +273,6 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
 
 
 # ---------------------------------------------------------------------------------- load
-def _args_hint(ckpt_args, args) -> str:
-    diffs = []
-    for name in global_vars.get_model_family().checkpoint_model_args:
-        theirs, ours = getattr(ckpt_args, name, None), getattr(args, name, None)
-        if theirs is not None and ours is not None and theirs != ours:
-            diffs.append(f"--{name.replace('_', '-')} {theirs} (this run: {ours})")
-    return f"; the checkpoint was saved with {', '.join(diffs)}" if diffs else ""
-
-
 def load_checkpoint_dist(
     model, optimizer, opt_param_scheduler, load_dir: str, iteration: int, release: bool
 ):
@@ -298,6 +290,9 @@ def load_checkpoint_dist(
     except dc.CheckpointingError as exc:
         raise CheckpointError(str(exc)) from None
     ckpt_args = common.get("args")
+    check_model_args(
+        ckpt_args, args, global_vars.get_model_family().checkpoint_model_args, directory
+    )
     chunks, entries, by_param = _sharded_model(model, state)
 
     finetune = args.finetune or release
@@ -327,9 +322,7 @@ def load_checkpoint_dist(
             counts_as_unexpected=lambda key: load_optim or not key.startswith(STATE_PREFIX),
         )
     except dc.CheckpointingError as exc:
-        raise CheckpointError(
-            str(exc) + (_args_hint(ckpt_args, args) if ckpt_args is not None else "")
-        ) from None
+        raise CheckpointError(str(exc)) from None
     if strictness in (
         dc.StrictHandling.LOG_ALL,
         dc.StrictHandling.LOG_UNEXPECTED,

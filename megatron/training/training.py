@@ -33,7 +33,7 @@ from .checkpointing import (
 from .checkpointing_dist import release_async_save_group
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
-from .flag_errors import BuildFromFlagsError, building
+from .flag_errors import BuildFromFlagsError, UserInputError, building
 from .initialize import initialize_megatron, teardown_process_groups
 from .model_families import get_model_family
 from .progress_log import log_checkpoint_saved, log_job_start
@@ -57,6 +57,7 @@ def print_datetime(message: str) -> None:
 USER_INPUT_ERRORS = (
     CheckpointError,
     BuildFromFlagsError,
+    UserInputError,
     ReplicaMismatchError,
     FileNotFoundError,
     NotADirectoryError,
