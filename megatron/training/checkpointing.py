@@ -42,11 +42,13 @@ from .checkpointing_common import (
     print_loaded_checkpoint,
     print_saved_checkpoint,
     read_tracker,
+    remove_partial,
     remove_unretained,
     rng_state,
     seal,
     set_rng_state,
     tracker_path,
+    why_write_failed,
 )
 from .checkpointing_dist import (
     load_checkpoint_dist,
@@ -91,10 +93,17 @@ def _load_distributed_optimizer_state(optimizer, path: str) -> None:
 
 
 def _atomic_save(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        remove_partial(tmp)
+        raise CheckpointError(
+            f"cannot write checkpoint file {path}: {why_write_failed(exc, tmp)}; the partial "
+            "file was removed and the last complete checkpoint is kept"
+        ) from None
 
 
 def save_checkpoint(

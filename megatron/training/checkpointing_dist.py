@@ -47,10 +47,12 @@ from .checkpointing_common import (
     commit_tracker,
     integrity_digests,
     print_saved_checkpoint,
+    remove_partial,
     remove_unretained,
     rng_state,
     seal,
     set_rng_state,
+    why_write_failed,
 )
 from .utils import get_device, get_rank, print_rank_0
 
@@ -174,8 +176,12 @@ def save_checkpoint_dist(
             common["rng_state"] = rng
         if os.path.isdir(work_dir):
             shutil.rmtree(work_dir)  # left by an interrupted save of the same iteration
-        os.makedirs(work_dir)
-        dc.save_common(common, work_dir)
+        try:
+            os.makedirs(work_dir)
+            dc.save_common(common, work_dir)
+        except (OSError, RuntimeError) as exc:
+            remove_partial(work_dir)
+            raise _write_failed(work_dir, exc) from None
     barrier()
 
     if args.async_save:
@@ -184,9 +190,19 @@ def save_checkpoint_dist(
         return
     try:
         dc.save(sharded, work_dir)
-    except dc.CheckpointingError as exc:
-        raise CheckpointError(str(exc)) from None
+    except (dc.CheckpointingError, OSError, RuntimeError) as exc:
+        # Every rank learns of a failed write (DCP gathers the results): one removes the rest.
+        if get_rank() == 0:
+            remove_partial(work_dir)
+        raise _write_failed(work_dir, exc) from None
     _commit(save_dir, iteration)
+
+
+def _write_failed(work_dir: str, exc: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"cannot write checkpoint {work_dir}: {why_write_failed(exc, work_dir)}; the partial "
+        "checkpoint was removed and the last complete one is kept"
+    )
 
 
 def _async_group():

@@ -30,6 +30,7 @@ from .checkpointing import (
     maybe_finalize_async_save,
     save_checkpoint,
 )
+from .checkpointing_common import check_save_dir_writable
 from .checkpointing_dist import release_async_save_group
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
@@ -140,6 +141,8 @@ def _pretrain(
         start = start.to(get_device())
         dist.all_reduce(start, op=dist.ReduceOp.MIN)
     _TRAIN_START_TIME = start.item()
+    if args.save:
+        check_save_dir_writable(args.save)
     if args.log_progress:
         with building("progress log", args):  # a malformed progress.txt: one line naming it
             log_job_start(args)

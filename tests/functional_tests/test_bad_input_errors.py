@@ -44,3 +44,16 @@ def test_data_tokenized_with_a_larger_vocabulary(tmp_path, nproc, layout):
     line = _error_line(result)
     assert f"token id 5000 in the data ({prefix})" in line, line
     assert "--tokenizer-type NullTokenizer (ids 0..500)" in line, line
+
+
+def test_unwritable_save_directory_is_found_before_training(tmp_path):
+    # Before: found only at the first save, after the compute was spent. (Tests run as root
+    # here, so a chmod would not stop a write: a path under a regular file cannot be created.)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    save = blocker / "ckpt"
+    args = TINY_MODEL + ["--train-iters", "4", "--save", str(save), "--save-interval", "4"]
+    result = run_pretrain(args, timeout=120)
+    line = _error_line(result)
+    assert line == f"error: --save {save} is not writable: Not a directory", line
+    assert " iteration " not in result.stdout, result.stdout[-2000:]
