@@ -21,6 +21,7 @@ from megatron.core.timers import Timers
 
 from . import global_vars
 from .cpu_allocator import configure_cpu_allocator
+from .flag_errors import building
 from .utils import get_device, print_rank_0
 
 
@@ -75,7 +76,8 @@ def initialize_megatron(
     global_vars.set_timers(Timers(args.timing_log_level, args.timing_log_option))
     from .tokenizer import build_tokenizer
 
-    global_vars.set_tokenizer(build_tokenizer(args))
+    with building("tokenizer", args):  # a vocabulary file that is not one: one error line
+        global_vars.set_tokenizer(build_tokenizer(args))
     global_vars.set_num_microbatches_calculator(
         build_num_microbatches_calculator(
             rank=args.rank,
