@@ -12,6 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.transformer.spec_utils import import_spec
+from megatron.core.utils import NonFiniteValueError
 from megatron.training import get_args, get_parallel_state, get_timers, get_tokenizer, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
 from megatron.training.flag_errors import UserInputError
@@ -124,9 +125,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         num_tokens = local_tokens.clone()
         torch.distributed.all_reduce(num_tokens, group=state.get_context_parallel_group())
     if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
-        raise RuntimeError(
-            f"NaN or Inf loss on rank {torch.distributed.get_rank() if torch.distributed.is_initialized() else 0} "
-            f"at iteration {args.iteration + 1}"
+        raise NonFiniteValueError(
+            f"found {'NaN' if torch.isnan(loss).item() else 'Inf'} in local forward loss "
+            f"calculation at iteration {args.iteration + 1} (--check-for-nan-in-loss-and-grad)"
         )
     reported = torch.cat([loss.clone().detach().view(1), local_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": reported}

@@ -20,7 +20,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from megatron.core.utils import get_model_config
+from megatron.core.utils import NonFiniteValueError, get_model_config
 
 from . import global_vars
 from .checkpointing import (
@@ -59,6 +59,7 @@ USER_INPUT_ERRORS = (
     CheckpointError,
     BuildFromFlagsError,
     UserInputError,
+    NonFiniteValueError,
     ReplicaMismatchError,
     FileNotFoundError,
     NotADirectoryError,

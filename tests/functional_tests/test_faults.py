@@ -5,12 +5,13 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
 import pytest
 
-from tests.functional_tests.runner import REPO, TINY_MODEL, env_for_tests
+from tests.functional_tests.runner import REPO, TINY_MODEL, env_for_tests, run_pretrain
 
 LONG_RUN = TINY_MODEL + ["--train-iters", "10000", "--lr-decay-iters", "100"]
 
@@ -103,3 +104,51 @@ def test_sigterm_to_the_launcher_saves_and_exits(tmp_path, num_workers):
     assert (
         saved >= 3 and (ckpt / f"iter_{saved:07d}" / "mp_rank_00" / "model_optim_rng.pt").exists()
     ), out[-3000:]
+
+
+NAN_AT_ITERATION_3 = textwrap.dedent("""
+    import torch
+    import {module} as target
+    _real = target.{cls}.{method}
+    _calls = [0]
+
+    def _with_nan(self, *args, **kwargs):
+        _calls[0] += 1
+        {inject}
+        return _real(self, *args, **kwargs)
+
+    target.{cls}.{method} = _with_nan
+""")
+NAN_CASES = {
+    # The model's output turns NaN on the 3rd micro-batch's forward (iteration 3: 4 per step).
+    "loss": (
+        "megatron.core.models.gpt.gpt_model",
+        "GPTModel",
+        "forward",
+        "if _calls[0] == 9: return _real(self, *args, **kwargs) * float('nan')",
+        "found NaN in local forward loss calculation at iteration 3 (--check-for-nan-in-loss-and-grad)",
+    ),
+    # One gradient element is NaN before the reduction of iteration 3.
+    "grad": (
+        "megatron.core.distributed.param_and_grad_buffer",
+        "ParamAndGradBuffer",
+        "finish_grad_sync",
+        "if _calls[0] == 3: self.grad_data[0] = float('nan')",
+        "found NaN or Inf in the reduced gradients (--check-for-nan-in-loss-and-grad)",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", sorted(NAN_CASES))
+def test_nan_injected_into_loss_or_gradient_stops_with_one_line(tmp_path, where):
+    module, cls, method, inject, message = NAN_CASES[where]
+    (tmp_path / "sitecustomize.py").write_text(
+        NAN_AT_ITERATION_3.format(module=module, cls=cls, method=method, inject=inject)
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    args = TINY_MODEL + ["--train-iters", "5"]  # the check is on by default, as in Megatron
+    result = run_pretrain(args, extra_env=env, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == f"error: {message}", result.stderr[-2000:]
+    assert "iteration        2/" in result.stdout and "iteration        3/" not in result.stdout
