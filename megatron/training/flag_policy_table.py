@@ -151,8 +151,12 @@ honoured(
     num_layers_per_virtual_pipeline_stage num_virtual_stages_per_pipeline_rank
     microbatch_group_size_per_vp_stage account_for_embedding_in_pipeline_split
     account_for_loss_in_pipeline_split use_tp_pp_dp_mapping local_rank distributed_backend
-    distributed_timeout_minutes
     """,
+)
+honoured(
+    "a collective that does not complete within the timeout ends the run with a line naming "
+    "it, its group and the ranks that did not arrive (and a dump of the last collectives)",
+    "distributed_timeout_minutes distributed_timeout_seconds_after_init",
 )
 honoured(
     "this code base creates no gloo copies of its process groups",
@@ -496,7 +500,7 @@ refused(
     hybrid_context_parallel tensor_parallel_num_weight_shards outer_dp_sharding_strategy
     enable_full_sharding_in_hsdp gtp_remat_reduce_scatter_with_fp32_accumulation
     gtp_remat_nccl_ub gtp_expert_remat_nccl_ub gtp_remat_opt_in_modules fake_process_group
-    lazy_mpu_init init_model_with_meta_device distributed_timeout_seconds_after_init
+    lazy_mpu_init init_model_with_meta_device
     """,
 )
 refused(

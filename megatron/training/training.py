@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+from datetime import timedelta
 from functools import partial
 from typing import Callable, List, Optional
 
@@ -32,6 +33,7 @@ from .checkpointing import (
 )
 from .checkpointing_common import check_save_dir_writable
 from .checkpointing_dist import release_async_save_group
+from .collective_watch import CollectiveTimeoutError, set_timeout, uninstall
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
 from .flag_errors import BuildFromFlagsError, UserInputError, building
@@ -60,6 +62,7 @@ USER_INPUT_ERRORS = (
     BuildFromFlagsError,
     UserInputError,
     NonFiniteValueError,
+    CollectiveTimeoutError,
     ReplicaMismatchError,
     FileNotFoundError,
     NotADirectoryError,
@@ -244,6 +247,7 @@ def _leave_process_group():
     dist.barrier()
     global_vars.set_parallel_state(None)  # it holds every model-parallel group
     release_async_save_group()
+    uninstall()
     leaked = teardown_process_groups()
     if leaked:
         print(
@@ -661,6 +665,9 @@ def train(
         chunk.train()
     iteration = args.iteration
     flops = args.num_floating_point_operations_so_far
+    if args.distributed_timeout_seconds_after_init is not None and dist.is_initialized():
+        # Set-up (dataset indices, checkpoint loads) may be slow; iterations are not.
+        set_timeout(timedelta(seconds=args.distributed_timeout_seconds_after_init))
     timers("interval-time", log_level=0).start(barrier=True)
     check_weight_hashes_if_due(model, iteration, before_training=True)
     if args.manual_gc:

@@ -126,7 +126,8 @@ NAN_CASES = {
         "GPTModel",
         "forward",
         "if _calls[0] == 9: return _real(self, *args, **kwargs) * float('nan')",
-        "found NaN in local forward loss calculation at iteration 3 (--check-for-nan-in-loss-and-grad)",
+        "found NaN in local forward loss calculation at iteration 3 "
+        "(--check-for-nan-in-loss-and-grad)",
     ),
     # One gradient element is NaN before the reduction of iteration 3.
     "grad": (
@@ -152,3 +153,41 @@ def test_nan_injected_into_loss_or_gradient_stops_with_one_line(tmp_path, where)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip().splitlines()[-1] == f"error: {message}", result.stderr[-2000:]
     assert "iteration        2/" in result.stdout and "iteration        3/" not in result.stdout
+
+
+STOPS_RANK_1 = textwrap.dedent("""
+    import os, signal
+    import megatron.core.models.gpt.gpt_model as target
+    _real = target.GPTModel.forward
+    _calls = [0]
+
+    def _stopped_mid_iteration_3(self, *args, **kwargs):
+        _calls[0] += 1
+        if os.environ.get("RANK") == "1" and _calls[0] == 5:  # 2 micro-batches per iteration
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return _real(self, *args, **kwargs)
+
+    target.GPTModel.forward = _stopped_mid_iteration_3
+""")
+
+
+def test_a_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
+    # Before: rank 0 waited in the gradient all-reduce for --distributed-timeout-minutes (10 by
+    # default) and torchrun's own failure report named no operation and no rank.
+    (tmp_path / "sitecustomize.py").write_text(STOPS_RANK_1)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    args = TINY_MODEL + ["--train-iters", "6", "--distributed-timeout-seconds-after-init", "5"]
+    start = time.monotonic()
+    result = run_pretrain(args, nproc=2, extra_env=env, timeout=150)
+    seconds = time.monotonic() - start
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "iteration        2/" in result.stdout and "iteration        3/" not in result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr[-4000:]
+    assert errors[0].startswith("error: rank 0: collective #"), errors[0]
+    assert "over group ranks [0, 1] did not complete within 5 s" in errors[0], errors[0]
+    assert errors[0].endswith("ranks [1] did not arrive"), errors[0]
+    # The trace of rank 0's last collectives came first, ending with the one that hung.
+    trace = [line for line in result.stderr.splitlines() if line.startswith("[rank 0]   #")]
+    assert 0 < len(trace) <= 16 and trace[-1].endswith("did not complete"), result.stderr[-4000:]
+    print(f"stopped rank: the run ended after {seconds:.1f} s")
