@@ -4,7 +4,7 @@ NPROC ?= 2
 RUN_DIR ?= runs/quickstart
 PIP_INSTALL = $(PYTHON) -m pip install -q -c constraints.txt
 
-.PHONY: install test test-fast quickstart quickstart-mock prepare-ds-sample clean
+.PHONY: install test test-faults test-fast quickstart quickstart-mock prepare-ds-sample clean
 
 install:
 	$(PIP_INSTALL) torch==2.13.0
@@ -12,7 +12,11 @@ install:
 
 # --durations=15: the slowest tests, so that the suite's growth stays visible.
 test: install
-	$(PYTHON) -m pytest -q --durations=15 tests
+	$(PYTHON) -m pytest -q --durations=15 -m "not faults" tests
+
+# The slow fault-injection runs (a stopped rank, SIGTERM to the launcher, a full disk): ~3 min.
+test-faults: install
+	$(PYTHON) -m pytest -q --durations=15 -m faults tests
 
 test-fast:
 	$(PYTHON) -m pytest -q --durations=15 tests/unit_tests

@@ -81,6 +81,7 @@ class Launched:
         self.proc.wait()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("num_workers", ["0", "2"])
 def test_sigterm_to_the_launcher_saves_and_exits(tmp_path, num_workers):
     # Before: with data-loader workers, the run died in 1.3 s with "worker killed by signal:
@@ -171,6 +172,7 @@ STOPS_RANK_1 = textwrap.dedent("""
 """)
 
 
+@pytest.mark.faults
 def test_a_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
     # Before: rank 0 waited in the gradient all-reduce for --distributed-timeout-minutes (10 by
     # default) and torchrun's own failure report named no operation and no rank.
