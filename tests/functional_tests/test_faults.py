@@ -19,7 +19,7 @@ LONG_RUN = TINY_MODEL + ["--train-iters", "10000", "--lr-decay-iters", "100"]
 class Launched:
     """torchrun in a session of its own, its output collected by threads while it runs."""
 
-    def __init__(self, args, nproc=2, extra_env=None):
+    def __init__(self, args, nproc=2, extra_env=None, timeout=240):
         env = env_for_tests()
         env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
         env.update(extra_env or {})
@@ -41,6 +41,10 @@ class Launched:
         ]
         for reader in self._readers:
             reader.start()
+        # A watchdog under pytest-timeout's 300 s: whatever happens, the launcher's group dies.
+        self._watchdog = threading.Timer(timeout, self.kill)
+        self._watchdog.daemon = True
+        self._watchdog.start()
 
     @staticmethod
     def _read(stream, lines):
@@ -69,6 +73,7 @@ class Launched:
         except subprocess.TimeoutExpired:
             self.kill()
             raise AssertionError(f"did not end within {timeout} s\n{self.output()[-4000:]}")
+        self._watchdog.cancel()
         for reader in self._readers:
             reader.join(10)
         return self.proc.returncode, time.monotonic() - start
