@@ -154,6 +154,11 @@ honoured(
     """,
 )
 honoured(
+    "per-rank forward times gathered every --log-interval; rank 0 names the slowest and fastest "
+    "ranks (Megatron's MnRtt/MxRtt/MnEtpt/MxEtpt columns; no device power/clock on CPU)",
+    "log_straggler straggler_minmax_count",
+)
+honoured(
     "a collective that does not complete within the timeout ends the run with a line naming "
     "it, its group and the ranks that did not arrive (and a dump of the last collectives)",
     "distributed_timeout_minutes distributed_timeout_seconds_after_init",
@@ -536,8 +541,8 @@ refused(
     """
     enable_ft_package calc_ft_timeouts ft_num_warmup_iters check_for_spiky_loss
     check_for_large_grads result_rejected_tracker_filename error_injection_type
-    gpu_sniff_test_interval adlr_autoresume adlr_autoresume_interval log_straggler
-    disable_straggler_on_startup straggler_ctrlr_port straggler_minmax_count
+    gpu_sniff_test_interval adlr_autoresume adlr_autoresume_interval
+    disable_straggler_on_startup straggler_ctrlr_port
     exit_signal_handler_for_dataloader replication replication_jump replication_factor
     inprocess_restart inprocess_max_iterations inprocess_monitor_thread_interval
     inprocess_monitor_process_interval inprocess_progress_watchdog_interval

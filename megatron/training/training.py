@@ -41,6 +41,7 @@ from .initialize import initialize_megatron, teardown_process_groups
 from .model_families import get_model_family
 from .progress_log import log_checkpoint_saved, log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
+from .straggler import StragglerDetector
 from .training_log import print_evaluation, training_log
 from .utils import get_device, print_rank_0
 
@@ -708,6 +709,10 @@ def _train_loop(
     total_loss_dict = {}
     report_memory_flag = True
     exit_code = None
+    stragglers = None
+    if args.log_straggler:
+        stragglers = StragglerDetector(args.straggler_minmax_count)
+        forward_step_func = stragglers.timed(forward_step_func)
     while iteration < args.train_iters:
         maybe_finalize_async_save(blocking=False)  # commits a finished --async-save checkpoint
         global_vars.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
@@ -739,6 +744,13 @@ def _train_loop(
             num_zeros,
         )
 
+        if stragglers is not None and iteration % args.log_interval == 0:
+            # Every rank: the report gathers the forward times of all of them.
+            report = stragglers.report(
+                family.num_floating_point_operations(args, batch_size), args.log_interval
+            )
+            if report:
+                print(report, flush=True)
         check_weight_hashes_if_due(model, iteration)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()

@@ -2,6 +2,7 @@
 with a clear message, and what it saved is complete."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -198,3 +199,46 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout(tmp_path):
     trace = [line for line in result.stderr.splitlines() if line.startswith("[rank 0]   #")]
     assert 0 < len(trace) <= 16 and trace[-1].endswith("did not complete"), result.stderr[-4000:]
     print(f"stopped rank: the run ended after {seconds:.1f} s")
+
+
+SLOWS_RANK_1 = textwrap.dedent("""
+    import os, time
+    import megatron.core.models.gpt.gpt_model as target
+    _real = target.GPTModel.forward
+
+    def _slow_on_rank_1(self, *args, **kwargs):
+        if os.environ.get("RANK") == "1":
+            time.sleep(0.2)
+        return _real(self, *args, **kwargs)
+
+    target.GPTModel.forward = _slow_on_rank_1
+""")
+
+
+def test_log_straggler_names_the_slow_rank(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(SLOWS_RANK_1)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    args = TINY_MODEL + ["--train-iters", "3", "--log-straggler", "--straggler-minmax-count", "2"]
+    result = run_pretrain(args, nproc=2, extra_env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = re.findall(
+        r"^ \| MnRtt/Rnk: ([\d.]+)ms/(\d) \| MxRtt/Rnk: ([\d.]+)ms/(\d)"
+        r" \| MnEtpt/Rnk: [\d.]+TF/(\d) \| MxEtpt/Rnk: [\d.]+TF/(\d)$",
+        result.stdout,
+        re.MULTILINE,
+    )
+    assert len(reports) == 3, result.stdout[-3000:]  # one per --log-interval (1)
+    for fast_ms, fast, slow_ms, slow, low, high in reports:
+        # 2 micro-batches per iteration, each forward 0.2 s slower on rank 1.
+        assert (fast, slow, low, high) == ("0", "1", "1", "0"), reports
+        assert float(slow_ms) - float(fast_ms) >= 0.9 * 400, reports
+    assert re.search(
+        r"^\^\^\^\^ Bottom 2 Ranks with lowest  Etpt\(TF\): [\d.]+/1, [\d.]+/0$",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout[-3000:]
+    assert re.search(
+        r"^\^\^\^\^ Top    2 Ranks with highest Etpt\(TF\): [\d.]+/0, [\d.]+/1$",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout[-3000:]
