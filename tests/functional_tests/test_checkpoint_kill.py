@@ -9,6 +9,7 @@ complete, and a resumed run trains iterations 3..6 with the straight run's losse
 
 import os
 import textwrap
+import time
 
 import pytest
 
@@ -49,6 +50,9 @@ CASES = {
     # torch: one torch.save per save here (one process); the second dies before writing
     # model_optim_rng.pt.tmp, so iteration 4's directory exists without a complete shard.
     "torch": ("torch", "save", 2),
+    # --async-save: iteration 4's files were written by the background save; the kill comes as
+    # the training thread commits it.
+    "torch_dist_async": ("megatron.core.dist_checkpointing", "write_metadata_json", 2),
 }
 
 
@@ -61,7 +65,10 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(straight, ckpt_format, tmp_p
         KILLER.format(module=module, function=function, nth=nth)
     )
     ckpt = tmp_path / "ckpt"
+    asynchronous = ckpt_format.endswith("_async")
+    ckpt_format = ckpt_format.removesuffix("_async")
     flags = BASE + ["--ckpt-format", ckpt_format, "--save", str(ckpt), "--save-interval", "2"]
+    flags += ["--async-save"] if asynchronous else []
 
     env = {"PYTHONPATH": os.pathsep.join([str(hook_dir), str(REPO)])}
     killed = run_pretrain(flags, extra_env=env)
@@ -135,5 +142,48 @@ def test_full_disk_during_save_fails_clearly_and_keeps_previous(straight, ckpt_f
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     losses = read_tensorboard_scalars(tb, "lm loss")
     assert sorted(losses) == [3, 4, 5, 6]
+    for it in losses:
+        assert abs(losses[it] - straight[it]) <= 1e-6 * abs(straight[it]), (it, losses, straight)
+
+
+KILLS_RANK_1 = textwrap.dedent("""
+    import os, signal
+    import megatron.core.models.gpt.gpt_model as target
+    _real = target.GPTModel.forward
+    _calls = [0]
+
+    def _killed_mid_iteration_5(self, *args, **kwargs):
+        _calls[0] += 1
+        if os.environ.get("RANK") == "1" and _calls[0] == 9:  # 2 micro-batches per iteration
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _real(self, *args, **kwargs)
+
+    target.GPTModel.forward = _killed_mid_iteration_5
+""")
+
+
+@pytest.mark.faults
+def test_kill_9_of_one_rank_mid_iteration_ends_the_job_and_resumes(straight, tmp_path):
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(KILLS_RANK_1)
+    ckpt = tmp_path / "ckpt"
+    flags = BASE + ["--ckpt-format", "torch_dist", "--save", str(ckpt), "--save-interval", "2"]
+    env = {"PYTHONPATH": os.pathsep.join([str(hook_dir), str(REPO)])}
+    start = time.monotonic()
+    killed = run_pretrain(flags, nproc=2, extra_env=env, timeout=120)
+    seconds = time.monotonic() - start
+    assert killed.returncode != 0, killed.stdout[-2000:]
+    # torchrun names the rank that died and how; the job ends instead of waiting for it.
+    assert "Signal 9 (SIGKILL) received by PID" in killed.stderr, killed.stderr[-3000:]
+    assert "iteration        4/" in killed.stdout and "iteration        5/" not in killed.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    print(f"kill -9 of rank 1: the job ended after {seconds:.1f} s")
+
+    tb = tmp_path / "tb"
+    resumed = run_pretrain(flags + ["--load", str(ckpt), "--tensorboard-dir", str(tb)], nproc=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = read_tensorboard_scalars(tb, "lm loss")
+    assert sorted(losses) == [5, 6]
     for it in losses:
         assert abs(losses[it] - straight[it]) <= 1e-6 * abs(straight[it]), (it, losses, straight)
