@@ -710,14 +710,15 @@ def _train_loop(
     report_memory_flag = True
     exit_code = None
     stragglers = None
+    train_forward_step = forward_step_func  # evaluation keeps the untimed one
     if args.log_straggler:
         stragglers = StragglerDetector(args.straggler_minmax_count)
-        forward_step_func = stragglers.timed(forward_step_func)
+        train_forward_step = stragglers.timed(forward_step_func)
     while iteration < args.train_iters:
         maybe_finalize_async_save(blocking=False)  # commits a finished --async-save checkpoint
         global_vars.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
+            train_forward_step, train_data_iterator, model, optimizer, opt_param_scheduler, config
         )
         iteration += 1
         args.iteration = iteration
