@@ -4,8 +4,8 @@ NPROC ?= 2
 RUN_DIR ?= runs/quickstart
 PIP_INSTALL = $(PYTHON) -m pip install -q -c constraints.txt
 
-.PHONY: install lint test test-fast interop quickstart quickstart-mock prepare-ds-sample clean \
-	prepare-ds-sample-bert quickstart-bert quickstart-t5
+.PHONY: install lint test test-faults test-fast interop quickstart quickstart-mock prepare-ds-sample \
+	clean prepare-ds-sample-bert quickstart-bert quickstart-t5
 
 install:
 	$(PIP_INSTALL) torch==2.13.0
@@ -17,7 +17,11 @@ lint:
 
 # Lint first; --durations=15: the slowest tests, so that the suite's growth stays visible.
 test: install lint
-	$(PYTHON) -m pytest -q --durations=15 tests
+	$(PYTHON) -m pytest -q --durations=15 -m "not faults" tests
+
+# The slow fault-injection runs (a stopped rank, SIGTERM to the launcher, a full disk): ~3 min.
+test-faults: install
+	$(PYTHON) -m pytest -q --durations=15 -m faults tests
 
 test-fast:
 	$(PYTHON) -m pytest -q --durations=15 tests/unit_tests

@@ -13,8 +13,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.transformer.spec_utils import import_spec
+from megatron.core.utils import NonFiniteValueError
 from megatron.training import get_args, get_parallel_state, get_timers, get_tokenizer, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
+from megatron.training.flag_errors import UserInputError
 from megatron.training.model_families import get_model_family
 from megatron.training.training import pretrain
 from megatron.training.utils import get_device
@@ -51,6 +53,24 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     )
 
 
+def _check_token_ids(batch, args) -> None:
+    """Data tokenized with a larger vocabulary than this run's would index past the embedding
+    (one process) or be masked away in silence (tensor parallel): refuse it by name."""
+    vocab_size = get_tokenizer().vocab_size
+    for key in ("tokens", "labels"):
+        largest = int(batch[key].max()) if batch[key].numel() else 0
+        if largest >= vocab_size:
+            names = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+            paths = [p for name in names for p in (getattr(args, name, None) or [])]
+            raise UserInputError(
+                f"token id {largest} in the data ({' '.join(paths) or 'mock data'}) is outside "
+                "the vocabulary of "
+                f"--tokenizer-type {args.tokenizer_type} (ids 0..{vocab_size - 1}); the data was "
+                "tokenized with another vocabulary (re-run tools/preprocess_data.py with this "
+                "run's tokenizer)"
+            )
+
+
 def get_batch(data_iterator):
     """The next micro-batch on this rank's device, cut to this rank's context-parallel chunks.
 
@@ -59,6 +79,7 @@ def get_batch(data_iterator):
     to each other (--reset-attention-mask), which keeps the fast SDPA path."""
     args = get_args()
     batch = next(data_iterator)
+    _check_token_ids(batch, args)
     device = get_device()
     tokens = batch["tokens"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
@@ -106,10 +127,9 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         num_tokens = local_tokens.clone()
         torch.distributed.all_reduce(num_tokens, group=state.get_context_parallel_group())
     if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
-        raise RuntimeError(
-            "NaN or Inf loss on rank "
-            f"{torch.distributed.get_rank() if torch.distributed.is_initialized() else 0} "
-            f"at iteration {args.iteration + 1}"
+        raise NonFiniteValueError(
+            f"found {'NaN' if torch.isnan(loss).item() else 'Inf'} in local forward loss "
+            f"calculation at iteration {args.iteration + 1} (--check-for-nan-in-loss-and-grad)"
         )
     reported = torch.cat([loss.clone().detach().view(1), local_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": reported}

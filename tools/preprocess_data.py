@@ -358,10 +358,9 @@ class _Outputs:
 
         self.prefixes = prefixes
         self.builders = {}
+        # An existing pair under these names stays until this run's pair is complete: a failed
+        # re-run must not lose a good dataset.
         for key, prefix in prefixes.items():
-            for ext in (".bin", ".idx"):  # a stale complete-looking pair must not survive this run
-                if os.path.exists(prefix + ext):
-                    os.remove(prefix + ext)
             self.builders[key] = IndexedDatasetBuilder(prefix + ".bin" + self.SUFFIX, dtype=dtype)
         self.sequences = 0
         self.tokens = 0
@@ -377,10 +376,13 @@ class _Outputs:
     def commit(self) -> None:
         for key, builder in self.builders.items():
             builder.finalize(self.prefixes[key] + ".idx" + self.SUFFIX)
-        # .bin first: an .idx never exists without its complete .bin.
+        # The old .idx goes first, then .bin, then .idx: an interruption leaves at worst a .bin
+        # without its .idx (no reader takes it for a dataset), never a new .bin with an old .idx.
         renamed = []
         try:
             for prefix in self.prefixes.values():
+                if os.path.exists(prefix + ".idx"):
+                    os.remove(prefix + ".idx")
                 for ext in (".bin", ".idx"):
                     os.replace(prefix + ext + self.SUFFIX, prefix + ext)
                     renamed.append(prefix + ext)
@@ -525,7 +527,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         preprocess(args)
     except (InputError, ValueError, FileNotFoundError) as e:
-        print(str(e), file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted; no output was written", file=sys.stderr)

@@ -32,3 +32,8 @@ def get_model_config(model: torch.nn.Module):
     if config is None:
         raise ValueError(f"model {type(inner).__name__} has no config attribute")
     return config
+
+
+class NonFiniteValueError(RuntimeError):
+    """A loss or a gradient became NaN or Inf with the NaN check on: the run stops there, with a
+    line that says where, instead of training on garbage."""

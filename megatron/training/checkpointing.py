@@ -35,6 +35,7 @@ from .checkpointing_common import (
     CHECKPOINT_VERSION,
     CheckpointError,
     barrier,
+    check_model_args,
     checkpoint_args,
     checkpoint_dir,
     checkpoint_name,
@@ -42,10 +43,12 @@ from .checkpointing_common import (
     print_loaded_checkpoint,
     print_saved_checkpoint,
     read_tracker,
+    remove_partial,
     remove_unretained,
     rng_state,
     set_rng_state,
     tracker_path,
+    why_write_failed,
 )
 from .checkpointing_dist import (
     load_checkpoint_dist,
@@ -90,10 +93,17 @@ def _load_distributed_optimizer_state(optimizer, path: str) -> None:
 
 
 def _atomic_save(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        remove_partial(tmp)
+        raise CheckpointError(
+            f"cannot write checkpoint file {path}: {why_write_failed(exc, tmp)}; the partial "
+            "file was removed and the last complete checkpoint is kept"
+        ) from None
 
 
 def save_checkpoint(
@@ -335,14 +345,7 @@ def load_checkpoint(
     state_dict = _load_file(path)
 
     ckpt_args = state_dict.get("args")
-    if ckpt_args is not None:
-        for name in global_vars.get_model_family().checkpoint_model_args:
-            ours, theirs = getattr(args, name, None), getattr(ckpt_args, name, None)
-            if ours is not None and theirs is not None and ours != theirs:
-                raise CheckpointError(
-                    f"checkpoint {path} was saved with --{name.replace('_', '-')} {theirs}, "
-                    f"but this run uses {ours}"
-                )
+    check_model_args(ckpt_args, args, global_vars.get_model_family().checkpoint_model_args, path)
 
     chunks = model if isinstance(model, list) else [model]
     for i, chunk in enumerate(chunks):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import errno
 import os
 import random
 import re
@@ -125,6 +126,47 @@ def remove_unretained(args, save_dir: str, iteration: int) -> None:
                 )
 
 
+# ------------------------------------------------------------------------------ failed writes
+def why_write_failed(exc: BaseException, path: str) -> str:
+    """A failed checkpoint write in plain words. torch's zip writer reports a short write (a full
+    disk, a file-size limit) only as "unexpected pos N vs M"."""
+    errno_ = getattr(exc, "errno", None)
+    if errno_ == errno.ENOSPC or "unexpected pos" in str(exc) or "No space left" in str(exc):
+        try:
+            free = shutil.disk_usage(os.path.dirname(path) or ".").free
+            room = f" ({free / 2**20:.1f} MiB free there)"
+        except OSError:
+            room = ""
+        return f"the disk is full or a file-size limit was reached{room}"
+    if errno_ == errno.EFBIG or "File too large" in str(exc):
+        return "a file-size limit was reached (ulimit -f)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(str(exc).split())[:300]
+
+
+def check_save_dir_writable(save_dir: str) -> None:
+    """Find a --save directory that cannot be written at start-up, not at the first save after
+    the compute is spent: create it and a probe file in it."""
+    probe = os.path.join(save_dir, f".write_probe.{get_rank()}")
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        with open(probe, "wb") as handle:
+            handle.write(b"\0")
+        os.remove(probe)
+    except OSError as exc:
+        raise CheckpointError(f"--save {save_dir} is not writable: {exc.strerror or exc}") from None
+
+
+def remove_partial(path: str) -> None:
+    """Delete what a failed save left (a ``.tmp`` file or directory): it holds disk space and
+    is never loaded."""
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
 # ------------------------------------------------------------------------------ saved args
 def _plain(value):
     if type(value) in _PLAIN or isinstance(value, torch.dtype):
@@ -152,6 +194,20 @@ def checkpoint_args(args) -> argparse.Namespace:
         if ok:
             setattr(saved, key, plain)
     return saved
+
+
+def check_model_args(ckpt_args, args, model_arg_names, path: str) -> None:
+    """Refuse a checkpoint whose model flags differ from this run's: a model with other heads or
+    groups can have the very same tensor shapes, so loading it would train another model."""
+    if ckpt_args is None:
+        return
+    for name in model_arg_names:
+        ours, theirs = getattr(args, name, None), getattr(ckpt_args, name, None)
+        if ours is not None and theirs is not None and ours != theirs:
+            raise CheckpointError(
+                f"checkpoint {path} was saved with --{name.replace('_', '-')} {theirs}, "
+                f"but this run uses {ours}"
+            )
 
 
 # ------------------------------------------------------------------------------ RNG states

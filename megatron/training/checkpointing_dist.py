@@ -45,13 +45,16 @@ from .checkpointing_common import (
     CHECKPOINT_VERSION,
     CheckpointError,
     barrier,
+    check_model_args,
     checkpoint_args,
     checkpoint_dir,
     commit_tracker,
     print_saved_checkpoint,
+    remove_partial,
     remove_unretained,
     rng_state,
     set_rng_state,
+    why_write_failed,
 )
 from .utils import get_device, get_rank, print_rank_0
 
@@ -178,8 +181,12 @@ def save_checkpoint_dist(
             common["rng_state"] = rng
         if os.path.isdir(work_dir):
             shutil.rmtree(work_dir)  # left by an interrupted save of the same iteration
-        os.makedirs(work_dir)
-        dc.save_common(common, work_dir)
+        try:
+            os.makedirs(work_dir)
+            dc.save_common(common, work_dir)
+        except (OSError, RuntimeError) as exc:
+            remove_partial(work_dir)
+            raise _write_failed(work_dir, exc) from None
     barrier()
 
     if args.async_save:
@@ -188,9 +195,19 @@ def save_checkpoint_dist(
         return
     try:
         dc.save(sharded, work_dir)
-    except dc.CheckpointingError as exc:
-        raise CheckpointError(str(exc)) from None
+    except (dc.CheckpointingError, OSError, RuntimeError) as exc:
+        # Every rank learns of a failed write (DCP gathers the results): one removes the rest.
+        if get_rank() == 0:
+            remove_partial(work_dir)
+        raise _write_failed(work_dir, exc) from None
     _commit(save_dir, iteration)
+
+
+def _write_failed(work_dir: str, exc: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"cannot write checkpoint {work_dir}: {why_write_failed(exc, work_dir)}; the partial "
+        "checkpoint was removed and the last complete one is kept"
+    )
 
 
 def _async_group():
@@ -278,15 +295,6 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
 
 
 # ---------------------------------------------------------------------------------- load
-def _args_hint(ckpt_args, args) -> str:
-    diffs = []
-    for name in global_vars.get_model_family().checkpoint_model_args:
-        theirs, ours = getattr(ckpt_args, name, None), getattr(args, name, None)
-        if theirs is not None and ours is not None and theirs != ours:
-            diffs.append(f"--{name.replace('_', '-')} {theirs} (this run: {ours})")
-    return f"; the checkpoint was saved with {', '.join(diffs)}" if diffs else ""
-
-
 def load_checkpoint_dist(
     model, optimizer, opt_param_scheduler, load_dir: str, iteration: int, release: bool
 ):
@@ -305,6 +313,9 @@ def load_checkpoint_dist(
     except dc.CheckpointingError as exc:
         raise CheckpointError(str(exc)) from None
     ckpt_args = common.get("args")
+    check_model_args(
+        ckpt_args, args, global_vars.get_model_family().checkpoint_model_args, directory
+    )
     # Checkpoints written here before the Megatron layout have one key per layer: read them so.
     per_layer = is_per_layer_layout(ckpt_keys)
     chunks, entries, by_param = _sharded_model(model, state, megatron_layout=not per_layer)
@@ -343,9 +354,7 @@ def load_checkpoint_dist(
             counts_as_unexpected=lambda key: load_optim or not key.startswith(STATE_PREFIX),
         )
     except dc.CheckpointingError as exc:
-        raise CheckpointError(
-            str(exc) + (_args_hint(ckpt_args, args) if ckpt_args is not None else "")
-        ) from None
+        raise CheckpointError(str(exc)) from None
     if strictness in (
         dc.StrictHandling.LOG_ALL,
         dc.StrictHandling.LOG_UNEXPECTED,

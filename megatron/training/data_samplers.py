@@ -8,6 +8,8 @@ one contiguous bucket per DP rank and walks a permutation of the bucket seeded b
 
 from __future__ import annotations
 
+import signal
+
 import torch
 
 
@@ -110,6 +112,14 @@ class MegatronPretrainingRandomSampler:
                 batch = []
 
 
+def _leave_signals_to_the_trainer(_worker_id: int) -> None:
+    """torchrun forwards SIGTERM to the whole process group: a data-loader worker that died of
+    it first made the trainer fail before --exit-signal-handler could save. The trainer alone
+    decides; its workers stop when it closes the loader (or dies)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def build_pretraining_data_loader(
     dataset, consumed_samples: int, args, data_parallel_rank: int, data_parallel_size: int
 ):
@@ -144,5 +154,6 @@ def build_pretraining_data_loader(
         num_workers=args.num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=args.num_workers > 0,
+        worker_init_fn=_leave_signals_to_the_trainer if args.num_workers > 0 else None,
         generator=torch.Generator(),
     )

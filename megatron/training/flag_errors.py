@@ -16,6 +16,11 @@ class BuildFromFlagsError(RuntimeError):
     """What was being built, the message of the error raised, the flags it names and where."""
 
 
+class UserInputError(RuntimeError):
+    """Input the user gave (a data file, a flag) found wrong while the run goes on; its message
+    names the file or flag and the run ends with that one line, without a traceback."""
+
+
 def _flags_named(message: str, args) -> list:
     """The flags whose dest appears as a word of `message` (e.g. ``num_attention_heads``)."""
     if args is None:

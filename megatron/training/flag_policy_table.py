@@ -185,8 +185,17 @@ honoured(
     num_layers_per_virtual_pipeline_stage num_virtual_stages_per_pipeline_rank
     microbatch_group_size_per_vp_stage account_for_embedding_in_pipeline_split
     account_for_loss_in_pipeline_split use_tp_pp_dp_mapping local_rank distributed_backend
-    distributed_timeout_minutes
     """,
+)
+honoured(
+    "per-rank forward times gathered every --log-interval; rank 0 names the slowest and fastest "
+    "ranks (Megatron's MnRtt/MxRtt/MnEtpt/MxEtpt columns; no device power/clock on CPU)",
+    "log_straggler straggler_minmax_count",
+)
+honoured(
+    "a collective that does not complete within the timeout ends the run with a line naming "
+    "it, its group and the ranks that did not arrive (and a dump of the last collectives)",
+    "distributed_timeout_minutes distributed_timeout_seconds_after_init",
 )
 honoured(
     "this code base creates no gloo copies of its process groups",
@@ -537,7 +546,7 @@ refused(
     hybrid_context_parallel tensor_parallel_num_weight_shards outer_dp_sharding_strategy
     enable_full_sharding_in_hsdp gtp_remat_reduce_scatter_with_fp32_accumulation
     gtp_remat_nccl_ub gtp_expert_remat_nccl_ub gtp_remat_opt_in_modules fake_process_group
-    lazy_mpu_init init_model_with_meta_device distributed_timeout_seconds_after_init
+    lazy_mpu_init init_model_with_meta_device
     """,
 )
 refused(
@@ -573,8 +582,8 @@ refused(
     """
     enable_ft_package calc_ft_timeouts ft_num_warmup_iters check_for_spiky_loss
     check_for_large_grads result_rejected_tracker_filename error_injection_type
-    gpu_sniff_test_interval adlr_autoresume adlr_autoresume_interval log_straggler
-    disable_straggler_on_startup straggler_ctrlr_port straggler_minmax_count
+    gpu_sniff_test_interval adlr_autoresume adlr_autoresume_interval
+    disable_straggler_on_startup straggler_ctrlr_port
     exit_signal_handler_for_dataloader replication replication_jump replication_factor
     inprocess_restart inprocess_max_iterations inprocess_monitor_thread_interval
     inprocess_monitor_process_interval inprocess_progress_watchdog_interval

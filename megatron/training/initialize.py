@@ -19,8 +19,9 @@ from megatron.core.parallel_state import initialize_model_parallel, live_gloo_wo
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from megatron.core.timers import Timers
 
-from . import global_vars
+from . import collective_watch, global_vars
 from .cpu_allocator import configure_cpu_allocator
+from .flag_errors import building
 from .utils import get_device, print_rank_0
 
 
@@ -75,7 +76,8 @@ def initialize_megatron(
     global_vars.set_timers(Timers(args.timing_log_level, args.timing_log_option))
     from .tokenizer import build_tokenizer
 
-    global_vars.set_tokenizer(build_tokenizer(args))
+    with building("tokenizer", args):  # a vocabulary file that is not one: one error line
+        global_vars.set_tokenizer(build_tokenizer(args))
     global_vars.set_num_microbatches_calculator(
         build_num_microbatches_calculator(
             rank=args.rank,
@@ -175,6 +177,7 @@ def _initialize_distributed(args):
         rank=args.rank,
         timeout=timedelta(minutes=args.distributed_timeout_minutes),
     )
+    collective_watch.install(timedelta(minutes=args.distributed_timeout_minutes))
 
 
 def _set_random_seed(args, state):

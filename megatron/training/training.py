@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import sys
 import time
+from datetime import timedelta
 from functools import partial
 from typing import Callable, List, Optional
 
@@ -20,7 +21,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from megatron.core.utils import get_model_config
+from megatron.core.utils import NonFiniteValueError, get_model_config
 
 from . import global_vars
 from .argument_groups.validation import ArgumentValidationError
@@ -31,14 +32,17 @@ from .checkpointing import (
     maybe_finalize_async_save,
     save_checkpoint,
 )
+from .checkpointing_common import check_save_dir_writable
 from .checkpointing_dist import release_async_save_group
+from .collective_watch import CollectiveTimeoutError, set_timeout, uninstall
 from .configs import ddp_config_from_args, optimizer_config_from_args
 from .data_samplers import build_pretraining_data_loader
-from .flag_errors import BuildFromFlagsError, building
+from .flag_errors import BuildFromFlagsError, UserInputError, building
 from .initialize import initialize_megatron, teardown_process_groups
 from .model_families import get_model_family
 from .progress_log import log_checkpoint_saved, log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
+from .straggler import StragglerDetector
 from .training_log import print_evaluation, training_log
 from .utils import get_device, print_rank_0
 
@@ -58,6 +62,9 @@ def print_datetime(message: str) -> None:
 USER_INPUT_ERRORS = (
     CheckpointError,
     BuildFromFlagsError,
+    UserInputError,
+    NonFiniteValueError,
+    CollectiveTimeoutError,
     ReplicaMismatchError,
     FileNotFoundError,
     NotADirectoryError,
@@ -145,6 +152,8 @@ def _pretrain(
         start = start.to(get_device())
         dist.all_reduce(start, op=dist.ReduceOp.MIN)
     _TRAIN_START_TIME = start.item()
+    if args.save:
+        check_save_dir_writable(args.save)
     if args.log_progress:
         with building("progress log", args):  # a malformed progress.txt: one line naming it
             log_job_start(args)
@@ -245,6 +254,7 @@ def _leave_process_group():
     dist.barrier()
     global_vars.set_parallel_state(None)  # it holds every model-parallel group
     release_async_save_group()
+    uninstall()
     leaked = teardown_process_groups()
     if leaked:
         print(
@@ -663,6 +673,9 @@ def train(
         chunk.train()
     iteration = args.iteration
     flops = args.num_floating_point_operations_so_far
+    if args.distributed_timeout_seconds_after_init is not None and dist.is_initialized():
+        # Set-up (dataset indices, checkpoint loads) may be slow; iterations are not.
+        set_timeout(timedelta(seconds=args.distributed_timeout_seconds_after_init))
     timers("interval-time", log_level=0).start(barrier=True)
     check_weight_hashes_if_due(model, iteration, before_training=True)
     if args.manual_gc:
@@ -703,11 +716,16 @@ def _train_loop(
     total_loss_dict = {}
     report_memory_flag = True
     exit_code = None
+    stragglers = None
+    train_forward_step = forward_step_func  # evaluation keeps the untimed one
+    if args.log_straggler:
+        stragglers = StragglerDetector(args.straggler_minmax_count)
+        train_forward_step = stragglers.timed(forward_step_func)
     while iteration < args.train_iters:
         maybe_finalize_async_save(blocking=False)  # commits a finished --async-save checkpoint
         global_vars.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
         loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            forward_step_func, train_data_iterator, model, optimizer, opt_param_scheduler, config
+            train_forward_step, train_data_iterator, model, optimizer, opt_param_scheduler, config
         )
         iteration += 1
         args.iteration = iteration
@@ -734,6 +752,13 @@ def _train_loop(
             num_zeros,
         )
 
+        if stragglers is not None and iteration % args.log_interval == 0:
+            # Every rank: the report gathers the forward times of all of them.
+            report = stragglers.report(
+                family.num_floating_point_operations(args, batch_size), args.log_interval
+            )
+            if report:
+                print(report, flush=True)
         check_weight_hashes_if_due(model, iteration)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()

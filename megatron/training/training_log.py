@@ -156,8 +156,10 @@ def training_log(
                     writer.add_scalar(f"{name} vs samples", value, samples)
             if getattr(args, "skipped_train_samples", 0):
                 writer.add_scalar("skipped-train-samples", args.skipped_train_samples, iteration)
-            if getattr(args, "log_timers_to_tensorboard", False):
-                timers.write(timers_to_log, writer, iteration, normalizer=1.0)
+        if getattr(args, "log_timers_to_tensorboard", False) and args.tensorboard_dir:
+            # A gather over every rank: all ranks call it, only the one with the writer writes
+            # (called on the writer's rank alone, it waited for ever for the others).
+            timers.write(timers_to_log, writer, iteration, normalizer=1.0)
         if wandb_writer is not None:
             wandb_writer.log({**scalars, "samples": samples}, iteration)
 

@@ -423,14 +423,17 @@ def test_damaged_checkpoint_names_the_file(tmp_path, damage, words):
 def test_checkpoint_of_another_model_lists_the_mismatches(tmp_path):
     model, opt, sched = _setup(tmp_path)
     checkpointing.save_checkpoint(1, model, opt, sched)
+    # The model flags differ: named before any tensor is read (as Megatron checks them).
     other, opt2, sched2 = _setup(tmp_path, model=_model(3, width=16), hidden_size=16)
+    with pytest.raises(
+        checkpointing.CheckpointError, match="was saved with --hidden-size 8, but this run uses 16"
+    ):
+        checkpointing.load_checkpoint(other, opt2, sched2)
+    # Same flags, another model (the flags do not describe every shape): the tensors are listed.
+    other, opt2, sched2 = _setup(tmp_path, model=_model(3, width=16))
     with pytest.raises(checkpointing.CheckpointError, match="does not fit this model") as err:
         checkpointing.load_checkpoint(other, opt2, sched2)
-    msg = str(err.value)
-    assert (
-        "does not fit this model" in msg and "0.weight: checkpoint (8, 8) vs model (16, 8)" in msg
-    )
-    assert "--hidden-size 8 (this run: 16)" in msg
+    assert "0.weight: checkpoint (8, 8) vs model (16, 8)" in str(err.value)
 
 
 def test_metadata_that_would_run_code_is_refused(tmp_path):

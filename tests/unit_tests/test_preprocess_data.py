@@ -236,8 +236,10 @@ def test_malformed_json_line_stops_with_file_and_line(tmp_path, capsys, lines):
     path = tmp_path / "bad.jsonl"
     bad = lines[:299] + ['{"text": "unterminated\n'] + lines[299:]  # line 300, in the second batch
     path.write_text("".join(bad), encoding="utf-8")
-    # A complete-looking output of an earlier run must not survive a failed run either.
-    (tmp_path / "out_text_document.idx").write_bytes(b"stale")
+    # The dataset of an earlier run stays as it was when a re-run fails (it was deleted when
+    # the re-run started, so a failed re-run lost a good dataset).
+    (tmp_path / "out_text_document.bin").write_bytes(b"earlier bin")
+    (tmp_path / "out_text_document.idx").write_bytes(b"earlier idx")
     code, err = run_inprocess(
         capsys,
         "--input",
@@ -249,8 +251,14 @@ def test_malformed_json_line_stops_with_file_and_line(tmp_path, capsys, lines):
         "2",
     )
     assert code == 1  # the CLI exits with this status (sys.exit(main()))
-    assert f"{path}:300: malformed JSON" in err
-    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+    assert f"error: {path}:300: malformed JSON" in err
+    assert sorted(os.listdir(tmp_path)) == [
+        "bad.jsonl",
+        "out_text_document.bin",
+        "out_text_document.idx",
+    ]
+    assert (tmp_path / "out_text_document.bin").read_bytes() == b"earlier bin"
+    assert (tmp_path / "out_text_document.idx").read_bytes() == b"earlier idx"
 
 
 def test_missing_key_and_wrong_types(tmp_path, capsys):

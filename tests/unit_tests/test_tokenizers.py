@@ -126,6 +126,28 @@ def test_gpt2_round_trip_and_special_ids(gpt2, corpus):
         gpt2.mask
 
 
+def test_binary_or_foreign_vocabulary_files_are_named_in_one_short_line(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\x00\x01\xff\xfe" * 64)
+    # Before: a bare UnicodeDecodeError naming no file.
+    with pytest.raises(
+        ValueError,
+        match=r"model.bin: not a GPT-2 vocab.json \(not UTF-8 text: byte 0xff at offset 2\)",
+    ):
+        GPT2BPETokenizer(str(binary), GPT2_MERGES)
+    with pytest.raises(ValueError, match=r"model.bin: not a GPT-2 merges.txt \(not UTF-8 text"):
+        GPT2BPETokenizer(GPT2_VOCAB, str(binary))
+    with pytest.raises(ValueError, match=r"model.bin: not a WordPiece vocab.txt \(not UTF-8 text"):
+        BertWordPieceLowerCase(str(binary))
+    # A wrong --merge-file (here: one line of 1 MB): the error quotes 60 characters of it.
+    one_long_line = tmp_path / "corpus.txt"
+    one_long_line.write_text("x" * 2**20 + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"corpus.txt:1: not a GPT-2 merges.txt") as info:
+        GPT2BPETokenizer(GPT2_VOCAB, str(one_long_line))
+    assert len(str(info.value)) < 300, len(str(info.value))
+    assert f"... ({2**20} characters)" in str(info.value)
+
+
 def test_gpt2_bad_files(tmp_path):
     bad_merges = tmp_path / "merges.txt"
     bad_merges.write_text("#version: 0.2\nzzzq qqq\n", encoding="utf-8")

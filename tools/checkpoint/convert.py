@@ -96,8 +96,14 @@ def build_parser():
 
 def parse(argv=None):
     """Two passes, as Megatron's converter: the plugin names first, then every plugin's flags."""
+    # The first pass reads only the plugin names (no --help, no required flags), so that --help
+    # lists the plugins' flags too.
+    names = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    names.add_argument("--loader", default="core")
+    names.add_argument("--saver", default="core")
+    names.add_argument("--model-type")
+    known, _ = names.parse_known_args(argv)
     parser = build_parser()
-    known, _ = parser.parse_known_args(argv)
     if known.model_type == "BERT":
         import convert_bert
 

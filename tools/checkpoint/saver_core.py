@@ -123,6 +123,13 @@ def model_flags(md, tp: int, pp: int, vpp) -> list:
         flags += ["--tokenizer-type", md.tokenizer_type]
         if md.tokenizer_model:
             flags += ["--tokenizer-model", md.tokenizer_model]
+        # The vocabulary flags the tokenizer type needs (NullTokenizer's size, GPT-2's files),
+        # as the trainer's checkpoint recorded them.
+        saved = md.checkpoint_args
+        for dest in ("vocab_size", "vocab_file", "merge_file"):
+            value = getattr(saved, dest, None) if saved is not None else None
+            if value is not None:
+                flags += ["--" + dest.replace("_", "-"), value]
     return [str(f) for f in flags]
 
 

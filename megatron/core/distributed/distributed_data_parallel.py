@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel import collectives
+from megatron.core.utils import NonFiniteValueError
 
 from .param_and_grad_buffer import ParamAndGradBuffer
 
@@ -262,7 +263,10 @@ class DistributedDataParallel(torch.nn.Module):
         if self.config.check_for_nan_in_grad:
             for buffer in self.all_buffers:
                 if not torch.isfinite(buffer.grad_data).all():
-                    raise RuntimeError("NaN or Inf found in the reduced gradients")
+                    raise NonFiniteValueError(
+                        "found NaN or Inf in the reduced gradients "
+                        "(--check-for-nan-in-loss-and-grad)"
+                    )
 
     @torch.no_grad()
     def start_param_sync(self, *unused, force_sync: bool = False):

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.tensor_parallel import collectives
+from megatron.core.utils import NonFiniteValueError
 
 from .distributed_data_parallel import DistributedDataParallelConfig
 
@@ -201,7 +202,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         if self.config.check_for_nan_in_grad:
             for _, _, local in self._shards:
                 if local.main_grad is not None and not torch.isfinite(local.main_grad).all():
-                    raise RuntimeError("NaN or Inf found in the reduced gradients")
+                    raise NonFiniteValueError(
+                        "found NaN or Inf in the reduced gradients "
+                        "(--check-for-nan-in-loss-and-grad)"
+                    )
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply every reduced gradient shard by ``factor`` (per-token loss normalisation)."""

@@ -19,6 +19,7 @@ import unicodedata
 from typing import Dict, Iterable, List, Optional
 
 from .base import MegatronTokenizer
+from .gpt2_bpe import not_text
 
 MAX_WORD_CHARS = 200
 
@@ -118,8 +119,11 @@ def wordpiece(word: str, vocab: Dict[str, int], unk: str = "[UNK]") -> List[str]
 
 def load_vocab(vocab_file: str) -> Dict[str, int]:
     """One token per line, id = line number (a later duplicate wins, as in BERT's loader)."""
-    with open(vocab_file, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{vocab_file}: not a WordPiece vocab.txt ({not_text(e)})") from None
     if lines and lines[-1] == "":
         lines.pop()
     return {line.rstrip("\r"): i for i, line in enumerate(lines)}

@@ -110,10 +110,28 @@ def load_gpt2_files(
             encoder = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{vocab_file}: not a GPT-2 vocab.json ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{vocab_file}: not a GPT-2 vocab.json ({not_text(e)})") from None
     if not isinstance(encoder, dict) or not all(isinstance(v, int) for v in encoder.values()):
         raise ValueError(
             f"{vocab_file}: not a GPT-2 vocab.json (expected an object of token -> integer id)"
         )
+    try:
+        return encoder, _read_merges(merge_file, encoder, vocab_file)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{merge_file}: not a GPT-2 merges.txt ({not_text(e)})") from None
+
+
+def not_text(error: UnicodeDecodeError) -> str:
+    return f"not UTF-8 text: byte 0x{error.object[error.start]:02x} at offset {error.start}"
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    """A line quoted in an error, cut: a wrong file can hold one line of megabytes."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _read_merges(merge_file: str, encoder: Dict[str, int], vocab_file: str):
     merges = []
     with open(merge_file, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -123,17 +141,18 @@ def load_gpt2_files(
             parts = line.split(" ")
             if len(parts) != 2 or not parts[0] or not parts[1]:
                 raise ValueError(
-                    f"{merge_file}:{lineno}: expected two space-separated tokens, got {line!r}"
+                    f"{merge_file}:{lineno}: not a GPT-2 merges.txt: expected two "
+                    f"space-separated tokens, got {_clip(line)}"
                 )
             a, b = parts
             for token in (a, b, a + b):
                 if token not in encoder:
                     raise ValueError(
-                        f"{merge_file}:{lineno}: token {token!r} of merge {line!r} "
+                        f"{merge_file}:{lineno}: token {_clip(token)} of merge {_clip(line)} "
                         f"is not in {vocab_file}"
                     )
             merges.append((a, b))
-    return encoder, merges
+    return merges
 
 
 class _ByteLevelBPE:
