@@ -38,6 +38,8 @@ class ShardedTensor:
     """Where the pieces of ``data`` sit in the global tensor."""
     replica: bool = False
     """True when another rank saves the same pieces: loaded here, never saved from here."""
+    expert: bool = False
+    """An MoE expert's tensor: replicated over the expert-data-parallel group, not over DP."""
 
     def view(self, chunk: Chunk) -> torch.Tensor:
         """The part of ``data`` that holds ``chunk`` (a view: writing to it writes ``data``)."""
@@ -62,7 +64,12 @@ class ShardedTensor:
                 f"{tuple(self.data.shape)}"
             )
         return ShardedTensor(
-            key, data, self.global_shape, self.chunks, self.replica if replica is None else replica
+            key,
+            data,
+            self.global_shape,
+            self.chunks,
+            self.replica if replica is None else replica,
+            self.expert,
         )
 
 

@@ -83,6 +83,8 @@ class SequentialMLP(torch.nn.Module):
         stride = 2 if self.gated else 1
         device = param_device(config)
         first = ep_rank * self.num_local_experts
+        self.local_expert_offset = first
+        """Global index of local expert 0 (checkpoints number the experts globally)."""
         experts = []
         for expert in range(config.num_moe_experts):
             fc1 = _master((fc1_rows, hidden), config, config.init_method)
