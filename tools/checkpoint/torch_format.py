@@ -39,8 +39,15 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _COLUMN, _ROW, _REPLICATED, _GLU = "column", "row", "replicated", "glu"
 
 
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
 def split_kind(name: str, swiglu: bool) -> str:
-    local = _LAYER.sub(r"\2", name)
+    expert = _EXPERT.match(name)
+    # An expert's linear layers split like the dense MLP's (TP = expert TP here).
+    local = "mlp" + expert.group(3) if expert else _LAYER.sub(r"\2", name)
+    if local == "mlp.router.weight":
+        return _REPLICATED
     if local in (
         "embedding.word_embeddings.weight",
         "output_layer.weight",
@@ -302,6 +309,15 @@ class TorchCheckpointWriter:
             for c in range(self.num_chunks)
         }
         self.tied = not args.untie_embeddings_and_output_weights
+        self.ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        experts = getattr(args, "num_experts", None) or 0
+        if experts % self.ep:
+            raise ConversionError(
+                f"{experts} experts cannot be split over --target-expert-parallel-size {self.ep}"
+            )
+        self.experts_per_rank = experts // self.ep if experts else 0
+        # Expert tensors by (TP, PP, chunk, EP rank); everything else is in every EP rank's file.
+        self.expert_states = {key + (e,): {} for key in self.states for e in range(self.ep)}
 
     def _where_layer(self, index: int) -> Tuple[int, int, int]:
         for p in range(self.pp):
@@ -328,40 +344,55 @@ class TorchCheckpointWriter:
         else:
             raise ConversionError(f"unexpected tensor name '{name}'")
         shards = split_full(name, tensor, self.tp, self.swiglu)
+        expert = _EXPERT.match(places[0][2])
         for p, c, local in places:
             for t in range(self.tp):
-                self.states[(t, p, c)][local] = shards[t]
+                if expert:
+                    # Expert e lives on EP rank e // experts_per_rank as its local index there.
+                    index = int(expert.group(2))
+                    rank, index = divmod(index, self.experts_per_rank)
+                    local = f"{expert.group(1)}{index}{expert.group(3)}"
+                    self.expert_states[(t, p, c, rank)][local] = shards[t]
+                else:
+                    self.states[(t, p, c)][local] = shards[t]
 
     def write(self) -> List[str]:
         os.makedirs(self.save_dir, exist_ok=True)
         saved_args = checkpoint_args(self.args)
         paths = []
-        for t in range(self.tp):
-            for p in range(self.pp):
-                state = {
-                    "args": saved_args,
-                    "checkpoint_version": CHECKPOINT_VERSION,
-                    "iteration": self.iteration,
-                    "num_floating_point_operations_so_far": 0.0,
-                }
-                if self.num_chunks == 1:
-                    state["model"] = self.states[(t, p, 0)]
-                else:
-                    for c in range(self.num_chunks):
-                        state[f"model{c}"] = self.states[(t, p, c)]
-                path = checkpoint_name(
-                    self.save_dir,
-                    self.iteration,
-                    self.release,
-                    tp_rank=t,
-                    pp_rank=p,
-                    pp_size=self.pp,
-                )
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = path + ".tmp"
-                torch.save(state, tmp)
-                os.replace(tmp, path)
-                paths.append(path)
+        for t, p, e in (
+            (t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)
+        ):
+            state = {
+                "args": saved_args,
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": self.iteration,
+                "num_floating_point_operations_so_far": 0.0,
+            }
+            models = [
+                {**self.states[(t, p, c)], **self.expert_states[(t, p, c, e)]}
+                for c in range(self.num_chunks)
+            ]
+            if self.num_chunks == 1:
+                state["model"] = models[0]
+            else:
+                for c in range(self.num_chunks):
+                    state[f"model{c}"] = models[c]
+            path = checkpoint_name(
+                self.save_dir,
+                self.iteration,
+                self.release,
+                tp_rank=t,
+                pp_rank=p,
+                pp_size=self.pp,
+                ep_rank=e,
+                ep_size=self.ep,
+            )
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + ".tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+            paths.append(path)
         # The tracker goes last, so an interrupted conversion never looks complete.
         tracker = os.path.join(self.save_dir, TRACKER_FILENAME)
         with open(tracker + ".tmp", "w") as f:
