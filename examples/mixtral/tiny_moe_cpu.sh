@@ -48,7 +48,8 @@ if [[ -n "${DATA_PATH:-}" ]]; then
     ARGS+=(--data-path "$DATA_PATH" --split 98,1,1 --tokenizer-type GPT2BPETokenizer
         --vocab-file tests/data/gpt2-vocab.json --merge-file tests/data/gpt2-merges.txt)
 else
-    ARGS+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 1024)
+    # 1000 tokens (+1 end-of-document) pad to 1024 at TP=1 and TP=2 alike: the same model.
+    ARGS+=(--mock-data --tokenizer-type NullTokenizer --vocab-size 1000)
 fi
 if [[ "${DRY_RUN:-0}" == "1" ]]; then
     exec env WORLD_SIZE="$NPROC" RANK=0 "$PYTHON" -m megatron.training.dry_run \
