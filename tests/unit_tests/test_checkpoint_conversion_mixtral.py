@@ -6,12 +6,18 @@ Converted at TP=2 x PP=2 x EP=2, every file ``mp_rank_TT_PPP_EEE`` holds exactly
 the one-file checkpoint: layers of its stage, its EP rank's experts (renumbered locally), TP
 shards (fc1 as [gate_t; up_t])."""
 
+import json
 import os
 
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from tests.unit_tests.test_checkpoint_conversion_hf import VOCAB, check_logits, run
+from tests.unit_tests.test_checkpoint_conversion_hf import (
+    VOCAB,
+    assert_same_tensors,
+    check_logits,
+    run,
+)
 
 EXPERTS = 4
 
@@ -93,3 +99,45 @@ def test_mixtral_logits_and_expert_parallel_shards(tmp_path):
                     ours = "decoder.layers.0.mlp.experts.local_experts."
                     assert torch.equal(shard[f"{ours}{i}.linear_fc1.weight"], expected_fc1)
                     assert torch.equal(shard[f"{ours}{i}.linear_fc2.weight"], fc2.chunk(2, 1)[t])
+
+
+def test_mixtral_round_trip_through_expert_parallel_checkpoint(tmp_path):
+    """HF -> ours at TP=2 x PP=2 x EP=2 -> ours at EP=1 -> HF: the same tensors as the source."""
+    src, model = _mixtral_dir(tmp_path)
+    split, one, back = tmp_path / "split", tmp_path / "one", tmp_path / "back"
+    run(
+        "--loader",
+        "hf_llama",
+        "--saver",
+        "core",
+        "--load-dir",
+        src,
+        "--save-dir",
+        split,
+        "--target-tensor-parallel-size",
+        2,
+        "--target-pipeline-parallel-size",
+        2,
+        "--target-expert-parallel-size",
+        2,
+    )
+    run(
+        "--loader",
+        "core",
+        "--saver",
+        "core",
+        "--load-dir",
+        split,
+        "--save-dir",
+        one,
+        "--target-tensor-parallel-size",
+        1,
+        "--target-pipeline-parallel-size",
+        1,
+    )
+    check_logits(model, one)
+    run("--loader", "core", "--saver", "hf_llama", "--load-dir", split, "--save-dir", back)
+    assert_same_tensors(src, back)
+    with open(back / "config.json") as f:
+        config = json.load(f)
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == EXPERTS

@@ -180,6 +180,8 @@ def build_args(
             "account_for_loss_in_pipeline_split",
             "make_vocab_size_divisible_by",
             "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+            "sequence_parallel",
             "world_size",
             "data_parallel_size",
         ):

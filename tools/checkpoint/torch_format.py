@@ -175,35 +175,45 @@ class TorchCheckpointReader:
                 "checkpoints can be converted so far"
             )
         names = sorted(n for n in os.listdir(self.iteration_dir) if n.startswith("mp_rank_"))
-        ranks = []
+        parts = []
         for n in names:
-            parts = n[len("mp_rank_") :].split("_")
-            if not all(p.isdigit() for p in parts) or len(parts) > 2:
-                raise ConversionError(
-                    f"unexpected entry {n} in {self.iteration_dir} (expert-parallel "
-                    "checkpoints are not supported yet)"
-                )
-            ranks.append((int(parts[0]), int(parts[1]) if len(parts) == 2 else 0))
+            numbers = n[len("mp_rank_") :].split("_")
+            if not all(p.isdigit() for p in numbers) or len(numbers) > 3:
+                raise ConversionError(f"unexpected entry {n} in {self.iteration_dir}")
+            parts.append([int(p) for p in numbers])
+        # mp_rank_TT[_PPP][_EEE]: with two numbers the args tell whether the second is PP or EP.
+        some = _load(os.path.join(self.iteration_dir, names[0], "model_optim_rng.pt"))
+        saved = some.get("args")
+        pp_size = getattr(saved, "pipeline_model_parallel_size", 1) or 1
+        ep_size = getattr(saved, "expert_model_parallel_size", 1) or 1
+        ranks = []
+        for numbers in parts:
+            t = numbers[0]
+            p = numbers[1] if pp_size > 1 and len(numbers) > 1 else 0
+            e = numbers[-1] if ep_size > 1 and len(numbers) > 1 else 0
+            ranks.append((t, p, e))
         self.tp = max(r[0] for r in ranks) + 1
         self.pp = max(r[1] for r in ranks) + 1
-        if len(ranks) != self.tp * self.pp:
+        self.ep = max(r[2] for r in ranks) + 1
+        if len(set(ranks)) != self.tp * self.pp * self.ep or len(ranks) != len(set(ranks)):
             raise ConversionError(
                 f"{self.iteration_dir} holds {len(ranks)} mp_rank_* entries, expected "
-                f"TP x PP = {self.tp} x {self.pp}; the checkpoint is incomplete"
+                f"TP x PP x EP = {self.tp} x {self.pp} x {self.ep}; the checkpoint is incomplete"
             )
         self.files = {}
-        for t in range(self.tp):
-            for p in range(self.pp):
-                path = checkpoint_name(
-                    os.path.dirname(self.iteration_dir),
-                    self.iteration,
-                    self.release,
-                    tp_rank=t,
-                    pp_rank=p,
-                    pp_size=self.pp,
-                )
-                self.files[(t, p)] = _load(path)
-        first = self.files[(0, 0)]
+        for t, p, e in ranks:
+            path = checkpoint_name(
+                os.path.dirname(self.iteration_dir),
+                self.iteration,
+                self.release,
+                tp_rank=t,
+                pp_rank=p,
+                pp_size=self.pp,
+                ep_rank=e,
+                ep_size=self.ep,
+            )
+            self.files[(t, p, e)] = _load(path)
+        first = self.files[(0, 0, 0)]
         self.args = first.get("args")
         if self.args is None:
             raise ConversionError(
@@ -213,6 +223,7 @@ class TorchCheckpointReader:
         for flag, ours in (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
+            ("expert_model_parallel_size", self.ep),
         ):
             saved = getattr(self.args, flag, ours)
             if saved != ours:
@@ -234,37 +245,49 @@ class TorchCheckpointReader:
         self.split = layer_split_from_args(self.args, self.args.num_layers, self.pp, vpp)
         self._index = self._build_index()
 
-    def _build_index(self) -> Dict[str, List[Tuple[Tuple[int, int], str, str]]]:
-        """global name -> [(file key, chunk key, local name) for each TP rank]."""
+    def _build_index(self) -> Dict[str, List[Tuple[Tuple[int, int, int], str, str]]]:
+        """global name -> [(file key, chunk key, local name) for each TP rank]. Experts are
+        read from the file of their EP rank and numbered globally; the rest from EP rank 0."""
         index: Dict[str, list] = {}
+        experts = getattr(self.args, "num_experts", None) or 0
+        per_rank = experts // self.ep if experts else 0
         for p in range(self.pp):
             for c, chunk_key in enumerate(self.chunk_keys):
                 offset = self.split.offset_for(p, c)
                 count = self.split.num_layers_for(p, c)
                 for t in range(self.tp):
-                    state = self.files[(t, p)].get(chunk_key)
-                    if state is None:
-                        raise ConversionError(f"mp_rank {t:02d}_{p:03d} has no '{chunk_key}' entry")
-                    for local, tensor in state.items():
-                        if local.endswith("_extra_state"):
-                            continue
-                        m = _LAYER.match(local)
-                        if m:
-                            i = int(m.group(1))
-                            if i >= count:
-                                raise ConversionError(
-                                    f"pipeline stage {p} chunk {c} holds layer {i} but the layer split of the "
-                                    f"checkpoint's args gives it {count} layers"
-                                )
-                            name = f"decoder.layers.{offset + i}.{m.group(2)}"
-                        else:
-                            name = local
-                        index.setdefault(name, [None] * self.tp)
-                        if (
-                            index[name][t] is None
-                        ):  # tied copy on the last stage: keep the first stage's
-                            index[name][t] = ((t, p), chunk_key, local)
+                    for e in range(self.ep):
+                        state = self.files[(t, p, e)].get(chunk_key)
+                        if state is None:
+                            raise ConversionError(
+                                f"mp_rank {t:02d}_{p:03d}_{e:03d} has no '{chunk_key}' entry"
+                            )
+                        for local, tensor in state.items():
+                            if local.endswith("_extra_state"):
+                                continue
+                            name = self._global_name(local, offset, count, p, c)
+                            expert = _EXPERT.match(name)
+                            if expert:
+                                g = e * per_rank + int(expert.group(2))
+                                name = f"{expert.group(1)}{g}{expert.group(3)}"
+                            elif e != 0:
+                                continue
+                            index.setdefault(name, [None] * self.tp)
+                            if index[name][t] is None:  # tied copy on the last stage: first's
+                                index[name][t] = ((t, p, e), chunk_key, local)
         return index
+
+    def _global_name(self, local: str, offset: int, count: int, p: int, c: int) -> str:
+        m = _LAYER.match(local)
+        if not m:
+            return local
+        i = int(m.group(1))
+        if i >= count:
+            raise ConversionError(
+                f"pipeline stage {p} chunk {c} holds layer {i} but the layer split of the "
+                f"checkpoint's args gives it {count} layers"
+            )
+        return f"decoder.layers.{offset + i}.{m.group(2)}"
 
     def names(self) -> List[str]:
         return list(self._index)
