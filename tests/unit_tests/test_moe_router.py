@@ -243,3 +243,26 @@ def test_moe_config_errors_name_the_flags():
         moe_config(tensor_model_parallel_size=2)
     with pytest.raises(ValueError, match="moe-layer-freq"):
         moe_config(moe_layer_freq=[1, 0, 1])
+
+
+def test_moe_flag_rules_name_the_flags():
+    from megatron.training.argument_groups.validation import ArgumentValidationError
+    from tests.unit_tests.tiny_configs import tiny_args
+
+    cases = [
+        (["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
+        (["--use-distributed-optimizer"], "--use-distributed-optimizer with --num-experts"),
+        (
+            ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+            + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"],
+            "virtual pipeline stages",
+        ),
+        (["--moe-router-topk", "5"], "--moe-router-topk"),
+        (["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ArgumentValidationError, match=message):
+            tiny_args("--num-experts", "4", *extra, world_size=4)
+    args = tiny_args("--num-experts", "4", "--moe-token-dispatcher-type", "flex", world_size=2)
+    assert args.moe_token_dispatcher_type == "alltoall"
+    assert "--moe-token-dispatcher-type flex" in args.no_effect_note
