@@ -102,10 +102,11 @@ def _is_torch_format_writer(args, state) -> bool:
     shards and that EP rank's experts, as in Megatron)."""
     if not getattr(args, "num_experts", None):
         return state.get_data_parallel_rank(with_context_parallel=True) == 0
-    if state.get_expert_tensor_parallel_world_size() != state.get_tensor_model_parallel_world_size():
+    etp = state.get_expert_tensor_parallel_world_size()
+    if etp != state.get_tensor_model_parallel_world_size():
         raise CheckpointError(
             "--ckpt-format torch cannot save experts split differently from the dense layers "
-            f"(--expert-tensor-parallel-size {state.get_expert_tensor_parallel_world_size()}, "
+            f"(--expert-tensor-parallel-size {etp}, "
             f"--tensor-model-parallel-size {state.get_tensor_model_parallel_world_size()}): "
             "use --ckpt-format torch_dist"
         )
