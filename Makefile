@@ -117,9 +117,14 @@ plot-gpt2large:
 ablate-cpu: $(DATA_DIR)/corpus_text_document.bin
 	PYTHON=$(PYTHON) DATA_PATH=$(DATA_DIR)/corpus_text_document bash examples/gpt2/ablate_cpu.sh
 
+# Mixture of experts on CPU: a tiny MoE GPT at EP=1, EP=2 and EP=2 x TP=2 (1, 2 and 4 processes,
+# mock data), logs in runs/ablate-moe-cpu/<layout>.log, curves in runs/ablate-moe-cpu/ablation.png.
+ablate-moe-cpu:
+	PYTHON=$(PYTHON) bash examples/mixtral/ablate_moe_cpu.sh
+
 # Validate every launch script's flags (DRY_RUN=1) and print its layout.
 dry-run-examples:
 	@for script in examples/gpt3/train_gpt3_*.sh examples/llama/train_*.sh \
-		examples/bert/train_bert_*.sh examples/t5/train_t5_*.sh; do \
+		examples/bert/train_bert_*.sh examples/t5/train_t5_*.sh examples/mixtral/train_*.sh; do \
 		echo "=== $$script"; DRY_RUN=1 PYTHON=$(PYTHON) bash $$script 2>&1 | grep -E '^  |error|dry run OK'; \
 	done

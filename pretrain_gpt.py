@@ -10,7 +10,10 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.utils import get_blend_and_blend_per_split
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.transformer.spec_utils import import_spec
 from megatron.core.utils import NonFiniteValueError
@@ -31,6 +34,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     config = core_transformer_config_from_args(args)
     if args.spec is not None:
         transformer_layer_spec = import_spec(args.spec)
+    elif config.num_moe_experts:
+        transformer_layer_spec = get_gpt_decoder_block_spec(config)
     else:
         transformer_layer_spec = get_gpt_layer_local_spec()
     return GPTModel(

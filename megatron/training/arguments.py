@@ -11,7 +11,7 @@ import os
 import sys
 
 from megatron.training import flag_policy
-from megatron.training.argument_groups import numerics_rules
+from megatron.training.argument_groups import moe_rules, numerics_rules
 from megatron.training.argument_groups import validation as rules
 from megatron.training.argument_groups.all_groups import add_argument_groups
 from megatron.training.argument_groups.data import REMOVED_TOKENIZER_TYPES, add_tokenizer_args
@@ -124,6 +124,7 @@ def validate_args(args, defaults=None):
     rules.translate_deprecated(args)
     rules.validate_parallel_sizes(args)
     rules.validate_model_shape(args)
+    moe_rules.validate_moe(args)
     rules.validate_batch_size(args)
     rules.validate_pipeline(args)
     numerics_rules.validate_optimizer(args)

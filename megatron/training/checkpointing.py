@@ -106,6 +106,23 @@ def _atomic_save(obj, path: str) -> None:
         ) from None
 
 
+def _is_torch_format_writer(args, state) -> bool:
+    """Whether this rank writes its file ``mp_rank_TT[_PPP][_EEE]``: data-parallel rank 0; with
+    experts, expert-data-parallel rank 0 (the file of each (TP, PP, EP) rank holds the dense
+    shards and that EP rank's experts, as in Megatron)."""
+    if not getattr(args, "num_experts", None):
+        return state.get_data_parallel_rank(with_context_parallel=True) == 0
+    etp = state.get_expert_tensor_parallel_world_size()
+    if etp != state.get_tensor_model_parallel_world_size():
+        raise CheckpointError(
+            "--ckpt-format torch cannot save experts split differently from the dense layers "
+            f"(--expert-tensor-parallel-size {etp}, "
+            f"--tensor-model-parallel-size {state.get_tensor_model_parallel_world_size()}): "
+            "use --ckpt-format torch_dist"
+        )
+    return state.get_expert_data_parallel_rank() == 0
+
+
 def save_checkpoint(
     iteration: int,
     model,
@@ -155,7 +172,7 @@ def save_checkpoint(
         ep_rank=state.get_expert_model_parallel_rank(),
         ep_size=state.get_expert_model_parallel_world_size(),
     )
-    is_writer = state.get_data_parallel_rank(with_context_parallel=True) == 0
+    is_writer = _is_torch_format_writer(args, state)
     if (
         getattr(args, "use_distributed_optimizer", False)
         and not args.no_save_optim

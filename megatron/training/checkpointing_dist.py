@@ -103,6 +103,8 @@ def _sharded_model(model, state, megatron_layout: bool = True):
         chunks,
         state.get_tensor_model_parallel_rank(),
         state.get_tensor_model_parallel_world_size(),
+        state.get_expert_tensor_parallel_rank(),
+        state.get_expert_tensor_parallel_world_size(),
         megatron_layout=megatron_layout,
     )
     return chunks, entries, by_param
@@ -145,15 +147,22 @@ def save_checkpoint_dist(
     if save_optim:
         optim_entries = dc.optimizer_sharded_state_dict(optimizer, by_param)
     # Model weights (and the optimizer state of a non-distributed optimizer) are replicated over
-    # DP x CP: one replica saves each of them.
+    # DP x CP, experts over expert DP: one replica saves each of them.
     over_dp = dict(entries)
     if save_optim and not is_distributed(optimizer):
         over_dp.update(optim_entries)
+    fully_parallel = getattr(args, "ckpt_fully_parallel_save", True)
     dc.spread_writes(
-        over_dp,
+        {k: e for k, e in over_dp.items() if not e.expert},
         state.get_data_parallel_rank(with_context_parallel=True),
         state.get_data_parallel_world_size(with_context_parallel=True),
-        fully_parallel=getattr(args, "ckpt_fully_parallel_save", True),
+        fully_parallel=fully_parallel,
+    )
+    dc.spread_writes(
+        {k: e for k, e in over_dp.items() if e.expert},
+        state.get_expert_data_parallel_rank(),
+        state.get_expert_data_parallel_world_size(),
+        fully_parallel=fully_parallel,
     )
     sharded = {**entries, **optim_entries}
 

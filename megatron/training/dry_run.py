@@ -110,6 +110,7 @@ def layout_lines(
         ("context parallel size (CP)", cp),
         ("data parallel size (DP)", dp),
         ("expert model parallel size (EP)", args.expert_model_parallel_size),
+        ("expert tensor parallel size (ETP)", args.expert_tensor_parallel_size or tp),
         ("sequence parallel", "on" if args.sequence_parallel else "off"),
         ("micro batch size", mbs),
         ("global batch size", gbs),
@@ -134,6 +135,17 @@ def layout_lines(
         return lines
     lines.append(("padded vocab size", padded_vocab))
     lines.append(("parameters", f"{count.total} ({_human(count.total)})"))
+    if getattr(count, "num_moe_layers", 0):
+        experts = count.num_moe_layers * count.moe_experts
+        active = count.total - experts * (1 - args.moe_router_topk / args.num_experts)
+        lines.append(
+            (
+                "experts",
+                f"{args.num_experts} per MoE layer in {count.num_moe_layers} layers, top-"
+                f"{args.moe_router_topk}: {experts} ({_human(experts)}) expert parameters, "
+                f"{int(active)} ({_human(int(active))}) active per token",
+            )
+        )
     largest = count.largest_rank(tp, pp)
     lines.append(
         ("parameters on the largest model-parallel rank", f"{largest} ({_human(largest)})")

@@ -398,36 +398,60 @@ _FT = f"fault tolerance (rerun engine, in-process restart, fault injection, auto
 _RL = f"reinforcement learning and distillation are {_NYI}"
 _PROFILER = f"the PyTorch profiler and CUDA memory-history dumps are {_NYI}"
 
-refused(_MOE, "num_experts", given=lambda value, args: value not in (None, 0))
-refused(_MOE, "expert_model_parallel_size", given=lambda value, args: value != 1)
-refused(
-    _MOE,
-    "expert_tensor_parallel_size",
-    given=lambda value, args: value not in (None, args.tensor_model_parallel_size),
-)
-refused(
-    _MOE,
+honoured(
+    "mixture of experts (megatron/core/transformer/moe)",
     """
-    expert_tensor_parallel_num_weight_shards moe_layer_freq moe_ffn_hidden_size moe_latent_size
-    moe_shared_expert_intermediate_size moe_shared_expert_gate
-    moe_shared_expert_glu_interleave_size moe_mlp_glu_interleave_size moe_grouped_gemm
-    use_grouped_gemm_for_shared_expert use_grouped_gemm_for_dense_mlp moe_use_grouped_tensor
-    moe_single_grouped_weight moe_single_grouped_bias moe_layer_recompute moe_use_upcycling
-    moe_upcycling_granularity moe_apply_probs_on_input moe_per_layer_logging
-    moe_router_load_balancing_type moe_router_dtype moe_router_score_function moe_router_topk
+    num_experts expert_model_parallel_size expert_tensor_parallel_size moe_layer_freq
+    moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_shared_expert_gate
+    moe_grouped_gemm moe_layer_recompute moe_per_layer_logging moe_router_dtype moe_router_topk
     moe_router_pre_softmax moe_router_num_groups moe_router_group_topk
     moe_router_topk_scaling_factor moe_router_enable_expert_bias moe_router_bias_update_rate
-    moe_router_quantile_balancing_ema moe_router_force_load_balancing moe_router_force_biased
-    moe_router_padding_for_quantization moe_router_padding_for_fp8 moe_router_fusion
-    moe_enable_routing_replay moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps
-    moe_token_dispatcher_type moe_enable_deepep moe_flex_dispatcher_backend
-    moe_flex_dispatcher_num_sms moe_deepep_num_sms moe_hybridep_num_sms
-    moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
+    moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps moe_expert_capacity_factor
+    moe_pad_expert_input_to_capacity moe_token_drop_policy
+    """,
+)
+refused(
+    f"{_MOE.replace('mixture of experts', 'this load-balancing type')}",
+    "moe_router_load_balancing_type",
+    given=lambda value, args: any(
+        v in ("global_aux_loss", "quantile_balancing")
+        for v in (value if isinstance(value, (list, tuple)) else [value])
+    ),
+)
+refused(
+    f"{_MOE.replace('mixture of experts', 'the sqrtsoftplus score')}",
+    "moe_router_score_function",
+    given=lambda value, args: value == "sqrtsoftplus",
+)
+no_effect(
+    "DeepEP / HybridEP kernels are not available here: the flex dispatcher exchanges tokens "
+    "as the alltoall dispatcher does",
+    "moe_token_dispatcher_type",
+    given=lambda value, args: value == "flex",
+)
+no_effect(
+    "fused MoE kernels and communication overlap of the GPU stack; the same result without",
+    """
+    moe_shared_expert_overlap moe_permute_fusion moe_router_fusion moe_enable_deepep
+    moe_flex_dispatcher_backend moe_flex_dispatcher_num_sms moe_deepep_num_sms
+    moe_hybridep_num_sms moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
     moe_hybridep_num_sms_preprocessing moe_hybridep_pad_uneven_dispatch_inputs
-    moe_permute_fusion_into_hybridep moe_ncclep_zero_copy moe_dispatch_fwd_dtype
-    moe_combine_bwd_dtype moe_permute_fusion moe_expert_capacity_factor
-    moe_expert_rank_capacity_factor moe_pad_expert_input_to_capacity moe_token_drop_policy
-    moe_pad_experts_for_cuda_graph_inference moe_shared_expert_overlap
+    moe_permute_fusion_into_hybridep moe_ncclep_zero_copy
+    """,
+)
+refused(
+    _MOE.replace("mixture of experts", "this MoE option"),
+    """
+    expert_tensor_parallel_num_weight_shards moe_latent_size
+    moe_shared_expert_glu_interleave_size moe_mlp_glu_interleave_size
+    use_grouped_gemm_for_shared_expert use_grouped_gemm_for_dense_mlp moe_use_grouped_tensor
+    moe_single_grouped_weight moe_single_grouped_bias moe_use_upcycling
+    moe_upcycling_granularity moe_apply_probs_on_input
+    moe_router_quantile_balancing_ema moe_router_force_load_balancing moe_router_force_biased
+    moe_router_padding_for_quantization moe_router_padding_for_fp8
+    moe_enable_routing_replay moe_dispatch_fwd_dtype
+    moe_combine_bwd_dtype moe_expert_rank_capacity_factor
+    moe_pad_experts_for_cuda_graph_inference
     overlap_moe_expert_parallel_comm delay_wgrad_compute
     overlap_dispatch_backward_with_experts_wgrad ep_overlap_early_attn_memory_release
     high_priority_a2a_comm_stream moe_paged_stash moe_paged_stash_page_size

@@ -3,11 +3,14 @@
 Per iteration, forward + backward (3x the forward), with 2 FLOPs per multiply-add:
     12 * B * s * L * h^2 * ( attention + mlp + logits )
     attention = (1 + g/a + s/h) * (d*a/h)     (QKV and output projections, scores and context)
-    mlp       = (f/h) * experts_routed_to * (3/2 if SwiGLU else 1)
+    mlp       = (L_dense * f + L_moe * (f_moe * k + f_shared)) / (L * h) * (3/2 if SwiGLU else 1)
     logits    = V / (2 * L * h)
 with B the global batch size, s the sequence length, L layers, h hidden size, a heads, g query
-groups, d the head dimension (kv channels), f the FFN size and V the padded vocabulary. Like
-Megatron, causal masking is not discounted, so the figure is comparable with Megatron's logs.
+groups, d the head dimension (kv channels), f the FFN size and V the padded vocabulary. With
+experts, L_moe of the layers (``--moe-layer-freq``) run k = ``--moe-router-topk`` experts of
+width f_moe (``--moe-ffn-hidden-size``) and a shared expert of width f_shared per token; the
+router's small GEMM (h x E) is not counted, as in Megatron. Like Megatron, causal masking is not
+discounted, so the figure is comparable with Megatron's logs.
 """
 
 from __future__ import annotations
@@ -34,9 +37,14 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
     kv_channels = args.kv_channels or args.hidden_size // heads
     query_ratio = kv_channels * heads / args.hidden_size
-    experts_routed_to = 1 if not getattr(args, "num_experts", None) else args.moe_router_topk
     gated = 1.5 if args.swiglu else 1.0
     h, s, L = args.hidden_size, args.seq_length, args.num_layers
+    moe_layers = _num_moe_layers(args)
+    mlp_width = (L - moe_layers) * args.ffn_hidden_size
+    if moe_layers:
+        moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        shared = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+        mlp_width += moe_layers * (moe_ffn * args.moe_router_topk + shared)
     return (
         12.0
         * batch_size
@@ -46,10 +54,19 @@ def num_floating_point_operations(args, batch_size: int) -> float:
         * h
         * (
             (1 + groups / heads + s / h) * query_ratio
-            + (args.ffn_hidden_size / h) * experts_routed_to * gated
+            + mlp_width / (L * h) * gated
             + args.padded_vocab_size / (2.0 * L * h)
         )
     )
+
+
+def _num_moe_layers(args) -> int:
+    if not getattr(args, "num_experts", None):
+        return 0
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)):
+        return sum(1 for v in freq if v)
+    return len(range(0, args.num_layers, freq))
 
 
 def peak_tflops_per_device() -> Optional[float]:

@@ -65,25 +65,45 @@ class ParameterCount:
     """Separate output projection (0 when tied to the word embedding)."""
     num_layers: int
     """Transformer layers of the whole model."""
+    num_moe_layers: int = 0
+    """Layers whose MLP is a mixture of experts (``--num-experts``, ``--moe-layer-freq``)."""
+    moe_layer: int = 0
+    """One MoE layer: ``per_layer`` with the MLP replaced by router, shared expert and experts."""
+    moe_layer_replicated: int = 0
+    """The part of ``moe_layer`` every TP rank holds whole (norms, router, shared-expert gate,
+    row-parallel biases)."""
+    moe_experts: int = 0
+    """The routed experts of one MoE layer (all of them), split over EP x ETP."""
+    expert_shards: int = 1
+    """EP x ETP: the ranks the experts of a layer are spread over."""
 
     @property
     def total(self) -> int:
         return (
             self.embedding
             + self.position_embedding
-            + self.num_layers * self.per_layer
+            + (self.num_layers - self.num_moe_layers) * self.per_layer
+            + self.num_moe_layers * self.moe_layer
             + self.final_norm
             + self.output_layer
         )
 
     def layer_on_tp_rank(self, tp: int) -> int:
-        """Parameters of one layer on one tensor-parallel rank."""
+        """Parameters of one dense layer on one tensor-parallel rank."""
         return (self.per_layer - self.per_layer_replicated) // tp + self.per_layer_replicated
+
+    def moe_layer_on_rank(self, tp: int) -> int:
+        """Parameters of one MoE layer on one rank: its experts' share plus the TP share of
+        the rest."""
+        split = self.moe_layer - self.moe_layer_replicated - self.moe_experts
+        return split // tp + self.moe_layer_replicated + self.moe_experts // self.expert_shards
 
     def on_rank(self, tp: int, pp: int, pp_rank: int, layers: int) -> int:
         """Parameters on pipeline rank ``pp_rank`` holding ``layers`` layers, per TP rank. With tied
-        embeddings and PP > 1 the last stage keeps its own copy of the word embedding (Megatron)."""
-        count = layers * self.layer_on_tp_rank(tp)
+        embeddings and PP > 1 the last stage keeps its own copy of the word embedding (Megatron).
+        MoE layers are assumed spread evenly over the stages (exact with every layer MoE)."""
+        moe = round(layers * self.num_moe_layers / self.num_layers) if self.num_layers else 0
+        count = (layers - moe) * self.layer_on_tp_rank(tp) + moe * self.moe_layer_on_rank(tp)
         if pp_rank == 0:
             count += self.embedding // tp + self.position_embedding
         if pp_rank == pp - 1:
@@ -122,7 +142,7 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
     row_biases = 2 * hidden if bias else 0
     vocab = padded_vocab_size or 0
     learned = args.position_embedding_type == "learned_absolute"
-    return ParameterCount(
+    count = ParameterCount(
         embedding=vocab * hidden,
         position_embedding=args.max_position_embeddings * hidden if learned else 0,
         per_layer=norms + qkv + proj + fc1 + fc2 + row_biases,
@@ -130,6 +150,46 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
         final_norm=_norm_size(args, hidden),
         output_layer=vocab * hidden if args.untie_embeddings_and_output_weights else 0,
         num_layers=args.num_layers,
+    )
+    if getattr(args, "num_experts", None):
+        _add_experts(count, args, hidden, bias, qkv + proj + norms)
+    return count
+
+
+def _mlp_size(hidden: int, ffn: int, gated: bool, bias: bool) -> int:
+    fc1_rows = 2 * ffn if gated else ffn
+    return hidden * fc1_rows + ffn * hidden + ((fc1_rows + hidden) if bias else 0)
+
+
+def _add_experts(count: ParameterCount, args, hidden: int, bias: bool, attention: int) -> None:
+    """MoE layers: router [E, h], E experts of width moe_ffn (with their biases), an optional
+    shared expert (and its gate [1, h])."""
+    experts = args.num_experts
+    freq = args.moe_layer_freq
+    count.num_moe_layers = (
+        sum(1 for v in freq if v)
+        if isinstance(freq, (list, tuple))
+        else len(range(0, args.num_layers, freq))
+    )
+    moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    count.moe_experts = experts * _mlp_size(hidden, moe_ffn, args.swiglu, bias)
+    router = experts * hidden
+    shared_width = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
+    shared = _mlp_size(hidden, shared_width, args.swiglu, bias) if shared_width else 0
+    gate = hidden if shared_width and args.moe_shared_expert_gate else 0
+    proj_bias = hidden if bias else 0
+    shared_bias = hidden if shared_width and bias else 0
+    count.moe_layer = attention + proj_bias + router + gate + shared + count.moe_experts
+    count.moe_layer_replicated = (
+        count.per_layer_replicated
+        - (2 * hidden if bias else 0)
+        + proj_bias
+        + router
+        + gate
+        + shared_bias
+    )
+    count.expert_shards = args.expert_model_parallel_size * (
+        args.expert_tensor_parallel_size or args.tensor_model_parallel_size
     )
 
 

@@ -40,6 +40,7 @@ from .data_samplers import build_pretraining_data_loader
 from .flag_errors import BuildFromFlagsError, UserInputError, building
 from .initialize import initialize_megatron, teardown_process_groups
 from .model_families import get_model_family
+from .moe_logging import collect_moe_losses, moe_loss_scalars, write_per_layer
 from .progress_log import log_checkpoint_saved, log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
 from .straggler import StragglerDetector
@@ -455,6 +456,11 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         tp_group=state.get_tensor_model_parallel_group(),
         data_parallel_group=state.get_data_parallel_group(with_context_parallel=True),
     )
+    if _has_expert_params(model) and dist.is_initialized():
+        # Expert grads differ across EP ranks: their norms and inf flags also reduce over
+        # the expert-tensor x expert x pipeline group.
+        optimizer.expert_parallel_group = state.group("tp-ep-pp")
+        optimizer.expert_tp_rank = state.get_expert_tensor_parallel_rank()
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     for chunk in model:
         config = get_model_config(chunk)
@@ -605,10 +611,25 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     else:
         skipped_iter = 1
 
+    moe_per_layer = collect_moe_losses(model, state, num_microbatches)
     loss_reduced = {}
     if state.is_pipeline_last_stage():
         loss_reduced = _reduce_losses(losses_reduced, state)
+        loss_reduced.update(moe_loss_scalars(moe_per_layer, config))
+    writer = global_vars.get_tensorboard_writer()
+    iteration = getattr(args, "iteration", 0) + 1
+    if (
+        moe_per_layer
+        and writer is not None
+        and args.moe_per_layer_logging
+        and iteration % args.tensorboard_log_interval == 0
+    ):
+        write_per_layer(writer, moe_per_layer, config, iteration)
     return loss_reduced, skipped_iter, grad_norm, num_zeros
+
+
+def _has_expert_params(model) -> bool:
+    return any(not getattr(p, "allreduce", True) for chunk in model for p in chunk.parameters())
 
 
 def _pipeline_kwargs(args, state) -> dict:

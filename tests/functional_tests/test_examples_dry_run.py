@@ -105,6 +105,20 @@ CASES = {
         (8, 1, 1, 1, 8, 1, 256, 8192),
         70_553_706_496,
     ),
+    # Mixtral 8x7B has 46,702,792,704 parameters (Hugging Face's count); the vocabulary 32000 is
+    # padded to 32128 here (--make-vocab-size-divisible-by 128) in both untied embeddings.
+    "mixtral_8x7b": (
+        "examples/mixtral/train_mixtral_8x7b_distributed.sh",
+        {},
+        (32, 1, 4, 1, 8, 1, 256, 4096),
+        46_702_792_704 + 2 * 128 * 4096,
+    ),
+    "tiny_moe_ep2tp2": (
+        "examples/mixtral/tiny_moe_cpu.sh",
+        {"LAYOUT": "ep2tp2"},
+        (4, 2, 1, 1, 2, 4, 16, 128),
+        None,
+    ),
 }
 for _layout, _shape in {
     "baseline": (1, 1, 1, 1, 1),
@@ -246,7 +260,14 @@ def test_dry_run_layout(results, case):
     if case in GPT3_PAPER:
         assert total == pytest.approx(GPT3_PAPER[case], rel=0.02)
     largest = int(layout["parameters on the largest model-parallel rank"].split()[0])
-    assert total / (tp * pp) <= largest <= total
+    # Experts are further split over EP x ETP (beyond the dense TP).
+    expert_split = max(
+        1,
+        int(layout["expert model parallel size (EP)"])
+        * int(layout["expert tensor parallel size (ETP)"])
+        // tp,
+    )
+    assert total / (tp * pp * expert_split) <= largest <= total
 
 
 @pytest.mark.parametrize("case", ["llama2_7b", "gpt3_175b"])

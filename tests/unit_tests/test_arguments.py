@@ -1228,7 +1228,7 @@ def test_checkpoint_formats(capsys):
             "--num-distributed-optimizer-instances 2",
         ),
         (["--recompute-activations", "--recompute-modules", "moe"], "--recompute-modules moe"),
-        (["--num-experts", 4], "--num-experts 4"),
+        (["--moe-use-upcycling"], "--moe-use-upcycling"),
         (["--multi-latent-attention"], "--multi-latent-attention"),
         (["--fp8-format", "hybrid", "--bf16"], "--fp8-format hybrid"),
         (["--optimizer", "lion"], "--optimizer lion"),

@@ -144,6 +144,9 @@ SPECIAL_VALUES = {
     "transformer_impl": ["--transformer-impl", "transformer_engine"],
     "gradient_accumulation_fusion": ["--no-gradient-accumulation-fusion"],
     "main_grads_dtype": ["--main-grads-dtype", "bf16"],
+    "moe_router_load_balancing_type": ["--moe-router-load-balancing-type", "global_aux_loss"],
+    "moe_router_score_function": ["--moe-router-score-function", "sqrtsoftplus"],
+    "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
 }
 # World sizes the companion flags above need.
 WORLD = {
@@ -310,9 +313,9 @@ def test_value_dependent_rules_honour_the_other_values():
 
 def test_refusal_lists_every_offender_on_one_line(capsys):
     with pytest.raises(SystemExit, match="^2$"):
-        parse_and_validate_args(argv=BASE + ["--num-experts", "4", "--fim-data", "--sft"])
+        parse_and_validate_args(argv=BASE + ["--moe-use-upcycling", "--fim-data", "--sft"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: not supported yet: --num-experts 4 (")
+    assert len(err) == 1 and err[0].startswith("error: not supported yet: --moe-use-upcycling (")
     assert err[0].count("; ") == 2 and "--fim-data (" in err[0] and "--sft (" in err[0]
 
 
@@ -320,8 +323,8 @@ def test_help_names_the_class_of_refused_and_no_effect_flags(capsys):
     with pytest.raises(SystemExit, match="^0$"):
         parse_args(argv=["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--num-experts NUM_EXPERTS Number of experts" in text
-    assert f"[not supported yet: {POLICY['num_experts'].reason}]" in text
+    assert "--moe-use-upcycling Convert a dense checkpoint" in text
+    assert f"[not supported yet: {POLICY['moe_use_upcycling'].reason}]" in text
     assert f"[no effect here, speed only: {POLICY['nccl_ub'].reason}]" in text
     assert f"[not supported yet (some values): {POLICY['optimizer'].reason}]" in text
     start = text.index("--seed SEED Random seed")

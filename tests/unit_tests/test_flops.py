@@ -38,3 +38,33 @@ def test_matches_hand_count(gqa, swiglu):
     )
     expected = flops_by_hand(16, 512, 4, 256, 8, 2 if gqa else 8, 704, 8192, swiglu)
     assert num_floating_point_operations(args, 16) == pytest.approx(expected, rel=1e-12)
+
+
+def test_moe_layers_count_the_routed_and_shared_experts():
+    # Layers 0 and 2 of 4 are MoE (--moe-layer-freq 2): top-2 experts of width 96 and a shared
+    # expert of width 64 per token; layers 1 and 3 are dense MLPs of width 704.
+    common = dict(
+        num_layers=4,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=8,
+        group_query_attention=False,
+        kv_channels=None,
+        seq_length=512,
+        ffn_hidden_size=704,
+        swiglu=True,
+        padded_vocab_size=8192,
+    )
+    args = argparse.Namespace(
+        **common,
+        num_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=96,
+        moe_shared_expert_intermediate_size=64,
+        moe_layer_freq=2,
+    )
+    dense = flops_by_hand(16, 512, 4, 256, 8, 8, 704, 8192, True)
+    # Two of the four layers trade an MLP of width 704 for MLPs of total width 2 * 96 + 64.
+    mlp_per_width = 3 * 16 * 512 * 2 * 256 * 3  # fwd+bwd, per unit of SwiGLU MLP width
+    expected = dense - 2 * mlp_per_width * (704 - (2 * 96 + 64))
+    assert num_floating_point_operations(args, 16) == pytest.approx(expected, rel=1e-12)

@@ -635,8 +635,8 @@ def test_float16_module_computes_in_bf16_and_returns_fp32():
 def test_rejects_unsupported_options():
     with pytest.raises(ValueError, match="position_embedding_type"):
         make_model(position_embedding_type="yarn")
-    with pytest.raises(ValueError, match="num-experts"):
-        make_model(config=make_config(num_moe_experts=4))
+    with pytest.raises(ValueError, match="moe-router-topk"):
+        make_model(config=make_config(num_moe_experts=4, moe_router_topk=5))
     with pytest.raises(ValueError, match="tensor-model-parallel-size"):
         make_model(config=make_config(tensor_model_parallel_size=2))
 

@@ -656,11 +656,51 @@ def test_tool_command_line_with_the_distributed_optimizer_and_pipeline_stages():
 
 
 def test_tool_refuses_flags_it_cannot_account():
-    code, _, err = _run_tool(["--world-size", "8"] + LLAMA3_8B + ["--num-experts", "8"])
-    assert code == 2 and "error: not supported yet: --num-experts 8" in err
+    code, _, err = _run_tool(["--world-size", "8"] + LLAMA3_8B + ["--moe-use-upcycling"])
+    assert code == 2 and "error: not supported yet: --moe-use-upcycling" in err
     code, _, err = _run_tool(
         ["--world-size", "6"] + LLAMA3_8B[:-3] + ["--tensor-model-parallel-size", "4"]
     )
     assert code == 2 and "error:" in err
     code, _, err = _run_tool(["--world-size"])
     assert code == 2 and "--world-size needs a value" in err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [
+            "--num-experts",
+            "4",
+            "--moe-ffn-hidden-size",
+            "48",
+            "--moe-shared-expert-intermediate-size",
+            "32",
+            "--moe-shared-expert-gate",
+            "--moe-layer-freq",
+            "2",
+        ],
+        ["--num-experts", "4", "--swiglu", "--disable-bias-linear"],
+    ],
+    ids=["moe-every-2nd-shared-gate", "moe-swiglu-no-bias"],
+)
+def test_moe_parameter_count_equals_the_built_model(extra):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.training.configs import core_transformer_config_from_args
+    from megatron.training.theoretical_memory import count_parameters
+    from tests.unit_tests.tiny_configs import tiny_args
+
+    args = tiny_args(*extra)
+    config = core_transformer_config_from_args(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config),
+        vocab_size=128,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=True,
+    )
+    count = count_parameters(args, 128)
+    assert count.total == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert count.num_moe_layers * count.moe_experts == experts

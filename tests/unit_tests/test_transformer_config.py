@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from megatron.core import model_parallel_config
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer import transformer_config
+from megatron.core.transformer.moe import moe_config
+from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -126,6 +128,7 @@ def test_recompute_settings_at_the_edge_of_the_rules():
     [
         (model_parallel_config, ModelParallelConfig),
         (transformer_config, TransformerConfig),
+        (moe_config, MoEConfig),
     ],
 )
 def test_every_field_has_a_docstring(module, cls):
@@ -142,6 +145,7 @@ def test_every_field_has_a_docstring(module, cls):
             documented.add(stmt.target.id)
     own = {f.name for f in dataclasses.fields(cls)} - (
         {f.name for f in dataclasses.fields(ModelParallelConfig)}
+        | {f.name for f in dataclasses.fields(MoEConfig)}
         if cls is TransformerConfig
         else set()
     )

@@ -58,9 +58,16 @@ def _true_vocab_size(args, ckpt_args):
 def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
     if getattr(a, "squared_relu", False):
         raise ConversionError("--squared-relu checkpoints are not supported by the converter yet")
-    if getattr(a, "num_experts", None):
+    if getattr(a, "num_experts", None) and (
+        getattr(a, "moe_shared_expert_intermediate_size", None)
+        or (getattr(a, "moe_ffn_hidden_size", None) or a.ffn_hidden_size) != a.ffn_hidden_size
+        or getattr(a, "moe_layer_freq", 1) != 1
+        or not getattr(a, "swiglu", False)
+        or getattr(a, "add_bias_linear", True)
+    ):
         raise ConversionError(
-            "mixture-of-experts checkpoints (--num-experts) are not supported by the converter yet"
+            "the converter handles Mixtral-like MoE checkpoints only (every layer MoE, SwiGLU "
+            "experts of --ffn-hidden-size without biases, no shared expert)"
         )
     heads = a.num_attention_heads
     groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
@@ -111,6 +118,8 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
         consumed_train_samples=getattr(a, "consumed_train_samples", 0),
         consumed_valid_samples=getattr(a, "consumed_valid_samples", 0),
         hf_config=getattr(a, "hf_config", None),
+        num_experts=getattr(a, "num_experts", None),
+        moe_router_topk=getattr(a, "moe_router_topk", None),
     )
 
 
@@ -128,8 +137,17 @@ def send_model(queue, reader, md, alive=None) -> None:
             "qkv weight": t(p + "self_attention.linear_qkv.weight"),
             "dense weight": t(p + "self_attention.linear_proj.weight"),
             "post norm weight": t(p + "pre_mlp_layernorm.weight"),
-            "mlp l1 weight": t(p + "mlp.linear_fc2.weight"),
         }
+        if md.num_experts:
+            msg["router weight"] = t(p + "mlp.router.weight")
+            for e in range(md.num_experts):
+                x = f"{p}mlp.experts.local_experts.{e}."
+                gate, up = t(x + "linear_fc1.weight").chunk(2, dim=0)
+                msg[f"expert {e} l0 weight W"], msg[f"expert {e} l0 weight V"] = gate, up
+                msg[f"expert {e} l1 weight"] = t(x + "linear_fc2.weight")
+            put(queue, f"transformer layer {i}", {k: v.clone() for k, v in msg.items()}, alive)
+            continue
+        msg["mlp l1 weight"] = t(p + "mlp.linear_fc2.weight")
         if md.norm_has_bias:
             msg["input norm bias"] = t(p + "input_layernorm.bias")
             msg["post norm bias"] = t(p + "pre_mlp_layernorm.bias")

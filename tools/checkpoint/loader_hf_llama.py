@@ -1,5 +1,8 @@
-"""Loader plugin ``hf_llama``: Hugging Face Llama-family directories (``model_type`` llama, mistral
-or qwen2: Llama 2/3, Mistral, Qwen2/2.5): GQA, RoPE, SwiGLU, RMSNorm, tied or untied output.
+"""Loader plugin ``hf_llama``: Hugging Face Llama-family directories (``model_type`` llama, mistral,
+qwen2 or mixtral: Llama 2/3, Mistral, Qwen2/2.5, Mixtral): GQA, RoPE, SwiGLU, RMSNorm, tied or
+untied output. Mixtral's sparse MLP (router ``block_sparse_moe.gate`` and experts w1 = gate,
+w3 = up, w2 = down) becomes an MoE layer with ``num_local_experts`` experts, top
+``num_experts_per_tok`` (softmax over the selected logits, as Mixtral renormalizes its top-k).
 
 Hugging Face's Llama weights are already laid out for "rotate half" RoPE, which is also ours
 (not ``--rotary-interleaved``), so q/k need no permutation; they are regrouped into Megatron's
@@ -13,7 +16,7 @@ import sys
 from hf_io import HFWeights, has_tokenizer, hf_metadata, read_config
 from protocol import ConversionError, put, put_metadata, qkv_from_separate
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 _LLAMA3_DEFAULTS = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
@@ -117,6 +120,8 @@ def metadata_from_config(config: dict, args, load_dir: str):
         output_layer=not config.get("tie_word_embeddings", False),
         hidden_dropout=0.0,
         attention_dropout=config.get("attention_dropout", 0.0),
+        num_experts=config["num_local_experts"] if model_type == "mixtral" else None,
+        moe_router_topk=config["num_experts_per_tok"] if model_type == "mixtral" else None,
     )
 
 
@@ -147,10 +152,19 @@ def load_checkpoint(queue, args, alive=None):
             ),
             "dense weight": w(a + "o_proj.weight", (h, heads * d)),
             "post norm weight": w(p + "post_attention_layernorm.weight", (h,)),
-            "mlp l0 weight W": w(p + "mlp.gate_proj.weight", (ffn, h)),
-            "mlp l0 weight V": w(p + "mlp.up_proj.weight", (ffn, h)),
-            "mlp l1 weight": w(p + "mlp.down_proj.weight", (h, ffn)),
         }
+        if md.num_experts:
+            moe = p + "block_sparse_moe."
+            msg["router weight"] = w(moe + "gate.weight", (md.num_experts, h))
+            for e in range(md.num_experts):
+                x = f"{moe}experts.{e}."
+                msg[f"expert {e} l0 weight W"] = w(x + "w1.weight", (ffn, h))
+                msg[f"expert {e} l0 weight V"] = w(x + "w3.weight", (ffn, h))
+                msg[f"expert {e} l1 weight"] = w(x + "w2.weight", (h, ffn))
+        else:
+            msg["mlp l0 weight W"] = w(p + "mlp.gate_proj.weight", (ffn, h))
+            msg["mlp l0 weight V"] = w(p + "mlp.up_proj.weight", (ffn, h))
+            msg["mlp l1 weight"] = w(p + "mlp.down_proj.weight", (h, ffn))
         if md.qkv_bias:
             msg["qkv bias"] = qkv_from_separate(
                 w(a + "q_proj.bias", (heads * d,)),

@@ -10,6 +10,9 @@ The loader puts, in this order, on one queue:
    QKV layout (+ ``qkv bias``), ``dense weight`` [h, np*d] (+ ``dense bias``), ``post norm
    weight`` (+ ``bias``), ``mlp l0 weight`` [ffn, h] or, with SwiGLU, ``mlp l0 weight W`` (gate)
    and ``mlp l0 weight V`` (up) (biases likewise), ``mlp l1 weight`` [h, ffn] (+ ``mlp l1 bias``);
+   with ``num_experts`` (MoE, SwiGLU experts without biases) instead of the MLP: ``router
+   weight`` [E, h] and, per expert e, ``expert e l0 weight W`` / ``V`` [ffn, h] and ``expert e l1
+   weight`` [h, ffn];
 4. ``"final norm"``: ``weight`` (+ ``bias``);
 5. ``"output layer"``: ``weight`` [V, h], only when the output layer is not tied;
 6. ``"done"``. A loader that fails puts ``"exit"`` instead, and the saver stops.
@@ -66,6 +69,8 @@ METADATA_FIELDS = (
     "consumed_train_samples",
     "consumed_valid_samples",
     "hf_config",
+    "num_experts",
+    "moe_router_topk",
 )
 
 # Activations the protocol knows: what the MLP computes (Megatron's fused bias-GeLU is 'gelu_tanh').
@@ -244,6 +249,24 @@ def resize_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, pad], dim=0)
 
 
+def _receive_experts(msg, md, prefix: str, out: Dict[str, torch.Tensor]) -> None:
+    """Router and experts of one MoE layer (global expert numbers in the names)."""
+    h, ffn = md.hidden_size, md.ffn_hidden_size
+    if not md.swiglu or md.linear_bias:
+        raise ConversionError("MoE conversion supports SwiGLU experts without biases only")
+    out[prefix + "mlp.router.weight"] = take(msg, "router weight", (md.num_experts, h))
+    for e in range(md.num_experts):
+        x = f"{prefix}mlp.experts.local_experts.{e}."
+        out[x + "linear_fc1.weight"] = torch.cat(
+            [
+                take(msg, f"expert {e} l0 weight W", (ffn, h)),
+                take(msg, f"expert {e} l0 weight V", (ffn, h)),
+            ],
+            dim=0,
+        )
+        out[x + "linear_fc2.weight"] = take(msg, f"expert {e} l1 weight", (h, ffn))
+
+
 def receive_model(
     q, md, checking: bool = True, alive: Optional[Callable[[], bool]] = None
 ) -> Dict[str, torch.Tensor]:
@@ -285,7 +308,9 @@ def receive_model(
         bias = take_optional(msg, "post norm bias", md.norm_has_bias, (h,))
         if bias is not None:
             out[p + "pre_mlp_layernorm.bias"] = bias
-        if md.swiglu:
+        if getattr(md, "num_experts", None):
+            _receive_experts(msg, md, p, out)
+        elif md.swiglu:
             out[p + "mlp.linear_fc1.weight"] = torch.cat(
                 [take(msg, "mlp l0 weight W", (ffn, h)), take(msg, "mlp l0 weight V", (ffn, h))],
                 dim=0,
@@ -299,10 +324,11 @@ def receive_model(
             bias = take_optional(msg, "mlp l0 bias", md.linear_bias, (ffn,))
             if bias is not None:
                 out[p + "mlp.linear_fc1.bias"] = bias
-        out[p + "mlp.linear_fc2.weight"] = take(msg, "mlp l1 weight", (h, ffn))
-        bias = take_optional(msg, "mlp l1 bias", md.linear_bias, (h,))
-        if bias is not None:
-            out[p + "mlp.linear_fc2.bias"] = bias
+        if not getattr(md, "num_experts", None):
+            out[p + "mlp.linear_fc2.weight"] = take(msg, "mlp l1 weight", (h, ffn))
+            bias = take_optional(msg, "mlp l1 bias", md.linear_bias, (h,))
+            if bias is not None:
+                out[p + "mlp.linear_fc2.bias"] = bias
         check_empty(msg, checking)
     msg = get(q, "final norm", alive)
     out["decoder.final_layernorm.weight"] = take(msg, "weight", (h,))

@@ -45,7 +45,7 @@ def add_arguments(parser):
         "--target-expert-parallel-size",
         type=int,
         default=1,
-        help="Only 1 (no mixture of experts yet).",
+        help="EP of the saved checkpoint (MoE models: the experts are split over EP ranks).",
     )
     group.add_argument(
         "--target-make-vocab-size-divisible-by",
@@ -61,7 +61,7 @@ def add_arguments(parser):
     )
 
 
-def model_flags(md, tp: int, pp: int, vpp) -> list:
+def model_flags(md, tp: int, pp: int, vpp, ep: int = 1) -> list:
     """The flags that build this model in our trainer (also what the user must pass)."""
     if md.activation == "silu" and not md.swiglu:
         raise ConversionError("a non-gated SiLU MLP is not supported by this framework")
@@ -115,6 +115,13 @@ def model_flags(md, tp: int, pp: int, vpp) -> list:
         "--attention-dropout",
         md.attention_dropout if md.attention_dropout is not None else 0.1,
     ]
+    if getattr(md, "num_experts", None):
+        flags += ["--num-experts", md.num_experts, "--moe-router-topk", md.moe_router_topk]
+        flags += ["--expert-model-parallel-size", ep]
+        if tp > 1:
+            flags += ["--sequence-parallel"]  # MoE with TP needs it
+    elif ep != 1:
+        raise ConversionError("--target-expert-parallel-size > 1 needs a mixture-of-experts model")
     flags += ["--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
     if vpp:
         flags += ["--num-virtual-stages-per-pipeline-rank", vpp]
@@ -157,6 +164,8 @@ def build_args(
             args = parse_args(argv=argv)
             tp = args.tensor_model_parallel_size
             args.world_size = tp * args.pipeline_model_parallel_size
+            # EP ranks are data-parallel ranks of the dense layers: TP x PP x EP processes.
+            args.world_size *= args.expert_model_parallel_size
             args = validate_args(args)
     except ArgumentValidationError as exc:
         raise ConversionError(
@@ -178,6 +187,8 @@ def build_args(
             "account_for_loss_in_pipeline_split",
             "make_vocab_size_divisible_by",
             "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+            "sequence_parallel",
             "world_size",
             "data_parallel_size",
         ):
@@ -199,8 +210,9 @@ def save_checkpoint(queue, args, alive=None):
     from torch_format import TorchCheckpointWriter
 
     md = get_metadata(queue, alive)
-    if args.target_expert_parallel_size != 1:
-        raise ConversionError("--target-expert-parallel-size must be 1 (no mixture of experts yet)")
+    ep = args.target_expert_parallel_size
+    if ep < 1:
+        raise ConversionError(f"--target-expert-parallel-size must be >= 1, got {ep}")
     tp = args.target_tensor_parallel_size or md.previous_tensor_parallel_size or 1
     pp = args.target_pipeline_parallel_size or md.previous_pipeline_parallel_size or 1
     vpp = args.target_num_virtual_stages_per_pipeline_rank
@@ -208,7 +220,7 @@ def save_checkpoint(queue, args, alive=None):
     divisible_by = (
         args.target_make_vocab_size_divisible_by or md.make_vocab_size_divisible_by or 128
     )
-    flags = model_flags(md, tp, pp, vpp)
+    flags = model_flags(md, tp, pp, vpp, ep)
     tensors = receive_model(queue, md, not args.no_checking, alive)
 
     source_rows = tensors["embedding.word_embeddings.weight"].shape[0]
@@ -230,7 +242,8 @@ def save_checkpoint(queue, args, alive=None):
         writer.add(name, tensor)
     paths = writer.write()
     print(
-        f"saved {len(paths)} checkpoint file(s) (TP={tp}, PP={pp}{f', VP={vpp}' if vpp else ''}, "
+        f"saved {len(paths)} checkpoint file(s) (TP={tp}, PP={pp}{f', VP={vpp}' if vpp else ''}"
+        f"{f', EP={ep}' if ep > 1 else ''}, "
         f"padded vocab {padded}) to {args.save_dir}"
     )
     print(

@@ -1,5 +1,6 @@
 """Saver plugin ``hf_llama``: writes a Hugging Face Llama-family directory (``LlamaForCausalLM``,
-``MistralForCausalLM`` or ``Qwen2ForCausalLM``; config.json + safetensors).
+``MistralForCausalLM``, ``Qwen2ForCausalLM`` or, for an MoE model, ``MixtralForCausalLM``;
+config.json + safetensors).
 
 ``--hf-model-type auto`` keeps the source's family when it came from Hugging Face, else picks
 qwen2 for a model with q/k/v biases and llama otherwise.
@@ -14,6 +15,7 @@ _CLASSES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 
 
@@ -22,7 +24,7 @@ def add_arguments(parser):
     group.add_argument(
         "--hf-model-type",
         default="auto",
-        choices=["auto", "llama", "mistral", "qwen2"],
+        choices=["auto", "llama", "mistral", "qwen2", "mixtral"],
         help="Architecture written to config.json.",
     )
     group.add_argument(
@@ -34,6 +36,13 @@ def choose_model_type(md, requested: str) -> str:
     source = md.hf_config.get("model_type") if isinstance(md.hf_config, dict) else None
     if requested == "auto":
         requested = source if source in _CLASSES else ("qwen2" if md.qkv_bias else "llama")
+        if getattr(md, "num_experts", None):
+            requested = "mixtral"
+    if bool(getattr(md, "num_experts", None)) != (requested == "mixtral"):
+        raise ConversionError(
+            "a mixture-of-experts model is written as mixtral and only it "
+            f"(--hf-model-type {requested})"
+        )
     if md.qkv_bias and requested != "qwen2":
         raise ConversionError(
             f"a model with q/k/v biases (--add-qkv-bias) can only be written as qwen2, "
@@ -87,7 +96,6 @@ def save_checkpoint(queue, args, alive=None):
     for i in range(md.num_layers):
         s, p = f"decoder.layers.{i}.", f"model.layers.{i}."
         q, k, v = qkv_to_separate(t[s + "self_attention.linear_qkv.weight"], heads, groups, d)
-        gate, up = t[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out.update(
             {
                 p + "input_layernorm.weight": t[s + "input_layernorm.weight"],
@@ -96,11 +104,22 @@ def save_checkpoint(queue, args, alive=None):
                 p + "self_attn.v_proj.weight": v,
                 p + "self_attn.o_proj.weight": t[s + "self_attention.linear_proj.weight"],
                 p + "post_attention_layernorm.weight": t[s + "pre_mlp_layernorm.weight"],
-                p + "mlp.gate_proj.weight": gate,
-                p + "mlp.up_proj.weight": up,
-                p + "mlp.down_proj.weight": t[s + "mlp.linear_fc2.weight"],
             }
         )
+        if md.num_experts:
+            moe = p + "block_sparse_moe."
+            out[moe + "gate.weight"] = t[s + "mlp.router.weight"]
+            for e in range(md.num_experts):
+                x = f"{s}mlp.experts.local_experts.{e}."
+                gate, up = t[x + "linear_fc1.weight"].chunk(2, dim=0)
+                out[f"{moe}experts.{e}.w1.weight"] = gate
+                out[f"{moe}experts.{e}.w3.weight"] = up
+                out[f"{moe}experts.{e}.w2.weight"] = t[x + "linear_fc2.weight"]
+        else:
+            gate, up = t[s + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+            out[p + "mlp.gate_proj.weight"] = gate
+            out[p + "mlp.up_proj.weight"] = up
+            out[p + "mlp.down_proj.weight"] = t[s + "mlp.linear_fc2.weight"]
         if md.qkv_bias:
             qb, kb, vb = qkv_to_separate(t[s + "self_attention.linear_qkv.bias"], heads, groups, d)
             out.update(
@@ -149,8 +168,11 @@ def save_checkpoint(queue, args, alive=None):
         bos_token_id=source.get("bos_token_id"),
         eos_token_id=source.get("eos_token_id"),
     )
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         kwargs["sliding_window"] = source.get("sliding_window")
+    if model_type == "mixtral":
+        kwargs["num_local_experts"] = md.num_experts
+        kwargs["num_experts_per_tok"] = md.moe_router_topk
     config = getattr(transformers, config_name)(**kwargs)
     config.dtype = dtype_name(dtype)
     config.save_pretrained(args.save_dir)

@@ -42,9 +42,14 @@ _BERT_REPLICATED = ("embedding.tokentype_embeddings.", "lm_head.", "pooler.", "b
 _COLUMN, _ROW, _REPLICATED, _GLU = "column", "row", "replicated", "glu"
 
 
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
 def split_kind(name: str, swiglu: bool) -> str:
-    local = _LAYER.sub(r"\3", name)
-    if local.startswith(_BERT_REPLICATED):
+    expert = _EXPERT.match(name)
+    # An expert's linear layers split like the dense MLP's (TP = expert TP here).
+    local = "mlp" + expert.group(3) if expert else _LAYER.sub(r"\3", name)
+    if local == "mlp.router.weight" or local.startswith(_BERT_REPLICATED):
         return _REPLICATED
     if local in (
         "embedding.word_embeddings.weight",
@@ -174,35 +179,45 @@ class TorchCheckpointReader:
                 "checkpoints can be converted so far"
             )
         names = sorted(n for n in os.listdir(self.iteration_dir) if n.startswith("mp_rank_"))
-        ranks = []
+        parts = []
         for n in names:
-            parts = n[len("mp_rank_") :].split("_")
-            if not all(p.isdigit() for p in parts) or len(parts) > 2:
-                raise ConversionError(
-                    f"unexpected entry {n} in {self.iteration_dir} (expert-parallel "
-                    "checkpoints are not supported yet)"
-                )
-            ranks.append((int(parts[0]), int(parts[1]) if len(parts) == 2 else 0))
+            numbers = n[len("mp_rank_") :].split("_")
+            if not all(p.isdigit() for p in numbers) or len(numbers) > 3:
+                raise ConversionError(f"unexpected entry {n} in {self.iteration_dir}")
+            parts.append([int(p) for p in numbers])
+        # mp_rank_TT[_PPP][_EEE]: with two numbers the args tell whether the second is PP or EP.
+        some = _load(os.path.join(self.iteration_dir, names[0], "model_optim_rng.pt"))
+        saved = some.get("args")
+        pp_size = getattr(saved, "pipeline_model_parallel_size", 1) or 1
+        ep_size = getattr(saved, "expert_model_parallel_size", 1) or 1
+        ranks = []
+        for numbers in parts:
+            t = numbers[0]
+            p = numbers[1] if pp_size > 1 and len(numbers) > 1 else 0
+            e = numbers[-1] if ep_size > 1 and len(numbers) > 1 else 0
+            ranks.append((t, p, e))
         self.tp = max(r[0] for r in ranks) + 1
         self.pp = max(r[1] for r in ranks) + 1
-        if len(ranks) != self.tp * self.pp:
+        self.ep = max(r[2] for r in ranks) + 1
+        if len(set(ranks)) != self.tp * self.pp * self.ep or len(ranks) != len(set(ranks)):
             raise ConversionError(
                 f"{self.iteration_dir} holds {len(ranks)} mp_rank_* entries, expected "
-                f"TP x PP = {self.tp} x {self.pp}; the checkpoint is incomplete"
+                f"TP x PP x EP = {self.tp} x {self.pp} x {self.ep}; the checkpoint is incomplete"
             )
         self.files = {}
-        for t in range(self.tp):
-            for p in range(self.pp):
-                path = checkpoint_name(
-                    os.path.dirname(self.iteration_dir),
-                    self.iteration,
-                    self.release,
-                    tp_rank=t,
-                    pp_rank=p,
-                    pp_size=self.pp,
-                )
-                self.files[(t, p)] = _load(path)
-        first = self.files[(0, 0)]
+        for t, p, e in ranks:
+            path = checkpoint_name(
+                os.path.dirname(self.iteration_dir),
+                self.iteration,
+                self.release,
+                tp_rank=t,
+                pp_rank=p,
+                pp_size=self.pp,
+                ep_rank=e,
+                ep_size=self.ep,
+            )
+            self.files[(t, p, e)] = _load(path)
+        first = self.files[(0, 0, 0)]
         self.args = first.get("args")
         if self.args is None:
             raise ConversionError(
@@ -212,6 +227,7 @@ class TorchCheckpointReader:
         for flag, ours in (
             ("tensor_model_parallel_size", self.tp),
             ("pipeline_model_parallel_size", self.pp),
+            ("expert_model_parallel_size", self.ep),
         ):
             saved = getattr(self.args, flag, ours)
             if saved != ours:
@@ -233,38 +249,49 @@ class TorchCheckpointReader:
         self.split = layer_split_from_args(self.args, self.args.num_layers, self.pp, vpp)
         self._index = self._build_index()
 
-    def _build_index(self) -> Dict[str, List[Tuple[Tuple[int, int], str, str]]]:
-        """global name -> [(file key, chunk key, local name) for each TP rank]."""
+    def _build_index(self) -> Dict[str, List[Tuple[Tuple[int, int, int], str, str]]]:
+        """global name -> [(file key, chunk key, local name) for each TP rank]. Experts are
+        read from the file of their EP rank and numbered globally; the rest from EP rank 0."""
         index: Dict[str, list] = {}
+        experts = getattr(self.args, "num_experts", None) or 0
+        per_rank = experts // self.ep if experts else 0
         for p in range(self.pp):
             for c, chunk_key in enumerate(self.chunk_keys):
                 offset = self.split.offset_for(p, c)
                 count = self.split.num_layers_for(p, c)
                 for t in range(self.tp):
-                    state = self.files[(t, p)].get(chunk_key)
-                    if state is None:
-                        raise ConversionError(f"mp_rank {t:02d}_{p:03d} has no '{chunk_key}' entry")
-                    for local, tensor in state.items():
-                        if local.endswith("_extra_state"):
-                            continue
-                        m = _LAYER.match(local)
-                        if m:
-                            i = int(m.group(2))
-                            if i >= count:
-                                raise ConversionError(
-                                    f"pipeline stage {p} chunk {c} holds layer {i} "
-                                    "but the layer split of the "
-                                    f"checkpoint's args gives it {count} layers"
-                                )
-                            name = f"{m.group(1)}.layers.{offset + i}.{m.group(3)}"
-                        else:
-                            name = local
-                        index.setdefault(name, [None] * self.tp)
-                        if (
-                            index[name][t] is None
-                        ):  # tied copy on the last stage: keep the first stage's
-                            index[name][t] = ((t, p), chunk_key, local)
+                    for e in range(self.ep):
+                        state = self.files[(t, p, e)].get(chunk_key)
+                        if state is None:
+                            raise ConversionError(
+                                f"mp_rank {t:02d}_{p:03d}_{e:03d} has no '{chunk_key}' entry"
+                            )
+                        for local, tensor in state.items():
+                            if local.endswith("_extra_state"):
+                                continue
+                            name = self._global_name(local, offset, count, p, c)
+                            expert = _EXPERT.match(name)
+                            if expert:
+                                g = e * per_rank + int(expert.group(2))
+                                name = f"{expert.group(1)}{g}{expert.group(3)}"
+                            elif e != 0:
+                                continue
+                            index.setdefault(name, [None] * self.tp)
+                            if index[name][t] is None:  # tied copy on the last stage: first's
+                                index[name][t] = ((t, p, e), chunk_key, local)
         return index
+
+    def _global_name(self, local: str, offset: int, count: int, p: int, c: int) -> str:
+        m = _LAYER.match(local)
+        if not m:
+            return local
+        i = int(m.group(2))
+        if i >= count:
+            raise ConversionError(
+                f"pipeline stage {p} chunk {c} holds layer {i} but the layer split of the "
+                f"checkpoint's args gives it {count} layers"
+            )
+        return f"{m.group(1)}.layers.{offset + i}.{m.group(3)}"
 
     def names(self) -> List[str]:
         return list(self._index)
@@ -310,6 +337,15 @@ class TorchCheckpointWriter:
             for c in range(self.num_chunks)
         }
         self.tied = not args.untie_embeddings_and_output_weights
+        self.ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        experts = getattr(args, "num_experts", None) or 0
+        if experts % self.ep:
+            raise ConversionError(
+                f"{experts} experts cannot be split over --target-expert-parallel-size {self.ep}"
+            )
+        self.experts_per_rank = experts // self.ep if experts else 0
+        # Expert tensors by (TP, PP, chunk, EP rank); everything else is in every EP rank's file.
+        self.expert_states = {key + (e,): {} for key in self.states for e in range(self.ep)}
 
     def _where_layer(self, index: int) -> Tuple[int, int, int]:
         for p in range(self.pp):
@@ -339,40 +375,55 @@ class TorchCheckpointWriter:
         else:
             raise ConversionError(f"unexpected tensor name '{name}'")
         shards = split_full(name, tensor, self.tp, self.swiglu)
+        expert = _EXPERT.match(places[0][2])
         for p, c, local in places:
             for t in range(self.tp):
-                self.states[(t, p, c)][local] = shards[t]
+                if expert:
+                    # Expert e lives on EP rank e // experts_per_rank as its local index there.
+                    index = int(expert.group(2))
+                    rank, index = divmod(index, self.experts_per_rank)
+                    local = f"{expert.group(1)}{index}{expert.group(3)}"
+                    self.expert_states[(t, p, c, rank)][local] = shards[t]
+                else:
+                    self.states[(t, p, c)][local] = shards[t]
 
     def write(self) -> List[str]:
         os.makedirs(self.save_dir, exist_ok=True)
         saved_args = checkpoint_args(self.args)
         paths = []
-        for t in range(self.tp):
-            for p in range(self.pp):
-                state = {
-                    "args": saved_args,
-                    "checkpoint_version": CHECKPOINT_VERSION,
-                    "iteration": self.iteration,
-                    "num_floating_point_operations_so_far": 0.0,
-                }
-                if self.num_chunks == 1:
-                    state["model"] = self.states[(t, p, 0)]
-                else:
-                    for c in range(self.num_chunks):
-                        state[f"model{c}"] = self.states[(t, p, c)]
-                path = checkpoint_name(
-                    self.save_dir,
-                    self.iteration,
-                    self.release,
-                    tp_rank=t,
-                    pp_rank=p,
-                    pp_size=self.pp,
-                )
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = path + ".tmp"
-                torch.save(state, tmp)
-                os.replace(tmp, path)
-                paths.append(path)
+        for t, p, e in (
+            (t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)
+        ):
+            state = {
+                "args": saved_args,
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": self.iteration,
+                "num_floating_point_operations_so_far": 0.0,
+            }
+            models = [
+                {**self.states[(t, p, c)], **self.expert_states[(t, p, c, e)]}
+                for c in range(self.num_chunks)
+            ]
+            if self.num_chunks == 1:
+                state["model"] = models[0]
+            else:
+                for c in range(self.num_chunks):
+                    state[f"model{c}"] = models[c]
+            path = checkpoint_name(
+                self.save_dir,
+                self.iteration,
+                self.release,
+                tp_rank=t,
+                pp_rank=p,
+                pp_size=self.pp,
+                ep_rank=e,
+                ep_size=self.ep,
+            )
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = path + ".tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+            paths.append(path)
         # The tracker goes last, so an interrupted conversion never looks complete.
         tracker = os.path.join(self.save_dir, TRACKER_FILENAME)
         with open(tracker + ".tmp", "w") as f:

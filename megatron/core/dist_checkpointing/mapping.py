@@ -47,6 +47,9 @@ class ShardedTensor:
         """The entry's name in a sharded state dict (unique on the rank)."""
         return self.key + self.name_suffix
 
+    expert: bool = False
+    """An MoE expert's tensor: replicated over the expert-data-parallel group, not over DP."""
+
     def view(self, chunk: Chunk) -> torch.Tensor:
         """The part of ``data`` that holds ``chunk`` (a view: writing to it writes ``data``)."""
         out = self.data
@@ -79,6 +82,7 @@ class ShardedTensor:
             self.chunks,
             self.replica if replica is None else replica,
             self.name_suffix,
+            self.expert,
         )
 
 

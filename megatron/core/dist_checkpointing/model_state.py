@@ -8,6 +8,9 @@ The global name of a tensor is its key in the whole model at TP=1, PP=1:
 * a tensor-parallel parameter (``tensor_model_parallel`` set by the TP layers) is the
   ``partition_dim`` shard of the global tensor (``partition_stride`` blocks for fused weights);
   other tensors are replicated over TP and saved by TP rank 0 only;
+* an MoE layer's experts (``experts.local_experts.<i>``, local index i on this expert-parallel
+  rank) are numbered globally, shifted by the experts module's ``local_expert_offset``; they
+  are split over the expert-tensor-parallel ranks instead of TP and marked ``expert``;
 * with tied input/output embeddings, the last stage's ``output_layer.weight`` is a copy of the
   first stage's ``embedding.word_embeddings.weight``: loaded from that key, never saved.
 
@@ -51,6 +54,18 @@ def _layer_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int]]:
     return [(prefix, offset) for prefix, offset, _ in _blocks(chunk)]
 
 
+def _expert_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int]]:
+    """(state-dict prefix of a local-experts list, global index of its first expert)."""
+    found = []
+    for name, module in chunk.named_modules():
+        offset = getattr(module, "local_expert_offset", None)
+        if isinstance(offset, int) and isinstance(
+            getattr(module, "local_experts", None), torch.nn.ModuleList
+        ):
+            found.append(((name + "." if name else "") + "local_experts.", offset))
+    return found
+
+
 def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
     """``local_key`` with its local layer index shifted by the block's layer offset."""
     for prefix, offset in offsets:
@@ -73,9 +88,12 @@ def model_sharded_state_dict(
     chunks: Sequence[torch.nn.Module],
     tp_rank: int = 0,
     tp_size: int = 1,
+    etp_rank: int = 0,
+    etp_size: int = 1,
     megatron_layout: bool = True,
 ) -> Tuple[Dict[str, ShardedTensor], Dict[int, ShardedTensor]]:
-    """Sharded entries for the (unwrapped) model chunks of this rank.
+    """Sharded entries for the (unwrapped) model chunks of this rank (``etp_*``: its expert
+    tensor-parallel rank and size).
 
     Returns ``({entry name: entry}, {id(parameter): entry})``; the second map lets the optimizer
     state of a parameter be keyed and sharded like the parameter. ``replica`` is set for tensors
@@ -89,11 +107,18 @@ def model_sharded_state_dict(
         blocks = _blocks(chunk)
         num_layers.update({prefix: total for prefix, _, total in blocks})
         offsets = [(prefix, offset) for prefix, offset, _ in blocks]
+        expert_offsets = _expert_offsets(chunk)
         tied = _ties_output_to_embedding(chunk)
         for local_key, tensor in chunk.state_dict(keep_vars=True).items():
             if not torch.is_tensor(tensor) or local_key.endswith("_extra_state"):
                 continue
-            key = global_key(local_key, offsets)
+            key = global_key(global_key(local_key, expert_offsets), offsets)
+            if not getattr(tensor, "allreduce", True):
+                entry = _expert_entry(key, tensor, etp_rank, etp_size)
+                if key in entries:
+                    raise ValueError(f"two tensors of this rank map to the checkpoint key {key}")
+                entries[key] = by_param[id(tensor)] = entry
+                continue
             forced_replica = False
             if tied and local_key == TIED_OUTPUT_KEY:
                 key, forced_replica = TIED_EMBEDDING_KEY, True
@@ -114,12 +139,31 @@ def model_sharded_state_dict(
                 entry = replicated(key, data, replica=forced_replica or tp_rank != 0)
             entries[key] = entry
             by_param[id(tensor)] = entry
-    if not megatron_layout:
+    if not megatron_layout or any(entry.expert for entry in entries.values()):
+        # Megatron's layout of experts (a second leading axis, the global expert index) is not
+        # built: a model with experts keeps one key per layer, which loading recognises.
         return entries, by_param
     stacked, by_old, objects = to_megatron_layout(entries, num_layers, tp_rank == 0)
     out: Dict[str, object] = dict(stacked)
     out.update({o.name: o for o in objects})
     return out, {pid: by_old[e.key] for pid, e in by_param.items()}
+
+
+def _expert_entry(key: str, tensor: torch.Tensor, etp_rank: int, etp_size: int) -> ShardedTensor:
+    data = tensor.detach()
+    if getattr(tensor, "tensor_model_parallel", False) and etp_size > 1:
+        entry = tensor_parallel_sharded(
+            key,
+            data,
+            int(tensor.partition_dim),
+            etp_rank,
+            etp_size,
+            int(getattr(tensor, "partition_stride", 1)),
+        )
+    else:
+        entry = replicated(key, data, replica=etp_rank != 0)
+    entry.expert = True
+    return entry
 
 
 def spread_writes(

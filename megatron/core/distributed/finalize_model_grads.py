@@ -70,7 +70,10 @@ def finalize_model_grads(
        DP x CP, and every gradient scaled by DP*CP / total so that gradients are
        sum(loss) / total tokens;
     4. with sequence parallelism, the gradients of the parameters replicated over TP whose
-       input was split along the sequence (norms, row-parallel biases) summed over TP.
+       input was split along the sequence (norms, row-parallel biases, MoE routers) summed over
+       TP;
+    5. MoE aux-loss-free balancing: each router's expert bias moved by this step's token counts,
+       summed over TP x DP x CP (every rank then holds the same bias).
 
     The schedules call it (as ``config.finalize_model_grads_func``) after the last backward,
     with the token count of the iteration. ``parallel_state`` is the ``ParallelState`` of
@@ -88,6 +91,7 @@ def finalize_model_grads(
         chunk.finish_grad_sync()
     if parallel_state is not None:
         _reduce_across_model_parallel_groups(model_chunks, parallel_state, num_tokens, timer)
+    _update_expert_biases(model_chunks, parallel_state)
     if sync_timer:
         sync_timer.stop()
 
@@ -134,3 +138,13 @@ def _reduce_across_model_parallel_groups(model_chunks, parallel_state, num_token
         )
         if t:
             t.stop()
+
+
+def _update_expert_biases(model_chunks, parallel_state) -> None:
+    group = None if parallel_state is None else parallel_state.group("tp-dp-cp")
+    for chunk in model_chunks:
+        for module in unwrap_model(chunk).modules():
+            if getattr(module, "expert_bias", None) is not None and hasattr(
+                module, "update_expert_bias"
+            ):
+                module.update_expert_bias(group)

@@ -10,6 +10,7 @@ Both return ``(update_successful, grad_norm, num_zeros_in_grad)`` from step().
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -35,6 +36,11 @@ _PARALLEL_ATTRS = (
     "shared",
     "allreduce",
 )
+
+
+def _is_expert(param: torch.Tensor) -> bool:
+    """Expert parameters (MoE) are the ones DDP does not all-reduce over the full DP group."""
+    return not getattr(param, "allreduce", True)
 
 
 def _zero_grad_group(params: List[torch.Tensor], set_to_none: bool) -> None:
@@ -71,6 +77,12 @@ class MegatronOptimizer:
         self.config = config
         self.model_parallel_group = model_parallel_group
         self.tp_rank = tp_rank
+        self.expert_parallel_group = None
+        """With MoE: the ranks holding different expert parameters (``allreduce = False``):
+        expert-tensor x expert x pipeline parallel. Their grads enter norms, zero counts and the
+        inf check over this group (set by the trainer; None: one process or no experts)."""
+        self.expert_tp_rank = 0
+        """This rank's expert-tensor-parallel rank (unsharded expert params count there once)."""
         self._dummy_timer = DummyTimer()
         params = self.get_parameters()
         self._device = params[0].device if params else torch.device("cpu")
@@ -89,17 +101,36 @@ class MegatronOptimizer:
         """The params the inner optimizer updates (master params on the half path)."""
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+    def get_main_grads_for_grad_norm(self, expert: Optional[bool] = None) -> List[torch.Tensor]:
+        """The grads this rank counts: all (``expert`` None), dense or expert ones only."""
+        if expert is None:
+            return [
+                p.grad
+                for p in self.get_parameters()
+                if p.grad is not None and param_is_counted_once(p, self.tp_rank)
+            ]
         return [
             p.grad
             for p in self.get_parameters()
-            if p.grad is not None and param_is_counted_once(p, self.tp_rank)
+            if p.grad is not None
+            and _is_expert(p) == expert
+            and param_is_counted_once(p, self.expert_tp_rank if expert else self.tp_rank)
         ]
 
     def get_grad_norm(self) -> float:
-        return get_grad_norm_fp32(
-            self.get_main_grads_for_grad_norm(), model_parallel_group=self.model_parallel_group
+        if self.expert_parallel_group is None:
+            return get_grad_norm_fp32(
+                self.get_main_grads_for_grad_norm(), model_parallel_group=self.model_parallel_group
+            )
+        dense = get_grad_norm_fp32(
+            self.get_main_grads_for_grad_norm(expert=False),
+            model_parallel_group=self.model_parallel_group,
         )
+        expert = get_grad_norm_fp32(
+            self.get_main_grads_for_grad_norm(expert=True),
+            model_parallel_group=self.expert_parallel_group,
+        )
+        return math.sqrt(dense * dense + expert * expert)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip the main grads to `clip_grad` global L2 norm; return the norm before clipping."""
@@ -108,10 +139,19 @@ class MegatronOptimizer:
         return grad_norm
 
     def count_zeros(self) -> int:
+        params = self.get_parameters()
+        if self.expert_parallel_group is None:
+            return count_zeros_fp32(
+                params, grad_stats_parallel_group=self.model_parallel_group, tp_rank=self.tp_rank
+            )
+        dense = [p for p in params if not _is_expert(p)]
+        expert = [p for p in params if _is_expert(p)]
         return count_zeros_fp32(
-            self.get_parameters(),
-            grad_stats_parallel_group=self.model_parallel_group,
-            tp_rank=self.tp_rank,
+            dense, grad_stats_parallel_group=self.model_parallel_group, tp_rank=self.tp_rank
+        ) + count_zeros_fp32(
+            expert,
+            grad_stats_parallel_group=self.expert_parallel_group,
+            tp_rank=self.expert_tp_rank,
         )
 
     def _clip_count_and_step(self) -> Tuple[Optional[float], Optional[int]]:
@@ -369,8 +409,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 if not torch.isfinite(grad).all():
                     self.found_inf.fill_(1.0)
                 grad.mul_(inv_scale.to(grad.device))
-        if self.model_parallel_group is not None and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=self.model_parallel_group)
+        if dist.is_available() and dist.is_initialized():
+            for group in (self.model_parallel_group, self.expert_parallel_group):
+                if group is not None:
+                    dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=group)
         return bool(self.found_inf.item() > 0)
 
     @torch.no_grad()

@@ -26,6 +26,7 @@ import torch
 
 from megatron.core.pipeline_parallel.layer_split import check_interleaved_microbatches
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, get_tensor_shape
+from megatron.core.transformer.moe.moe_utils import set_aux_loss_backward_scale
 from megatron.core.utils import get_model_config, unwrap_model
 
 
@@ -91,6 +92,12 @@ def forward_step(
     cp_size = getattr(config, "context_parallel_size", 1)
     if set_input_tensor:
         unwrap_model(model).set_input_tensor(input_tensor)
+    if getattr(config, "num_moe_experts", None):
+        # The routers' auxiliary losses take the factor this micro-batch's loss gets below
+        # (and the fp16 loss scale backward_step applies), as if added to it.
+        grad_scale = getattr(config, "grad_scale_func", None)
+        loss_scale = float(grad_scale(torch.ones(1)).item()) if grad_scale is not None else 1.0
+        set_aux_loss_backward_scale(config, loss_scale * cp_size / num_microbatches)
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     num_tokens = torch.tensor(0, dtype=torch.int)
     if not is_last_stage:

@@ -195,3 +195,19 @@ def check_group_size(expected: int, group, what: str, flag: str) -> None:
             f"which has {actual} rank(s); build the model with the groups of "
             f"megatron.core.parallel_state.initialize_model_parallel(...) (pg_collection=...)"
         )
+
+
+def all_to_all_uneven(input_: torch.Tensor, group, output_splits, input_splits) -> torch.Tensor:
+    """``all_to_all_single`` along dim 0 with per-member row counts (gloo and NCCL support
+    uneven splits). With one member (or no group) the rows stay: a copy is returned."""
+    if group_size(group) == 1:
+        return input_.clone()
+    output = input_.new_empty((sum(output_splits),) + tuple(input_.shape[1:]))
+    dist.all_to_all_single(
+        output,
+        input_,
+        output_split_sizes=list(output_splits),
+        input_split_sizes=list(input_splits),
+        group=group,
+    )
+    return output

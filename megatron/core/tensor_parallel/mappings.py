@@ -169,3 +169,27 @@ def gather_from_sequence_parallel_region(
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     return x if _trivial(group) else _ReduceScatterToSequenceParallel.apply(x, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return C.all_to_all_uneven(x.contiguous(), group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The gradient travels back the way the rows came: the splits swap roles.
+        back = C.all_to_all_uneven(
+            grad.contiguous(), ctx.group, ctx.input_splits, ctx.output_splits
+        )
+        return back, None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, output_splits, input_splits) -> torch.Tensor:
+    """Rows of ``x`` [n, ...] exchanged within ``group``: ``input_splits[r]`` consecutive rows go
+    to member r and ``output_splits[r]`` rows arrive from it (uneven splits allowed). Autograd:
+    the gradient takes the reverse exchange."""
+    if _trivial(group):
+        return x
+    return _AllToAll.apply(x, group, list(output_splits), list(input_splits))

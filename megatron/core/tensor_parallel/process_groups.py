@@ -20,6 +20,19 @@ class ProcessGroupCollection:
     pp: Any = None
     """Pipeline-parallel group: its rank is the stage a model chunk belongs to."""
 
+    ep: Any = None
+    """Expert-parallel group: ranks that hold different experts of the same MoE layers."""
+
+    expt_tp: Any = None
+    """Expert-tensor-parallel group: ranks that hold shards of the same experts."""
+
+    tp_ep: Any = None
+    """Expert-tensor x expert-parallel group: the ranks an MoE layer exchanges tokens with."""
+
+    tp_cp: Any = None
+    """Tensor x context-parallel group: the ranks holding parts of the same sequences (MoE
+    balancing losses count tokens over it)."""
+
     @classmethod
     def from_parallel_state(cls, state) -> "ProcessGroupCollection":
         """From a :class:`megatron.core.parallel_state.ParallelState` (its tp, cp, pp groups)."""
@@ -27,6 +40,10 @@ class ProcessGroupCollection:
             tp=state.get_tensor_model_parallel_group(),
             cp=state.get_context_parallel_group(),
             pp=state.get_pipeline_model_parallel_group(),
+            ep=state.get_expert_model_parallel_group(),
+            expt_tp=state.get_expert_tensor_parallel_group(),
+            tp_ep=state.group("tp-ep"),
+            tp_cp=state.group("tp-cp"),
         )
 
     @property
@@ -44,6 +61,22 @@ class ProcessGroupCollection:
     @property
     def cp_rank(self) -> int:
         return group_rank(self.cp)
+
+    @property
+    def ep_size(self) -> int:
+        return group_size(self.ep)
+
+    @property
+    def ep_rank(self) -> int:
+        return group_rank(self.ep)
+
+    @property
+    def expt_tp_size(self) -> int:
+        return group_size(self.expt_tp)
+
+    @property
+    def expt_tp_rank(self) -> int:
+        return group_rank(self.expt_tp)
 
     @property
     def pp_size(self) -> int:
@@ -78,4 +111,17 @@ def resolve_pg_collection(config, pg_collection: Optional[Any] = None) -> Proces
         check_group_size(
             config.context_parallel_size, pgs.cp, "context_parallel_size", "--context-parallel-size"
         )
+        if getattr(config, "num_moe_experts", None) is not None:
+            check_group_size(
+                config.expert_model_parallel_size,
+                pgs.ep,
+                "expert_model_parallel_size",
+                "--expert-model-parallel-size",
+            )
+            check_group_size(
+                config.expert_tensor_parallel_size,
+                pgs.expt_tp,
+                "expert_tensor_parallel_size",
+                "--expert-tensor-parallel-size",
+            )
     return pgs

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Union
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.moe.moe_config import MoEConfig, validate_moe_config
 from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -23,8 +24,9 @@ SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 @dataclass
-class TransformerConfig(ModelParallelConfig):
-    """Configuration of a transformer stack (layers, attention, MLP, norms, init)."""
+class TransformerConfig(ModelParallelConfig, MoEConfig):
+    """Configuration of a transformer stack (layers, attention, MLP, norms, init); the
+    mixture-of-experts fields come from :class:`MoEConfig`."""
 
     # ---------------------------------------------------------------- sizes
     num_layers: int = 0
@@ -108,10 +110,6 @@ class TransformerConfig(ModelParallelConfig):
     activation_func: Callable = F.gelu
     """Activation of the MLP: F.gelu (default), F.silu for SwiGLU, squared_relu for
     ``--squared-relu``."""
-
-    num_moe_experts: Optional[int] = None
-    """Number of MoE experts (``--num-experts``); None means dense MLPs. MoE is not implemented
-    yet: models reject a config that sets it."""
 
     # ---------------------------------------------------------------- attention
     rotary_interleaved: bool = False
@@ -361,6 +359,7 @@ class TransformerConfig(ModelParallelConfig):
         if self.apply_query_key_layer_scaling:
             self.attention_softmax_in_fp32 = True
         self._validate_recompute()
+        validate_moe_config(self)
         self._apply_mup()
         self._set_init_methods()
 

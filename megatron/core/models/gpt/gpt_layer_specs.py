@@ -9,6 +9,8 @@ q_layernorm, k_layernorm, core_attention, linear_proj}``, ``pre_mlp_layernorm``,
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_config import is_moe_layer
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -18,9 +20,10 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 
-def get_gpt_layer_local_spec() -> ModuleSpec:
-    """A decoder layer: norm, causal self-attention, norm, MLP. The norm type (LayerNorm or
-    RMSNorm), QK-norm, biases, activation and grouped-query attention follow the config."""
+def get_gpt_layer_local_spec(moe: bool = False) -> ModuleSpec:
+    """A decoder layer: norm, causal self-attention, norm, MLP (``moe``: a mixture of experts).
+    The norm type (LayerNorm or RMSNorm), QK-norm, biases, activation and grouped-query
+    attention follow the config."""
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -29,15 +32,17 @@ def get_gpt_layer_local_spec() -> ModuleSpec:
                 module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal}
             ),
             pre_mlp_layernorm=build_norm,
-            mlp=MLP,
+            mlp=MoELayer if moe else MLP,
         ),
     )
 
 
 def get_gpt_decoder_block_spec(config) -> TransformerBlockSubmodules:
     """One spec per layer of the model and the final norm: where layers differ (an MoE layer
-    every few layers) they differ here. Today every layer is the local dense layer."""
+    every few layers, ``--moe-layer-freq``) they differ here."""
     return TransformerBlockSubmodules(
-        layer_specs=[get_gpt_layer_local_spec() for _ in range(config.num_layers)],
+        layer_specs=[
+            get_gpt_layer_local_spec(moe=is_moe_layer(config, i)) for i in range(config.num_layers)
+        ],
         layer_norm=build_norm,
     )

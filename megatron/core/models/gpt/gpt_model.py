@@ -7,7 +7,10 @@ import torch
 from megatron.core.fusions.fused_linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module import LanguageModule
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -80,8 +83,6 @@ class GPTModel(LanguageModule):
         self.pg_collection = resolve_pg_collection(config, pg_collection)
         self.tp_group = self.pg_collection.tp
         self.cp_group = self.pg_collection.cp
-        if config.num_moe_experts is not None:
-            raise ValueError("mixture of experts (--num-experts) is not supported yet")
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
             raise ValueError(
                 f"position_embedding_type {position_embedding_type!r} is not supported "
@@ -121,7 +122,11 @@ class GPTModel(LanguageModule):
         else:
             self.rotary_pos_emb = None
         if transformer_layer_spec is None:
-            transformer_layer_spec = get_gpt_layer_local_spec()
+            transformer_layer_spec = (
+                get_gpt_decoder_block_spec(config)
+                if config.num_moe_experts
+                else get_gpt_layer_local_spec()
+            )
         self.vp_stage = vp_stage
         self.decoder = TransformerBlock(
             config,

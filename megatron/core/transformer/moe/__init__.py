@@ -1,0 +1,1 @@
+"""Mixture of experts: router, experts, token dispatchers and the MoE layer."""

@@ -1,0 +1,70 @@
+"""Cross-flag rules of the mixture-of-experts flags (Megatron's, plus what this code base does
+not build). The parallel sizes are checked in validation.validate_parallel_sizes."""
+
+from .validation import check
+
+
+def _as_list(value):
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def validate_moe(args):
+    if args.num_experts is None:
+        return
+    tp = args.tensor_model_parallel_size
+    check(
+        tp == 1 or args.sequence_parallel,
+        f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+        "(the MoE layer's token exchange assumes every tensor-parallel rank holds other tokens)",
+    )
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    check(
+        1 <= args.moe_router_topk <= args.num_experts,
+        f"--moe-router-topk ({args.moe_router_topk}) must be in [1, --num-experts "
+        f"{args.num_experts}]",
+    )
+    types = _as_list(args.moe_router_load_balancing_type)
+    coeffs = _as_list(args.moe_aux_loss_coeff)
+    check(
+        len(coeffs) == len(types),
+        f"--moe-aux-loss-coeff takes one value per --moe-router-load-balancing-type "
+        f"({len(types)}), got {len(coeffs)}",
+    )
+    if len(types) == 1:
+        args.moe_router_load_balancing_type = types[0]
+        args.moe_aux_loss_coeff = coeffs[0]
+    freq = args.moe_layer_freq
+    if isinstance(freq, list):
+        check(
+            len(freq) == args.num_layers,
+            f"--moe-layer-freq lists {len(freq)} layers, --num-layers is {args.num_layers}",
+        )
+    losses = any(c for c in coeffs) or bool(args.moe_z_loss_coeff)
+    check(
+        not (losses and args.calculate_per_token_loss),
+        "--calculate-per-token-loss with MoE auxiliary losses (--moe-aux-loss-coeff / "
+        "--moe-z-loss-coeff) is not supported yet",
+    )
+    check(
+        not args.use_distributed_optimizer,
+        "--use-distributed-optimizer with --num-experts is not supported yet (the distributed "
+        "optimizer does not shard expert parameters)",
+    )
+    check(
+        not (args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None),
+        "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
+    )
+    virtual = (
+        getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
+        or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
+    )
+    check(
+        not (virtual and args.expert_model_parallel_size > 1),
+        "--expert-model-parallel-size > 1 with virtual pipeline stages "
+        "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank) "
+        "is not supported yet (the interleaved schedule hangs in the expert exchange)",
+    )
+    if args.moe_token_dispatcher_type == "flex":
+        # DeepEP is not available: the same exchange as alltoall (the start-up note says so).
+        args.moe_token_dispatcher_type = "alltoall"

@@ -1,0 +1,86 @@
+"""The MoE routers' auxiliary losses in the log line and TensorBoard (Megatron's names:
+``load_balancing_loss``, ``seq_load_balancing_loss``, ``z_loss``).
+
+Each router sums its losses (without their coefficients) over the micro-batches of a step, for
+the tokens of its rank. Per layer they are summed over the ranks that split a sequence (TP x
+CP), averaged over data parallelism and divided by the micro-batches; the logged value is the
+mean over the MoE layers of the model. With ``--moe-per-layer-logging`` each layer's value also
+goes to TensorBoard as ``moe/<name>_layer_<n>``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from megatron.core.tensor_parallel import collectives as C
+from megatron.core.transformer.moe.moe_config import is_moe_layer
+from megatron.core.transformer.moe.router import LOSS_NAMES, TopKRouter
+from megatron.core.utils import get_model_config, unwrap_model
+
+
+def tracked_loss_names(config) -> List[str]:
+    """The losses the routers of ``config`` record, in the order they are logged."""
+    if not getattr(config, "num_moe_experts", None):
+        return []
+    types = config.moe_router_load_balancing_type
+    coeffs = config.moe_aux_loss_coeff
+    types = types if isinstance(types, (list, tuple)) else [types]
+    coeffs = coeffs if isinstance(coeffs, (list, tuple)) else [coeffs]
+    names = [LOSS_NAMES[t] for t, c in zip(types, coeffs) if LOSS_NAMES.get(t) and c]
+    if config.moe_z_loss_coeff:
+        names.append("z_loss")
+    return names
+
+
+def _routers(model) -> List[TopKRouter]:
+    routers = []
+    for chunk in model:
+        routers += [m for m in unwrap_model(chunk).modules() if isinstance(m, TopKRouter)]
+    return routers
+
+
+def collect_moe_losses(model, state, num_microbatches: int) -> Dict[str, torch.Tensor]:
+    """name -> per-layer values [num_layers] of this step (every rank must call it: it
+    reduces across ranks), and the routers' sums cleared."""
+    config = get_model_config(model[0])
+    names = tracked_loss_names(config)
+    if not names:
+        return {}
+    device = next(model[0].parameters()).device
+    values = torch.zeros(len(names), config.num_layers, dtype=torch.float32, device=device)
+    for chunk in model:
+        for layer in getattr(unwrap_model(chunk).decoder, "layers", []):
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if not isinstance(router, TopKRouter):
+                continue
+            for i, name in enumerate(names):
+                if name in router.tracked:
+                    values[i, layer.layer_number - 1] = router.tracked[name].to(device)
+    for router in _routers(model):
+        router.tracked.clear()
+    if state is not None:
+        C.all_reduce(values, state.get_pipeline_model_parallel_group())
+        C.all_reduce(values, state.group("tp-cp"))
+        dp = state.get_data_parallel_group()
+        values = C.all_reduce(values, dp) / C.group_size(dp)
+    values = values / num_microbatches
+    return {name: values[i] for i, name in enumerate(names)}
+
+
+def moe_loss_scalars(per_layer: Dict[str, torch.Tensor], config) -> Dict[str, float]:
+    """name -> mean over the MoE layers (the log line's values)."""
+    moe_layers = [i for i in range(config.num_layers) if is_moe_layer(config, i)]
+    if not moe_layers:
+        return {}
+    index = torch.tensor(moe_layers, device=next(iter(per_layer.values())).device)
+    return {name: v[index].mean().item() for name, v in per_layer.items()}
+
+
+def write_per_layer(writer, per_layer: Dict[str, torch.Tensor], config, iteration: int) -> None:
+    """``moe/<name>_layer_<n>`` for every MoE layer (n is 1-based)."""
+    for name, values in per_layer.items():
+        for i in range(config.num_layers):
+            if is_moe_layer(config, i):
+                writer.add_scalar(f"moe/{name}_layer_{i + 1}", values[i].item(), iteration)

@@ -1,0 +1,96 @@
+"""Mixture-of-experts training through torchrun equals the one-process run: expert parallelism
+alone, with tensor + sequence parallelism (alltoall dispatcher, experts split over ETP = TP),
+with pipeline parallelism, and experts unsplit (ETP = 1) beside TP = 2.
+
+fp32, dropless, no dropout; loss, grad norm and the load-balancing loss per iteration
+(TensorBoard) within the suite's tolerances (runner.LOSS_RTOL / GRAD_NORM_RTOL)."""
+
+import pytest
+
+from tests.functional_tests.runner import (
+    TINY_MODEL,
+    assert_same_training,
+    read_tensorboard_scalars,
+    run_pretrain,
+)
+
+MOE = [
+    "--hidden-dropout",
+    "0.0",
+    "--attention-dropout",
+    "0.0",
+    "--train-iters",
+    "10",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "48",
+    "--moe-aux-loss-coeff",
+    "0.01",
+    "--moe-z-loss-coeff",
+    "0.001",
+    "--moe-shared-expert-intermediate-size",
+    "32",
+    "--moe-shared-expert-gate",
+]
+ITERATIONS = range(1, 11)
+
+
+def _metrics(tb):
+    return {
+        "loss": read_tensorboard_scalars(tb, "lm loss"),
+        "norm": read_tensorboard_scalars(tb, "grad-norm"),
+        "balance": read_tensorboard_scalars(tb, "load_balancing_loss"),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tb = tmp_path_factory.mktemp("moe_ref")
+    result = run_pretrain(TINY_MODEL + MOE + ["--tensorboard-dir", str(tb)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert " load_balancing_loss: " in result.stdout and " z_loss: " in result.stdout
+    return _metrics(tb)
+
+
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [
+        (2, ["--expert-model-parallel-size", "2"]),
+        (
+            4,
+            [
+                "--expert-model-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+                "--moe-token-dispatcher-type",
+                "alltoall",
+            ],
+        ),
+        (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+        (
+            2,
+            [
+                "--expert-tensor-parallel-size",
+                "1",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+            ],
+        ),
+    ],
+    ids=["ep2", "ep2-tp2-sp-alltoall", "ep2-pp2", "etp1-tp2-sp"],
+)
+def test_moe_layout_matches_single_process(reference, nproc, layout, tmp_path):
+    result = run_pretrain(
+        TINY_MODEL + MOE + layout + ["--tensorboard-dir", str(tmp_path)], nproc=nproc
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    got = _metrics(tmp_path)
+    assert_same_training(got, reference, ITERATIONS)
+    for it in ITERATIONS:
+        assert got["balance"][it] == pytest.approx(reference["balance"][it], rel=1e-5), it
