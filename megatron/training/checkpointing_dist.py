@@ -153,13 +153,13 @@ def save_checkpoint_dist(
         over_dp.update(optim_entries)
     fully_parallel = getattr(args, "ckpt_fully_parallel_save", True)
     dc.spread_writes(
-        {k: e for k, e in over_dp.items() if not e.expert},
+        {k: e for k, e in over_dp.items() if not getattr(e, "expert", False)},
         state.get_data_parallel_rank(with_context_parallel=True),
         state.get_data_parallel_world_size(with_context_parallel=True),
         fully_parallel=fully_parallel,
     )
     dc.spread_writes(
-        {k: e for k, e in over_dp.items() if e.expert},
+        {k: e for k, e in over_dp.items() if getattr(e, "expert", False)},
         state.get_expert_data_parallel_rank(),
         state.get_expert_data_parallel_world_size(),
         fully_parallel=fully_parallel,

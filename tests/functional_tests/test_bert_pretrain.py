@@ -122,7 +122,7 @@ def _check_conversion_round_trip(ckpt, tmp_path):
     original, restored = (
         {
             k: v
-            for k, v in TorchCheckpointReader(d).files[(0, 0)]["model"].items()
+            for k, v in TorchCheckpointReader(d).files[(0, 0, 0)]["model"].items()
             if not k.endswith("_extra_state")
         }
         for d in (str(ckpt), back)

@@ -56,8 +56,8 @@ def test_reshard_round_trip_and_hf_export(tmp_path):
     )  # fmt: skip
     resharded = TorchCheckpointReader(mid)
     assert (resharded.tp, resharded.pp) == (2, 2)
-    first = resharded.files[(1, 0)]["model"]
-    last = resharded.files[(1, 1)]["model"]
+    first = resharded.files[(1, 0, 0)]["model"]
+    last = resharded.files[(1, 1, 0)]["model"]
     assert first["embedding.word_embeddings.weight"].shape == (VOCAB // 2, HIDDEN)
     assert "embedding.tokentype_embeddings.weight" in first and "pooler.dense.weight" not in first
     assert sorted(k for k in first if k.startswith("encoder.layers.") and "qkv.weight" in k) == [
@@ -70,7 +70,7 @@ def test_reshard_round_trip_and_hf_export(tmp_path):
     )
 
     convert.convert(common + ["--saver", "core", "--load-dir", mid, "--save-dir", back])
-    restored = TorchCheckpointReader(back).files[(0, 0)]["model"]
+    restored = TorchCheckpointReader(back).files[(0, 0, 0)]["model"]
     original = model.state_dict()
     assert sorted(restored) == sorted(original)
     for name, tensor in original.items():
@@ -95,7 +95,7 @@ def test_reshard_round_trip_and_hf_export(tmp_path):
         ["--model-type", "BERT", "--loader", "hf_megatron_bert", "--saver", "core"]
         + ["--load-dir", hf, "--save-dir", imported]
     )
-    restored = TorchCheckpointReader(imported).files[(0, 0)]["model"]
+    restored = TorchCheckpointReader(imported).files[(0, 0, 0)]["model"]
     assert sorted(restored) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(restored[name], tensor), name
