@@ -72,7 +72,7 @@ def collect_moe_losses(model, state, num_microbatches: int) -> Dict[str, torch.T
 def moe_loss_scalars(per_layer: Dict[str, torch.Tensor], config) -> Dict[str, float]:
     """name -> mean over the MoE layers (the log line's values)."""
     moe_layers = [i for i in range(config.num_layers) if is_moe_layer(config, i)]
-    if not moe_layers:
+    if not moe_layers or not per_layer:  # no balancing loss nor z-loss is tracked
         return {}
     index = torch.tensor(moe_layers, device=next(iter(per_layer.values())).device)
     return {name: v[index].mean().item() for name, v in per_layer.items()}

@@ -1,9 +1,10 @@
 """tools/run_text_generation_server.py answering a real HTTP client on loopback, on one process
 and under TP=2 and PP=2 (torchrun, gloo), serving a tiny random GPT-2 converted from Hugging
-Face by tools/checkpoint/convert.py.
+Face by tools/checkpoint/convert.py; and a tiny mixture-of-experts GPT saved by pretrain_gpt.py
+in the torch_dist format, served on one process and under expert parallelism (EP=2).
 
 References: ``transformers``' greedy ``generate`` and its log-softmax for the one-process
-server; the one-process server's answers for TP=2 and PP=2.
+server; the one-process server's answers for TP=2, PP=2 and EP=2.
 """
 
 import json
@@ -22,7 +23,7 @@ import pytest
 import torch
 import transformers
 
-from tests.functional_tests.runner import REPO, env_for_tests
+from tests.functional_tests.runner import REPO, env_for_tests, run_pretrain
 
 sys.path.insert(0, str(REPO / "tools" / "checkpoint"))
 import convert  # noqa: E402
@@ -77,12 +78,14 @@ def checkpoints(tmp_path_factory):
 class Server:
     """The server as a subprocess (torchrun with ``nproc``); stopped with SIGINT to rank 0."""
 
-    def __init__(self, load, tp=1, pp=1):
+    def __init__(self, load, tp=1, pp=1, ep=1, model_flags=MODEL_FLAGS):
         script = str(REPO / "tools" / "run_text_generation_server.py")
-        flags = MODEL_FLAGS + ["--load", str(load)]
+        flags = model_flags + ["--load", str(load)]
         flags += ["--tensor-model-parallel-size", str(tp)]
         flags += ["--pipeline-model-parallel-size", str(pp)]
-        nproc = tp * pp
+        # Experts are split over the data-parallel ranks: EP=2 alone needs two processes.
+        flags += ["--expert-model-parallel-size", str(ep)]
+        nproc = tp * pp * ep
         if nproc == 1:
             cmd = [sys.executable, script] + flags
         else:
@@ -285,3 +288,50 @@ def test_server_tp2_and_pp2_equal_one_process(checkpoints, single, tp, pp):
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+# A tiny MoE GPT (4 experts, top-2, dropless, alltoall dispatch); a large init so that no two
+# logits tie. No --ckpt-format: pretrain_gpt.py's default, torch_dist (Megatron's layout).
+MOE_MODEL_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "32", "--ffn-hidden-size", "64",
+    "--num-attention-heads", "4", "--max-position-embeddings", "64", "--seq-length", "64",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
+    "--moe-token-dispatcher-type", "alltoall", "--init-method-std", "0.2",
+    "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+    "--tokenizer-type", "GPT2BPETokenizer",
+    "--vocab-file", str(REPO / "tests/data/gpt2-vocab.json"),
+    "--merge-file", str(REPO / "tests/data/gpt2-merges.txt"),
+    "--micro-batch-size", "1",
+]  # fmt: skip
+
+
+def test_server_moe_torch_dist_ep2_equals_one_process(tmp_path):
+    """One iteration of pretrain_gpt.py (one process) saves the model in torch_dist; the
+    one-process server and the EP=2 server (two experts per rank) read it and must agree."""
+    save = tmp_path / "moe"
+    result = run_pretrain(
+        MOE_MODEL_FLAGS
+        + ["--mock-data", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4"]
+        + ["--eval-iters", "0", "--num-workers", "0", "--seed", "1234"]
+        + ["--save", str(save), "--save-interval", "1"]
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (save / "iter_0000001" / ".metadata").is_file()  # torch.distributed.checkpoint's
+    answers = []
+    for ep in (1, 2):
+        server = Server(save, ep=ep, model_flags=MOE_MODEL_FLAGS + ["--port", "0"])
+        try:
+            answers.append((server.put(GREEDY), server.put(SAMPLED)))
+            server.stop()
+        finally:
+            if server.proc.poll() is None:
+                server.kill()
+    (want_greedy, want_sampled), (got_greedy, got_sampled) = answers
+    assert want_greedy[0] == got_greedy[0] == 200, (want_greedy, got_greedy)
+    assert got_greedy[1]["tokens"] == want_greedy[1]["tokens"]
+    assert got_greedy[1]["text"] == want_greedy[1]["text"]
+    torch.testing.assert_close(
+        torch.tensor(got_greedy[1]["logprobs"]), torch.tensor(want_greedy[1]["logprobs"]),
+        rtol=0, atol=1e-5,
+    )  # fmt: skip
+    assert want_sampled[0] == 200 and got_sampled == want_sampled
