@@ -48,10 +48,13 @@ class MegatronServer:
 
     def run(self, on_ready: Callable[[str], None] = print) -> None:
         previous = {}
+        stoppers = []
 
         def stop(signum, frame):
             # shutdown() waits for serve_forever to return: it must run on another thread.
-            threading.Thread(target=self.server.shutdown, daemon=True).start()
+            stopper = threading.Thread(target=self.server.shutdown, daemon=True)
+            stoppers.append(stopper)
+            stopper.start()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, stop)
@@ -59,6 +62,10 @@ class MegatronServer:
             on_ready(f"serving text generation on http://{self.host}:{self.port}/api")
             self.server.serve_forever()
         finally:
+            # A daemon thread still running at interpreter exit is ended inside the runtime,
+            # which can abort the process ("terminate called without an active exception").
+            for stopper in stoppers:
+                stopper.join()
             self.server.server_close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
