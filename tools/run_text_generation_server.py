@@ -24,7 +24,7 @@ from megatron.inference.text_generation_server import MegatronServer, create_app
 from megatron.training import get_args, get_parallel_state, get_tokenizer  # noqa: E402
 from megatron.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
-from megatron.training.training import get_model  # noqa: E402
+from megatron.training.training import get_model, leave_process_group  # noqa: E402
 from megatron.training.utils import get_device  # noqa: E402
 from pretrain_gpt import model_provider  # noqa: E402
 
@@ -81,7 +81,6 @@ def _check_server_args(args) -> None:
         )
 
 
-@torch.no_grad()
 def main(argv=None) -> None:
     initialize_megatron(
         extra_args_provider=add_text_generate_args,
@@ -91,6 +90,15 @@ def main(argv=None) -> None:
     )
     args = get_args()
     _check_server_args(args)
+    _serve(args)
+    # The model and the engine were _serve's locals. No barrier: after EXIT no rank
+    # communicates, and a rank that failed to bind its port has already left.
+    leave_process_group(wait_for_all=False)
+
+
+@torch.no_grad()
+def _serve(args) -> None:
+    """Load the model and serve it (global rank 0) or follow the serving rank (the others)."""
     # Only the model weights are read, and a missing checkpoint is an error (as in Megatron).
     args.no_load_rng = args.no_load_optim = args.exit_on_missing_checkpoint = True
     model = get_model(model_provider, wrap_with_ddp=False)

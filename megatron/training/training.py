@@ -122,7 +122,7 @@ def pretrain(
         exit_code = 0 if exc.code is None else exc.code
     # The model, optimizer and iterators were _pretrain's locals and are gone now.
     if owns_process_group:
-        _leave_process_group()
+        leave_process_group()
     if exit_code is not None:
         sys.exit(exit_code)
 
@@ -246,13 +246,15 @@ def _pretrain(
     return exit_code
 
 
-def _leave_process_group():
-    """All ranks leave together and destroy the process groups while the interpreter still runs:
-    a gloo worker thread left to interpreter shutdown can abort the rank ("terminate called
-    without an active exception") after a successful run."""
+def leave_process_group(wait_for_all: bool = True):
+    """All ranks leave together (``wait_for_all``: a barrier first) and destroy the process
+    groups while the interpreter still runs: a gloo worker thread left to interpreter shutdown
+    can abort the rank ("terminate called without an active exception") after a successful
+    run. Call it once the ranks no longer communicate and the models are released."""
     if not dist.is_initialized():
         return
-    dist.barrier()
+    if wait_for_all:
+        dist.barrier()
     global_vars.set_parallel_state(None)  # it holds every model-parallel group
     release_async_save_group()
     uninstall()
