@@ -32,7 +32,7 @@ def flag_of(action: argparse.Action) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _megatron_actions() -> Dict[str, argparse.Action]:
+def megatron_actions() -> Dict[str, argparse.Action]:
     """dest -> the action of Megatron's parser (built once; no env-dependent use here)."""
     parser = add_argument_groups(argparse.ArgumentParser(allow_abbrev=False))
     actions: Dict[str, argparse.Action] = {}
@@ -41,10 +41,6 @@ def _megatron_actions() -> Dict[str, argparse.Action]:
             # Two flags may share a dest (--x / --no-x); the first one's default is the dest's.
             actions.setdefault(action.dest, action)
     return actions
-
-
-def _table() -> Dict[str, Rule]:
-    return POLICY
 
 
 def _shown(flag: str, value) -> str:
@@ -64,8 +60,8 @@ def is_given(rule: Rule, value, default, args) -> bool:
 def given_flags(args: argparse.Namespace, kind: str) -> List[Tuple[str, str, str]]:
     """[(dest, the flag as given, reason)] for the flags of `kind` that `args` gives."""
     found = []
-    actions = _megatron_actions()
-    for dest, rule in _table().items():
+    actions = megatron_actions()
+    for dest, rule in POLICY.items():
         if rule.kind != kind or not hasattr(args, dest) or dest not in actions:
             continue
         action, value = actions[dest], getattr(args, dest)
@@ -96,9 +92,8 @@ def no_effect_note(args: argparse.Namespace) -> Optional[str]:
 
 def annotate_help(parser: argparse.ArgumentParser) -> None:
     """Append the class of each refused or no-effect flag to its --help text."""
-    table = _table()
     for action in parser._actions:
-        rule = table.get(action.dest)
+        rule = POLICY.get(action.dest)
         if rule is None or rule.kind == HONOURED or action.help == argparse.SUPPRESS:
             continue
         label = "not supported yet" if rule.kind == REFUSED else "no effect here, speed only"

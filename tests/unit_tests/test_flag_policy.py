@@ -59,7 +59,7 @@ def single_process_env(monkeypatch):
 
 
 def _actions():
-    return flag_policy._megatron_actions()
+    return flag_policy.megatron_actions()
 
 
 _PARSERS = {}

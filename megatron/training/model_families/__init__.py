@@ -54,9 +54,9 @@ def refuse_other_models_flags(args, family_name: str) -> None:
     """ArgumentValidationError for the first flag of MODEL_SPECIFIC_FLAGS given (away from
     Megatron's default) that the ``family_name`` model does not read."""
     from megatron.training.argument_groups.validation import ArgumentValidationError
-    from megatron.training.flag_policy import _megatron_actions
+    from megatron.training.flag_policy import megatron_actions
 
-    actions = _megatron_actions()
+    actions = megatron_actions()
     for dest, (flag, families) in MODEL_SPECIFIC_FLAGS.items():
         if family_name in families or not hasattr(args, dest):
             continue
