@@ -65,18 +65,14 @@ def distrib_optim_path(model_path: str) -> str:
     return os.path.join(os.path.dirname(model_path), "distrib_optim.pt")
 
 
-def _check_distributed_optimizer_file(path: str) -> None:
-    """Fail on every DP rank together when DP rank 0 cannot see ``path`` (a collective)."""
-    state = global_vars.get_parallel_state()
+def _check_distributed_optimizer_file(optimizer, path: str) -> None:
+    """Fail on every rank together when a rank that reads ``path`` (DP rank 0; with experts also
+    expert-DP rank 0) cannot see it (a collective over all ranks, which all load)."""
     missing = torch.zeros(1, device=get_device())
-    if state.get_data_parallel_rank(with_context_parallel=True) == 0 and not os.path.isfile(path):
+    if optimizer.holds_any_state_root() and not os.path.isfile(path):
         missing.fill_(1.0)
-    if dist.is_initialized() and state.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        dist.all_reduce(
-            missing,
-            op=dist.ReduceOp.MAX,
-            group=state.get_data_parallel_group(with_context_parallel=True),
-        )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
     if missing.item() > 0:
         raise CheckpointError(
             f"{path} does not exist: the checkpoint was saved without "
@@ -178,8 +174,14 @@ def save_checkpoint(
         and not args.no_save_optim
         and optimizer is not None
     ):
-        # Every DP rank owns a slice of the optimizer state: gather it (a collective) to DP rank 0.
-        param_state = optimizer.get_parameter_state_dp_zero()
+        # Every DP rank owns a slice of the optimizer state: gather it (a collective) to DP rank 0
+        # (expert slices: to expert-DP rank 0, which writes this EP rank's file).
+        param_state = optimizer.parameter_state_for_file()
+        if param_state is not None and not is_writer:
+            raise CheckpointError(
+                f"rank {get_rank()} gathered distributed-optimizer state that no file of the "
+                "torch format would hold (use --ckpt-format torch_dist)"
+            )
         if is_writer:
             _atomic_save(param_state, distrib_optim_path(path))
         del param_state
@@ -403,7 +405,7 @@ def load_checkpoint(
             )
         if optimizer is not None:
             if getattr(args, "use_distributed_optimizer", False):
-                _check_distributed_optimizer_file(distrib_optim_path(path))
+                _check_distributed_optimizer_file(optimizer, distrib_optim_path(path))
             try:
                 optimizer.load_state_dict(state_dict["optimizer"])
             except (KeyError, ValueError) as exc:

@@ -3,6 +3,8 @@ EP=1 (one process) and at EP=4 with the next iterations' losses and grad norms o
 saved it; the torch format writes one file per (TP, EP) rank (``mp_rank_TT_EEE``) and resumes
 at the same layout."""
 
+import torch
+
 from tests.functional_tests.runner import TINY_MODEL, assert_same_training, train_metrics
 
 MOE = [
@@ -66,3 +68,40 @@ def test_torch_format_files_per_expert_rank_and_resume(tmp_path):
         tmp_path / "tb_resumed",
     )
     assert_same_training(got, _resumed(saved), range(3, 5))
+
+
+def test_distributed_optimizer_with_experts_checkpoints(tmp_path):
+    """EP=2 with the distributed optimizer: saved in torch_dist at 4 processes (dense state
+    sharded over DP = 4, expert state over expert DP = 2), it resumes at EP=1 with and without
+    the distributed optimizer; the torch format writes distrib_optim.pt per expert rank
+    (Megatron's [dense, expert] list) and resumes at the same layout."""
+    dist_opt = ["--use-distributed-optimizer"]
+    ep2 = ["--expert-model-parallel-size", "2"] + dist_opt
+    # torch: 2 processes (dense DP = 2, expert DP = 1) keep the test short.
+    for fmt, nproc in (("torch_dist", 4), ("torch", 2)):
+        ckpt = tmp_path / fmt
+        args = TINY_MODEL + MOE + ["--ckpt-format", fmt]
+        saved = train_metrics(
+            args + ep2 + ["--save", str(ckpt), "--save-interval", "2"],
+            nproc,
+            tmp_path / f"tb_{fmt}",
+        )
+        load = args + ["--load", str(ckpt), "--ckpt-step", "2"]
+        if fmt == "torch_dist":
+            resumes = [("ep1-dist-opt", None, dist_opt), ("ep1", None, [])]
+        else:
+            # Written by expert-DP rank 0 of each EP rank; only DP rank 0 (EP rank 0) holds the
+            # dense part.
+            iteration = ckpt / "iter_0000002"
+            parts = {
+                d: [
+                    part is not None
+                    for part in torch.load(iteration / d / "distrib_optim.pt", weights_only=True)
+                ]
+                for d in ("mp_rank_00_000", "mp_rank_00_001")
+            }
+            assert parts == {"mp_rank_00_000": [True, True], "mp_rank_00_001": [False, True]}
+            resumes = [("ep2-dist-opt", 2, ep2)]
+        for name, nproc, layout in resumes:
+            got = train_metrics(load + layout, nproc, tmp_path / f"tb_{fmt}_{name}")
+            assert_same_training(got, _resumed(saved), range(3, 5))

@@ -1,6 +1,7 @@
 """Mixture-of-experts training through torchrun equals the one-process run: expert parallelism
 alone, with tensor + sequence parallelism (alltoall dispatcher, experts split over ETP = TP),
-with pipeline parallelism, and experts unsplit (ETP = 1) beside TP = 2.
+with pipeline parallelism, experts unsplit (ETP = 1) beside TP = 2, and with the distributed
+optimizer (dense and expert optimizer state sharded over their own data-parallel groups).
 
 fp32, dropless, no dropout; loss, grad norm and the load-balancing loss per iteration
 (TensorBoard) within the suite's tolerances (runner.LOSS_RTOL / GRAD_NORM_RTOL)."""
@@ -82,8 +83,10 @@ def reference(tmp_path_factory):
                 "--sequence-parallel",
             ],
         ),
+        # Dense params sharded over DP = 4, expert params over expert DP = 2.
+        (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     ],
-    ids=["ep2", "ep2-tp2-sp-alltoall", "ep2-pp2", "etp1-tp2-sp"],
+    ids=["ep2", "ep2-tp2-sp-alltoall", "ep2-pp2", "etp1-tp2-sp", "ep2-dist-opt"],
 )
 def test_moe_layout_matches_single_process(reference, nproc, layout, tmp_path):
     result = run_pretrain(

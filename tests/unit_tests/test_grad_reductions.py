@@ -60,6 +60,63 @@ def _check_reduction(rank, state, average_in_collective):
     return len(dp_ranks), len(expert_dp_ranks)
 
 
+def _check_distributed_optimizer(rank, state):
+    """The distributed optimizer shards the dense weight over DP and the expert weight over
+    expert DP: after one SGD step (lr 1, no momentum) every rank holds -(reduced gradient) again,
+    and the grad norm counts the dense gradient once and each EP rank's expert once."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+    model = _FakeMoE().float()
+    model.expert.allreduce = False
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(use_distributed_optimizer=True),
+        model,
+        state.get_data_parallel_group(with_context_parallel=True),
+        expert_data_parallel_group=state.get_expert_data_parallel_group(),
+    )
+    config = OptimizerConfig(
+        lr=1.0,
+        optimizer="sgd",
+        sgd_momentum=0.0,
+        weight_decay=0.0,
+        clip_grad=1e9,
+        use_distributed_optimizer=True,
+    )
+    optimizer = get_megatron_optimizer(config, [ddp])
+    optimizer.expert_parallel_group = state.group("tp-ep-pp")
+    ddp.zero_grad_buffer()
+    ddp(_inputs(rank).float()).backward()
+    ddp.finish_grad_sync()
+    ok, grad_norm, _ = optimizer.step()
+
+    dp_ranks = state.ranks["dp-cp"]
+    dense = sum(_inputs(r)[:4] for r in dp_ranks) / len(dp_ranks)
+
+    def expert_of(member):  # the expert gradient of the expert-DP group holding ``member``
+        group = next(g for g in state.layout.all_group_ranks()["expert-dp"] if member in g)
+        return sum(_inputs(r)[4:] for r in group) / len(dp_ranks)
+
+    assert ok
+    torch.testing.assert_close(model.dense.detach().double(), -dense, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model.expert.detach().double(), -expert_of(rank), rtol=1e-6, atol=0)
+    experts = [expert_of(member) for member in state.ranks["tp-ep-pp"]]
+    expected = torch.sqrt(dense.square().sum() + sum(e.square().sum() for e in experts))
+    assert grad_norm == pytest.approx(expected.item(), rel=1e-6)
+    # distrib_optim.pt of a model with experts: [dense state, expert state] (Megatron's chained
+    # optimizers), each on rank 0 of the group that shards it.
+    saved = optimizer.parameter_state_for_file()
+    dense_root = state.ranks["dp-cp"][0] == rank
+    expert_root = state.ranks["expert-dp"][0] == rank
+    if not (dense_root or expert_root):
+        assert saved is None
+    else:
+        assert [part is not None for part in saved] == [dense_root, expert_root]
+        if expert_root:
+            flat = saved[1][0][(torch.float32, torch.float32)]["param"][0]
+            torch.testing.assert_close(flat.double(), -expert_of(rank), rtol=1e-6, atol=0)
+
+
 class _Chunk(torch.nn.Module):
     """A model chunk after backward: a norm weight (replicated over TP, sequence-parallel input)
     and a TP-sharded weight, with rank-dependent gradients."""
@@ -105,6 +162,7 @@ def _worker(rank, world_size, _args, _results):
     try:
         for average_in_collective in (False, True):
             assert _check_reduction(rank, state, average_in_collective) == (4, 2)
+        _check_distributed_optimizer(rank, state)
     finally:
         destroy_model_parallel(state)
     # TP=2, DP=2, EP=2 (expert TP = TP): every expert lives on one rank (expert DP = 1), its
@@ -122,15 +180,3 @@ def _worker(rank, world_size, _args, _results):
 
 def test_expert_gradients_are_reduced_over_expert_data_parallel_ranks():
     run_distributed(_worker, 4, None, None)
-
-
-def test_distributed_optimizer_refuses_expert_parameters():
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer.optimizer_config import OptimizerConfig
-
-    ddp = DistributedDataParallel(
-        DistributedDataParallelConfig(use_distributed_optimizer=True), _FakeMoE()
-    )
-    config = OptimizerConfig(lr=1e-3, use_distributed_optimizer=True)
-    with pytest.raises(ValueError, match="does not shard expert parameters"):
-        get_megatron_optimizer(config, [ddp])

@@ -251,7 +251,6 @@ def test_moe_flag_rules_name_the_flags():
 
     cases = [
         (["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
-        (["--use-distributed-optimizer"], "--use-distributed-optimizer with --num-experts"),
         (
             ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
             + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"],

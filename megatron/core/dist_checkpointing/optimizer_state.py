@@ -201,7 +201,7 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
     out: Dict[str, ShardedTensor] = {}
     for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
         entry = by_param.get(id(param))
-        if entry is None:
+        if entry is None or gbuf_idx not in state:  # another rank gathered that buffer
             continue
         for name, flats in state[gbuf_idx][dtype_key].items():
             value = flats[bucket_id][start : start + param.numel()].view(entry.data.shape)
@@ -262,12 +262,11 @@ class OptimizerLoad:
                     self._reload_masters.append((param, main))
 
     def _prepare_distributed(self, by_param, names) -> None:
-        self._dp_rank = int(getattr(self.optimizer, "dp_rank", 0))
-        if self._dp_rank != 0:
-            return  # DP rank 0 reads; load_parameter_state_from_dp_zero re-shards
-        for _g, _d, param, _b, _s in _param_slices(self.optimizer):
+        # Rank 0 of each buffer's (expert-)DP group reads; load_parameter_state_from_dp_zero
+        # re-shards.
+        for gbuf_idx, _d, param, _b, _s in _param_slices(self.optimizer):
             entry = by_param.get(id(param))
-            if entry is None:
+            if entry is None or not self.optimizer.is_state_root(gbuf_idx):
                 continue
             wanted = list(names)
             if param.dtype != torch.float32 and self._has_key(state_key(FP32_PARAM, entry.key)):
@@ -288,12 +287,14 @@ class OptimizerLoad:
 
     def _finish_distributed(self) -> None:
         optimizer = self.optimizer
-        if self._dp_rank != 0:
+        if not optimizer.holds_any_state_root():
             optimizer.load_parameter_state_from_dp_zero(None)
             return
         keys = ("param",) + state_names(optimizer)
         state: Dict[Any, Any] = {}
         for gbuf_idx, buffer in enumerate(optimizer.buffers):
+            if not optimizer.is_state_root(gbuf_idx):
+                continue
             flats = {
                 key: [
                     torch.zeros(
@@ -305,6 +306,8 @@ class OptimizerLoad:
             }
             state[gbuf_idx] = {(buffer.param_dtype, buffer.grad_dtype): flats}
         for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
+            if gbuf_idx not in state:
+                continue
             flats = state[gbuf_idx][dtype_key]
             for key in keys:
                 name = FP32_PARAM if key == "param" else key

@@ -161,7 +161,7 @@ class DistributedDataParallel(torch.nn.Module):
                     )
             buffer.attach()
         self._param_gather_hooks = []
-        if config.overlap_param_gather and self.dp_size > 1:
+        if config.overlap_param_gather and any(b.dp_size > 1 for b in self.all_buffers):
             self._register_param_gather_hooks()
             # Checkpoint code reads the inner module's state dict: finish pending gathers first.
             self._param_gather_hooks.append(
@@ -277,11 +277,13 @@ class DistributedDataParallel(torch.nn.Module):
         :meth:`finish_param_sync` (also called before anything reads the params: ``parameters()``,
         ``state_dict()``).
         """
-        if not self.config.use_distributed_optimizer or self.dp_size == 1:
+        if not self.config.use_distributed_optimizer:
             return
         overlap = self.config.overlap_param_gather and not force_sync
         for buffer in self.all_buffers:
-            buffer.start_param_gather(async_op=overlap)
+            # Expert buffers are sharded over expert DP, which may be larger or smaller than DP.
+            if buffer.dp_size > 1:
+                buffer.start_param_gather(async_op=overlap)
 
     def finish_param_sync(self):
         """Wait for every pending param all-gather."""

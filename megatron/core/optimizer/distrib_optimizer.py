@@ -11,6 +11,12 @@ forward, bucket by bucket).
 
 For fp32 model params the "main param" is a view of the model param's slice: no copy is kept.
 
+Experts (MoE): the DDP wrapper keeps the expert parameters (``allreduce = False``) in buffers of
+their own, reduced over the expert-data-parallel group; their slices are owned per rank of that
+group, as Megatron's separate expert optimizer does. Norms, zero counts and the inf/NaN flag sum
+the dense slices over DP and the model-parallel group and the expert slices over expert DP and
+the expert-tensor x expert x pipeline group (``expert_parallel_group``, set by the trainer).
+
 Checkpoints (Megatron's torch format): :meth:`state_dict` holds the param groups (with the step
 count) and the grad scaler, without per-param state; the per-param state lives in
 ``distrib_optim.pt``: :meth:`get_parameter_state_dp_zero` gathers, per buffer and bucket, the flat
@@ -32,6 +38,8 @@ from .grad_scaler import MegatronGradScaler
 from .optimizer import _PARALLEL_ATTRS, MegatronOptimizer
 from .optimizer_config import OptimizerConfig
 
+_FILE_ERROR = "error"
+"""Key of the message that :meth:`DistributedOptimizer._state_from_file` leaves for the load."""
 _STATE_KEYS = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
@@ -84,25 +92,30 @@ class DistributedOptimizer(MegatronOptimizer):
                     "--use-distributed-optimizer needs the model chunks wrapped in "
                     "DistributedDataParallel built with use_distributed_optimizer=True"
                 )
-            if getattr(chunk, "expert_parallel_buffers", None):
-                raise ValueError(
-                    "--use-distributed-optimizer does not shard expert parameters "
-                    "(allreduce=False) yet"
-                )
         self.model_chunks = list(model_chunks)
         self.grad_scaler = grad_scaler
         self.optimizer_name = "adam" if issubclass(optimizer_cls, torch.optim.AdamW) else "sgd"
         self.data_parallel_group = self.model_chunks[0].data_parallel_group
         self.dp_size = collectives.group_size(self.data_parallel_group)
         self.dp_rank = collectives.group_rank(self.data_parallel_group)
-        # All (chunk, buffer) pairs in order: Megatron's gbuf index.
-        self.buffers = [buffer for chunk in self.model_chunks for buffer in chunk.buffers]
+        # All (chunk, buffer) pairs in order: Megatron's gbuf index. The dense buffers come first,
+        # then the expert ones (Megatron's two chained optimizers, dense then expert).
+        dense = [buffer for chunk in self.model_chunks for buffer in chunk.buffers]
+        expert = [
+            buffer
+            for chunk in self.model_chunks
+            for buffer in getattr(chunk, "expert_parallel_buffers", [])
+        ]
+        self.buffers = dense + expert
+        self.num_dense_buffers = len(dense)
+        """``buffers[:num_dense_buffers]`` are sharded over the data-parallel group, the rest
+        (expert parameters) over the expert-data-parallel group (each buffer's ``dp_group``)."""
 
         # Which slice of which param this rank owns.
         self.shard_ranges: Dict[torch.nn.Parameter, _ShardRange] = {}
         for buffer in self.buffers:
             for bucket in buffer.buckets:
-                own_start, own_end = bucket.shard_range(self.dp_rank)
+                own_start, own_end = bucket.shard_range(buffer.dp_rank)
                 own_start += bucket.offset
                 own_end += bucket.offset
                 for param in bucket.params:
@@ -146,21 +159,38 @@ class DistributedOptimizer(MegatronOptimizer):
         self.found_inf = torch.tensor([0.0], dtype=torch.float32, device=device)
 
     # ------------------------------------------------------------------ collectives over DP + MP
-    def _reduce_groups(self):
-        groups = []
-        if self.dp_size > 1:
-            groups.append(self.data_parallel_group)
-        if (
-            self.model_parallel_group is not None
-            and collectives.group_size(self.model_parallel_group) > 1
-        ):
-            groups.append(self.model_parallel_group)
-        return groups
+    def _reduce_groups(self, expert: bool = False):
+        """The groups over which a per-rank sum of the dense (or expert) shards becomes the
+        total: the (expert-)data-parallel group that shards them, then the ranks holding other
+        parts of the model (the model-parallel group, or for experts the expert-tensor x expert
+        x pipeline group)."""
+        if expert:
+            shard_group = self.buffers[-1].dp_group if self._has_expert_buffers() else None
+            others = self.expert_parallel_group
+        else:
+            shard_group = self.data_parallel_group
+            others = self.model_parallel_group
+        return [
+            group
+            for group in (shard_group, others)
+            if group is not None and collectives.group_size(group) > 1
+        ]
 
-    def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        for group in self._reduce_groups():
+    def _has_expert_buffers(self) -> bool:
+        return len(self.buffers) > self.num_dense_buffers
+
+    def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, expert=False) -> torch.Tensor:
+        for group in self._reduce_groups(expert):
             dist.all_reduce(tensor, op=op, group=group)
         return tensor
+
+    def _sum_dense_and_expert(self, dense: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """Sum per-rank partial sums of the dense and of the expert shards over every rank."""
+        self._all_reduce(dense)
+        if self._has_expert_buffers():
+            self._all_reduce(expert, expert=True)
+            return dense + expert
+        return dense
 
     # ------------------------------------------------------------------ grads
     def get_loss_scale(self) -> torch.Tensor:
@@ -186,18 +216,27 @@ class DistributedOptimizer(MegatronOptimizer):
     def _main_grads(self) -> List[torch.Tensor]:
         return [m.grad for _, m in self._main_params_in_order() if m.grad is not None]
 
-    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
-        return [
-            m.grad
-            for p, m in self._main_params_in_order()
-            if m.grad is not None and param_is_counted_once(p, self.tp_rank)
-        ]
+    def _counted_grads(self, expert: Optional[bool]) -> List[torch.Tensor]:
+        """The main grads this rank counts in norms and zero counts (all, dense or expert): a
+        param not split over (expert-)tensor parallelism is counted on its rank 0 only."""
+        out = []
+        for p, m in self._main_params_in_order():
+            if m.grad is None:
+                continue
+            is_expert = not getattr(p, "allreduce", True)
+            if expert is not None and is_expert != expert:
+                continue
+            if param_is_counted_once(p, self.expert_tp_rank if is_expert else self.tp_rank):
+                out.append(m.grad)
+        return out
+
+    def get_main_grads_for_grad_norm(self, expert: Optional[bool] = None) -> List[torch.Tensor]:
+        return self._counted_grads(expert)
 
     def get_grad_norm(self) -> float:
-        grads = self.get_main_grads_for_grad_norm()
-        total = sum_of_powered_norms(grads, 2.0, self._device).reshape(1)
-        self._all_reduce(total)
-        return float(total.item()) ** 0.5
+        dense = sum_of_powered_norms(self._counted_grads(False), 2.0, self._device).reshape(1)
+        expert = sum_of_powered_norms(self._counted_grads(True), 2.0, self._device).reshape(1)
+        return float(self._sum_dense_and_expert(dense, expert).item()) ** 0.5
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         grad_norm = self.get_grad_norm()
@@ -208,11 +247,15 @@ class DistributedOptimizer(MegatronOptimizer):
         return grad_norm
 
     def count_zeros(self) -> int:
-        total = torch.zeros(1, dtype=torch.float64, device=self._device)
-        for p, m in self._main_params_in_order():
-            if m.grad is not None and param_is_counted_once(p, self.tp_rank):
-                total += m.grad.numel() - torch.count_nonzero(m.grad)
-        self._all_reduce(total)
+        def zeros(grads):
+            total = torch.zeros(1, dtype=torch.float64, device=self._device)
+            for grad in grads:
+                total += grad.numel() - torch.count_nonzero(grad)
+            return total
+
+        total = self._sum_dense_and_expert(
+            zeros(self._counted_grads(False)), zeros(self._counted_grads(True))
+        )
         return int(total.item())
 
     def _unscale_main_grads_and_check_for_nan(self) -> bool:
@@ -221,7 +264,10 @@ class DistributedOptimizer(MegatronOptimizer):
         inv_scale = self.grad_scaler.inv_scale.to(self.found_inf.device)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
+        # Dense then expert groups: together they reach every rank.
         self._all_reduce(self.found_inf, op=dist.ReduceOp.MAX)
+        if self._has_expert_buffers():
+            self._all_reduce(self.found_inf, op=dist.ReduceOp.MAX, expert=True)
         return bool(self.found_inf.item() > 0)
 
     # ------------------------------------------------------------------ step
@@ -328,7 +374,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _local_shard(self, bucket, key: str) -> torch.Tensor:
         """This rank's slice of ``bucket`` for one state key (fp32, zeros in padding)."""
         shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_data.device)
-        own_start = bucket.offset + bucket.shard_range(self.dp_rank)[0]
+        own_start = bucket.offset + bucket.shard_range(bucket.buffer.dp_rank)[0]
         for param in bucket.params:
             rng = self.shard_ranges.get(param)
             if rng is None:
@@ -341,14 +387,20 @@ class DistributedOptimizer(MegatronOptimizer):
             shard[start : start + rng.numel].copy_(value.detach().view(-1))
         return shard
 
-    def get_parameter_state_dp_zero(self) -> Optional[Dict[Any, Any]]:
-        """Gather the per-param state to DP rank 0 (a collective over DP: call it on every rank).
+    def is_state_root(self, gbuf_idx: int) -> bool:
+        """Whether this rank gathers (and reads) the state of buffer ``gbuf_idx``: rank 0 of the
+        group that shards it (data-parallel, or expert-data-parallel for experts)."""
+        return self.buffers[gbuf_idx].dp_rank == 0
 
-        Returns, on DP rank 0, ``{gbuf_idx: {(param_dtype, grad_dtype): {key: [flat fp32 tensor per
-        bucket, without end padding]}}, 'per_bucket_numel': ..., 'per_bucket_numel_unpadded': ...}``
-        with keys ``param``, ``exp_avg``, ``exp_avg_sq`` (adam); None on the other ranks.
+    def get_parameter_state_dp_zero(self) -> Optional[Dict[Any, Any]]:
+        """Gather the per-param state of each buffer to rank 0 of the group that shards it (a
+        collective over DP, and over expert DP for expert buffers: call it on every rank).
+
+        Returns ``{gbuf_idx: {(param_dtype, grad_dtype): {key: [flat fp32 tensor per bucket,
+        without end padding]}}, 'per_bucket_numel': ..., 'per_bucket_numel_unpadded': ...}``
+        with keys ``param``, ``exp_avg``, ``exp_avg_sq`` (adam), holding the buffers this rank is
+        the root of (:meth:`is_state_root`); None when it is the root of none.
         """
-        is_root = self.dp_rank == 0
         state: Dict[Any, Any] = {
             "per_bucket_numel": [
                 {(b.param_dtype, b.grad_dtype): [k.numel for k in b.buckets]} for b in self.buffers
@@ -364,18 +416,21 @@ class DistributedOptimizer(MegatronOptimizer):
                 for key in self._state_keys():
                     shard = self._local_shard(bucket, key)
                     full = torch.empty(bucket.numel, dtype=torch.float32, device=shard.device)
-                    collectives.all_gather_into_tensor(full, shard, self.data_parallel_group)
-                    if is_root:
+                    collectives.all_gather_into_tensor(full, shard, buffer.dp_group)
+                    if self.is_state_root(gbuf_idx):
                         tensors[key].append(full[: bucket.numel_unpadded].cpu())
-            state[gbuf_idx] = {(buffer.param_dtype, buffer.grad_dtype): tensors}
-        return state if is_root else None
+            if self.is_state_root(gbuf_idx):
+                state[gbuf_idx] = {(buffer.param_dtype, buffer.grad_dtype): tensors}
+        roots = any(self.is_state_root(i) for i in range(len(self.buffers)))
+        return state if roots else None
 
     @torch.no_grad()
     def load_parameter_state_from_dp_zero(self, state: Optional[Dict[Any, Any]]) -> None:
-        """Load what :meth:`get_parameter_state_dp_zero` returned (needed on DP rank 0 only; a
-        collective over DP), re-sharded for this DP size."""
+        """Load what :meth:`get_parameter_state_dp_zero` returned (needed for the buffers this
+        rank is the root of; a collective over DP and expert DP), re-sharded for this run."""
         for gbuf_idx, buffer in enumerate(self.buffers):
             dtype_key = (buffer.param_dtype, buffer.grad_dtype)
+            group = buffer.dp_group
             for b, bucket in enumerate(buffer.buckets):
                 for key in self._state_keys():
                     full = torch.zeros(
@@ -383,8 +438,10 @@ class DistributedOptimizer(MegatronOptimizer):
                     )
                     problem = torch.zeros(1, dtype=torch.float32, device=full.device)
                     message = ""
-                    if self.dp_rank == 0:
+                    if self.is_state_root(gbuf_idx):
                         try:
+                            if isinstance(state, dict) and _FILE_ERROR in state:
+                                raise ValueError(state[_FILE_ERROR])
                             saved = state[gbuf_idx][dtype_key][key][b]
                             if saved.numel() != bucket.numel_unpadded:
                                 raise ValueError(
@@ -395,16 +452,14 @@ class DistributedOptimizer(MegatronOptimizer):
                         except (KeyError, IndexError, TypeError, ValueError) as exc:
                             problem.fill_(1.0)
                             message = f"{type(exc).__name__}: {exc}"
-                    if self.dp_size > 1:
-                        dist.all_reduce(
-                            problem, op=dist.ReduceOp.MAX, group=self.data_parallel_group
-                        )
+                    if buffer.dp_size > 1:
+                        dist.all_reduce(problem, op=dist.ReduceOp.MAX, group=group)
                     if problem.item() > 0:
                         raise ValueError(
                             "distrib_optim.pt does not match this model's buffers/buckets "
                             f"(state key {key!r}) {message}".rstrip()
                         )
-                    collectives.broadcast(full, 0, self.data_parallel_group)
+                    collectives.broadcast(full, 0, group)
                     for param in bucket.params:
                         rng = self.shard_ranges.get(param)
                         if rng is None:
@@ -421,17 +476,68 @@ class DistributedOptimizer(MegatronOptimizer):
         self._copy_main_params_to_model_params()
         self._gather_model_params(force_sync=True)
 
-    def save_parameter_state(self, filename: str) -> None:
-        """Gather the parameter state and write it to ``filename`` on DP rank 0."""
+    # Megatron's distrib_optim.pt: without experts, the dict of get_parameter_state_dp_zero; with
+    # experts (Megatron chains a dense and an expert optimizer), a list of two such dicts, dense
+    # then expert, each numbering its own buffers from 0, None where this rank roots none.
+    def _parts(self) -> List[range]:
+        dense = range(0, self.num_dense_buffers)
+        if not self._has_expert_buffers():
+            return [dense]
+        return [dense, range(self.num_dense_buffers, len(self.buffers))]
+
+    def parameter_state_for_file(self) -> Optional[Any]:
+        """What this rank writes to ``distrib_optim.pt`` (None: nothing); a collective."""
         state = self.get_parameter_state_dp_zero()
+        if not self._has_expert_buffers():
+            return state
+        if state is None:
+            return None
+        out = []
+        for part in self._parts():
+            if not any(i in state for i in part):
+                out.append(None)
+                continue
+            sub = {
+                name: [state[name][i] for i in part]
+                for name in ("per_bucket_numel", "per_bucket_numel_unpadded")
+            }
+            for local, i in enumerate(part):
+                sub[local] = state[i]
+            out.append(sub)
+        return out
+
+    def _state_from_file(self, saved: Any) -> Dict[Any, Any]:
+        """The inverse of :meth:`parameter_state_for_file` (global buffer indices)."""
+        if not self._has_expert_buffers():
+            return saved
+        parts = self._parts()
+        if not isinstance(saved, list) or len(saved) != len(parts):
+            # Reported by load_parameter_state_from_dp_zero, on every rank of the group.
+            return {
+                _FILE_ERROR: "a model with experts keeps a list of the dense and the expert "
+                f"optimizer's state there, the file holds a {type(saved).__name__}"
+            }
+        state: Dict[Any, Any] = {}
+        for part, sub in zip(parts, saved):
+            for local, i in enumerate(part):
+                if isinstance(sub, dict) and local in sub:
+                    state[i] = sub[local]
+        return state
+
+    def holds_any_state_root(self) -> bool:
+        """Whether this rank reads ``distrib_optim.pt`` when loading."""
+        return any(self.is_state_root(i) for i in range(len(self.buffers)))
+
+    def save_parameter_state(self, filename: str) -> None:
+        """Gather the parameter state and write it to ``filename`` on the ranks that root it."""
+        state = self.parameter_state_for_file()
         if state is not None:
             torch.save(state, filename)
 
     def load_parameter_state(self, filename: str) -> None:
-        """Read ``filename`` on DP rank 0 and re-shard it over DP."""
-        state = (
-            torch.load(filename, map_location="cpu", weights_only=True)
-            if self.dp_rank == 0
-            else None
-        )
+        """Read ``filename`` on the ranks that root a buffer and re-shard it over (expert) DP."""
+        state = None
+        if self.holds_any_state_root():
+            saved = torch.load(filename, map_location="cpu", weights_only=True)
+            state = self._state_from_file(saved)
         self.load_parameter_state_from_dp_zero(state)

@@ -47,11 +47,6 @@ def validate_moe(args):
         "--moe-z-loss-coeff) is not supported yet",
     )
     check(
-        not args.use_distributed_optimizer,
-        "--use-distributed-optimizer with --num-experts is not supported yet (the distributed "
-        "optimizer does not shard expert parameters)",
-    )
-    check(
         not (args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None),
         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
     )
