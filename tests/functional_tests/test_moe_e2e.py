@@ -1,7 +1,8 @@
 """Mixture-of-experts training through torchrun equals the one-process run: expert parallelism
 alone, with tensor + sequence parallelism (alltoall dispatcher, experts split over ETP = TP),
-with pipeline parallelism, experts unsplit (ETP = 1) beside TP = 2, and with the distributed
-optimizer (dense and expert optimizer state sharded over their own data-parallel groups).
+with pipeline parallelism (also with two virtual stages per rank), experts unsplit (ETP = 1)
+beside TP = 2, and with the distributed optimizer (dense and expert optimizer state sharded over
+their own data-parallel groups).
 
 fp32, dropless, no dropout; loss, grad norm and the load-balancing loss per iteration
 (TensorBoard) within the suite's tolerances (runner.LOSS_RTOL / GRAD_NORM_RTOL)."""
@@ -83,10 +84,18 @@ def reference(tmp_path_factory):
                 "--sequence-parallel",
             ],
         ),
+        # 2 layers over 2 x 2 virtual stages: embedding | layer | layer | loss.
+        (
+            4,
+            ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+            + ["--num-virtual-stages-per-pipeline-rank", "2"]
+            + ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+            + ["--moe-token-dispatcher-type", "alltoall"],
+        ),
         # Dense params sharded over DP = 4, expert params over expert DP = 2.
         (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     ],
-    ids=["ep2", "ep2-tp2-sp-alltoall", "ep2-pp2", "etp1-tp2-sp", "ep2-dist-opt"],
+    ids=["ep2", "ep2-tp2-sp-alltoall", "ep2-pp2", "etp1-tp2-sp", "ep2-pp2-vpp2", "ep2-dist-opt"],
 )
 def test_moe_layout_matches_single_process(reference, nproc, layout, tmp_path):
     result = run_pretrain(

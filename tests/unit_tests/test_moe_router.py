@@ -251,11 +251,6 @@ def test_moe_flag_rules_name_the_flags():
 
     cases = [
         (["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
-        (
-            ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-            + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "8"],
-            "virtual pipeline stages",
-        ),
         (["--moe-router-topk", "5"], "--moe-router-topk"),
         (["--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     ]

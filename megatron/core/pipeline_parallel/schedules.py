@@ -97,7 +97,11 @@ def forward_step(
         # (and the fp16 loss scale backward_step applies), as if added to it.
         grad_scale = getattr(config, "grad_scale_func", None)
         loss_scale = float(grad_scale(torch.ones(1)).item()) if grad_scale is not None else 1.0
-        set_aux_loss_backward_scale(config, loss_scale * cp_size / num_microbatches)
+        # On the config of the chunk being run: under virtual stages each chunk has its own, and
+        # the routers of chunk c read chunk c's.
+        set_aux_loss_backward_scale(
+            get_model_config(model), loss_scale * cp_size / num_microbatches
+        )
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     num_tokens = torch.tensor(0, dtype=torch.int)
     if not is_last_stage:

@@ -50,16 +50,6 @@ def validate_moe(args):
         not (args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None),
         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
     )
-    virtual = (
-        getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None
-        or getattr(args, "num_virtual_stages_per_pipeline_rank", None) is not None
-    )
-    check(
-        not (virtual and args.expert_model_parallel_size > 1),
-        "--expert-model-parallel-size > 1 with virtual pipeline stages "
-        "(--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank) "
-        "is not supported yet (the interleaved schedule hangs in the expert exchange)",
-    )
     if args.moe_token_dispatcher_type == "flex":
         # DeepEP is not available: the same exchange as alltoall (the start-up note says so).
         args.moe_token_dispatcher_type = "alltoall"
