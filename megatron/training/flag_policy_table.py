@@ -407,21 +407,15 @@ honoured(
     moe_router_pre_softmax moe_router_num_groups moe_router_group_topk
     moe_router_topk_scaling_factor moe_router_enable_expert_bias moe_router_bias_update_rate
     moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps moe_expert_capacity_factor
-    moe_pad_expert_input_to_capacity moe_token_drop_policy
+    moe_pad_expert_input_to_capacity moe_token_drop_policy moe_router_score_function
     """,
 )
 refused(
     f"{_MOE.replace('mixture of experts', 'this load-balancing type')}",
     "moe_router_load_balancing_type",
     given=lambda value, args: any(
-        v in ("global_aux_loss", "quantile_balancing")
-        for v in (value if isinstance(value, (list, tuple)) else [value])
+        v == "quantile_balancing" for v in (value if isinstance(value, (list, tuple)) else [value])
     ),
-)
-refused(
-    f"{_MOE.replace('mixture of experts', 'the sqrtsoftplus score')}",
-    "moe_router_score_function",
-    given=lambda value, args: value == "sqrtsoftplus",
 )
 no_effect(
     "DeepEP / HybridEP kernels are not available here: the flex dispatcher exchanges tokens "

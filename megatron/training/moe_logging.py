@@ -1,10 +1,12 @@
 """The MoE routers' auxiliary losses in the log line and TensorBoard (Megatron's names:
-``load_balancing_loss``, ``seq_load_balancing_loss``, ``z_loss``).
+``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``,
+``z_loss``).
 
 Each router sums its losses (without their coefficients) over the micro-batches of a step, for
 the tokens of its rank. Per layer they are summed over the ranks that split a sequence (TP x
-CP), averaged over data parallelism and divided by the micro-batches; the logged value is the
-mean over the MoE layers of the model. With ``--moe-per-layer-logging`` each layer's value also
+CP), averaged over data parallelism (the global-batch loss, whose parts add up over DP too, is
+summed) and divided by the micro-batches; the logged value is the mean over the MoE layers of
+the model. With ``--moe-per-layer-logging`` each layer's value also
 goes to TensorBoard as ``moe/<name>_layer_<n>``.
 """
 
@@ -18,6 +20,9 @@ from megatron.core.tensor_parallel import collectives as C
 from megatron.core.transformer.moe.moe_config import is_moe_layer
 from megatron.core.transformer.moe.router import LOSS_NAMES, TopKRouter
 from megatron.core.utils import get_model_config, unwrap_model
+
+_SUMMED_OVER_DP = ("global_load_balancing_loss",)
+"""Losses whose per-rank parts add up over data parallelism as well."""
 
 
 def tracked_loss_names(config) -> List[str]:
@@ -64,7 +69,10 @@ def collect_moe_losses(model, state, num_microbatches: int) -> Dict[str, torch.T
         C.all_reduce(values, state.get_pipeline_model_parallel_group())
         C.all_reduce(values, state.group("tp-cp"))
         dp = state.get_data_parallel_group()
-        values = C.all_reduce(values, dp) / C.group_size(dp)
+        values = C.all_reduce(values, dp)
+        for i, name in enumerate(names):
+            if name not in _SUMMED_OVER_DP:
+                values[i] /= C.group_size(dp)
     values = values / num_microbatches
     return {name: values[i] for i, name in enumerate(names)}
 

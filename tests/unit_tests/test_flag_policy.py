@@ -144,8 +144,7 @@ SPECIAL_VALUES = {
     "transformer_impl": ["--transformer-impl", "transformer_engine"],
     "gradient_accumulation_fusion": ["--no-gradient-accumulation-fusion"],
     "main_grads_dtype": ["--main-grads-dtype", "bf16"],
-    "moe_router_load_balancing_type": ["--moe-router-load-balancing-type", "global_aux_loss"],
-    "moe_router_score_function": ["--moe-router-score-function", "sqrtsoftplus"],
+    "moe_router_load_balancing_type": ["--moe-router-load-balancing-type", "quantile_balancing"],
     "moe_token_dispatcher_type": ["--moe-token-dispatcher-type", "flex"],
 }
 # World sizes the companion flags above need.
@@ -252,6 +251,14 @@ HONOURED_CASES = [
     (["--exit-signal", "SIGUSR2"], lambda a, t, o, d: a.exit_signal is signal.SIGUSR2),
     (["--swiglu"], lambda a, t, o, d: t.gated_linear_unit is True),
     (["--qk-layernorm"], lambda a, t, o, d: t.qk_layernorm is True),
+    (
+        ["--moe-router-score-function", "sqrtsoftplus", "--num-experts", "4"],
+        lambda a, t, o, d: t.moe_router_score_function == "sqrtsoftplus",
+    ),
+    (
+        ["--moe-router-load-balancing-type", "global_aux_loss", "--num-experts", "4"],
+        lambda a, t, o, d: t.moe_router_load_balancing_type == "global_aux_loss",
+    ),
 ]
 
 

@@ -3,7 +3,9 @@
 * DDP with expert parameters (``allreduce = False``): their own buffers, reduced over the expert
   data-parallel group with the dense 1/DP scaling (Megatron's);
 * finalize_model_grads: the sequence-parallel norm gradients summed over TP, the per-token
-  scaling by DP x CP / total tokens.
+  scaling by DP x CP / total tokens;
+* the distributed optimizer over dense and expert buffers, and the MoE global_aux_loss token
+  counts over TP x DP x CP.
 """
 
 from types import SimpleNamespace
@@ -117,6 +119,30 @@ def _check_distributed_optimizer(rank, state):
             torch.testing.assert_close(flat.double(), -expert_of(rank), rtol=1e-6, atol=0)
 
 
+def _check_global_aux_loss(rank, state):
+    """global_aux_loss counts the tokens of every rank of TP x DP x CP (here TP=2 with
+    sequence parallelism, DP=2: four ranks holding different tokens)."""
+    from megatron.core.transformer.moe import moe_utils as U
+    from megatron.core.transformer.moe.router import TopKRouter
+    from tests.unit_tests.test_moe_router import _global_aux_loss_loops, moe_config
+
+    coeff, tokens = 0.1, 5
+    config = moe_config(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=coeff)
+    router = TopKRouter(config, state.group("tp-cp"), state.group("tp-dp-cp")).train()
+    generator = torch.Generator().manual_seed(7)
+    logits = [torch.randn(tokens, 4, dtype=torch.float64, generator=generator) for _ in range(4)]
+    maps = [U.route_topk(x, 2)[1] for x in logits]
+    probs = torch.zeros_like(logits[rank], requires_grad=True)
+    with torch.enable_grad():
+        router._attach_losses(logits[rank], probs, maps[rank], tokens)
+    members = state.ranks["tp-dp-cp"]
+    counts = sum(maps[r].sum(0).double() for r in members)
+    scores = torch.softmax(logits[rank], dim=-1)
+    expected = _global_aux_loss_loops(scores, counts, tokens * len(members), 2, coeff)
+    got = router.tracked["global_load_balancing_loss"].item() * coeff
+    assert len(members) == 4 and got == pytest.approx(expected, rel=1e-6)
+
+
 class _Chunk(torch.nn.Module):
     """A model chunk after backward: a norm weight (replicated over TP, sequence-parallel input)
     and a TP-sharded weight, with rank-dependent gradients."""
@@ -171,6 +197,7 @@ def _worker(rank, world_size, _args, _results):
     try:
         assert _check_reduction(rank, state, False) == (2, 1)
         _check_finalize(rank, state)
+        _check_global_aux_loss(rank, state)
     finally:
         destroy_model_parallel(state)
 

@@ -56,6 +56,32 @@ def test_pre_softmax_sigmoid_scaling_groups_and_bias_by_hand():
     assert torch.allclose(probs[0, [1, 3]], s / s.sum())
 
 
+def test_sqrtsoftplus_scores_by_hand():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]], dtype=torch.float64)
+
+    def score(x):  # sqrt(softplus(x)) = sqrt(log(1 + e^x))
+        return math.sqrt(math.log1p(math.exp(x)))
+
+    s = [score(x) for x in (1.0, 3.0, 2.0, 0.0)]
+    # Top-2 of the scores: experts 1 and 2, normalized to sum 1; top-1: the raw score.
+    probs, routing_map = U.route_topk(logits, 2, score_function="sqrtsoftplus")
+    assert routing_map.tolist() == [[False, True, True, False]]
+    expected = [0.0, s[1] / (s[1] + s[2]), s[2] / (s[1] + s[2]), 0.0]
+    assert probs[0].tolist() == pytest.approx(expected, rel=1e-12)
+    probs, _ = U.route_topk(logits, 1, score_function="sqrtsoftplus", scaling_factor=2.5)
+    assert probs[0].tolist() == pytest.approx([0.0, 2.5 * s[1], 0.0, 0.0], rel=1e-12)
+    # The bias picks expert 3 instead of 2; the weights stay the unbiased scores.
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.9], dtype=torch.float64)
+    probs, routing_map = U.route_topk(logits, 2, score_function="sqrtsoftplus", expert_bias=bias)
+    assert routing_map.tolist() == [[False, True, False, True]]
+    assert probs[0, [1, 3]].tolist() == pytest.approx(
+        [s[1] / (s[1] + s[3]), s[3] / (s[1] + s[3])], rel=1e-12
+    )
+    # The balancing losses weigh the scores normalized over all experts.
+    aux = U.scores_for_aux_loss(logits, "sqrtsoftplus")
+    assert aux[0].tolist() == pytest.approx([v / sum(s) for v in s], rel=1e-12)
+
+
 def _aux_loss_loops(scores, routing_map, topk, coeff):
     tokens, experts = scores.shape
     total = 0.0
@@ -105,6 +131,55 @@ def test_aux_seq_aux_and_z_losses_match_formulas_in_float64():
         / len(logits)
     )
     assert z.item() == pytest.approx(expected, rel=1e-12)
+
+
+def _global_aux_loss_loops(scores, counts, tokens, topk, coeff):
+    """coeff * E * sum_i f_i * P_i with f_i = counts[i] / (tokens * topk), P_i = the mean of
+    scores[:, i] over the tokens of ``scores``, divided by ``tokens`` / len(scores) as the
+    scores are one part of ``tokens``."""
+    experts = scores.shape[1]
+    total = 0.0
+    for i in range(experts):
+        f_i = float(counts[i]) / (tokens * topk)
+        p_i = sum(float(scores[t, i]) for t in range(len(scores))) / tokens
+        total += f_i * p_i
+    return coeff * experts * total
+
+
+def test_global_aux_loss_matches_formula_in_float64():
+    """Counts of the global batch averaged over the step's micro-batches so far; reset per
+    step."""
+    torch.manual_seed(1)
+    experts, topk, coeff, tokens = 4, 2, 0.1, 6
+    config = moe_config(
+        moe_router_load_balancing_type="global_aux_loss",
+        moe_aux_loss_coeff=coeff,
+        moe_router_dtype="fp64",
+    )
+    router = TopKRouter(config).train()
+    batches = [torch.randn(tokens, experts, dtype=torch.float64) for _ in range(4)]
+    maps = [U.route_topk(logits, topk)[1] for logits in batches]
+    expected = []
+    for m, (logits, routing_map) in enumerate(zip(batches[:3], maps[:3])):
+        running = sum(r.sum(0).double() for r in maps[: m + 1]) / (m + 1)
+        scores = torch.softmax(logits, dim=-1)
+        expected.append(_global_aux_loss_loops(scores, running, tokens, topk, coeff))
+        probs = torch.zeros_like(logits, requires_grad=True)
+        with torch.enable_grad():
+            router._attach_losses(logits, probs, routing_map, tokens)
+    # The router tracks the sum over the micro-batches, without the coefficient, in float32.
+    got = router.tracked["global_load_balancing_loss"].item() * coeff
+    assert got == pytest.approx(sum(expected), rel=1e-6)
+    # A new step: the counts start again from the next micro-batch alone (the plain aux loss).
+    router.reset_global_counts()
+    router.tracked.clear()
+    probs = torch.zeros_like(batches[3], requires_grad=True)
+    with torch.enable_grad():
+        router._attach_losses(batches[3], probs, maps[3], tokens)
+    scores = torch.softmax(batches[3], dim=-1)
+    assert router.tracked["global_load_balancing_loss"].item() * coeff == pytest.approx(
+        _aux_loss_loops(scores, maps[3], topk, coeff), rel=1e-6
+    )
 
 
 def _loss_of(router, logits, routing_map, seq):

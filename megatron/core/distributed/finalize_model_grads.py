@@ -73,7 +73,8 @@ def finalize_model_grads(
        input was split along the sequence (norms, row-parallel biases, MoE routers) summed over
        TP;
     5. MoE aux-loss-free balancing: each router's expert bias moved by this step's token counts,
-       summed over TP x DP x CP (every rank then holds the same bias).
+       summed over TP x DP x CP (every rank then holds the same bias); the routers' global-batch
+       token counts (``global_aux_loss``) start afresh for the next step.
 
     The schedules call it (as ``config.finalize_model_grads_func``) after the last backward,
     with the token count of the iteration. ``parallel_state`` is the ``ParallelState`` of
@@ -148,3 +149,5 @@ def _update_expert_biases(model_chunks, parallel_state) -> None:
                 module, "update_expert_bias"
             ):
                 module.update_expert_bias(group)
+            if hasattr(module, "reset_global_counts"):
+                module.reset_global_counts()

@@ -33,6 +33,10 @@ class ProcessGroupCollection:
     """Tensor x context-parallel group: the ranks holding parts of the same sequences (MoE
     balancing losses count tokens over it)."""
 
+    tp_dp_cp: Any = None
+    """Tensor x data x context-parallel group: the ranks holding different tokens of a step
+    (the MoE global_aux_loss counts tokens over it)."""
+
     @classmethod
     def from_parallel_state(cls, state) -> "ProcessGroupCollection":
         """From a :class:`megatron.core.parallel_state.ParallelState` (its tp, cp, pp groups)."""
@@ -44,6 +48,7 @@ class ProcessGroupCollection:
             expt_tp=state.get_expert_tensor_parallel_group(),
             tp_ep=state.group("tp-ep"),
             tp_cp=state.group("tp-cp"),
+            tp_dp_cp=state.group("tp-dp-cp"),
         )
 
     @property

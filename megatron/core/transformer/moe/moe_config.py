@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Union
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCHERS = ("allgather", "alltoall", "flex")
 DROP_POLICIES = ("probs", "position")
 
@@ -45,7 +45,8 @@ class MoEConfig:
     (``--moe-input-jitter-eps``); None: no jitter."""
 
     moe_router_score_function: str = "softmax"
-    """'softmax' or 'sigmoid' (``--moe-router-score-function``)."""
+    """'softmax', 'sigmoid' or 'sqrtsoftplus' (sqrt(softplus(logit)), DeepSeek-V4's; routed like
+    sigmoid) (``--moe-router-score-function``)."""
 
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before the top-k instead of over the k selected

@@ -35,7 +35,9 @@ class MoELayer(MegatronModule):
         super().__init__(config)
         pgs = resolve_pg_collection(config, pg_collection)
         self.ep_size, self.ep_rank = pgs.ep_size, pgs.ep_rank
-        self.router = TopKRouter(config, tp_cp_group=_tp_cp_group(pgs))
+        self.router = TopKRouter(
+            config, tp_cp_group=_tp_cp_group(pgs), tp_dp_cp_group=getattr(pgs, "tp_dp_cp", None)
+        )
         self.experts = SequentialMLP(config, self.ep_rank, self.ep_size, pgs.expt_tp)
         num_local = self.experts.num_local_experts
         if C.group_size(pgs.tp_ep) != self.ep_size * pgs.expt_tp_size:

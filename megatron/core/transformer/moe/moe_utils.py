@@ -6,6 +6,9 @@ c_i = tokens routed to expert i):
 
 * aux_loss (Switch / GShard): coeff * E / (k * T^2) * sum_i c_i * sum_t p[t, i];
 * seq_aux_loss: the same per sequence (T = its length), averaged over the sequences;
+* global_aux_loss: the same with c_i counted over the global batch (every rank of TP x DP x CP)
+  and averaged over the micro-batches of the step so far, T the tokens of one micro-batch on all
+  those ranks;
 * z-loss (ST-MoE): coeff * mean_t logsumexp(logits[t])^2.
 
 When a rank holds only part of the tokens (sequence or context parallelism) the counts c_i and
@@ -53,15 +56,16 @@ def route_topk(
 
     softmax: the softmax of the k selected logits (``pre_softmax``: of all logits, then the k
     largest probabilities); sigmoid: sigmoid of the logits, the k selected normalized to sum 1
-    when k > 1. ``expert_bias`` [E] is added to the scores for the selection only.
+    when k > 1; sqrtsoftplus: the same with sqrt(softplus(logit)) for the sigmoid.
+    ``expert_bias`` [E] is added to the scores for the selection only.
     """
     if score_function == "softmax":
         if pre_softmax:
             scores = torch.softmax(logits, dim=-1)
         else:
             scores = logits
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits)
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        scores = _bounded_scores(logits, score_function)
     else:
         raise ValueError(f"unknown router score function {score_function!r}")
     selection = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
@@ -69,7 +73,7 @@ def route_topk(
     weights = torch.gather(scores, 1, indices)
     if score_function == "softmax" and not pre_softmax:
         weights = torch.softmax(weights, dim=-1)
-    elif score_function == "sigmoid" and topk > 1:
+    elif score_function != "softmax" and topk > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if scaling_factor is not None:
         weights = weights * scaling_factor
@@ -78,11 +82,18 @@ def route_topk(
     return probs, routing_map
 
 
+def _bounded_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Per-expert scores of the non-softmax functions: sigmoid(x) or sqrt(softplus(x))."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.sqrt(torch.nn.functional.softplus(logits))
+
+
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     """The probabilities over all experts that the balancing losses weigh."""
     if score_function == "softmax":
         return torch.softmax(logits, dim=-1)
-    scores = torch.sigmoid(logits)
+    scores = _bounded_scores(logits, score_function)
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 

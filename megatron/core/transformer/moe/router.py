@@ -14,6 +14,7 @@ _DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 LOSS_NAMES = {
     "aux_loss": "load_balancing_loss",
     "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
     "sinkhorn": None,
     "none": None,
 }
@@ -27,19 +28,22 @@ class TopKRouter(torch.nn.Module):
     """Scores the tokens [T, h] against the experts and picks k per token.
 
     ``tp_cp_group`` is the group over which one sequence's tokens are split (sequence and context
-    parallelism): the balancing losses count the tokens of all its ranks.
+    parallelism): the balancing losses count the tokens of all its ranks. ``tp_dp_cp_group`` (the
+    ranks holding different tokens of the step) is where ``global_aux_loss`` counts them; its
+    counts add up over the micro-batches of a step until :meth:`reset_global_counts`.
 
     In training the router attaches its auxiliary losses to the returned probabilities (so they
     join backward) and adds their detached values to ``tracked`` (name -> sum over the
     micro-batches of the step, this rank's part; the trainer reduces, reads and clears it).
     """
 
-    def __init__(self, config, tp_cp_group=None):
+    def __init__(self, config, tp_cp_group=None, tp_dp_cp_group=None):
         super().__init__()
         self.config = config
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.tp_cp_group = tp_cp_group
+        self.tp_dp_cp_group = tp_dp_cp_group
         self.weight = new_weight((self.num_experts, config.hidden_size), config, config.init_method)
         # Replicated over TP but fed this rank's part of the sequence: its gradient is summed
         # over TP like the norms' (allreduce_sequence_parallel_grads).
@@ -53,6 +57,15 @@ class TopKRouter(torch.nn.Module):
             )
         else:
             self.expert_bias = None
+        if "global_aux_loss" in self.types:
+            # Tokens per expert over the global batch, summed over the step's micro-batches so
+            # far, and how many micro-batches that is.
+            self.register_buffer(
+                "global_tokens_per_expert",
+                torch.zeros(self.num_experts, dtype=torch.float64),
+                persistent=False,
+            )
+            self.global_microbatches = 0
         self.tracked: Dict[str, torch.Tensor] = {}
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -126,18 +139,22 @@ class TopKRouter(torch.nn.Module):
         scale = U.aux_loss_backward_scale(cfg)
         parts = C.group_size(self.tp_cp_group)
         for kind, coeff in zip(self.types, self.coeffs):
-            if kind not in ("aux_loss", "seq_aux_loss") or coeff == 0:
+            if kind not in ("aux_loss", "seq_aux_loss", "global_aux_loss") or coeff == 0:
                 continue
             scores = U.scores_for_aux_loss(logits, cfg.moe_router_score_function)
             if kind == "aux_loss":
                 counts = routing_map.sum(dim=0)
                 total = routing_map.shape[0] * parts
                 per_part = scores
-            else:  # per sequence: [s, b * E] so each (sequence, expert) pair is one column
+            elif kind == "seq_aux_loss":  # per sequence: [s, b * E], a column per (seq, expert)
                 counts = routing_map.reshape(seq_length, -1).sum(dim=0)
                 total = seq_length * parts
                 per_part = scores.reshape(seq_length, -1)
-            counts = C.all_reduce(counts.clone(), self.tp_cp_group)
+            else:
+                counts, total = self._global_counts(routing_map)
+                per_part = scores
+            if kind != "global_aux_loss":
+                counts = C.all_reduce(counts.clone(), self.tp_cp_group)
             loss = U.switch_load_balancing_loss(
                 per_part, counts, total, self.topk, self.num_experts, coeff
             )
@@ -151,6 +168,22 @@ class TopKRouter(torch.nn.Module):
             probs = U.MoEAuxLossAutoScaler.apply(probs, loss, scale)
             self._track("z_loss", loss / cfg.moe_z_loss_coeff)
         return probs
+
+    @torch.no_grad()
+    def _global_counts(self, routing_map):
+        """(this step's running mean of the tokens per expert over the global batch, the tokens
+        of one micro-batch over TP x DP x CP)."""
+        counts = routing_map.sum(dim=0).to(self.global_tokens_per_expert.dtype)
+        self.global_tokens_per_expert += C.all_reduce(counts, self.tp_dp_cp_group)
+        self.global_microbatches += 1
+        total = routing_map.shape[0] * C.group_size(self.tp_dp_cp_group)
+        return self.global_tokens_per_expert / self.global_microbatches, total
+
+    def reset_global_counts(self) -> None:
+        """Start the next step's global_aux_loss counts (called once per step)."""
+        if hasattr(self, "global_tokens_per_expert"):
+            self.global_tokens_per_expert.zero_()
+            self.global_microbatches = 0
 
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> None:
