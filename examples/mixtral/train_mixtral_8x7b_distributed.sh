@@ -4,9 +4,7 @@
 #   DATA_PATH=<prefix> TOKENIZER_MODEL=<tokenizer.model> CHECKPOINT_PATH=<dir> \
 #       bash examples/mixtral/train_mixtral_8x7b_distributed.sh
 #   DRY_RUN=1 bash examples/mixtral/train_mixtral_8x7b_distributed.sh   # validate, print the layout
-# Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (torchrun's). Megatron's script also
-# passes --use-distributed-optimizer and --overlap-param-gather; the distributed optimizer does
-# not shard expert parameters here yet (the run would stop at start-up), so they are left out.
+# Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (torchrun's).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -46,6 +44,8 @@ MOE_ARGS=(
     --moe-grouped-gemm
     --moe-token-dispatcher-type alltoall
     --overlap-grad-reduce
+    --use-distributed-optimizer
+    --overlap-param-gather
 )
 if [[ -n "$DATA_PATH" ]]; then
     DATA_ARGS=(
