@@ -1,7 +1,8 @@
 """MoE checkpoints: a torch_dist checkpoint saved at EP=2 x TP=2 (sequence parallel) resumes at
 EP=1 (one process) and at EP=4 with the next iterations' losses and grad norms of the run that
 saved it; the torch format writes one file per (TP, EP) rank (``mp_rank_TT_EEE``) and resumes
-at the same layout."""
+at the same layout; with the distributed optimizer, both formats keep the expert optimizer state
+(sharded over expert DP) and resume."""
 
 import torch
 
