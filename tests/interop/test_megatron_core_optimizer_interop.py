@@ -8,9 +8,11 @@ this code base's training-side save/load (``checkpointing.save_checkpoint`` /
   megatron-core's own (1e-5 relative). Iteration 4 is the check of the optimizer state: its
   weights come from the step of iteration 3, which uses the loaded Adam moments and step count
   (a load without them gives another loss: checked too). Without the distributed optimizer on
-  both sides, and with it (megatron-core's ``fully_reshardable`` sharding type, ours).
+  both sides, and with it: megatron-core's in its ``fully_reshardable`` sharding type at DP=2
+  (two processes on gloo, each training on half of the batch), ours at DP=1.
 * The other way: we train 1-4 and save after 2; megatron-core loads model + optimizer +
-  scheduler + iteration from it as Megatron-LM does and trains 3 and 4: its losses equal ours.
+  scheduler + iteration from it as Megatron-LM does and trains 3 and 4: its losses equal ours
+  (without the distributed optimizer; with it, ours at DP=1 and megatron-core's at DP=2).
 * megatron-core's default distributed-optimizer layout (``dp_reshardable``) is refused here
   with one line that says what was not loaded and how to go on.
 
@@ -52,12 +54,17 @@ def _megatron_core_python():
         pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
 
 
-def _mcore_train(out, *extra):
-    command = [MCORE_PYTHON, str(DRIVER), "train", *[str(e) for e in extra], "--out", str(out)]
+def _mcore_train(out, *extra, processes=1):
+    launcher = [MCORE_PYTHON]
+    if processes > 1:  # data parallel, on gloo
+        launcher += ["-m", "torch.distributed.run", "--standalone"]
+        launcher += ["--nproc-per-node", str(processes)]
+    command = launcher + [str(DRIVER), "train", *[str(e) for e in extra], "--out", str(out)]
     command += ["--num-layers", LAYERS, "--hidden-size", HIDDEN, "--num-attention-heads", HEADS]
     command += ["--vocab-size", VOCAB, "--seq-length", SEQ, "--batch-seed", BATCH_SEED]
     command += ["--lr", LR, "--weight-decay", WEIGHT_DECAY, "--iters", LAST]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # their `megatron`
+    env["OMP_NUM_THREADS"] = "1"
     done = subprocess.run(
         [str(c) for c in command], capture_output=True, text=True, timeout=240, env=env
     )
@@ -172,16 +179,22 @@ def _close(ours, theirs, what):
 
 
 @pytest.mark.parametrize(
-    "sharding, distributed",
-    [("none", False), ("fully_reshardable", True)],
-    ids=["fp32-optimizer", "distributed-optimizer-fully-reshardable"],
+    "sharding, processes, distributed",
+    [("none", 1, False), ("fully_reshardable", 2, True)],
+    ids=["fp32-optimizer", "distributed-optimizer-fully-reshardable-dp2-to-dp1"],
 )
 def test_megatron_core_training_resumes_here_with_its_optimizer_state(
-    tmp_path, sharding, distributed
+    tmp_path, sharding, processes, distributed
 ):
     saved = tmp_path / "mcore"
     theirs = _mcore_train(
-        tmp_path / "mc.json", saved, "--save-at", SAVED_AT, "--optimizer-sharding", sharding
+        tmp_path / "mc.json",
+        saved,
+        "--save-at",
+        SAVED_AT,
+        "--optimizer-sharding",
+        sharding,
+        processes=processes,
     )
     keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(saved / f"iter_{SAVED_AT:07d}"))))
     assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight" in keys
@@ -201,12 +214,12 @@ def test_megatron_core_training_resumes_here_with_its_optimizer_state(
 
 
 @pytest.mark.parametrize(
-    "distributed, sharding",
-    [(False, "none"), (True, "fully_reshardable")],
-    ids=["fp32-optimizer", "distributed-optimizer"],
+    "distributed, sharding, processes",
+    [(False, "none", 1), (True, "fully_reshardable", 2)],
+    ids=["fp32-optimizer", "distributed-optimizer-dp1-to-dp2"],
 )
 def test_training_saved_here_resumes_in_megatron_core_with_our_optimizer_state(
-    tmp_path, distributed, sharding
+    tmp_path, distributed, sharding, processes
 ):
     ours = _Ours(tmp_path, distributed, load=tmp_path / "unused", save=tmp_path / "ours")
     for it in range(1, SAVED_AT + 1):
@@ -221,6 +234,7 @@ def test_training_saved_here_resumes_in_megatron_core_with_our_optimizer_state(
         tmp_path / "ours",
         "--optimizer-sharding",
         sharding,
+        processes=processes,
     )
     assert sorted(theirs) == list(range(SAVED_AT + 1, LAST + 1))  # resumed after iteration 2
     _close(theirs, straight, f"here -> megatron-core {sharding}")

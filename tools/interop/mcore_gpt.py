@@ -39,6 +39,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 ITERATION = 1  # of the checkpoint that ``save`` writes
 
@@ -240,13 +241,18 @@ def _train(model, config, args) -> dict:
         scheduler.load_state_dict(common["opt_param_scheduler"])
         iteration = int(common["iteration"])
 
-    positions = torch.arange(args.seq_length).unsqueeze(0).expand(2, -1)
+    positions = torch.arange(args.seq_length).unsqueeze(0).expand(2 // dist.get_world_size(), -1)
     causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
     losses = {}
     while iteration < args.iters:
         iteration += 1
         model.train()
         tokens, labels = train_batch(args, iteration)
+        # Data parallel: each rank trains on its equal share of the batch (DDP averages the
+        # gradients), and the loss of the batch is the average of the shares' losses.
+        share = tokens.shape[0] // dist.get_world_size()
+        mine = slice(dist.get_rank() * share, (dist.get_rank() + 1) * share)
+        tokens, labels = tokens[mine], labels[mine]
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         loss = ddp(tokens, positions, causal.view(1, 1, *causal.shape), labels=labels)
@@ -255,8 +261,10 @@ def _train(model, config, args) -> dict:
         ddp.finish_grad_sync()
         applied, _grad_norm, _zeros = optimizer.step()
         assert applied, f"iteration {iteration}: the optimizer skipped its step"
-        scheduler.step(increment=tokens.shape[0])
-        losses[iteration] = loss.item()
+        scheduler.step(increment=share * dist.get_world_size())
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        losses[iteration] = reported.item() / dist.get_world_size()
         if iteration == args.save_at:
             directory = os.path.join(args.directory, f"iter_{iteration:07d}")
             os.makedirs(directory, exist_ok=True)
@@ -288,13 +296,19 @@ def main(argv=None) -> int:
         return 2
     print(f"megatron-core {package_info.__version__}")
     _cuda_calls_on_cpu()
-    import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    store = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".mcore_store")
-    if os.path.exists(store):
-        os.remove(store)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    store = None
+    if "WORLD_SIZE" in os.environ:  # started by torchrun (train only): data parallel
+        if args.action != "train":
+            print("error: only `train` runs with more than one process", file=sys.stderr)
+            return 2
+        dist.init_process_group("gloo")
+    else:
+        store = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".mcore_store")
+        if os.path.exists(store):
+            os.remove(store)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -322,10 +336,12 @@ def main(argv=None) -> int:
     )
     if args.action == "train":
         result = _train(model, config, args)
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
         dist.destroy_process_group()
-        os.remove(store)
+        if store is not None:
+            os.remove(store)
         return 0
     # As Megatron-LM's training loop does: the model's sharded state under "model", the
     # non-tensor state (iteration, ...) beside it in common.pt.
