@@ -9,7 +9,8 @@ this code base's training-side save/load (``checkpointing.save_checkpoint`` /
   weights come from the step of iteration 3, which uses the loaded Adam moments and step count
   (a load without them gives another loss: checked too). Without the distributed optimizer on
   both sides, and with it: megatron-core's in its ``fully_reshardable`` sharding type at DP=2
-  (two processes on gloo, each training on half of the batch), ours at DP=1.
+  (two processes on gloo, each training on half of the batch), ours at DP=1. And
+  ``pretrain_gpt.py --load`` resumes from megatron-core's checkpoint with its optimizer state.
 * The other way: we train 1-4 and save after 2; megatron-core loads model + optimizer +
   scheduler + iteration from it as Megatron-LM does and trains 3 and 4: its losses equal ours
   (without the distributed optimizer; with it, ours at DP=1 and megatron-core's at DP=2).
@@ -35,6 +36,7 @@ from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from megatron.core.timers import Timers
 from megatron.training import checkpointing, global_vars
+from tests.functional_tests.runner import run_pretrain
 from tests.unit_tests.checkpoint_utils import checkpoint_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -211,6 +213,22 @@ def test_megatron_core_training_resumes_here_with_its_optimizer_state(
     assert fresh.load() == SAVED_AT
     without = {it: fresh.step(it) for it in range(SAVED_AT + 1, LAST + 1)}
     assert abs(without[LAST] - theirs[LAST]) > 100 * RTOL * abs(theirs[LAST]), (without, theirs)
+
+    if sharding == "none":
+        # Through pretrain_gpt.py: its loader takes model, optimizer, scheduler and iteration
+        # from megatron-core's checkpoint (no --no-load-optim) and trains on from iteration 3.
+        flags = ["--num-layers", LAYERS, "--hidden-size", HIDDEN, "--num-attention-heads", HEADS]
+        flags += ["--seq-length", SEQ, "--max-position-embeddings", SEQ, "--vocab-size", VOCAB - 1]
+        flags += ["--make-vocab-size-divisible-by", 1, "--untie-embeddings-and-output-weights"]
+        flags += ["--micro-batch-size", 2, "--train-iters", SAVED_AT + 1, "--mock-data"]
+        flags += ["--lr", LR, "--lr-decay-style", "constant", "--weight-decay", WEIGHT_DECAY]
+        flags += ["--use-checkpoint-opt_param-scheduler", "--tokenizer-type", "NullTokenizer"]
+        flags += ["--log-interval", 1, "--load", saved]
+        resumed = run_pretrain([str(f) for f in flags])
+        assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+        assert f"successfully loaded checkpoint from {saved}" in resumed.stdout
+        assert "iteration        3/       3" in resumed.stdout
+        assert "iteration        2/       3" not in resumed.stdout
 
 
 @pytest.mark.parametrize(
