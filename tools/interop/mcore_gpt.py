@@ -24,7 +24,9 @@ and LR scheduler (constant), on the batch of :func:`train_batch` at each iterati
 root CKPT as Megatron-LM does (the checkpoint's ``content_metadata`` says how the optimizer
 state is sharded). It trains up to iteration ``--iters``, saving model + optimizer + scheduler +
 iteration into DIR/iter_<K> (and the tracker) after iteration ``--save-at`` K, as Megatron-LM's
-training loop writes them; ``--out`` gets ``{"losses": {iteration: loss}}``.
+training loop writes them (``--ckpt-format torch``: one ``mp_rank_00/model_optim_rng.pt``, as
+Megatron-LM's torch format at TP=1, PP=1, loaded back the same way); ``--out`` gets
+``{"losses": {iteration: loss}}``.
 
 megatron-core 0.16.1 imports without Transformer Engine or apex; its local spec runs on CPU once
 ``torch.cuda.current_device`` and the CUDA RNG calls are pointed at the CPU (done here, in the
@@ -112,6 +114,12 @@ def parse(argv=None):
         choices=("none", "dp_reshardable", "fully_reshardable"),
         default="none",
         help="train: without the distributed optimizer, or with it in this sharding type",
+    )
+    p.add_argument(
+        "--ckpt-format",
+        choices=("torch_dist", "torch"),
+        default="torch_dist",
+        help="train: the format to save and load (torch: one process, no distributed optimizer)",
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -216,7 +224,18 @@ def _train(model, config, args) -> dict:
         metadata["distrib_optim_sharding_type"] = args.optimizer_sharding
 
     iteration = 0
-    if args.load:
+    if args.load and args.ckpt_format == "torch":
+        # Megatron-LM's torch format at TP=1, PP=1: mp_rank_00/model_optim_rng.pt.
+        with open(os.path.join(args.load, "latest_checkpointed_iteration.txt")) as f:
+            directory = os.path.join(args.load, f"iter_{int(f.read().strip()):07d}")
+        saved = torch.load(
+            os.path.join(directory, "mp_rank_00", "model_optim_rng.pt"), weights_only=False
+        )
+        model.load_state_dict(saved["model"], strict=True)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["opt_param_scheduler"])
+        iteration = int(saved["iteration"])
+    elif args.load:
         with open(os.path.join(args.load, "latest_checkpointed_iteration.txt")) as f:
             directory = os.path.join(args.load, f"iter_{int(f.read().strip()):07d}")
         common = dist_checkpointing.load_common_state_dict(directory)
@@ -265,7 +284,21 @@ def _train(model, config, args) -> dict:
         reported = loss.detach().clone()
         dist.all_reduce(reported)
         losses[iteration] = reported.item() / dist.get_world_size()
-        if iteration == args.save_at:
+        if iteration == args.save_at and args.ckpt_format == "torch":
+            directory = os.path.join(args.directory, f"iter_{iteration:07d}", "mp_rank_00")
+            os.makedirs(directory, exist_ok=True)
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "opt_param_scheduler": scheduler.state_dict(),
+                "iteration": iteration,
+                "checkpoint_version": 3.0,
+                "num_floating_point_operations_so_far": 0.0,
+            }
+            torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+            with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+        elif iteration == args.save_at:
             directory = os.path.join(args.directory, f"iter_{iteration:07d}")
             os.makedirs(directory, exist_ok=True)
             model_state = model.sharded_state_dict()
