@@ -1,7 +1,10 @@
 """Resume across the two code bases with the optimizer state: megatron-core (0.16.1, from PyPI,
 its own DDP, optimizer and scheduler, driven on CPU by ``tools/interop/mcore_gpt.py train``) and
 this code base's training-side save/load (``checkpointing.save_checkpoint`` /
-``load_checkpoint``, torch_dist), fp32, one process.
+``load_checkpoint``, torch_dist, in this process), fp32. The driver works around two faults of
+megatron-core's distributed optimizer on its torch-AdamW path (see its
+``_keep_adamw_step_on_fully_reshardable_load``); with them megatron-core's own resume from its
+fully_reshardable checkpoint equals its straight run.
 
 * megatron-core trains iterations 1-4 and saves after 2; we load that checkpoint (model,
   optimizer, scheduler, iteration) and train 3 and 4 on the same batches: both losses equal
