@@ -411,7 +411,8 @@ def load_checkpoint(
             except (KeyError, ValueError) as exc:
                 raise CheckpointError(
                     f"checkpoint {path}: the optimizer state does not fit this run "
-                    f"({type(exc).__name__}: {exc})"
+                    f"({type(exc).__name__}: {exc}); pass --no-load-optim to load the model "
+                    "only"
                 ) from None
             if getattr(args, "use_distributed_optimizer", False):
                 _load_distributed_optimizer_state(optimizer, distrib_optim_path(path))

@@ -33,9 +33,11 @@ from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing.async_save import AsyncSave
 from megatron.core.dist_checkpointing.megatron_layout import is_per_layer_layout
 from megatron.core.dist_checkpointing.optimizer_state import (
+    MAIN_PARAM,
     STATE_PREFIX,
     is_distributed,
     load_optimizer_common_state,
+    state_key,
 )
 from megatron.core.utils import unwrap_model
 
@@ -114,8 +116,10 @@ def _merged_optimizer_common(optimizer) -> dict:
     """The optimizer's common state with the param groups of every rank (pipeline stages may hold
     groups that rank 0 lacks, e.g. a decoupled LR for the output layer)."""
     common = dc.optimizer_common_state(optimizer)
-    groups, seen = [], set()
-    for other in _all_gather_object(common["param_groups"]):
+    # Without the fp32 copies (fp32 optimizer) megatron-core keeps the groups at the top level.
+    groups = common.get("optimizer", common)["param_groups"]
+    merged, seen = [], set()
+    for other in _all_gather_object(groups):
         for group in other:
             signature = tuple(
                 group.get(k)
@@ -123,8 +127,8 @@ def _merged_optimizer_common(optimizer) -> dict:
             )
             if signature not in seen:
                 seen.add(signature)
-                groups.append(group)
-    common["param_groups"] = groups
+                merged.append(group)
+    groups[:] = merged
     return common
 
 
@@ -181,6 +185,8 @@ def save_checkpoint_dist(
             "iteration": iteration,
             "num_floating_point_operations_so_far": float(flops),
             "parallel_layout": _layout(state, len(chunks)),
+            # How the optimizer state is sharded: Megatron-LM reads it before loading.
+            "content_metadata": dc.content_metadata(),
         }
         if save_optim:
             common["optimizer"] = optim_common
@@ -345,10 +351,14 @@ def load_checkpoint_dist(
                 f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim?); "
                 "pass --no-load-optim or --finetune"
             )
-        optim_common = common["optimizer"]
-        load_optimizer_common_state(optimizer, optim_common)
-        if optim_common.get("has_state", True):
-            step = max([int(g.get("step", 0)) for g in optim_common.get("param_groups", [])] or [0])
+        try:
+            step = load_optimizer_common_state(optimizer, common["optimizer"])
+        except dc.UnreadableOptimizerState as exc:
+            raise CheckpointError(
+                f"checkpoint {directory}: {exc}, which this code base cannot read; pass "
+                "--no-load-optim or --finetune to load the model only"
+            ) from None
+        if step > 0:
             optim_load = dc.OptimizerLoad(optimizer, by_param, lambda key: key in ckpt_keys, step)
     targets = dict(entries)
     if optim_load is not None:
@@ -360,7 +370,11 @@ def load_checkpoint_dist(
             targets,
             directory,
             strictness=strictness,
-            counts_as_unexpected=lambda key: load_optim or not key.startswith(STATE_PREFIX),
+            counts_as_unexpected=lambda key: (
+                not key.startswith(STATE_PREFIX)
+                # fp32 main weights of fp32 parameters: the model weights themselves
+                or (load_optim and not key.startswith(state_key(MAIN_PARAM, "")))
+            ),
         )
     except dc.CheckpointingError as exc:
         raise CheckpointError(str(exc)) from None

@@ -220,7 +220,8 @@ honoured(
     """,
 )
 honoured(
-    "the torch_dist optimizer state here always reshards across every parallel dimension",
+    "the torch_dist optimizer state here is always megatron-core's fully_reshardable type "
+    "(reshards across every parallel dimension; Megatron-LM reads the type from the checkpoint)",
     "dist_ckpt_optim_fully_reshardable",
 )
 honoured(

@@ -213,6 +213,26 @@ def test_round_trip_resumes_exactly(tmp_path, dtype):
         "optimizer.state.exp_avg_sq.2.bias",
     } <= keys
     assert ("optimizer.state.fp32_param.0.weight" in keys) == (dtype == torch.bfloat16)
+    # The optimizer's common state as megatron-core 0.16.1's optimizers write it (read from a
+    # checkpoint it wrote): FP32Optimizer {"state": {"common_step"}, "param_groups"},
+    # Float16OptimizerWithFloat16Params the same under "optimizer" (+ "grad_scaler" if any);
+    # groups without "params", keyed by Megatron's group identifiers.
+    optim = common["optimizer"]
+    inner = optim["optimizer"] if dtype == torch.bfloat16 else optim
+    assert set(inner) == {"state", "param_groups"} and set(optim) == (
+        {"optimizer"} if dtype == torch.bfloat16 else {"state", "param_groups"}
+    )
+    assert torch.equal(inner["state"]["common_step"], torch.tensor(3.0))
+    assert [(g["wd_mult"], "params" in g) for g in inner["param_groups"]] == [
+        (1.0, False),
+        (0.0, False),
+    ]
+    assert {"lr_mult", "is_expert_parallel", "is_decoupled_lr"} <= set(inner["param_groups"][0])
+    assert common["content_metadata"] == {
+        "distrib_optim_sharding_type": "fully_reshardable",
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
 
     model2, opt2, sched2 = _setup(tmp_path, seed=99, dtype=dtype)
     torch.manual_seed(12345)  # the checkpoint must restore the RNG
@@ -300,6 +320,123 @@ def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path
     assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+def _distributed_setup(tmp_path, seed):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model, _opt, _sched = _setup(tmp_path, seed=seed, use_distributed_optimizer=True)
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+        model,
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True), [ddp]
+    )
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-2,
+        min_lr=1e-3,
+        lr_warmup_steps=2,
+        lr_decay_steps=100,
+        lr_decay_style="cosine",
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
+    )
+    return ddp, opt, sched
+
+
+def _train_ddp(ddp, opt, sched, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        ddp.zero_grad_buffer()
+        loss = ddp(torch.randn(4, 8, generator=g)).pow(2).mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        sched.step(4)
+        losses.append(loss.item())
+    return losses
+
+
+def test_distributed_optimizer_state_in_megatron_core_fully_reshardable_keys(tmp_path):
+    # megatron-core's fully_reshardable layout (read from a checkpoint it wrote): per parameter
+    # optimizer.state.{param,exp_avg,exp_avg_sq}.<key>, "param" being the fp32 main weight (for
+    # fp32 weights too); common state {"optimizer": {"param_groups": [.., "step"]},
+    # "param_state_sharding_type": "fully_reshardable"}.
+    ddp, opt, sched = _distributed_setup(tmp_path, seed=0)
+    _train_ddp(ddp, opt, sched, 3, seed=7)
+    checkpointing.save_checkpoint(3, ddp, opt, sched, 0.0)
+    straight = _train_ddp(ddp, opt, sched, 2, seed=8)
+
+    directory = _iter_dir(tmp_path, 3)
+    keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(directory))))
+    params = {"0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias"}
+    assert {k for k in keys if not k.startswith("optimizer.")} == params
+    assert {k for k in keys if k.startswith("optimizer.")} == {
+        f"optimizer.state.{name}.{p}" for name in ("param", "exp_avg", "exp_avg_sq") for p in params
+    }
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(directory / "common.pt", weights_only=True)
+    optim = common["optimizer"]
+    assert set(optim) == {"optimizer", "param_state_sharding_type"}
+    assert optim["param_state_sharding_type"] == "fully_reshardable"
+    assert [
+        (g["wd_mult"], g["step"], "params" in g) for g in optim["optimizer"]["param_groups"]
+    ] == [
+        (1.0, 3.0, False),
+        (0.0, 3.0, False),
+    ]
+
+    # Layout-free: it resumes with the distributed optimizer and without it alike.
+    ddp2, opt2, sched2 = _distributed_setup(tmp_path, seed=5)
+    assert checkpointing.load_checkpoint(ddp2, opt2, sched2)[0] == 3
+    assert _train_ddp(ddp2, opt2, sched2, 2, seed=8) == straight
+    model3, opt3, sched3 = _setup(tmp_path, seed=5)
+    assert checkpointing.load_checkpoint(model3, opt3, sched3)[0] == 3
+    losses = []
+    g = torch.Generator().manual_seed(8)
+    for _ in range(2):
+        opt3.zero_grad()
+        loss = model3(torch.randn(4, 8, generator=g)).pow(2).mean()
+        loss.backward()
+        opt3.step()
+        sched3.step(4)
+        losses.append(loss.item())
+    assert losses == pytest.approx(straight, rel=1e-6)
+
+
+def test_optimizer_common_state_of_megatron_core_and_of_earlier_checkpoints_is_read():
+    from megatron.core.dist_checkpointing.optimizer_state import normalized_common_state
+
+    group = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "lr": 3e-4}
+    group = {**group, "is_decoupled_lr": False, "weight_decay": 0.1}
+    # The three structures megatron-core 0.16.1 writes (seen in checkpoints it saved).
+    fp32 = {"state": {"common_step": torch.tensor(7.0)}, "param_groups": [group]}
+    mixed = {"optimizer": fp32, "grad_scaler": {"scale": 8.0}}
+    distributed = {
+        "optimizer": {"param_groups": [{**group, "step": 7.0}]},
+        "param_state_sharding_type": "fully_reshardable",
+    }
+    for common, scaler in ((fp32, None), (mixed, {"scale": 8.0}), (distributed, None)):
+        read = normalized_common_state(common)
+        assert read["step"] == 7 and read["grad_scaler"] == scaler
+        assert read["param_groups"] == [{**group, "step": 7}]
+    # Not yet stepped: megatron-core writes no common_step.
+    assert normalized_common_state({"state": {}, "param_groups": [group]})["step"] == 0
+    # This code base's earlier structure.
+    earlier = {"param_groups": [{**group, "step": 4}], "grad_scaler": None, "has_state": True}
+    assert normalized_common_state(earlier)["step"] == 4
+    # megatron-core's default distributed-optimizer layout is not read.
+    with pytest.raises(dc.UnreadableOptimizerState, match="Megatron-LM's dp_reshardable layout"):
+        normalized_common_state({"param_state_sharding_type": "dp_reshardable"})
 
 
 def test_torch_format_model_entries_carry_megatron_extra_state(tmp_path):

@@ -330,6 +330,23 @@ def test_reload_model_params_and_load_errors():
         other.load_state_dict(opt.state_dict())
 
 
+def test_optimizer_state_in_another_parameter_order_is_refused():
+    # torch pairs saved state with parameters by position: a checkpoint listing them in another
+    # order (Megatron-LM's linear_proj before linear_qkv) must not load onto the wrong ones.
+    model = _model()
+    opt = get_megatron_optimizer(_config(), [model])
+    _loss(model, 0).backward()
+    opt.step()
+    state = opt.state_dict()
+    other = get_megatron_optimizer(_config(), [_model(seed=1)])
+    other.load_state_dict(_roundtrip(state))  # the same order loads
+    swapped = _roundtrip(state)
+    first = swapped["param_groups"][0]["params"]
+    first[0], first[1] = first[1], first[0]  # two parameters of different shapes
+    with pytest.raises(ValueError, match="lists the parameters in another order"):
+        other.load_state_dict(swapped)
+
+
 def test_timers_and_errors():
     timers = Timers(log_level=1, log_option="minmax")
     model = _model()

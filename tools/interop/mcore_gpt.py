@@ -6,6 +6,8 @@ project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, 
 
     python tools/interop/mcore_gpt.py save DIR --out result.json [model flags]
     python tools/interop/mcore_gpt.py load DIR --out result.json --tensors state.pt [model flags]
+    python tools/interop/mcore_gpt.py train DIR --out result.json --iters N [--save-at K]
+        [--load CKPT] [--optimizer-sharding none|dp_reshardable|fully_reshardable] [model flags]
 
 ``save`` builds the model from ``--seed`` and writes it into DIR/iter_0000001 (with the tracker
 file, as Megatron-LM lays it out); ``load`` reads the torch_dist directory DIR into a model built
@@ -15,9 +17,22 @@ loaded model's state dict (per-layer names) to ``--tensors``. ``--torch-save D``
 writes the torch format, ``D/iter_0000001/mp_rank_00/model_optim_rng.pt``; ``--torch-load FILE``
 (load) also loads a torch-format file strictly into another model (``"torch_loss"``).
 
+``train`` trains with megatron-core's own DDP, optimizer (``get_megatron_optimizer``: Adam, clip
+1.0; with ``--optimizer-sharding dp_reshardable|fully_reshardable`` its distributed optimizer)
+and LR scheduler (constant), on the batch of :func:`train_batch` at each iteration. With
+``--load CKPT`` it first loads model, optimizer, scheduler and iteration from the torch_dist
+root CKPT as Megatron-LM does (the checkpoint's ``content_metadata`` says how the optimizer
+state is sharded). It trains up to iteration ``--iters``, saving model + optimizer + scheduler +
+iteration into DIR/iter_<K> (and the tracker) after iteration ``--save-at`` K, as Megatron-LM's
+training loop writes them (``--ckpt-format torch``: one ``mp_rank_00/model_optim_rng.pt``, as
+Megatron-LM's torch format at TP=1, PP=1, loaded back the same way); ``--out`` gets
+``{"losses": {iteration: loss}}``.
+
 megatron-core 0.16.1 imports without Transformer Engine or apex; its local spec runs on CPU once
 ``torch.cuda.current_device`` and the CUDA RNG calls are pointed at the CPU (done here, in the
-driver, before megatron-core is imported).
+driver, before megatron-core is imported). Its optimizers need more (tensors made with
+``device="cuda"``, ``.cuda()``, type checks against ``torch.cuda.FloatTensor``): see
+:func:`_optimizer_on_cpu`.
 """
 
 import argparse
@@ -26,6 +41,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 ITERATION = 1  # of the checkpoint that ``save`` writes
 
@@ -42,9 +58,35 @@ def _cuda_calls_on_cpu() -> None:
     mcore_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
+def _optimizer_on_cpu() -> None:
+    """megatron-core's optimizers create tensors with ``device="cuda"``, call ``.cuda()`` and
+    check ``tensor.type() == "torch.cuda.FloatTensor"``: on CPU, make the first two CPU tensors
+    and report CPU tensors under the CUDA type names."""
+    from torch.overrides import TorchFunctionMode
+
+    class CudaToCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if "cuda" in str(kwargs.get("device", "")):
+                kwargs["device"] = "cpu"
+            return func(*args, **kwargs)
+
+    CudaToCpu().__enter__()  # for the rest of the process
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    cpu_type = torch.Tensor.type
+
+    def cuda_type(self, *a, **k):
+        if a or k:
+            return cpu_type(self, *a, **k)
+        name = cpu_type(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = cuda_type
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("save", "load"))
+    p.add_argument("action", choices=("save", "load", "train"))
     p.add_argument("directory")
     p.add_argument("--out", required=True)
     p.add_argument("--tensors")
@@ -64,6 +106,23 @@ def parse(argv=None):
     p.add_argument(
         "--torch-load", help="load: also load this torch-format file (strictly) into another model"
     )
+    p.add_argument("--iters", type=int, help="train: the last iteration to train")
+    p.add_argument("--save-at", type=int, help="train: save after this iteration")
+    p.add_argument("--load", help="train: resume from this torch_dist checkpoint root first")
+    p.add_argument(
+        "--optimizer-sharding",
+        choices=("none", "dp_reshardable", "fully_reshardable"),
+        default="none",
+        help="train: without the distributed optimizer, or with it in this sharding type",
+    )
+    p.add_argument(
+        "--ckpt-format",
+        choices=("torch_dist", "torch"),
+        default="torch_dist",
+        help="train: the format to save and load (torch: one process, no distributed optimizer)",
+    )
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
     return p.parse_args(argv)
 
 
@@ -86,6 +145,177 @@ def loss_of(model, args) -> float:
     return losses.float().mean().item()
 
 
+def train_batch(args, iteration: int):
+    """The batch of training iteration ``iteration``: [2, seq] tokens and labels."""
+    g = torch.Generator().manual_seed(1000 * args.batch_seed + iteration)
+    tokens = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
+    labels = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
+    return tokens, labels
+
+
+def _keep_adamw_step_on_fully_reshardable_load() -> None:
+    """Two faults of megatron-core 0.16.1's distributed optimizer with torch's AdamW (its path
+    without Transformer Engine or apex), which a fully_reshardable load hits:
+
+    * it restores the step from the param groups into ONE tensor shared by every parameter's
+      state, which AdamW then advances once per parameter at each step (a resumed run would
+      use a wrong bias correction from its first step on);
+    * it then copies every entry of the parameter's state from the checkpoint, "step" included,
+      which that format does not hold: a KeyError.
+
+    Give each parameter its own copy of the restored step, and keep it through the copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def own_step(self, model_param, tensors):
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state and "step" not in tensors:
+            state["step"] = state["step"].clone()
+            tensors = {**tensors, "step": state["step"].clone()}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = own_step
+
+
+def _train(model, config, args) -> dict:
+    """Megatron-LM's resume and training loop for one process (see the module docstring)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    _optimizer_on_cpu()
+    distributed = args.optimizer_sharding != "none"
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True
+        ),
+        model,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            clip_grad=1.0,
+            use_distributed_optimizer=distributed,
+        ),
+        [ddp],
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr,
+        max_lr=args.lr,
+        min_lr=args.lr,
+        lr_warmup_steps=0,
+        lr_decay_steps=1000,
+        lr_decay_style="constant",
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=1000,
+        wd_incr_style="constant",
+    )
+    # Megatron-LM's content metadata (how the optimizer state is sharded).
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if distributed:
+        metadata["distrib_optim_sharding_type"] = args.optimizer_sharding
+
+    iteration = 0
+    if args.load and args.ckpt_format == "torch":
+        # Megatron-LM's torch format at TP=1, PP=1: mp_rank_00/model_optim_rng.pt.
+        with open(os.path.join(args.load, "latest_checkpointed_iteration.txt")) as f:
+            directory = os.path.join(args.load, f"iter_{int(f.read().strip()):07d}")
+        saved = torch.load(
+            os.path.join(directory, "mp_rank_00", "model_optim_rng.pt"), weights_only=False
+        )
+        model.load_state_dict(saved["model"], strict=True)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["opt_param_scheduler"])
+        iteration = int(saved["iteration"])
+    elif args.load:
+        with open(os.path.join(args.load, "latest_checkpointed_iteration.txt")) as f:
+            directory = os.path.join(args.load, f"iter_{int(f.read().strip()):07d}")
+        common = dist_checkpointing.load_common_state_dict(directory)
+        saved_metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
+        if distributed:
+            # With torch's AdamW (no Transformer Engine or apex) megatron-core's distributed
+            # optimizer cannot describe its state before it has any; it fills it with dummy
+            # values first (as it does for its FSDP loads), which the load then overwrites.
+            for inner in optimizer.chained_optimizers:
+                inner._init_optimizer_states_with_dummy_values()
+            _keep_adamw_step_on_fully_reshardable_load()
+        model_state = model.sharded_state_dict()
+        state = {
+            "model": model_state,
+            "optimizer": optimizer.sharded_state_dict(
+                model_state, is_loading=True, metadata=saved_metadata
+            ),
+        }
+        state = dist_checkpointing.load(state, directory)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+        iteration = int(common["iteration"])
+
+    positions = torch.arange(args.seq_length).unsqueeze(0).expand(2 // dist.get_world_size(), -1)
+    causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
+    losses = {}
+    while iteration < args.iters:
+        iteration += 1
+        model.train()
+        tokens, labels = train_batch(args, iteration)
+        # Data parallel: each rank trains on its equal share of the batch (DDP averages the
+        # gradients), and the loss of the batch is the average of the shares' losses.
+        share = tokens.shape[0] // dist.get_world_size()
+        mine = slice(dist.get_rank() * share, (dist.get_rank() + 1) * share)
+        tokens, labels = tokens[mine], labels[mine]
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(tokens, positions, causal.view(1, 1, *causal.shape), labels=labels)
+        loss = loss.float().mean()
+        loss.backward()
+        ddp.finish_grad_sync()
+        applied, _grad_norm, _zeros = optimizer.step()
+        assert applied, f"iteration {iteration}: the optimizer skipped its step"
+        scheduler.step(increment=share * dist.get_world_size())
+        reported = loss.detach().clone()
+        dist.all_reduce(reported)
+        losses[iteration] = reported.item() / dist.get_world_size()
+        if iteration == args.save_at and args.ckpt_format == "torch":
+            directory = os.path.join(args.directory, f"iter_{iteration:07d}", "mp_rank_00")
+            os.makedirs(directory, exist_ok=True)
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "opt_param_scheduler": scheduler.state_dict(),
+                "iteration": iteration,
+                "checkpoint_version": 3.0,
+                "num_floating_point_operations_so_far": 0.0,
+            }
+            torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
+            with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+        elif iteration == args.save_at:
+            directory = os.path.join(args.directory, f"iter_{iteration:07d}")
+            os.makedirs(directory, exist_ok=True)
+            model_state = model.sharded_state_dict()
+            state = {
+                "model": model_state,
+                "optimizer": optimizer.sharded_state_dict(model_state, metadata=metadata),
+                "opt_param_scheduler": scheduler.state_dict(),
+                "iteration": iteration,
+                "checkpoint_version": 3.0,
+                "num_floating_point_operations_so_far": 0.0,
+            }
+            dist_checkpointing.save(state, directory, content_metadata=metadata)
+            with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+    return {"losses": losses}
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     try:
@@ -99,13 +329,19 @@ def main(argv=None) -> int:
         return 2
     print(f"megatron-core {package_info.__version__}")
     _cuda_calls_on_cpu()
-    import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    store = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".mcore_store")
-    if os.path.exists(store):
-        os.remove(store)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    store = None
+    if "WORLD_SIZE" in os.environ:  # started by torchrun (train only): data parallel
+        if args.action != "train":
+            print("error: only `train` runs with more than one process", file=sys.stderr)
+            return 2
+        dist.init_process_group("gloo")
+    else:
+        store = os.path.join(os.path.dirname(os.path.abspath(args.out)), ".mcore_store")
+        if os.path.exists(store):
+            os.remove(store)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -131,6 +367,15 @@ def main(argv=None) -> int:
         max_sequence_length=args.max_position_embeddings or args.seq_length,
         share_embeddings_and_output_weights=args.tied,
     )
+    if args.action == "train":
+        result = _train(model, config, args)
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+        dist.destroy_process_group()
+        if store is not None:
+            os.remove(store)
+        return 0
     # As Megatron-LM's training loop does: the model's sharded state under "model", the
     # non-tensor state (iteration, ...) beside it in common.pt.
     if args.action == "save":

@@ -10,7 +10,13 @@ torch.distributed.checkpoint, readable at any parallel layout.
 
 from .mapping import Chunk, ShardedObject, ShardedTensor, replicated, tensor_parallel_sharded
 from .model_state import model_sharded_state_dict, spread_writes
-from .optimizer_state import OptimizerLoad, optimizer_common_state, optimizer_sharded_state_dict
+from .optimizer_state import (
+    OptimizerLoad,
+    UnreadableOptimizerState,
+    content_metadata,
+    optimizer_common_state,
+    optimizer_sharded_state_dict,
+)
 from .serialization import (
     COMMON_FILE,
     METADATA_FILE,
@@ -37,6 +43,8 @@ __all__ = [
     "model_sharded_state_dict",
     "spread_writes",
     "OptimizerLoad",
+    "UnreadableOptimizerState",
+    "content_metadata",
     "optimizer_common_state",
     "optimizer_sharded_state_dict",
     "COMMON_FILE",

@@ -1,10 +1,12 @@
-"""Optimizer state as sharded entries keyed and sharded like the parameters it belongs to.
+"""Optimizer state as sharded entries keyed and sharded like the parameters it belongs to, in
+Megatron-LM's keys.
 
 Per parameter ``<key>`` (its global model key): ``optimizer.state.exp_avg.<key>``,
-``optimizer.state.exp_avg_sq.<key>`` (Adam; ``momentum_buffer`` for SGD) and, when the optimizer
-keeps an fp32 copy of a half-precision parameter, ``optimizer.state.fp32_param.<key>``. Every
-optimizer writes the same entries, so a checkpoint saved with or without the distributed
-optimizer loads into either, at any parallel layout.
+``optimizer.state.exp_avg_sq.<key>`` (Adam; ``momentum_buffer`` for SGD) and the fp32 main copy
+of the weight: ``optimizer.state.fp32_param.<key>`` from a mixed-precision optimizer (only for
+half-precision parameters), ``optimizer.state.param.<key>`` from the distributed optimizer (every
+parameter). These are megatron-core's keys without the distributed optimizer and with it in its
+``fully_reshardable`` sharding type; either loads into either optimizer here, at any layout.
 
 * FP32 / mixed-precision optimizers hold each parameter's state whole: the entries are views of
   it (saved by the same rank that saves the parameter, loaded in place).
@@ -14,7 +16,11 @@ optimizer loads into either, at any parallel layout.
   ``load_parameter_state_from_dp_zero``, which re-shards them over this run's DP group.
 
 The non-tensor part (param-group hyperparameters, step count, grad scaler) is
-:func:`optimizer_common_state`; it goes with the checkpoint's common state.
+:func:`optimizer_common_state`, in the structure megatron-core's optimizers give it (it goes
+with the checkpoint's common state under ``optimizer``); :func:`content_metadata` is what
+Megatron-LM stores beside it to say how the optimizer state was sharded.
+Megatron-LM's default for the distributed optimizer, ``dp_reshardable`` (flat per-bucket
+tensors ``optimizer.distributed.*`` tied to its own bucket layout), is neither written nor read.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from .mapping import ShardedTensor
 
 STATE_PREFIX = "optimizer.state."
 FP32_PARAM = "fp32_param"
+"""The fp32 main weights of a mixed-precision optimizer."""
+MAIN_PARAM = "param"
+"""The fp32 main weights of the distributed optimizer (Megatron's fully_reshardable name)."""
+FULLY_RESHARDABLE = "fully_reshardable"
 _GROUP_SETTINGS = (
     "params",
     "wd_mult",
@@ -83,22 +93,78 @@ def _step_of_group(optimizer, group) -> int:
     return max(steps) if steps else 0
 
 
+def _megatron_groups(groups: List[dict]) -> List[dict]:
+    return [{k: v for k, v in group.items() if k != "params"} for group in groups]
+
+
 def optimizer_common_state(optimizer) -> Dict[str, Any]:
-    """Param-group hyperparameters with their step count, and the grad scaler (plain values)."""
+    """The optimizer's non-tensor state (param-group hyperparameters, step, grad scaler) in the
+    structure megatron-core's optimizer of the same kind keeps in the checkpoint's common state:
+
+    * distributed optimizer: ``{"optimizer": {"param_groups": [... "step"]},
+      "param_state_sharding_type": "fully_reshardable"[, "grad_scaler"]}``;
+    * mixed precision: ``{"optimizer": {"state": {"common_step"}, "param_groups"},
+      "grad_scaler"}``;
+    * fp32: ``{"state": {"common_step"}, "param_groups"}``.
+    """
     scaler = getattr(optimizer, "grad_scaler", None)
+    scaler_state = {"grad_scaler": scaler.state_dict()} if scaler is not None else {}
     if is_distributed(optimizer):
-        groups = optimizer.state_dict()["optimizer"]["param_groups"]
-    else:
-        groups = []
-        for group in optimizer.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["step"] = _step_of_group(optimizer, group)
-            groups.append(saved)
+        groups = _megatron_groups(optimizer.state_dict()["optimizer"]["param_groups"])
+        for group in groups:
+            group["step"] = float(group.get("step", 0))
+        return {
+            "optimizer": {"param_groups": groups},
+            "param_state_sharding_type": FULLY_RESHARDABLE,
+            **scaler_state,
+        }
+    groups = _megatron_groups(optimizer.param_groups)
+    step = max([_step_of_group(optimizer, g) for g in optimizer.param_groups] or [0])
+    # megatron-core stores the step once for all parameters, and only once there is one.
+    inner = {"state": {"common_step": torch.tensor(float(step))} if step else {}}
+    inner["param_groups"] = groups
+    if hasattr(optimizer, "fp32_from_float16_groups"):
+        return {"optimizer": inner, **scaler_state}
+    return inner
+
+
+def content_metadata() -> Dict[str, Any]:
+    """Megatron-LM's ``content_metadata`` of a checkpoint whose optimizer state is written by
+    :func:`optimizer_sharded_state_dict` (it reads the sharding type from there when loading)."""
     return {
-        "param_groups": groups,
-        "grad_scaler": scaler.state_dict() if scaler is not None else None,
-        "has_state": any(g.get("step", 0) > 0 for g in groups),
+        "distrib_optim_sharding_type": FULLY_RESHARDABLE,
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
     }
+
+
+class UnreadableOptimizerState(ValueError):
+    """The checkpoint's optimizer state is in a layout this code base does not read."""
+
+
+def normalized_common_state(common: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"param_groups", "grad_scaler", "step"}`` of an optimizer's common state written by
+    megatron-core (any of :func:`optimizer_common_state`'s structures) or by this code base
+    before it wrote Megatron's (``{"param_groups", "grad_scaler", "has_state"}``)."""
+    if "has_state" in common:  # written here before
+        groups = list(common.get("param_groups") or [])
+        step = max([int(g.get("step", 0)) for g in groups] or [0])
+        return {"param_groups": groups, "grad_scaler": common.get("grad_scaler"), "step": step}
+    sharding = common.get("param_state_sharding_type")
+    if sharding is not None and sharding != FULLY_RESHARDABLE:
+        raise UnreadableOptimizerState(
+            f"the distributed optimizer's state is in Megatron-LM's {sharding} layout"
+        )
+    inner = common.get("optimizer", common)
+    groups = [dict(g) for g in inner.get("param_groups") or []]
+    if sharding is not None:
+        step = max([int(g.get("step") or 0) for g in groups] or [0])
+    else:
+        step = inner.get("state", {}).get("common_step", 0)
+        step = int(step.item()) if torch.is_tensor(step) else int(step or 0)
+    for group in groups:
+        group["step"] = step
+    return {"param_groups": groups, "grad_scaler": common.get("grad_scaler"), "step": step}
 
 
 def _aligned_groups(current: List[dict], saved: List[dict]) -> List[Optional[dict]]:
@@ -116,12 +182,15 @@ def _aligned_groups(current: List[dict], saved: List[dict]) -> List[Optional[dic
     return out
 
 
-def load_optimizer_common_state(optimizer, common: Dict[str, Any]) -> None:
+def load_optimizer_common_state(optimizer, common: Dict[str, Any]) -> int:
     """Restore hyperparameters (not the per-run group settings such as wd_mult), the step count
-    and the grad scaler. Call before loading the per-parameter state."""
-    saved = _aligned_groups(optimizer.param_groups, list(common.get("param_groups") or []))
-    scaler_state = common.get("grad_scaler")
-    step = max([int(g.get("step", 0)) for g in saved if g is not None] or [0])
+    and the grad scaler from a checkpoint's optimizer common state (any structure
+    :func:`normalized_common_state` reads). Call before loading the per-parameter state.
+    Returns the step count (0: the optimizer had not stepped)."""
+    common = normalized_common_state(common)
+    saved = _aligned_groups(optimizer.param_groups, common["param_groups"])
+    scaler_state = common["grad_scaler"]
+    step = common["step"]
     if is_distributed(optimizer):
         groups = []
         for group, match in zip(optimizer.param_groups, saved):
@@ -133,7 +202,7 @@ def load_optimizer_common_state(optimizer, common: Dict[str, Any]) -> None:
         if scaler_state is not None:
             state["grad_scaler"] = scaler_state
         optimizer.load_state_dict(state)
-        return
+        return step
     for group, match in zip(optimizer.param_groups, saved):
         if match is None:
             continue
@@ -143,6 +212,7 @@ def load_optimizer_common_state(optimizer, common: Dict[str, Any]) -> None:
     scaler = getattr(optimizer, "grad_scaler", None)
     if scaler is not None and scaler_state is not None:
         scaler.load_state_dict(scaler_state)
+    return step
 
 
 def _set_steps(optimizer, step: int) -> None:
@@ -205,10 +275,8 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
             continue
         for name, flats in state[gbuf_idx][dtype_key].items():
             value = flats[bucket_id][start : start + param.numel()].view(entry.data.shape)
-            if name == "param":
-                if param.dtype == torch.float32:
-                    continue  # the model weight itself
-                name = FP32_PARAM
+            # "param" (the fp32 main weight) is written for every parameter, as megatron-core's
+            # fully_reshardable loader asks for it.
             _add(out, entry.with_data(state_key(name, entry.key), value))
     return out
 
@@ -256,10 +324,18 @@ class OptimizerLoad:
                     state[name] = value
                 self._target(entry, name, value.view(entry.data.shape))
             if separate:
-                if self._has_key(state_key(FP32_PARAM, entry.key)):
-                    self._target(entry, FP32_PARAM, main.detach().view(entry.data.shape))
+                saved_as = self._main_param_name(entry)
+                if saved_as is not None:
+                    self._target(entry, saved_as, main.detach().view(entry.data.shape))
                 else:
                     self._reload_masters.append((param, main))
+
+    def _main_param_name(self, entry: ShardedTensor) -> Optional[str]:
+        """Under which name the checkpoint holds this parameter's fp32 main weight, if at all."""
+        for name in (FP32_PARAM, MAIN_PARAM):
+            if self._has_key(state_key(name, entry.key)):
+                return name
+        return None
 
     def _prepare_distributed(self, by_param, names) -> None:
         # Rank 0 of each buffer's (expert-)DP group reads; load_parameter_state_from_dp_zero
@@ -268,13 +344,14 @@ class OptimizerLoad:
             entry = by_param.get(id(param))
             if entry is None or not self.optimizer.is_state_root(gbuf_idx):
                 continue
-            wanted = list(names)
-            if param.dtype != torch.float32 and self._has_key(state_key(FP32_PARAM, entry.key)):
-                wanted.append(FP32_PARAM)
-            for name in wanted:
+            wanted = [(name, name) for name in names]
+            saved_as = self._main_param_name(entry)
+            if param.dtype != torch.float32 and saved_as is not None:
+                wanted.append((saved_as, MAIN_PARAM))
+            for saved_name, name in wanted:
                 buf = torch.zeros(entry.data.shape, dtype=torch.float32, device=param.device)
                 self._buffers[(id(param), name)] = buf
-                self._target(entry, name, buf)
+                self._target(entry, saved_name, buf)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -290,7 +367,7 @@ class OptimizerLoad:
         if not optimizer.holds_any_state_root():
             optimizer.load_parameter_state_from_dp_zero(None)
             return
-        keys = ("param",) + state_names(optimizer)
+        keys = (MAIN_PARAM,) + state_names(optimizer)
         state: Dict[Any, Any] = {}
         for gbuf_idx, buffer in enumerate(optimizer.buffers):
             if not optimizer.is_state_root(gbuf_idx):
@@ -310,9 +387,8 @@ class OptimizerLoad:
                 continue
             flats = state[gbuf_idx][dtype_key]
             for key in keys:
-                name = FP32_PARAM if key == "param" else key
-                value = self._buffers.get((id(param), name))
-                if value is None and key == "param":
+                value = self._buffers.get((id(param), key))
+                if value is None and key == MAIN_PARAM:
                     value = param.detach().float()  # fp32 weights (or no fp32 copy saved)
                 if value is not None:
                     flats[key][bucket_id][start : start + param.numel()].copy_(value.reshape(-1))

@@ -261,6 +261,7 @@ class MegatronOptimizer:
             }
             for group in self.optimizer.param_groups
         ]
+        _check_state_shapes(self.optimizer.param_groups, inner_state)
         try:
             self.optimizer.load_state_dict(inner_state)
         except (ValueError, KeyError) as exc:
@@ -269,6 +270,24 @@ class MegatronOptimizer:
             ) from exc
         for group, kept in zip(self.optimizer.param_groups, keep):
             group.update(kept)
+
+
+def _check_state_shapes(groups: List[Dict[str, Any]], inner_state: Dict[str, Any]) -> None:
+    """torch optimizers pair saved state with parameters by position (group by group); refuse a
+    state whose tensors do not have the shape of the parameter at their position, which torch
+    would accept and the first step would trip over."""
+    saved_state = inner_state.get("state", {})
+    for g, (group, saved) in enumerate(zip(groups, inner_state.get("param_groups", []))):
+        for k, (param, index) in enumerate(zip(group["params"], saved.get("params", []))):
+            for name, value in saved_state.get(index, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(
+                        f"the state {name!r} of parameter {k} of group {g} has shape "
+                        f"{tuple(value.shape)}, this model's parameter there "
+                        f"{tuple(param.shape)}: the checkpoint lists the parameters in another "
+                        "order (Megatron-LM's registers each layer's linear_proj before its "
+                        "linear_qkv) or is of another model"
+                    )
 
 
 class FP32Optimizer(MegatronOptimizer):
