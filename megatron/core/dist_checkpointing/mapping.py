@@ -101,6 +101,8 @@ class ShardedObject:
     """This object's place in the grid."""
     replica: bool = False
     """True when another rank saves the same object."""
+    expert: bool = False
+    """An MoE expert's object: replicated over the expert-data-parallel group, not over DP."""
 
     @property
     def unique_key(self) -> str:

@@ -1,0 +1,185 @@
+"""The torch_dist layout of MoE GPT, BERT and T5 against the real megatron-core (0.16.1).
+
+megatron-core runs in its own environment through ``tools/interop/mcore_gpt.py`` (see
+test_megatron_core_interop.py and ``make interop``). For each family, megatron-core describes
+its ``model.sharded_state_dict()`` (every tensor's key, global shape and global offset, every
+``_extra_state`` object's key) and this code base's ``model_sharded_state_dict`` of the same
+model must describe the same checkpoint. For MoE GPT, megatron-core also writes a checkpoint
+that this code base loads at EP=2 (every tensor asked for, none left) and gives megatron-core's
+loss on the same batch.
+"""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing as dc
+from tests.unit_tests.dist_utils import run_distributed
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
+MCORE_PYTHON = os.environ.get("MCORE_PYTHON")
+RTOL = 1e-5
+
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 32, 4, 64, 16
+EXPERTS, MOE_FFN, SHARED_FFN = 4, 24, 16
+MOE_FLAGS = ["--num-experts", EXPERTS, "--moe-ffn-hidden-size", MOE_FFN]
+MOE_FLAGS += ["--moe-shared-expert-intermediate-size", SHARED_FFN, "--disable-bias-linear"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron_core_python():
+    if not MCORE_PYTHON:
+        pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
+
+
+def _mcore(action, directory, out, *extra):
+    command = [MCORE_PYTHON, str(DRIVER), action, str(directory), "--out", str(out)]
+    command += ["--num-layers", str(LAYERS)] + [str(e) for e in extra]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(Path(out).read_text())
+
+
+def _described(entries):
+    """Our entries as the driver describes megatron-core's: one row per chunk."""
+    tensors, objects = [], []
+    for entry in entries.values():
+        if isinstance(entry, dc.ShardedObject):
+            objects.append(entry.unique_key)
+            continue
+        for chunk in entry.chunks:
+            tensors.append([entry.key, list(entry.global_shape), list(chunk.global_offset)])
+    return {"tensors": sorted(tensors), "objects": sorted(objects)}
+
+
+def _config(state, **overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    settings = dict(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=state.get_tensor_model_parallel_world_size(),
+        expert_model_parallel_size=state.get_expert_model_parallel_world_size(),
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def _moe_gpt(state):
+    from megatron.core.models.gpt import GPTModel
+
+    config = _config(
+        state,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=MOE_FFN,
+        moe_shared_expert_intermediate_size=SHARED_FFN,
+        add_bias_linear=False,
+    )
+    torch.manual_seed(99)  # not the checkpoint's weights: the load must replace every one
+    return GPTModel(
+        config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False,
+        pg_collection=state,
+    )
+
+
+def _worker_moe_at_ep2(rank, world, directory, expected, reference):
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    state = initialize_model_parallel(expert_model_parallel_size=2)
+    model = _moe_gpt(state)
+    entries, _ = dc.model_sharded_state_dict([model])
+    # The union of the two expert-parallel ranks' pieces is megatron-core's one-process layout.
+    mine = _described(entries)
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, mine)
+    union = {
+        "tensors": sorted({tuple(map(str, t)) for d in everyone for t in d["tensors"]}),
+        "objects": sorted({o for d in everyone for o in d["objects"]}),
+    }
+    theirs = {
+        "tensors": sorted({tuple(map(str, t)) for t in reference["tensors"]}),
+        "objects": sorted(reference["objects"]),
+    }
+    assert union == theirs
+    experts = {tuple(t[2][:2]) for t in mine["tensors"] if ".experts.experts." in t[0]}
+    assert experts == {(layer, 2 * rank + e) for layer in range(LAYERS) for e in (0, 1)}
+
+    dc.load(
+        entries,
+        str(directory),
+        strictness=dc.StrictHandling.RAISE_ALL,
+        counts_as_unexpected=lambda key: True,
+    )
+    g = torch.Generator().manual_seed(7)  # the driver's batch
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
+    model.eval()
+    with torch.no_grad():
+        loss = model(tokens, positions, None, labels=labels).mean().item()
+    assert abs(loss - expected) <= RTOL * abs(expected), (loss, expected)
+
+
+def test_moe_gpt_layout_equals_megatron_core_and_its_checkpoint_loads_at_ep2(tmp_path):
+    reference = _mcore("describe", "-", tmp_path / "layout.json", *MOE_FLAGS)
+    assert any(
+        t[0] == "decoder.layers.mlp.experts.experts.linear_fc1.weight" for t in reference["tensors"]
+    )
+    saved = _mcore("save", tmp_path / "mcore", tmp_path / "saved.json", *MOE_FLAGS)
+    directory = tmp_path / "mcore" / "iter_0000001"
+    run_distributed(_worker_moe_at_ep2, 2, str(directory), saved["loss"], reference)
+
+
+def _one_process_layout(model):
+    entries, _ = dc.model_sharded_state_dict([model])
+    return _described(entries)
+
+
+def test_bert_layout_equals_megatron_core(tmp_path):
+    from megatron.core.models.bert.bert_model import BertModel
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    reference = _mcore("describe", "-", tmp_path / "bert.json", "--family", "bert")
+    state = initialize_model_parallel()
+    model = BertModel(_config(state), 2, VOCAB, SEQ, pg_collection=state)
+    assert _one_process_layout(model) == reference
+
+
+# megatron-core's T5 keeps two aliases of its own tensors in the state dict (the embedding's
+# position table as ``position_embeddings``, the LM head's output layer as ``output_layer``)
+# and, without Transformer Engine, builds its local spec's blocks without the final norm
+# (``layer_norm=TENorm`` is None there); with it, the final norms have the names used here.
+T5_ALIASES = {"position_embeddings.weight", "output_layer.bias"}
+T5_ALIAS_OBJECTS = {"output_layer._extra_state/shard_0_1"}
+T5_FINAL_NORMS = {
+    f"{b}.final_layernorm.{p}" for b in ("encoder", "decoder") for p in ("weight", "bias")
+}
+
+
+def test_t5_layout_equals_megatron_core_but_for_its_aliases(tmp_path):
+    from megatron.core.models.T5.t5_model import T5Model
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    reference = _mcore("describe", "-", tmp_path / "t5.json", "--family", "t5")
+    state = initialize_model_parallel()
+    model = T5Model(_config(state), _config(state), VOCAB, SEQ, pg_collection=state)
+    ours = _one_process_layout(model)
+    assert {t[0] for t in reference["tensors"]} & T5_ALIASES == T5_ALIASES
+    assert set(reference["objects"]) & T5_ALIAS_OBJECTS == T5_ALIAS_OBJECTS
+    expected = [t for t in reference["tensors"] if t[0] not in T5_ALIASES]
+    expected += [t for t in ours["tensors"] if t[0] in T5_FINAL_NORMS]
+    assert ours["tensors"] == sorted(expected)
+    assert ours["objects"] == sorted(set(reference["objects"]) - T5_ALIAS_OBJECTS)

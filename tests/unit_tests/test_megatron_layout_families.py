@@ -1,0 +1,198 @@
+"""Megatron-LM's torch_dist layout for the other model families: MoE GPT (the expert axis),
+BERT and T5 (the blocks' prefixes, cross-attention, the output layer's extra state).
+
+The keys are the ones megatron-core 0.16.1 writes (compared with the real megatron-core in
+tests/interop/test_model_families_layout.py); here, without it: the rows on our side, save and
+load round trips, and MoE checkpoints written before the expert axis (one key per layer) still
+resuming.
+"""
+
+import pytest
+import torch
+
+from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing.mapping import replicated, tensor_parallel_sharded
+from megatron.core.dist_checkpointing.megatron_layout import to_megatron_layout, unstack
+from megatron.training import checkpointing, checkpointing_dist
+from tests.unit_tests.test_dist_checkpointing import _iter_dir, _setup, _train_gpt
+from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config
+
+
+def test_experts_of_an_expert_parallel_rank_get_the_global_expert_axis():
+    # Expert-parallel rank 1 of 2 (experts 2 and 3 of 4) and expert-tensor-parallel rank 1 of 2
+    # of layer 1 of a 2-layer model; SwiGLU's fc1 ([gate; up], stride 2) of 2 x 6 rows per rank.
+    h, ffn, etp = 4, 12, 2
+    entries = {}
+    for e in (2, 3):
+        fc1 = torch.randn(2 * ffn // etp, h)
+        key = f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"
+        entries[key] = tensor_parallel_sharded(key, fc1, 0, 1, etp, stride=2)
+        entries[key].expert = True
+    for key in ("decoder.layers.1.pre_mlp_layernorm.weight", "decoder.layers.1.mlp.router.weight"):
+        entries[key] = replicated(key, torch.randn(4 if "router" in key else h, h)[0])
+    out, by_old, objects = to_megatron_layout(
+        entries,
+        {"decoder.layers.": 2},
+        writes_extra_state=True,
+        num_experts=4,
+        writes_expert_extra_state=False,
+    )
+    stacked = [e for e in out.values() if e.key.endswith("experts.experts.linear_fc1.weight")]
+    assert [e.key for e in stacked] == ["decoder.layers.mlp.experts.experts.linear_fc1.weight"] * 2
+    assert all(e.global_shape == (2, 4, 2 * ffn, h) and e.expert for e in stacked)
+    # Rank 1's rows of the gate (6..11) and of the up projection (18..23), at layer 1, expert e.
+    for e, entry in zip((2, 3), stacked):
+        assert [c.global_offset for c in entry.chunks] == [(1, e, 6, 0), (1, e, 18, 0)]
+        assert all(c.shape == (1, 1, 6, h) for c in entry.chunks)
+        old = entries[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+        assert by_old[old.key] is entry and entry.data.data_ptr() == old.data.data_ptr()
+    # A MoE layer's pre-MLP norm has Megatron's fused name too; the router is stacked by layer.
+    assert by_old["decoder.layers.1.pre_mlp_layernorm.weight"].key == (
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight"
+    )
+    router = by_old["decoder.layers.1.mlp.router.weight"]
+    assert router.key == "decoder.layers.mlp.router.weight" and router.global_shape == (2, 4)
+    assert {(o.unique_key, o.replica, o.expert) for o in objects} == {
+        (f"decoder.layers.mlp.experts.experts.linear_fc1._extra_state/shard_1.{e}_2.4", True, True)
+        for e in (2, 3)
+    }
+    with pytest.raises(ValueError, match=r"local_experts\.2\.linear_fc1\.weight: expert 2 outside"):
+        to_megatron_layout(entries, {"decoder.layers.": 2}, True, num_experts=2)
+
+
+def _moe_config():
+    return tiny_transformer_config(
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=16,
+        moe_shared_expert_intermediate_size=8,
+        moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid",
+        add_bias_linear=False,
+    )
+
+
+def test_moe_gpt_writes_megatron_keys():
+    model = tiny_gpt_model(_moe_config())
+    entries, by_param = dc.model_sharded_state_dict([model])
+    shapes = {e.key: e.global_shape for e in entries.values() if isinstance(e, dc.ShardedTensor)}
+    layer_keys = {k: v for k, v in shapes.items() if k.startswith("decoder.layers.")}
+    assert layer_keys == {
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (2, 32),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_bias": (2, 32),
+        "decoder.layers.self_attention.linear_qkv.weight": (2, 96, 32),
+        "decoder.layers.self_attention.linear_proj.weight": (2, 32, 32),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (2, 32),
+        "decoder.layers.mlp.linear_fc1.layer_norm_bias": (2, 32),
+        "decoder.layers.mlp.router.weight": (2, 4, 32),
+        "decoder.layers.mlp.router.expert_bias": (2, 4),
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 16, 32),
+        "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 4, 32, 16),
+        "decoder.layers.mlp.shared_experts.linear_fc1.weight": (2, 8, 32),
+        "decoder.layers.mlp.shared_experts.linear_fc2.weight": (2, 32, 8),
+    }
+    objects = {e.unique_key for e in entries.values() if isinstance(e, dc.ShardedObject)}
+    per_layer = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    per_layer += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+    expected = {
+        f"decoder.layers.{m}._extra_state/shard_{layer}_2" for m in per_layer for layer in (0, 1)
+    }
+    expected |= {
+        f"decoder.layers.mlp.experts.experts.linear_fc{i}._extra_state/shard_{layer}.{e}_2.4"
+        for i in (1, 2)
+        for layer in (0, 1)
+        for e in range(4)
+    }
+    assert objects == expected
+    fc2 = model.decoder.layers[1].mlp.experts.local_experts[3].linear_fc2.weight
+    assert by_param[id(fc2)].chunks[0].global_offset == (1, 3, 0, 0)
+    # The offline tools read it back under our per-layer names, with the shapes of ours.
+    full = {k: torch.zeros(v) for k, v in layer_keys.items()}
+    ours = {k: v.shape for k, v in model.state_dict().items() if k.startswith("decoder.layers.")}
+    assert {k: v.shape for k, v in unstack(full).items()} == ours
+
+
+@pytest.mark.parametrize("per_layer", [True, False], ids=["old-per-layer-keys", "megatron-keys"])
+def test_moe_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monkeypatch, per_layer):
+    # MoE checkpoints written here before the expert axis kept one key per layer and expert
+    # (decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight): they must still resume.
+    model, opt, sched = _setup(tmp_path, model=tiny_gpt_model(_moe_config(), seed=0))
+    _train_gpt(model, opt, sched, 2, seed=1)
+    if per_layer:
+        writer = checkpointing_dist._sharded_model
+        monkeypatch.setattr(
+            checkpointing_dist,
+            "_sharded_model",
+            lambda m, s, megatron_layout=True: writer(m, s, megatron_layout=False),
+        )
+    checkpointing.save_checkpoint(2, model, opt, sched, 0.0)
+    monkeypatch.undo()
+    keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(_iter_dir(tmp_path, 2)))))
+    expert_key = (
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+        if per_layer
+        else "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    )
+    assert {expert_key, "optimizer.state.exp_avg." + expert_key} <= keys
+    straight = _train_gpt(model, opt, sched, 2, seed=2)
+
+    model2, opt2, sched2 = _setup(tmp_path, model=tiny_gpt_model(_moe_config(), seed=5))
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 2
+    assert _train_gpt(model2, opt2, sched2, 2, seed=2) == straight
+    for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def _bert(seed):
+    from megatron.core.models.bert.bert_model import BertModel
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    torch.manual_seed(seed)
+    return BertModel(
+        tiny_transformer_config(), 2, 64, 16, pg_collection=initialize_model_parallel()
+    )
+
+
+def _t5(seed):
+    from megatron.core.models.T5.t5_model import T5Model
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    torch.manual_seed(seed)
+    config = tiny_transformer_config()
+    return T5Model(config, config, 64, 16, pg_collection=initialize_model_parallel())
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_bert_and_t5_rows_and_round_trip(tmp_path, family):
+    make = _bert if family == "bert" else _t5
+    model = make(0)
+    entries, _ = dc.model_sharded_state_dict([model])
+    objects = {e.unique_key for e in entries.values() if isinstance(e, dc.ShardedObject)}
+    keys = {e.key for e in entries.values() if isinstance(e, dc.ShardedTensor)}
+    modules = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+    modules += ["mlp.linear_fc1", "mlp.linear_fc2"]
+    blocks = {"encoder": modules}
+    if family == "t5":
+        cross = ["cross_attention.linear_q", "cross_attention.linear_kv"]
+        blocks["decoder"] = modules + cross + ["cross_attention.linear_proj"]
+    expected = {
+        f"{b}.layers.{m}._extra_state/shard_{layer}_2"
+        for b, ms in blocks.items()
+        for m in ms
+        for layer in (0, 1)
+    }
+    head = "output_layer" if family == "bert" else "lm_head.output_layer"
+    expected.add(f"{head}._extra_state/shard_0_1")
+    assert objects == expected
+    assert {f"{b}.layers.mlp.linear_fc1.layer_norm_weight" for b in blocks} <= keys
+    assert not any(".layers.0." in k or ".layers.1." in k for k in keys)
+
+    dc.save(entries, str(tmp_path / "ckpt"))
+    dc.write_metadata_json(str(tmp_path / "ckpt"))
+    other = make(1)
+    loaded, _ = dc.model_sharded_state_dict([other])
+    dc.load(loaded, str(tmp_path / "ckpt"), strictness=dc.StrictHandling.RAISE_ALL)
+    mine, theirs = model.state_dict(), other.state_dict()
+    assert sorted(mine) == sorted(theirs)
+    for name, tensor in mine.items():
+        assert torch.equal(tensor, theirs[name]), name
