@@ -60,6 +60,60 @@ def test_experts_of_an_expert_parallel_rank_get_the_global_expert_axis():
         to_megatron_layout(entries, {"decoder.layers.": 2}, True, num_experts=2)
 
 
+class _Block(torch.nn.Module):
+    """A 2-layer decoder whose MLPs are only the experts (with a TransformerBlock's attributes
+    as model_sharded_state_dict reads them)."""
+
+    def __init__(self, config, make_experts):
+        super().__init__()
+        self.config = config
+        self.layer_number_offset = 0
+        self.layers = torch.nn.ModuleList()
+        for _ in range(2):
+            layer = torch.nn.Module()
+            layer.mlp = torch.nn.Module()
+            layer.mlp.experts = make_experts()
+            self.layers.append(layer)
+
+
+def _experts_chunk(ep_rank, ep_size):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    torch.manual_seed(3)  # every rank draws all experts' weights and keeps its own
+    chunk = torch.nn.Module()
+    chunk.decoder = _Block(_moe_config(), lambda: SequentialMLP(_moe_config(), ep_rank, ep_size))
+    return chunk
+
+
+def test_expert_parallel_rank_writes_its_experts_at_their_global_index(tmp_path):
+    # Written by one process holding all 4 experts, read by expert-parallel rank 1 of 2 (its
+    # local experts 0 and 1 are the model's experts 2 and 3).
+    whole = _experts_chunk(0, 1)
+    entries, _ = dc.model_sharded_state_dict([whole])
+    dc.save(entries, str(tmp_path / "ckpt"))
+    dc.write_metadata_json(str(tmp_path / "ckpt"))
+    rank1 = _experts_chunk(1, 2)
+    for p in rank1.parameters():
+        torch.nn.init.zeros_(p)
+    entries, _ = dc.model_sharded_state_dict([rank1])
+    fc1 = [e for e in entries.values() if e.key.endswith("experts.experts.linear_fc1.weight")]
+    pairs = [(layer, e) for layer in (0, 1) for e in (2, 3)]
+    assert [e.chunks[0].global_offset[:2] for e in fc1] == pairs
+    objects = {e.unique_key for e in entries.values() if isinstance(e, dc.ShardedObject)}
+    assert objects == {
+        f"decoder.layers.mlp.experts.experts.linear_fc{i}._extra_state/shard_{layer}.{e}_2.4"
+        for i in (1, 2)
+        for layer, e in pairs
+    }
+    dc.load(entries, str(tmp_path / "ckpt"))
+    for layer, expert in pairs:
+        mine = rank1.decoder.layers[layer].mlp.experts.local_experts[expert - 2]
+        full = whole.decoder.layers[layer].mlp.experts.local_experts[expert]
+        for name in ("linear_fc1.weight", "linear_fc2.weight"):
+            got = mine.get_parameter(name)
+            assert torch.equal(got, full.get_parameter(name)), (layer, expert, name)
+
+
 def _moe_config():
     return tiny_transformer_config(
         num_moe_experts=4,
