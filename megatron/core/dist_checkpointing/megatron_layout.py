@@ -253,15 +253,48 @@ def to_megatron_layout(
     return out, by_old, objects
 
 
+# The linear modules of a layer (attention, cross-attention, MLP, shared and routed experts) that
+# megatron-core builds as column- or row-parallel linears, each with an (empty) extra state.
+LINEAR_MODULE_NAMES: Tuple[str, ...] = (
+    "linear_qkv",
+    "linear_q",
+    "linear_kv",
+    "linear_proj",
+    "linear_fc1",
+    "linear_fc2",
+)
+
+
+def extra_state_names(keys: Iterable[str], output_layer: bool) -> List[str]:
+    """The ``_extra_state`` entries megatron-core's ``state_dict()`` has beside the tensors
+    ``keys`` of a model chunk (by name, for offline tools that hold no model): one for each
+    linear module of :data:`LINEAR_MODULE_NAMES` whose weight is there, and the output layer's
+    when the chunk has one (``output_layer``: the last stage, tied or not)."""
+    names = []
+    for key in keys:
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in LINEAR_MODULE_NAMES:
+            names.append(module + EXTRA_STATE_SUFFIX)
+    if output_layer:
+        names.append("output_layer" + EXTRA_STATE_SUFFIX)
+    return names
+
+
 def with_extra_state(chunk: torch.nn.Module, state: Dict[str, object]) -> Dict[str, object]:
     """``state`` (``chunk.state_dict()``) with the ``_extra_state`` entries that megatron-core's
     state_dict() has, so that Megatron-LM loads a ``torch``-format file strictly: its column- and
-    row-parallel linear layers (every one, the output layer included) define an empty extra
-    state; ours are the same modules and keep none."""
+    row-parallel linear layers (every one, the output layer and each routed expert's included)
+    define an empty extra state; ours keep none."""
     out = dict(state)
     for name, module in chunk.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             out.setdefault(name + EXTRA_STATE_SUFFIX, EMPTY_EXTRA_STATE)
+    # Our experts are plain modules (not the TP linears): named by the table.
+    for key in state:
+        layer = split_layer_key(key)
+        expert = split_expert_key(layer[2]) if layer is not None else None
+        if expert is not None and expert[2].rpartition(".")[0] in expert[0].extra_state_modules:
+            out.setdefault(key.rpartition(".")[0] + EXTRA_STATE_SUFFIX, EMPTY_EXTRA_STATE)
     return out
 
 
