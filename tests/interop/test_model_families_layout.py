@@ -6,7 +6,8 @@ its ``model.sharded_state_dict()`` (every tensor's key, global shape and global 
 ``_extra_state`` object's key) and this code base's ``model_sharded_state_dict`` of the same
 model must describe the same checkpoint. For MoE GPT, megatron-core also writes a checkpoint
 that this code base loads at EP=2 (every tensor asked for, none left) and gives megatron-core's
-loss on the same batch.
+loss on the same batch; and megatron-core loads a MoE checkpoint written here, every tensor
+equal, with this code base's loss (and its torch-format ``_extra_state`` entries are ours).
 """
 
 import json
@@ -123,14 +124,18 @@ def _worker_moe_at_ep2(rank, world, directory, expected, reference):
         strictness=dc.StrictHandling.RAISE_ALL,
         counts_as_unexpected=lambda key: True,
     )
+    loss = _loss(model)
+    assert abs(loss - expected) <= RTOL * abs(expected), (loss, expected)
+
+
+def _loss(model):
     g = torch.Generator().manual_seed(7)  # the driver's batch
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
     positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
     model.eval()
     with torch.no_grad():
-        loss = model(tokens, positions, None, labels=labels).mean().item()
-    assert abs(loss - expected) <= RTOL * abs(expected), (loss, expected)
+        return model(tokens, positions, None, labels=labels).mean().item()
 
 
 def test_moe_gpt_layout_equals_megatron_core_and_its_checkpoint_loads_at_ep2(tmp_path):
@@ -141,6 +146,39 @@ def test_moe_gpt_layout_equals_megatron_core_and_its_checkpoint_loads_at_ep2(tmp
     saved = _mcore("save", tmp_path / "mcore", tmp_path / "saved.json", *MOE_FLAGS)
     directory = tmp_path / "mcore" / "iter_0000001"
     run_distributed(_worker_moe_at_ep2, 2, str(directory), saved["loss"], reference)
+
+
+def test_moe_gpt_checkpoint_written_here_loads_in_megatron_core(tmp_path):
+    from megatron.core.dist_checkpointing.megatron_layout import unstack, with_extra_state
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    state = initialize_model_parallel()
+    model = _moe_gpt(state)
+    for p in model.parameters():  # the checkpoint's values must be ours, not an initialization
+        p.data.add_(torch.randn_like(p) * 0.01)
+    entries, _ = dc.model_sharded_state_dict([model])
+    directory = tmp_path / "ours"
+    dc.save(entries, str(directory))
+    dc.save_common({"iteration": 1, "checkpoint_version": 3.0}, str(directory))
+    dc.write_metadata_json(str(directory))
+    loaded = _mcore(
+        "load", directory, tmp_path / "mc.json", "--tensors", tmp_path / "mc.pt", *MOE_FLAGS
+    )
+    theirs = torch.load(tmp_path / "mc.pt", weights_only=True)
+    ours = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in theirs.items():
+        assert torch.equal(tensor, ours[name]), name
+    expected = _loss(model)
+    assert abs(loaded["loss"] - expected) <= RTOL * abs(expected), (loaded["loss"], expected)
+    # Read back as a whole (the offline tools' view), the file holds our tensors under our names.
+    shapes = dc.tensor_shapes(dc.read_dcp_metadata(str(directory)))
+    whole = {k: dc.replicated(k, torch.empty(s, dtype=d)) for k, (s, d) in shapes.items()}
+    dc.load(whole, str(directory))
+    assert sorted(unstack({k: e.data for k, e in whole.items()})) == sorted(ours)
+    # The torch format: megatron-core's state_dict() has the _extra_state entries ours writes.
+    other = with_extra_state(model, model.state_dict())
+    assert sorted(k for k, v in other.items() if not torch.is_tensor(v)) == loaded["other_keys"]
 
 
 def _one_process_layout(model):
