@@ -235,18 +235,27 @@ def test_bert_and_t5_rows_and_round_trip(tmp_path, family):
         for m in ms
         for layer in (0, 1)
     }
-    head = "output_layer" if family == "bert" else "lm_head.output_layer"
-    expected.add(f"{head}._extra_state/shard_0_1")
+    # megatron-core's T5 also keeps its LM head's output layer, and the embedding's position
+    # table, under second names.
+    heads = ["output_layer"] if family == "bert" else ["lm_head.output_layer", "output_layer"]
+    expected |= {f"{head}._extra_state/shard_0_1" for head in heads}
     assert objects == expected
     assert {f"{b}.layers.mlp.linear_fc1.layer_norm_weight" for b in blocks} <= keys
     assert not any(".layers.0." in k or ".layers.1." in k for k in keys)
+    aliases = {e.key for e in entries.values() if getattr(e, "optional", False)}
+    assert aliases == (
+        set() if family == "bert" else {"position_embeddings.weight", "output_layer.bias"}
+    )
 
-    dc.save(entries, str(tmp_path / "ckpt"))
-    dc.write_metadata_json(str(tmp_path / "ckpt"))
-    other = make(1)
-    loaded, _ = dc.model_sharded_state_dict([other])
-    dc.load(loaded, str(tmp_path / "ckpt"), strictness=dc.StrictHandling.RAISE_ALL)
-    mine, theirs = model.state_dict(), other.state_dict()
-    assert sorted(mine) == sorted(theirs)
-    for name, tensor in mine.items():
-        assert torch.equal(tensor, theirs[name]), name
+    # Written with the aliases, and (as before they were written) without: both load.
+    for name, written in (("ckpt", entries), ("no_alias", {})):
+        written = written or {k: e for k, e in entries.items() if e.key not in aliases}
+        dc.save(written, str(tmp_path / name))
+        dc.write_metadata_json(str(tmp_path / name))
+        other = make(1)
+        loaded, _ = dc.model_sharded_state_dict([other])
+        dc.load(loaded, str(tmp_path / name), strictness=dc.StrictHandling.RAISE_ALL)
+        mine, theirs = model.state_dict(), other.state_dict()
+        assert sorted(mine) == sorted(theirs)
+        for key, tensor in mine.items():
+            assert torch.equal(tensor, theirs[key]), (name, key)

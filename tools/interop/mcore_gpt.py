@@ -16,6 +16,7 @@ tensor and the other entries of the model's state_dict) to ``--out``; ``load`` a
 loaded model's state dict (per-layer names) to ``--tensors``. ``--torch-save D`` (save) also
 writes the torch format, ``D/iter_0000001/mp_rank_00/model_optim_rng.pt``; ``--torch-load FILE``
 (load) also loads a torch-format file strictly into another model (``"torch_loss"``).
+For BERT and T5 (``--family``), ``save`` and ``load`` compute no loss (``"loss": null``).
 ``describe`` writes the keys, global shapes and offsets of ``model.sharded_state_dict()``'s
 tensors and the unique keys of its objects (see :func:`describe`). ``--num-experts N`` makes
 the GPT a MoE model (every layer, top-2, SequentialMLP experts).
@@ -249,7 +250,7 @@ def main(argv=None) -> int:
     full = model.state_dict()
     state = {k: v for k, v in full.items() if torch.is_tensor(v)}
     result = {
-        "loss": loss_of(model, args),
+        "loss": loss_of(model, args) if args.family == "gpt" else None,  # GPT's forward
         "keys": sorted(state),
         "other_keys": sorted(k for k in full if k not in state),  # _extra_state entries
     }

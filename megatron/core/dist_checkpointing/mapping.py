@@ -49,6 +49,9 @@ class ShardedTensor:
 
     expert: bool = False
     """An MoE expert's tensor: replicated over the expert-data-parallel group, not over DP."""
+    optional: bool = False
+    """A second key for a tensor saved under another key too (megatron-core's T5 keeps such
+    aliases): saved, and loaded only where the checkpoint has it."""
 
     def view(self, chunk: Chunk) -> torch.Tensor:
         """The part of ``data`` that holds ``chunk`` (a view: writing to it writes ``data``)."""

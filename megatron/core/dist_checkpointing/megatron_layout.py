@@ -27,7 +27,8 @@ Everything model-specific is in the tables below; a model family adds rows:
 * :data:`EXPERT_AXES` -- the per-expert module lists that get the expert axis, and the
   modules of one expert that carry an ``_extra_state`` object;
 * :data:`TOP_LEVEL_EXTRA_STATE` -- modules outside the layers for which megatron-core writes an
-  ``_extra_state`` object of a one-element grid (BERT's and T5's output layers).
+  ``_extra_state`` object of a one-element grid (BERT's and T5's output layers);
+* :data:`ALIASES` -- tensors megatron-core writes under a second key (T5's).
 
 The ``torch`` format's model entries get megatron-core's ``_extra_state`` entries too
 (:func:`with_extra_state`: one per column/row-parallel linear module, no table needed).
@@ -111,10 +112,21 @@ EXPERT_AXES: Tuple[ExpertAxis, ...] = (
 
 TOP_LEVEL_EXTRA_STATE: Dict[str, Tuple[str, ...]] = {
     "BertModel": ("output_layer",),
-    "T5Model": ("lm_head.output_layer",),
+    "T5Model": ("lm_head.output_layer", "output_layer"),
 }
 """Modules outside the layers for which megatron-core writes an ``_extra_state`` object (grid
-``(1,)``), by model class (its GPTModel drops the output layer's)."""
+``(1,)``), by model class (its GPTModel drops the output layer's); written when the model has
+a tensor of the module (or of its alias)."""
+
+ALIASES: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "T5Model": (
+        ("position_embeddings.weight", "embedding.position_embeddings.weight"),
+        ("output_layer.bias", "lm_head.output_layer.bias"),
+    ),
+}
+"""(Megatron's second key, our key) of tensors megatron-core's model registers twice, by model
+class: its T5Model keeps the embedding's position table and the LM head's output layer as
+attributes of its own. Written under both keys; the alias is read only where present."""
 
 # What megatron-core stores for the extra state of a linear layer without fp8 metadata.
 EMPTY_EXTRA_STATE = None

@@ -28,6 +28,7 @@ import torch
 
 from .mapping import ShardedObject, ShardedTensor, replicated, tensor_parallel_sharded
 from .megatron_layout import (
+    ALIASES,
     EMPTY_EXTRA_STATE,
     EXTRA_STATE_SUFFIX,
     TOP_LEVEL_EXTRA_STATE,
@@ -161,8 +162,15 @@ def model_sharded_state_dict(
         writes_expert_extra_state=etp_rank == 0,
     )
     for chunk in chunks:
+        for alias, ours in ALIASES.get(type(chunk).__name__, ()):
+            if ours in stacked:
+                entry = stacked[ours]
+                stacked[alias] = ShardedTensor(
+                    alias, entry.data, entry.global_shape, entry.chunks, entry.replica
+                )
+                stacked[alias].optional = True
         for module in TOP_LEVEL_EXTRA_STATE.get(type(chunk).__name__, ()):
-            if any(k.startswith(module + ".") for k in entries):
+            if any(k.startswith(module + ".") for k in stacked):
                 objects.append(
                     ShardedObject(
                         module + EXTRA_STATE_SUFFIX, EMPTY_EXTRA_STATE, (1,), (0,), tp_rank != 0
