@@ -30,6 +30,7 @@ LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 32, 4, 64, 16
 EXPERTS, MOE_FFN, SHARED_FFN = 4, 24, 16
 MOE_FLAGS = ["--num-experts", EXPERTS, "--moe-ffn-hidden-size", MOE_FFN]
 MOE_FLAGS += ["--moe-shared-expert-intermediate-size", SHARED_FFN, "--disable-bias-linear"]
+MOE_FLAGS += ["--moe-shared-expert-gate", "--moe-router-enable-expert-bias"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -84,6 +85,9 @@ def _moe_gpt(state):
         moe_router_topk=2,
         moe_ffn_hidden_size=MOE_FFN,
         moe_shared_expert_intermediate_size=SHARED_FFN,
+        moe_shared_expert_gate=True,
+        moe_router_enable_expert_bias=True,
+        moe_router_score_function="sigmoid",
         add_bias_linear=False,
     )
     torch.manual_seed(99)  # not the checkpoint's weights: the load must replace every one
@@ -154,7 +158,11 @@ def test_moe_gpt_checkpoint_written_here_loads_in_megatron_core(tmp_path):
 
     state = initialize_model_parallel()
     model = _moe_gpt(state)
-    for p in model.parameters():  # the checkpoint's values must be ours, not an initialization
+    # The checkpoint's values must be ours, not an initialization (the router's expert bias, a
+    # buffer, too: it changes which experts the tokens go to).
+    for p in list(model.parameters()) + [
+        layer.mlp.router.expert_bias for layer in model.decoder.layers
+    ]:
         p.data.add_(torch.randn_like(p) * 0.01)
     entries, _ = dc.model_sharded_state_dict([model])
     directory = tmp_path / "ours"

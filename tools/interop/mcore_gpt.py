@@ -71,6 +71,12 @@ def parse(argv=None):
     p.add_argument("--num-experts", type=int, default=None, help="GPT: MoE layers, top-2")
     p.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     p.add_argument("--disable-bias-linear", action="store_true")
+    p.add_argument("--moe-shared-expert-gate", action="store_true")
+    p.add_argument(
+        "--moe-router-enable-expert-bias",
+        action="store_true",
+        help="with the sigmoid score function, as megatron-core requires",
+    )
     p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     p.add_argument(
         "--family",
@@ -120,7 +126,10 @@ def build_model(args):
             moe_ffn_hidden_size=args.moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
             moe_token_dispatcher_type="allgather",
+            moe_shared_expert_gate=args.moe_shared_expert_gate,
         )
+        if args.moe_router_enable_expert_bias:
+            moe.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
     config = TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
