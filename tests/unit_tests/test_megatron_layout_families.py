@@ -197,6 +197,26 @@ def test_moe_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monke
         assert torch.equal(a, b), name
 
 
+def test_moe_gpt_mixing_dense_and_moe_layers_keeps_the_per_layer_layout(tmp_path):
+    # megatron-core keys the layers of such a model one by one (decoder.layers.<l>.) with its
+    # own names within; that form is not built, so the model keeps our per-layer keys (a stacked
+    # tensor would have holes: the dense layers' fc1 only at offset 1, the router only at 0).
+    config = _moe_config()
+    config.moe_layer_freq = [1, 0]
+    model = tiny_gpt_model(config, seed=0)
+    entries, _ = dc.model_sharded_state_dict([model])
+    keys = {e.key for e in entries.values()}
+    assert keys == set(model.state_dict())
+    assert {"decoder.layers.0.mlp.router.weight", "decoder.layers.1.mlp.linear_fc1.weight"} <= keys
+    dc.save(entries, str(tmp_path / "ckpt"))
+    dc.write_metadata_json(str(tmp_path / "ckpt"))
+    other = tiny_gpt_model(config, seed=1)
+    loaded, _ = dc.model_sharded_state_dict([other])
+    dc.load(loaded, str(tmp_path / "ckpt"), strictness=dc.StrictHandling.RAISE_ALL)
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def _bert(seed):
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.parallel_state import initialize_model_parallel

@@ -16,7 +16,9 @@ shape ``[num_layers, num_experts, ffn, h]`` (each expert-parallel rank writes it
 slices, split over expert tensor parallelism below those two axes), with ``_extra_state``
 objects on a ``[num_layers, num_experts]`` grid (``shard_<l>.<e>_<L>.<E>``). The router
 (``mlp.router.weight``, ``mlp.router.expert_bias``) and the shared experts
-(``mlp.shared_experts.*``) are stacked over layers only.
+(``mlp.shared_experts.*``) are stacked over layers only. (A model that mixes dense and MoE
+layers, ``--moe-layer-freq``, is keyed layer by layer in megatron-core; that form is not built:
+such a model keeps the per-layer layout below.)
 
 Everything model-specific is in the tables below; a model family adds rows:
 

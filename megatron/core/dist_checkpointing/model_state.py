@@ -86,6 +86,22 @@ def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
     return local_key
 
 
+def _has_mixed_layers(chunk: torch.nn.Module) -> bool:
+    """Whether a block of ``chunk`` mixes dense and MoE layers (``--moe-layer-freq`` above 1 or a
+    list). megatron-core does not stack the layers of such a block (it keys them
+    ``decoder.layers.<l>.``, Megatron's names within, experts on an axis of their own); that form
+    is not built here, so such a model keeps the per-layer layout of earlier checkpoints, which
+    loading recognises."""
+    for module in chunk.modules():
+        config = getattr(module, "config", None)
+        if config is None or not getattr(config, "num_moe_experts", None):
+            continue
+        freq = getattr(config, "moe_layer_freq", 1)
+        if isinstance(freq, (list, tuple)) or freq > 1:
+            return True
+    return False
+
+
 def _ties_output_to_embedding(chunk: torch.nn.Module) -> bool:
     return bool(
         getattr(chunk, "share_embeddings_and_output_weights", False)
@@ -152,7 +168,7 @@ def model_sharded_state_dict(
                 entry = replicated(key, data, replica=forced_replica or tp_rank != 0)
             entries[key] = entry
             by_param[id(tensor)] = entry
-    if not megatron_layout:
+    if not megatron_layout or any(_has_mixed_layers(chunk) for chunk in chunks):
         return entries, by_param
     stacked, by_old, objects = to_megatron_layout(
         entries,
