@@ -227,6 +227,19 @@ def test_bert_layout_equals_megatron_core_both_ways(tmp_path):
     assert _one_process_layout(model) == reference
     _loads_in_megatron_core(model, "bert", tmp_path)
 
+    # And the other way: megatron-core's BERT checkpoint loads here, every tensor equal.
+    extra = ["--family", "bert", "--tensors", tmp_path / "mcore_bert.pt"]
+    _mcore("save", tmp_path / "mcore_bert", tmp_path / "mb.json", *extra)
+    model = BertModel(_config(state), 2, VOCAB, SEQ, pg_collection=state)
+    entries, _ = dc.model_sharded_state_dict([model])
+    directory = tmp_path / "mcore_bert" / "iter_0000001"
+    dc.load(entries, str(directory), strictness=dc.StrictHandling.RAISE_ALL)
+    theirs = torch.load(tmp_path / "mcore_bert.pt", weights_only=True)
+    ours = model.state_dict()
+    assert sorted(theirs) == sorted(ours)
+    for name, tensor in theirs.items():
+        assert torch.equal(tensor, ours[name]), name
+
 
 # megatron-core's T5, without Transformer Engine, builds its local spec's blocks without the
 # final norm (``layer_norm=TENorm`` is None there); with it, the final norms have the names used
