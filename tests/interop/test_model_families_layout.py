@@ -262,3 +262,43 @@ def test_t5_layout_equals_megatron_core_both_ways(tmp_path):
     assert ours["tensors"] == sorted(expected)
     assert ours["objects"] == reference["objects"]
     _loads_in_megatron_core(model, "t5", tmp_path)
+
+
+def test_moe_gpt_mixing_dense_and_moe_layers_layout_and_checkpoint(tmp_path):
+    # --moe-layer-freq: megatron-core keys such a model layer by layer (no layer axis).
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    flags = [f for f in MOE_FLAGS if f != "--moe-router-enable-expert-bias"]
+    flags += ["--moe-layer-freq", "1,0"]
+    reference = _mcore("describe", "-", tmp_path / "layout.json", *flags)
+    assert any(t[0] == "decoder.layers.1.mlp.linear_fc1.weight" for t in reference["tensors"])
+    saved = _mcore("save", tmp_path / "mcore", tmp_path / "saved.json", *flags)
+    state = initialize_model_parallel()
+    config = _config(
+        state,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=MOE_FFN,
+        moe_shared_expert_intermediate_size=SHARED_FFN,
+        moe_shared_expert_gate=True,
+        moe_layer_freq=[1, 0],
+        add_bias_linear=False,
+    )
+    torch.manual_seed(99)
+    model = GPTModel(
+        config,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False,  # the driver's default
+        pg_collection=state,
+    )
+    entries, _ = dc.model_sharded_state_dict([model])
+    assert _described(entries) == {
+        "tensors": sorted(reference["tensors"]),
+        "objects": sorted(reference["objects"]),
+    }
+    directory = tmp_path / "mcore" / "iter_0000001"
+    dc.load(entries, str(directory), strictness=dc.StrictHandling.RAISE_ALL)
+    loss = _loss(model)
+    assert abs(loss - saved["loss"]) <= RTOL * abs(saved["loss"]), (loss, saved["loss"])

@@ -12,7 +12,11 @@ import torch
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing.mapping import replicated, tensor_parallel_sharded
-from megatron.core.dist_checkpointing.megatron_layout import to_megatron_layout, unstack
+from megatron.core.dist_checkpointing.megatron_layout import (
+    is_per_layer_layout,
+    to_megatron_layout,
+    unstack,
+)
 from megatron.training import checkpointing, checkpointing_dist
 from tests.unit_tests.test_dist_checkpointing import _iter_dir, _setup, _train_gpt
 from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config
@@ -197,21 +201,64 @@ def test_moe_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monke
         assert torch.equal(a, b), name
 
 
-def test_moe_gpt_mixing_dense_and_moe_layers_keeps_the_per_layer_layout(tmp_path):
-    # megatron-core keys the layers of such a model one by one (decoder.layers.<l>.) with its
-    # own names within; that form is not built, so the model keeps our per-layer keys (a stacked
-    # tensor would have holes: the dense layers' fc1 only at offset 1, the router only at 0).
+@pytest.mark.parametrize("per_layer", [True, False], ids=["old-per-layer-keys", "megatron-keys"])
+def test_moe_gpt_mixing_dense_and_moe_layers_is_keyed_layer_by_layer(tmp_path, per_layer):
+    # megatron-core keys the layers of such a model one by one (decoder.layers.<l>.), Megatron's
+    # names within, the experts on an axis of their own and one-object _extra_state grids.
     config = _moe_config()
     config.moe_layer_freq = [1, 0]
     model = tiny_gpt_model(config, seed=0)
-    entries, _ = dc.model_sharded_state_dict([model])
-    keys = {e.key for e in entries.values()}
-    assert keys == set(model.state_dict())
-    assert {"decoder.layers.0.mlp.router.weight", "decoder.layers.1.mlp.linear_fc1.weight"} <= keys
+    entries, _ = dc.model_sharded_state_dict([model], megatron_layout=not per_layer)
+    if not per_layer:
+        shapes = {
+            e.key: e.global_shape for e in entries.values() if isinstance(e, dc.ShardedTensor)
+        }
+        layers = {k: v for k, v in shapes.items() if k.startswith("decoder.layers.")}
+        attention = {
+            "self_attention.linear_qkv.layer_norm_weight": (32,),
+            "self_attention.linear_qkv.layer_norm_bias": (32,),
+            "self_attention.linear_qkv.weight": (96, 32),
+            "self_attention.linear_proj.weight": (32, 32),
+            "mlp.linear_fc1.layer_norm_weight": (32,),
+            "mlp.linear_fc1.layer_norm_bias": (32,),
+        }
+        moe = {
+            "mlp.router.weight": (4, 32),
+            "mlp.router.expert_bias": (4,),
+            "mlp.experts.experts.linear_fc1.weight": (4, 16, 32),
+            "mlp.experts.experts.linear_fc2.weight": (4, 32, 16),
+            "mlp.shared_experts.linear_fc1.weight": (8, 32),
+            "mlp.shared_experts.linear_fc2.weight": (32, 8),
+        }
+        dense = {"mlp.linear_fc1.weight": (128, 32), "mlp.linear_fc2.weight": (32, 128)}  # 4h
+        assert layers == {f"decoder.layers.0.{k}": v for k, v in {**attention, **moe}.items()} | {
+            f"decoder.layers.1.{k}": v for k, v in {**attention, **dense}.items()
+        }
+        objects = {e.unique_key for e in entries.values() if isinstance(e, dc.ShardedObject)}
+        attn = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+        shared = ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+        expected = {f"decoder.layers.0.{m}._extra_state/shard_0_1" for m in attn + shared}
+        expected |= {
+            f"decoder.layers.0.mlp.experts.experts.linear_fc{i}._extra_state/shard_{e}_4"
+            for i in (1, 2)
+            for e in range(4)
+        }
+        expected |= {
+            f"decoder.layers.1.{m}._extra_state/shard_0_1"
+            for m in attn + ["mlp.linear_fc1", "mlp.linear_fc2"]
+        }
+        assert objects == expected
+        full = {k: torch.zeros(v) for k, v in layers.items()}
+        ours = {k: v.shape for k, v in model.state_dict().items() if k.startswith("decoder.")}
+        ours = {k: v for k, v in ours.items() if "final_layernorm" not in k}
+        assert {k: v.shape for k, v in unstack(full).items()} == ours
     dc.save(entries, str(tmp_path / "ckpt"))
     dc.write_metadata_json(str(tmp_path / "ckpt"))
+    keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(tmp_path / "ckpt"))))
+    assert is_per_layer_layout(keys) == per_layer
+    # Loaded as the trainer does: in the layout the checkpoint's keys say.
     other = tiny_gpt_model(config, seed=1)
-    loaded, _ = dc.model_sharded_state_dict([other])
+    loaded, _ = dc.model_sharded_state_dict([other], megatron_layout=not per_layer)
     dc.load(loaded, str(tmp_path / "ckpt"), strictness=dc.StrictHandling.RAISE_ALL)
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name

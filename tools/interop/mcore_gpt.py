@@ -73,6 +73,12 @@ def parse(argv=None):
     p.add_argument("--disable-bias-linear", action="store_true")
     p.add_argument("--moe-shared-expert-gate", action="store_true")
     p.add_argument(
+        "--moe-layer-freq",
+        type=lambda text: [int(v) for v in text.split(",")],
+        default=None,
+        help="comma-separated 0/1 per layer: which layers are MoE (the others dense)",
+    )
+    p.add_argument(
         "--moe-router-enable-expert-bias",
         action="store_true",
         help="with the sigmoid score function, as megatron-core requires",
@@ -128,6 +134,8 @@ def build_model(args):
             moe_token_dispatcher_type="allgather",
             moe_shared_expert_gate=args.moe_shared_expert_gate,
         )
+        if args.moe_layer_freq:
+            moe["moe_layer_freq"] = args.moe_layer_freq
         if args.moe_router_enable_expert_bias:
             moe.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
     config = TransformerConfig(
@@ -171,11 +179,18 @@ def build_model(args):
             share_embeddings_and_output_weights=True,  # as pretrain_t5.py builds it
         )
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
 
+    if args.moe_layer_freq:  # dense and MoE layers: one local spec per layer
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False),
+        spec,
         vocab_size=args.vocab_size,
         max_sequence_length=positions,
         share_embeddings_and_output_weights=args.tied,

@@ -16,9 +16,10 @@ shape ``[num_layers, num_experts, ffn, h]`` (each expert-parallel rank writes it
 slices, split over expert tensor parallelism below those two axes), with ``_extra_state``
 objects on a ``[num_layers, num_experts]`` grid (``shard_<l>.<e>_<L>.<E>``). The router
 (``mlp.router.weight``, ``mlp.router.expert_bias``) and the shared experts
-(``mlp.shared_experts.*``) are stacked over layers only. (A model that mixes dense and MoE
-layers, ``--moe-layer-freq``, is keyed layer by layer in megatron-core; that form is not built:
-such a model keeps the per-layer layout below.)
+(``mlp.shared_experts.*``) are stacked over layers only. A block that mixes dense and MoE
+layers (``--moe-layer-freq``) is not stacked: megatron-core keys its layers one by one
+(``decoder.layers.<l>.`` with Megatron's names within, the experts on an axis of their own of
+shape ``[num_experts, ...]``, each ``_extra_state`` object on a grid of its own).
 
 Everything model-specific is in the tables below; a model family adds rows:
 
@@ -163,10 +164,11 @@ def _renames_for(layer_keys: Iterable[str]) -> Dict[str, str]:
 
 
 def _stacked(
-    entry: ShardedTensor, key: str, index: Tuple[int, ...], size: Tuple[int, ...]
+    entry: ShardedTensor, key: str, index: Tuple[int, ...], size: Tuple[int, ...], suffix: str
 ) -> ShardedTensor:
     """``entry`` (one layer's, or one expert's, tensor) as the slice ``index`` of a tensor with
-    leading axes of sizes ``size`` (the layer axis, then the expert axis)."""
+    leading axes of sizes ``size`` (the layer axis and/or the expert axis; none: ``entry`` under
+    ``key``); ``suffix`` makes its name unique on the rank."""
     lead = len(index)
     chunks = tuple(
         Chunk(index + c.global_offset, (0,) * lead + c.local_offset, (1,) * lead + c.shape)
@@ -175,7 +177,6 @@ def _stacked(
     data = entry.data
     for _ in range(lead):
         data = data.unsqueeze(0)
-    suffix = f"@layer{index[0]}" + "".join(f".expert{i}" for i in index[1:])
     return ShardedTensor(
         key,
         data,
@@ -193,15 +194,21 @@ def to_megatron_layout(
     writes_extra_state: bool,
     num_experts: int = 0,
     writes_expert_extra_state: bool = True,
+    layer_by_layer: Iterable[str] = (),
 ) -> Tuple[Dict[str, ShardedTensor], Dict[str, ShardedTensor], List[ShardedObject]]:
     """Stack and rename the per-layer entries (global keys ``<block>layers.<l>.<rest>``).
 
     ``num_layers`` gives the number of layers of the whole model for each block prefix,
-    ``num_experts`` the number of routed experts of a MoE layer. Returns ({new name: entry},
-    {old key: new entry}, the ``_extra_state`` objects); the objects are marked replica unless
-    ``writes_extra_state`` (one rank of each layer's TP x DP group writes), those of the experts
-    unless ``writes_expert_extra_state`` (one rank of each expert's ETP x EDP group).
+    ``num_experts`` the number of routed experts of a MoE layer. The blocks ``layer_by_layer``
+    (whose layers differ: dense and MoE) are not stacked, as megatron-core keys them: Megatron's
+    names under ``<block>layers.<l>.``, the experts on an axis of their own.
+
+    Returns ({new name: entry}, {old key: new entry}, the ``_extra_state`` objects); the objects
+    are marked replica unless ``writes_extra_state`` (one rank of each layer's TP x DP group
+    writes), those of the experts unless ``writes_expert_extra_state`` (one rank of each expert's
+    ETP x EDP group).
     """
+    one_by_one = set(layer_by_layer)
     per_layer: Dict[Tuple[str, int], List[str]] = {}
     for key in entries:
         parts = split_layer_key(key)
@@ -216,6 +223,10 @@ def to_megatron_layout(
             out[key] = by_old[key] = entry
             continue
         block, layer, rest = parts
+        if block in one_by_one:
+            head, lead, size, suffix = f"{block}{layer}.", (), (), ""
+        else:
+            head, lead, size, suffix = block, (layer,), (num_layers[block],), f"@layer{layer}"
         expert = split_expert_key(rest)
         if expert is not None:
             axis, index, inner = expert
@@ -223,27 +234,31 @@ def to_megatron_layout(
                 raise ValueError(f"{key}: expert {index} outside the model's {num_experts}")
             new = _stacked(
                 entry,
-                block + axis.megatron + inner,
-                (layer, index),
-                (num_layers[block], num_experts),
+                head + axis.megatron + inner,
+                lead + (index,),
+                size + (num_experts,),
+                f"{suffix}.expert{index}",
             )
         else:
             rest = _renames_for(per_layer[(block, layer)]).get(rest, rest)
-            new = _stacked(entry, block + rest, (layer,), (num_layers[block],))
+            new = _stacked(entry, head + rest, lead, size, suffix)
         if new.name in out:
             raise ValueError(f"two tensors map to the slice {new.name_suffix} of {new.key}")
         out[new.name] = by_old[key] = new
     for (block, layer), keys in sorted(per_layer.items()):
         present = set(keys)
-        grid = (num_layers[block],)
+        if block in one_by_one:  # a grid of one object per layer
+            head, grid, place = f"{block}{layer}.", (1,), (0,)
+        else:
+            head, grid, place = block, (num_layers[block],), (layer,)
         for module in EXTRA_STATE_MODULES:
             if module + ".weight" in present:
                 objects.append(
                     ShardedObject(
-                        f"{block}{module}{EXTRA_STATE_SUFFIX}",
+                        f"{head}{module}{EXTRA_STATE_SUFFIX}",
                         EMPTY_EXTRA_STATE,
                         grid,
-                        (layer,),
+                        place,
                         replica=not writes_extra_state,
                     )
                 )
@@ -256,10 +271,10 @@ def to_megatron_layout(
                 if f"{axis.ours}{index}.{module}.weight" in present:
                     objects.append(
                         ShardedObject(
-                            f"{block}{axis.megatron}{module}{EXTRA_STATE_SUFFIX}",
+                            f"{head}{axis.megatron}{module}{EXTRA_STATE_SUFFIX}",
                             EMPTY_EXTRA_STATE,
-                            grid + (num_experts,),
-                            (layer, index),
+                            (grid if block not in one_by_one else ()) + (num_experts,),
+                            (place if block not in one_by_one else ()) + (index,),
                             replica=not writes_expert_extra_state,
                             expert=True,
                         )
@@ -319,8 +334,15 @@ def without_extra_state(state: Dict[str, object]) -> Dict[str, object]:
 
 
 def is_per_layer_layout(checkpoint_keys: Iterable[str]) -> bool:
-    """True for a checkpoint written before the Megatron layout (``…layers.<l>.…`` keys)."""
-    return any(split_layer_key(k) is not None for k in checkpoint_keys)
+    """True for a checkpoint written before the Megatron layout: ``…layers.<l>.…`` keys with
+    our names within the layer (``input_layernorm``, ``local_experts.<e>``), not Megatron's (which
+    it also keys layer by layer for a model mixing dense and MoE layers)."""
+    ours = {r.ours for r in LAYER_RENAMES}
+    for key in checkpoint_keys:
+        parts = split_layer_key(key)
+        if parts is not None and (parts[2] in ours or split_expert_key(parts[2]) is not None):
+            return True
+    return False
 
 
 def unstack(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -328,22 +350,32 @@ def unstack(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
     A stacked key ``<block>layers.<rest>`` of shape ``[L, ...]`` becomes ``<block>layers.<l>.
     <our rest>`` for each layer ``l``; an expert key ``<block>layers.<experts>.<rest>`` of shape
-    ``[L, E, ...]`` becomes ``<block>layers.<l>.<our experts>.<e>.<rest>``; other keys are kept.
+    ``[L, E, ...]`` becomes ``<block>layers.<l>.<our experts>.<e>.<rest>``; a key already layer
+    by layer (``<block>layers.<l>.<rest>``, a model mixing dense and MoE layers) gets our names
+    and its experts split; other keys are kept.
     """
     back = {r.megatron: r.ours for r in LAYER_RENAMES}
     out: Dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        head, sep, rest = key.rpartition(LAYERS)
-        if not sep or split_layer_key(key) is not None or tensor.dim() == 0:
-            out[key] = tensor
-            continue
+        parts = split_layer_key(key)
+        if parts is not None:
+            block, layer, rest = parts
+            layers = {layer: tensor.unsqueeze(0)}
+        else:
+            head, sep, rest = key.rpartition(LAYERS)
+            if not sep or tensor.dim() == 0:
+                out[key] = tensor
+                continue
+            block = head + LAYERS
+            layers = dict(enumerate(tensor))
         axis = next((a for a in EXPERT_AXES if rest.startswith(a.megatron)), None)
-        for layer in range(tensor.shape[0]):
+        for layer, value in layers.items():
+            if parts is not None:
+                value = value[0]
             if axis is None:
-                out[f"{head}{LAYERS}{layer}.{back.get(rest, rest)}"] = tensor[layer]
+                out[f"{block}{layer}.{back.get(rest, rest)}"] = value
                 continue
             inner = rest[len(axis.megatron) :]
-            for expert in range(tensor.shape[1]):
-                name = f"{head}{LAYERS}{layer}.{axis.ours}{expert}.{inner}"
-                out[name] = tensor[layer, expert]
+            for expert in range(value.shape[0]):
+                out[f"{block}{layer}.{axis.ours}{expert}.{inner}"] = value[expert]
     return out

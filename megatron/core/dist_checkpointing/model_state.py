@@ -14,9 +14,10 @@ The global name of a tensor is its key in the whole model at TP=1, PP=1:
 * with tied input/output embeddings, the last stage's ``output_layer.weight`` is a copy of the
   first stage's ``embedding.word_embeddings.weight``: loaded from that key, never saved.
 
-Then, by default, the layers (and a MoE layer's experts) are stacked and renamed as Megatron-LM
-writes them (:mod:`.megatron_layout`); ``megatron_layout=False`` keeps one key per layer, the
-layout of checkpoints written here before.
+Then, by default, the layers (and a MoE layer's experts) are stacked (or, mixing dense and MoE
+layers, keyed layer by layer) and renamed as Megatron-LM writes them (:mod:`.megatron_layout`);
+``megatron_layout=False`` keeps one key per layer, the layout of checkpoints written here
+before.
 """
 
 from __future__ import annotations
@@ -87,11 +88,8 @@ def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
 
 
 def _has_mixed_layers(chunk: torch.nn.Module) -> bool:
-    """Whether a block of ``chunk`` mixes dense and MoE layers (``--moe-layer-freq`` above 1 or a
-    list). megatron-core does not stack the layers of such a block (it keys them
-    ``decoder.layers.<l>.``, Megatron's names within, experts on an axis of their own); that form
-    is not built here, so such a model keeps the per-layer layout of earlier checkpoints, which
-    loading recognises."""
+    """Whether ``chunk`` mixes dense and MoE layers (``--moe-layer-freq`` above 1 or a list, as
+    megatron-core decides it): its blocks are then keyed layer by layer, not stacked."""
     for module in chunk.modules():
         config = getattr(module, "config", None)
         if config is None or not getattr(config, "num_moe_experts", None):
@@ -168,7 +166,7 @@ def model_sharded_state_dict(
                 entry = replicated(key, data, replica=forced_replica or tp_rank != 0)
             entries[key] = entry
             by_param[id(tensor)] = entry
-    if not megatron_layout or any(_has_mixed_layers(chunk) for chunk in chunks):
+    if not megatron_layout:
         return entries, by_param
     stacked, by_old, objects = to_megatron_layout(
         entries,
@@ -176,6 +174,12 @@ def model_sharded_state_dict(
         writes_extra_state=tp_rank == 0,
         num_experts=num_experts,
         writes_expert_extra_state=etp_rank == 0,
+        layer_by_layer={
+            prefix
+            for chunk in chunks
+            if _has_mixed_layers(chunk)
+            for prefix, _, _ in _blocks(chunk)
+        },
     )
     for chunk in chunks:
         for alias, ours in ALIASES.get(type(chunk).__name__, ()):
