@@ -15,6 +15,10 @@ import torch
 import transformers  # a dependency (setup.py): missing, it must fail, not skip
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from megatron.core.dist_checkpointing.megatron_layout import (  # noqa: E402
+    with_extra_state,
+    without_extra_state,
+)
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.training.configs import core_transformer_config_from_args  # noqa: E402
 
@@ -64,7 +68,11 @@ def check_logits(hf_model, ckpt, seq=12):
     state = load_shard(ckpt)
     args = state["args"]
     model = our_model(args)
-    model.load_state_dict(state["model"], strict=True)
+    model.load_state_dict(without_extra_state(state["model"]), strict=True)
+    # megatron-core's (empty) _extra_state entries, as the trainer writes them for this model.
+    written = with_extra_state(model, model.state_dict())
+    extra = {k: v for k, v in state["model"].items() if k.endswith("._extra_state")}
+    assert extra == {k: v for k, v in written.items() if not torch.is_tensor(v)}
     model.eval()
     hf_model.eval()
     torch.manual_seed(1)

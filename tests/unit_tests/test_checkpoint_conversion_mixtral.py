@@ -89,7 +89,13 @@ def test_mixtral_logits_and_expert_parallel_shards(tmp_path):
                 expected_router = full[layer + "mlp.router.weight"]
                 assert torch.equal(shard["decoder.layers.0.mlp.router.weight"], expected_router)
                 local_names = [n for n in shard if ".local_experts." in n]
-                assert len(local_names) == 2 * 2  # two local experts, fc1 and fc2
+                # Two local experts, fc1 and fc2, and megatron-core's _extra_state of each.
+                assert sorted(n for n in local_names if n.endswith("._extra_state")) == [
+                    f"decoder.layers.0.mlp.experts.local_experts.{i}.linear_fc{j}._extra_state"
+                    for i in range(2)
+                    for j in (1, 2)
+                ]
+                assert len(local_names) == 2 * 2 * 2
                 for i in range(2):
                     g = 2 * e + i
                     fc1 = full[f"{layer}mlp.experts.local_experts.{g}.linear_fc1.weight"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from megatron.core.dist_checkpointing.megatron_layout import without_extra_state
 from megatron.core.inference import InferenceModelForward, SamplingParams, SpecialTokens, generate
 from megatron.core.models.gpt import GPTModel
 from megatron.training.configs import core_transformer_config_from_args
@@ -59,7 +60,7 @@ def converted(kind, model, tmp_path):
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
     )
-    ours.load_state_dict(state["model"], strict=True)
+    ours.load_state_dict(without_extra_state(state["model"]), strict=True)
     return ours.eval(), args
 
 

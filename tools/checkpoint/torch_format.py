@@ -25,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from protocol import ConversionError
 
+from megatron.core.dist_checkpointing.megatron_layout import EMPTY_EXTRA_STATE, extra_state_names
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 from megatron.training.checkpointing_common import (
     CHECKPOINT_VERSION,
@@ -400,10 +401,14 @@ class TorchCheckpointWriter:
                 "iteration": self.iteration,
                 "num_floating_point_operations_so_far": 0.0,
             }
-            models = [
-                {**self.states[(t, p, c)], **self.expert_states[(t, p, c, e)]}
-                for c in range(self.num_chunks)
-            ]
+            models = []
+            for c in range(self.num_chunks):
+                model = {**self.states[(t, p, c)], **self.expert_states[(t, p, c, e)]}
+                # megatron-core's (empty) _extra_state entries: Megatron-LM loads strictly.
+                last = (p, c) == (self.pp - 1, self.num_chunks - 1)
+                for name in extra_state_names(list(model), output_layer=last):
+                    model[name] = EMPTY_EXTRA_STATE
+                models.append(model)
             if self.num_chunks == 1:
                 state["model"] = models[0]
             else:

@@ -49,6 +49,9 @@ class ShardedTensor:
 
     expert: bool = False
     """An MoE expert's tensor: replicated over the expert-data-parallel group, not over DP."""
+    optional: bool = False
+    """A second key for a tensor saved under another key too (megatron-core's T5 keeps such
+    aliases): saved, and loaded only where the checkpoint has it."""
 
     def view(self, chunk: Chunk) -> torch.Tensor:
         """The part of ``data`` that holds ``chunk`` (a view: writing to it writes ``data``)."""
@@ -101,6 +104,8 @@ class ShardedObject:
     """This object's place in the grid."""
     replica: bool = False
     """True when another rank saves the same object."""
+    expert: bool = False
+    """An MoE expert's object: replicated over the expert-data-parallel group, not over DP."""
 
     @property
     def unique_key(self) -> str:

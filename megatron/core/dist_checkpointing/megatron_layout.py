@@ -1,26 +1,44 @@
 """Megatron-LM's key layout of a ``torch_dist`` checkpoint, as tables that map our global keys.
 
-megatron-core (observed on 0.16.1 with its local GPT spec) writes the transformer layers of a
-block **stacked**: one key per kind of parameter with a leading layer axis, e.g.
+megatron-core (observed on 0.16.1 with its local GPT, BERT and T5 specs) writes the transformer
+layers of a block **stacked**: one key per kind of parameter with a leading layer axis, e.g.
 ``decoder.layers.self_attention.linear_qkv.weight`` of shape ``[num_layers, 3h, h]`` (layer ``l``
 is the slice at offset ``l`` of that axis, whichever pipeline stage holds it). It uses the
 Transformer Engine names even for its local spec (the input norm is fused into ``linear_qkv``,
-the pre-MLP norm into ``linear_fc1``) and writes one ``_extra_state`` object per layer for each
-linear module, under ``<stacked key>._extra_state/shard_<layer>_<num_layers>``.
+the pre-MLP norm into ``linear_fc1``, also in a MoE layer, which has no ``linear_fc1``) and
+writes one ``_extra_state`` object per layer for each linear module, under
+``<stacked key>._extra_state/shard_<layer>_<num_layers>``. The same holds for each block of a
+model (BERT's ``encoder.layers``, T5's ``encoder.layers`` and ``decoder.layers``).
+
+A MoE layer's routed experts (``mlp.experts.local_experts.<e>``, ``e`` numbered globally) get a
+second leading axis, the expert: ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of
+shape ``[num_layers, num_experts, ffn, h]`` (each expert-parallel rank writes its experts'
+slices, split over expert tensor parallelism below those two axes), with ``_extra_state``
+objects on a ``[num_layers, num_experts]`` grid (``shard_<l>.<e>_<L>.<E>``). The router
+(``mlp.router.weight``, ``mlp.router.expert_bias``) and the shared experts
+(``mlp.shared_experts.*``) are stacked over layers only. A block that mixes dense and MoE
+layers (``--moe-layer-freq``) is not stacked: megatron-core keys its layers one by one
+(``decoder.layers.<l>.`` with Megatron's names within, the experts on an axis of their own of
+shape ``[num_experts, ...]``, each ``_extra_state`` object on a grid of its own).
 
 Everything model-specific is in the tables below; a model family adds rows:
 
-* :data:`LAYER_RENAMES` -- a layer's tensor named differently by Megatron (with the tensor that
-  must exist in the same layer for the rename to apply: a MoE layer has no ``mlp.linear_fc1``,
-  so its ``pre_mlp_layernorm`` keeps its name);
+* :data:`LAYER_RENAMES` -- a layer's tensor named differently by Megatron (with the tensors one
+  of which must exist in the same layer for the rename to apply);
 * :data:`EXTRA_STATE_MODULES` -- the layer modules that carry an ``_extra_state`` object (written
-  for every such module whose ``weight`` the layer has).
+  for every such module whose ``weight`` the layer has);
+* :data:`EXPERT_AXES` -- the per-expert module lists that get the expert axis, and the
+  modules of one expert that carry an ``_extra_state`` object;
+* :data:`TOP_LEVEL_EXTRA_STATE` -- modules outside the layers for which megatron-core writes an
+  ``_extra_state`` object of a one-element grid (BERT's and T5's output layers);
+* :data:`ALIASES` -- tensors megatron-core writes under a second key (T5's).
 
 The ``torch`` format's model entries get megatron-core's ``_extra_state`` entries too
 (:func:`with_extra_state`: one per column/row-parallel linear module, no table needed).
 
-Keys outside the layers of a block (embeddings, final norm, output layer) are not changed.
-Checkpoints written before this layout (one key per layer, ``decoder.layers.3.…``) are told
+Other keys outside the layers of a block (embeddings, final norm, output layer, BERT's pooler
+and heads) are not changed. Checkpoints written before this layout (one key per layer,
+``decoder.layers.3.…``, which MoE models here kept until the expert axis was built) are told
 apart by :func:`is_per_layer_layout` and read with per-layer keys.
 """
 
@@ -45,37 +63,80 @@ class Rename(NamedTuple):
     """Key within the layer here, e.g. ``input_layernorm.weight``."""
     megatron: str
     """Key within the layer in Megatron's checkpoint."""
-    requires: str
-    """Key within the layer that must exist for the rename to apply."""
+    requires: Tuple[str, ...]
+    """Keys within the layer one of which must exist for the rename to apply."""
 
+
+_HAS_MLP = ("mlp.linear_fc1.weight", "mlp.router.weight")  # a dense or a MoE MLP
 
 LAYER_RENAMES: Tuple[Rename, ...] = (
     Rename(
         "input_layernorm.weight",
         "self_attention.linear_qkv.layer_norm_weight",
-        "self_attention.linear_qkv.weight",
+        ("self_attention.linear_qkv.weight",),
     ),
     Rename(
         "input_layernorm.bias",
         "self_attention.linear_qkv.layer_norm_bias",
-        "self_attention.linear_qkv.weight",
+        ("self_attention.linear_qkv.weight",),
     ),
-    Rename("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight"),
-    Rename("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight"),
+    Rename("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", _HAS_MLP),
+    Rename("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias", _HAS_MLP),
 )
 
 EXTRA_STATE_MODULES: Tuple[str, ...] = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
+    "cross_attention.linear_q",
+    "cross_attention.linear_kv",
+    "cross_attention.linear_proj",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
+    "mlp.shared_experts.linear_fc1",
+    "mlp.shared_experts.linear_fc2",
 )
+
+
+class ExpertAxis(NamedTuple):
+    """A list of experts in a layer that Megatron stores with an expert axis."""
+
+    ours: str
+    """Prefix within the layer of expert ``e``'s keys, without ``e``: ``mlp.experts.local_experts.``
+    (``e`` is the global expert index)."""
+    megatron: str
+    """Prefix within the layer of the stacked keys in Megatron's checkpoint."""
+    extra_state_modules: Tuple[str, ...]
+    """The modules of one expert that carry an ``_extra_state`` object."""
+
+
+EXPERT_AXES: Tuple[ExpertAxis, ...] = (
+    ExpertAxis("mlp.experts.local_experts.", "mlp.experts.experts.", ("linear_fc1", "linear_fc2")),
+)
+
+TOP_LEVEL_EXTRA_STATE: Dict[str, Tuple[str, ...]] = {
+    "BertModel": ("output_layer",),
+    "T5Model": ("lm_head.output_layer", "output_layer"),
+}
+"""Modules outside the layers for which megatron-core writes an ``_extra_state`` object (grid
+``(1,)``), by model class (its GPTModel drops the output layer's); written when the model has
+a tensor of the module (or of its alias)."""
+
+ALIASES: Dict[str, Tuple[Tuple[str, str], ...]] = {
+    "T5Model": (
+        ("position_embeddings.weight", "embedding.position_embeddings.weight"),
+        ("output_layer.bias", "lm_head.output_layer.bias"),
+    ),
+}
+"""(Megatron's second key, our key) of tensors megatron-core's model registers twice, by model
+class: its T5Model keeps the embedding's position table and the LM head's output layer as
+attributes of its own. Written under both keys; the alias is read only where present."""
 
 # What megatron-core stores for the extra state of a linear layer without fp8 metadata.
 EMPTY_EXTRA_STATE = None
 EXTRA_STATE_SUFFIX = "._extra_state"
 
 _LAYER_KEY = re.compile(r"^(?P<block>(?:.*\.)?layers\.)(?P<index>\d+)\.(?P<rest>.+)$")
+_EXPERT_INDEX = re.compile(r"^(?P<index>\d+)\.(?P<rest>.+)$")
 
 
 def split_layer_key(key: str) -> Optional[Tuple[str, int, str]]:
@@ -86,36 +147,68 @@ def split_layer_key(key: str) -> Optional[Tuple[str, int, str]]:
     return match.group("block"), int(match.group("index")), match.group("rest")
 
 
+def split_expert_key(rest: str) -> Optional[Tuple[ExpertAxis, int, str]]:
+    """(expert list, global expert index, key within the expert) of a key within a layer, or
+    None for a key outside the experts."""
+    for axis in EXPERT_AXES:
+        if rest.startswith(axis.ours):
+            match = _EXPERT_INDEX.match(rest[len(axis.ours) :])
+            if match is not None:
+                return axis, int(match.group("index")), match.group("rest")
+    return None
+
+
 def _renames_for(layer_keys: Iterable[str]) -> Dict[str, str]:
     present = set(layer_keys)
-    return {r.ours: r.megatron for r in LAYER_RENAMES if r.requires in present}
+    return {r.ours: r.megatron for r in LAYER_RENAMES if present.intersection(r.requires)}
 
 
-def _stacked(entry: ShardedTensor, key: str, layer: int, num_layers: int) -> ShardedTensor:
-    """``entry`` (one layer's tensor) as the slice ``layer`` of a tensor with a layer axis."""
+def _stacked(
+    entry: ShardedTensor, key: str, index: Tuple[int, ...], size: Tuple[int, ...], suffix: str
+) -> ShardedTensor:
+    """``entry`` (one layer's, or one expert's, tensor) as the slice ``index`` of a tensor with
+    leading axes of sizes ``size`` (the layer axis and/or the expert axis; none: ``entry`` under
+    ``key``); ``suffix`` makes its name unique on the rank."""
+    lead = len(index)
     chunks = tuple(
-        Chunk((layer,) + c.global_offset, (0,) + c.local_offset, (1,) + c.shape)
+        Chunk(index + c.global_offset, (0,) * lead + c.local_offset, (1,) * lead + c.shape)
         for c in entry.chunks
     )
+    data = entry.data
+    for _ in range(lead):
+        data = data.unsqueeze(0)
     return ShardedTensor(
         key,
-        entry.data.unsqueeze(0),
-        (num_layers,) + entry.global_shape,
+        data,
+        size + entry.global_shape,
         chunks,
         entry.replica,
-        name_suffix=f"@layer{layer}",
+        name_suffix=suffix,
+        expert=entry.expert,
     )
 
 
 def to_megatron_layout(
-    entries: Dict[str, ShardedTensor], num_layers: Dict[str, int], writes_extra_state: bool
+    entries: Dict[str, ShardedTensor],
+    num_layers: Dict[str, int],
+    writes_extra_state: bool,
+    num_experts: int = 0,
+    writes_expert_extra_state: bool = True,
+    layer_by_layer: Iterable[str] = (),
 ) -> Tuple[Dict[str, ShardedTensor], Dict[str, ShardedTensor], List[ShardedObject]]:
     """Stack and rename the per-layer entries (global keys ``<block>layers.<l>.<rest>``).
 
-    ``num_layers`` gives the number of layers of the whole model for each block prefix. Returns
-    ({new key: entry}, {old key: new entry}, the ``_extra_state`` objects); the objects are
-    marked replica unless ``writes_extra_state`` (one rank of each layer's TP x DP group writes).
+    ``num_layers`` gives the number of layers of the whole model for each block prefix,
+    ``num_experts`` the number of routed experts of a MoE layer. The blocks ``layer_by_layer``
+    (whose layers differ: dense and MoE) are not stacked, as megatron-core keys them: Megatron's
+    names under ``<block>layers.<l>.``, the experts on an axis of their own.
+
+    Returns ({new name: entry}, {old key: new entry}, the ``_extra_state`` objects); the objects
+    are marked replica unless ``writes_extra_state`` (one rank of each layer's TP x DP group
+    writes), those of the experts unless ``writes_expert_extra_state`` (one rank of each expert's
+    ETP x EDP group).
     """
+    one_by_one = set(layer_by_layer)
     per_layer: Dict[Tuple[str, int], List[str]] = {}
     for key in entries:
         parts = split_layer_key(key)
@@ -130,35 +223,107 @@ def to_megatron_layout(
             out[key] = by_old[key] = entry
             continue
         block, layer, rest = parts
-        rest = _renames_for(per_layer[(block, layer)]).get(rest, rest)
-        new = _stacked(entry, block + rest, layer, num_layers[block])
+        if block in one_by_one:
+            head, lead, size, suffix = f"{block}{layer}.", (), (), ""
+        else:
+            head, lead, size, suffix = block, (layer,), (num_layers[block],), f"@layer{layer}"
+        expert = split_expert_key(rest)
+        if expert is not None:
+            axis, index, inner = expert
+            if not 0 <= index < num_experts:
+                raise ValueError(f"{key}: expert {index} outside the model's {num_experts}")
+            new = _stacked(
+                entry,
+                head + axis.megatron + inner,
+                lead + (index,),
+                size + (num_experts,),
+                f"{suffix}.expert{index}",
+            )
+        else:
+            rest = _renames_for(per_layer[(block, layer)]).get(rest, rest)
+            new = _stacked(entry, head + rest, lead, size, suffix)
         if new.name in out:
-            raise ValueError(f"two tensors map to the layer {layer} slice of {new.key}")
+            raise ValueError(f"two tensors map to the slice {new.name_suffix} of {new.key}")
         out[new.name] = by_old[key] = new
     for (block, layer), keys in sorted(per_layer.items()):
+        present = set(keys)
+        if block in one_by_one:  # a grid of one object per layer
+            head, grid, place = f"{block}{layer}.", (1,), (0,)
+        else:
+            head, grid, place = block, (num_layers[block],), (layer,)
         for module in EXTRA_STATE_MODULES:
-            if module + ".weight" in keys:
+            if module + ".weight" in present:
                 objects.append(
                     ShardedObject(
-                        f"{block}{module}._extra_state",
+                        f"{head}{module}{EXTRA_STATE_SUFFIX}",
                         EMPTY_EXTRA_STATE,
-                        (num_layers[block],),
-                        (layer,),
+                        grid,
+                        place,
                         replica=not writes_extra_state,
                     )
                 )
+        experts = sorted(
+            {(e[0], e[1]) for e in map(split_expert_key, keys) if e is not None},
+            key=lambda pair: (pair[0].ours, pair[1]),
+        )
+        for axis, index in experts:
+            for module in axis.extra_state_modules:
+                if f"{axis.ours}{index}.{module}.weight" in present:
+                    objects.append(
+                        ShardedObject(
+                            f"{head}{axis.megatron}{module}{EXTRA_STATE_SUFFIX}",
+                            EMPTY_EXTRA_STATE,
+                            (grid if block not in one_by_one else ()) + (num_experts,),
+                            (place if block not in one_by_one else ()) + (index,),
+                            replica=not writes_expert_extra_state,
+                            expert=True,
+                        )
+                    )
     return out, by_old, objects
+
+
+# The linear modules of a layer (attention, cross-attention, MLP, shared and routed experts) that
+# megatron-core builds as column- or row-parallel linears, each with an (empty) extra state.
+LINEAR_MODULE_NAMES: Tuple[str, ...] = (
+    "linear_qkv",
+    "linear_q",
+    "linear_kv",
+    "linear_proj",
+    "linear_fc1",
+    "linear_fc2",
+)
+
+
+def extra_state_names(keys: Iterable[str], output_layer: bool) -> List[str]:
+    """The ``_extra_state`` entries megatron-core's ``state_dict()`` has beside the tensors
+    ``keys`` of a model chunk (by name, for offline tools that hold no model): one for each
+    linear module of :data:`LINEAR_MODULE_NAMES` whose weight is there, and the output layer's
+    when the chunk has one (``output_layer``: the last stage, tied or not)."""
+    names = []
+    for key in keys:
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and module.rpartition(".")[2] in LINEAR_MODULE_NAMES:
+            names.append(module + EXTRA_STATE_SUFFIX)
+    if output_layer:
+        names.append("output_layer" + EXTRA_STATE_SUFFIX)
+    return names
 
 
 def with_extra_state(chunk: torch.nn.Module, state: Dict[str, object]) -> Dict[str, object]:
     """``state`` (``chunk.state_dict()``) with the ``_extra_state`` entries that megatron-core's
     state_dict() has, so that Megatron-LM loads a ``torch``-format file strictly: its column- and
-    row-parallel linear layers (every one, the output layer included) define an empty extra
-    state; ours are the same modules and keep none."""
+    row-parallel linear layers (every one, the output layer and each routed expert's included)
+    define an empty extra state; ours keep none."""
     out = dict(state)
     for name, module in chunk.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             out.setdefault(name + EXTRA_STATE_SUFFIX, EMPTY_EXTRA_STATE)
+    # Our experts are plain modules (not the TP linears): named by the table.
+    for key in state:
+        layer = split_layer_key(key)
+        expert = split_expert_key(layer[2]) if layer is not None else None
+        if expert is not None and expert[2].rpartition(".")[0] in expert[0].extra_state_modules:
+            out.setdefault(key.rpartition(".")[0] + EXTRA_STATE_SUFFIX, EMPTY_EXTRA_STATE)
     return out
 
 
@@ -169,23 +334,48 @@ def without_extra_state(state: Dict[str, object]) -> Dict[str, object]:
 
 
 def is_per_layer_layout(checkpoint_keys: Iterable[str]) -> bool:
-    """True for a checkpoint written before the Megatron layout (``…layers.<l>.…`` keys)."""
-    return any(split_layer_key(k) is not None for k in checkpoint_keys)
+    """True for a checkpoint written before the Megatron layout: ``…layers.<l>.…`` keys with
+    our names within the layer (``input_layernorm``, ``local_experts.<e>``), not Megatron's (which
+    it also keys layer by layer for a model mixing dense and MoE layers)."""
+    ours = {r.ours for r in LAYER_RENAMES}
+    for key in checkpoint_keys:
+        parts = split_layer_key(key)
+        if parts is not None and (parts[2] in ours or split_expert_key(parts[2]) is not None):
+            return True
+    return False
 
 
 def unstack(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Full tensors of a Megatron-layout checkpoint under our per-layer names (offline tools).
 
     A stacked key ``<block>layers.<rest>`` of shape ``[L, ...]`` becomes ``<block>layers.<l>.
-    <our rest>`` for each layer ``l``; other keys are kept.
+    <our rest>`` for each layer ``l``; an expert key ``<block>layers.<experts>.<rest>`` of shape
+    ``[L, E, ...]`` becomes ``<block>layers.<l>.<our experts>.<e>.<rest>``; a key already layer
+    by layer (``<block>layers.<l>.<rest>``, a model mixing dense and MoE layers) gets our names
+    and its experts split; other keys are kept.
     """
     back = {r.megatron: r.ours for r in LAYER_RENAMES}
     out: Dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        head, sep, rest = key.rpartition(LAYERS)
-        if not sep or split_layer_key(key) is not None or tensor.dim() == 0:
-            out[key] = tensor
-            continue
-        for layer in range(tensor.shape[0]):
-            out[f"{head}{LAYERS}{layer}.{back.get(rest, rest)}"] = tensor[layer]
+        parts = split_layer_key(key)
+        if parts is not None:
+            block, layer, rest = parts
+            layers = {layer: tensor.unsqueeze(0)}
+        else:
+            head, sep, rest = key.rpartition(LAYERS)
+            if not sep or tensor.dim() == 0:
+                out[key] = tensor
+                continue
+            block = head + LAYERS
+            layers = dict(enumerate(tensor))
+        axis = next((a for a in EXPERT_AXES if rest.startswith(a.megatron)), None)
+        for layer, value in layers.items():
+            if parts is not None:
+                value = value[0]
+            if axis is None:
+                out[f"{block}{layer}.{back.get(rest, rest)}"] = value
+                continue
+            inner = rest[len(axis.megatron) :]
+            for expert in range(value.shape[0]):
+                out[f"{block}{layer}.{axis.ours}{expert}.{inner}"] = value[expert]
     return out

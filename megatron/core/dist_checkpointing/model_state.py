@@ -14,9 +14,10 @@ The global name of a tensor is its key in the whole model at TP=1, PP=1:
 * with tied input/output embeddings, the last stage's ``output_layer.weight`` is a copy of the
   first stage's ``embedding.word_embeddings.weight``: loaded from that key, never saved.
 
-Then, by default, the layers are stacked and renamed as Megatron-LM writes them
-(:mod:`.megatron_layout`); ``megatron_layout=False`` keeps one key per layer, the layout of
-checkpoints written here before.
+Then, by default, the layers (and a MoE layer's experts) are stacked (or, mixing dense and MoE
+layers, keyed layer by layer) and renamed as Megatron-LM writes them (:mod:`.megatron_layout`);
+``megatron_layout=False`` keeps one key per layer, the layout of checkpoints written here
+before.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from typing import Dict, Iterable, List, Sequence, Tuple
 import torch
 
 from .mapping import ShardedObject, ShardedTensor, replicated, tensor_parallel_sharded
-from .megatron_layout import to_megatron_layout
+from .megatron_layout import (
+    ALIASES,
+    EMPTY_EXTRA_STATE,
+    EXTRA_STATE_SUFFIX,
+    TOP_LEVEL_EXTRA_STATE,
+    to_megatron_layout,
+)
 
 TIED_OUTPUT_KEY = "output_layer.weight"
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
@@ -54,15 +61,19 @@ def _layer_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int]]:
     return [(prefix, offset) for prefix, offset, _ in _blocks(chunk)]
 
 
-def _expert_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int]]:
-    """(state-dict prefix of a local-experts list, global index of its first expert)."""
+def _expert_offsets(chunk: torch.nn.Module) -> List[Tuple[str, int, int]]:
+    """(state-dict prefix of a local-experts list, global index of its first expert, number of
+    experts of the whole layer)."""
     found = []
     for name, module in chunk.named_modules():
         offset = getattr(module, "local_expert_offset", None)
         if isinstance(offset, int) and isinstance(
             getattr(module, "local_experts", None), torch.nn.ModuleList
         ):
-            found.append(((name + "." if name else "") + "local_experts.", offset))
+            total = getattr(getattr(module, "config", None), "num_moe_experts", None)
+            if not isinstance(total, int):
+                total = offset + len(module.local_experts)
+            found.append(((name + "." if name else "") + "local_experts.", offset, total))
     return found
 
 
@@ -74,6 +85,19 @@ def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
             if match:
                 return f"{prefix}{int(match.group(1)) + offset}{match.group(2) or ''}"
     return local_key
+
+
+def _has_mixed_layers(chunk: torch.nn.Module) -> bool:
+    """Whether ``chunk`` mixes dense and MoE layers (``--moe-layer-freq`` above 1 or a list, as
+    megatron-core decides it): its blocks are then keyed layer by layer, not stacked."""
+    for module in chunk.modules():
+        config = getattr(module, "config", None)
+        if config is None or not getattr(config, "num_moe_experts", None):
+            continue
+        freq = getattr(config, "moe_layer_freq", 1)
+        if isinstance(freq, (list, tuple)) or freq > 1:
+            return True
+    return False
 
 
 def _ties_output_to_embedding(chunk: torch.nn.Module) -> bool:
@@ -103,11 +127,14 @@ def model_sharded_state_dict(
     entries: Dict[str, ShardedTensor] = {}
     by_param: Dict[int, ShardedTensor] = {}
     num_layers: Dict[str, int] = {}
+    num_experts = 0
     for chunk in chunks:
         blocks = _blocks(chunk)
         num_layers.update({prefix: total for prefix, _, total in blocks})
         offsets = [(prefix, offset) for prefix, offset, _ in blocks]
         expert_offsets = _expert_offsets(chunk)
+        num_experts = max([num_experts] + [total for _, _, total in expert_offsets])
+        expert_offsets = [(prefix, offset) for prefix, offset, _ in expert_offsets]
         tied = _ties_output_to_embedding(chunk)
         for local_key, tensor in chunk.state_dict(keep_vars=True).items():
             if not torch.is_tensor(tensor) or local_key.endswith("_extra_state"):
@@ -139,11 +166,36 @@ def model_sharded_state_dict(
                 entry = replicated(key, data, replica=forced_replica or tp_rank != 0)
             entries[key] = entry
             by_param[id(tensor)] = entry
-    if not megatron_layout or any(entry.expert for entry in entries.values()):
-        # Megatron's layout of experts (a second leading axis, the global expert index) is not
-        # built: a model with experts keeps one key per layer, which loading recognises.
+    if not megatron_layout:
         return entries, by_param
-    stacked, by_old, objects = to_megatron_layout(entries, num_layers, tp_rank == 0)
+    stacked, by_old, objects = to_megatron_layout(
+        entries,
+        num_layers,
+        writes_extra_state=tp_rank == 0,
+        num_experts=num_experts,
+        writes_expert_extra_state=etp_rank == 0,
+        layer_by_layer={
+            prefix
+            for chunk in chunks
+            if _has_mixed_layers(chunk)
+            for prefix, _, _ in _blocks(chunk)
+        },
+    )
+    for chunk in chunks:
+        for alias, ours in ALIASES.get(type(chunk).__name__, ()):
+            if ours in stacked:
+                entry = stacked[ours]
+                stacked[alias] = ShardedTensor(
+                    alias, entry.data, entry.global_shape, entry.chunks, entry.replica
+                )
+                stacked[alias].optional = True
+        for module in TOP_LEVEL_EXTRA_STATE.get(type(chunk).__name__, ()):
+            if any(k.startswith(module + ".") for k in stacked):
+                objects.append(
+                    ShardedObject(
+                        module + EXTRA_STATE_SUFFIX, EMPTY_EXTRA_STATE, (1,), (0,), tp_rank != 0
+                    )
+                )
     out: Dict[str, object] = dict(stacked)
     out.update({o.name: o for o in objects})
     return out, {pid: by_old[e.key] for pid, e in by_param.items()}

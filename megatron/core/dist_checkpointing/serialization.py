@@ -405,7 +405,8 @@ def load(
 
     shapes = tensor_shapes(read_dcp_metadata(directory))
     local_keys = {v.key for v in sharded_state_dict.values()}
-    local_missing = sorted(k for k in local_keys if k not in shapes)
+    optional = {v.key for v in sharded_state_dict.values() if v.optional}
+    local_missing = sorted(k for k in local_keys if k not in shapes and k not in optional)
     local_bad_shapes = sorted(
         {
             f"{v.key}: checkpoint {shapes[v.key][0]} vs model {tuple(v.global_shape)}"
@@ -442,7 +443,9 @@ def load(
             f"checkpoint {directory} does not fit this model ({' | '.join(problems)})"
         )
 
-    to_read = {k: v for k, v in sharded_state_dict.items() if v.key not in missing}
+    to_read = {
+        k: v for k, v in sharded_state_dict.items() if v.key not in missing and v.key in shapes
+    }
     no_dist = not _use_dist(process_group)
     try:
         with warnings.catch_warnings():
