@@ -210,6 +210,13 @@ def test_injected_transient_error_on_a_non_fatal_check_continues(caplog):
             (False, False, 0),
         )
     assert messages(caplog).count("Injecting error type Transient error") == 3
+    assert (
+        messages(caplog).count(
+            "Rank 0, node node-a, device 0, iteration #3: First rerun: unexpected result is not "
+            "reproducible within the tolerance (3.0 != 3.0)!"
+        )
+        == 1
+    )
 
 
 def test_injected_transient_error_on_a_fatal_check_exits_17(caplog):
