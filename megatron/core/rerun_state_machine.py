@@ -359,8 +359,8 @@ class RerunStateMachine:
             try:
                 with open(result_rejected_tracker_filename, "a"):
                     pass
-            except OSError as exc:
-                raise NonFiniteValueError(
+            except OSError as exc:  # the same kind of error, naming the flag
+                raise type(exc)(
                     f"--result-rejected-tracker-filename {result_rejected_tracker_filename} "
                     f"cannot be appended to: {exc.strerror or exc}"
                 ) from None
@@ -374,6 +374,11 @@ class RerunStateMachine:
         self.stats: dict = defaultdict(QuickStats)
         if self.rank == 0:
             logger.warning(f"RerunStateMachine initialized in mode {self.mode}")
+
+    def set_mode(self, mode: Union[RerunMode, str]) -> None:
+        """Change the mode (evaluation runs with the machine disabled)."""
+        self._log_rank_0(f"Setting RerunStateMachine mode {RerunMode(mode)}")
+        self.mode = RerunMode(mode)
 
     # ------------------------------------------------------------------ agreement across ranks
     def _reduce_any(self, values: List[bool]) -> Tuple[bool, ...]:

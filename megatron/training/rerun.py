@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from functools import partial
 from typing import Optional
 
@@ -82,6 +83,23 @@ def wrap_data_iterators(iterators, machine: RerunStateMachine):
     if isinstance(iterators, list):
         return [None if it is None else RerunDataIterator(it, record) for it in iterators]
     return RerunDataIterator(iterators, record)
+
+
+@contextmanager
+def results_not_validated():
+    """Evaluation: the loss functions run outside of any training iteration, so the machine is
+    disabled meanwhile (as in Megatron): a NaN loss ends the run with one line, nothing re-runs.
+    """
+    machine = global_vars.get_rerun_state_machine()
+    if machine is None or machine.mode == RerunMode.DISABLED:
+        yield
+        return
+    mode = machine.mode
+    machine.set_mode(RerunMode.DISABLED)
+    try:
+        yield
+    finally:
+        machine.set_mode(mode)
 
 
 def check_loss(loss: torch.Tensor, args, iteration: int) -> None:

@@ -43,7 +43,7 @@ from .model_families import get_model_family
 from .moe_logging import collect_moe_losses, moe_loss_scalars, write_per_layer
 from .progress_log import log_checkpoint_saved, log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
-from .rerun import build_rerun_state_machine, wrap_data_iterators
+from .rerun import build_rerun_state_machine, results_not_validated, wrap_data_iterators
 from .straggler import StragglerDetector
 from .training_log import print_evaluation, training_log
 from .utils import get_device, print_rank_0
@@ -910,7 +910,7 @@ def evaluate(
     eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
     eval_mbs = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
     num_microbatches = eval_gbs // (eval_mbs * args.data_parallel_size)
-    with torch.no_grad():
+    with torch.no_grad(), results_not_validated():
         for step in range(eval_iters):
             if verbose:
                 print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")

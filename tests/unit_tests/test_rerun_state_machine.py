@@ -10,6 +10,7 @@ import io
 import logging
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -21,12 +22,13 @@ from megatron.core.rerun_state_machine import (
     QuickStats,
     RerunDataIterator,
     RerunErrorInjector,
+    RerunMode,
     RerunStateMachine,
     compare_floats,
 )
 from megatron.core.utils import NonFiniteValueError
 from megatron.training import global_vars
-from megatron.training.rerun import check_loss
+from megatron.training.rerun import check_loss, results_not_validated
 
 NAN = float("nan")
 
@@ -445,3 +447,36 @@ def test_ddp_validates_each_buckets_local_grad_norm_before_the_reduction(caplog)
         "data-parallel communication collective')" in m
         for m in messages(caplog)
     )
+
+
+def test_rejected_results_are_recorded_in_the_tracker_file(tmp_path):
+    tracker = tmp_path / "rejected.txt"
+    machine = machine_for(result_rejected_tracker_filename=str(tracker))
+    iterator = RerunDataIterator(iter(range(10)))
+    step(machine, iterator, float)
+    results = iter([NAN, 1.0])
+    step(machine, iterator, lambda b: next(results))
+    lines = tracker.read_text().splitlines()
+    pattern = (
+        r"ts=\S+ \S+ node=node-a device=0 jobID=N/A rank=0 iteration=1 status={} "
+        r"result={} message='found NaN in test'"
+    )
+    assert re.fullmatch(pattern.format("initial_run", "nan"), lines[0]), lines
+    assert re.fullmatch(pattern.format("first_rerun_not_reproducible", "1.0"), lines[1]), lines
+    assert len(lines) == 2
+    with pytest.raises(IsADirectoryError, match="--result-rejected-tracker-filename .* cannot"):
+        machine_for(result_rejected_tracker_filename=str(tmp_path))
+
+
+def test_evaluation_runs_with_the_machine_disabled(caplog):
+    machine = machine_for()
+    global_vars.set_rerun_state_machine(machine)
+    args = argparse.Namespace(check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False)
+    try:
+        with results_not_validated():
+            assert machine.mode == RerunMode.DISABLED
+            with pytest.raises(NonFiniteValueError, match="found NaN in local forward loss"):
+                check_loss(torch.tensor(NAN), args, iteration=3)
+        assert machine.mode == RerunMode.VALIDATE_RESULTS
+    finally:
+        global_vars.set_rerun_state_machine(None)
