@@ -18,10 +18,10 @@ from megatron.core.enums import ModelType
 from megatron.core.models.bert import BertModel
 from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
 from megatron.core.transformer.spec_utils import import_spec
-from megatron.core.utils import NonFiniteValueError
 from megatron.training import get_args, get_parallel_state, get_timers, get_tokenizer, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
 from megatron.training.model_families import get_model_family
+from megatron.training.rerun import check_loss
 from megatron.training.training import pretrain
 from megatron.training.utils import get_device
 
@@ -84,11 +84,7 @@ def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tens
         )
         loss = lm_loss + sop_loss
         reported["sop loss"] = sop_loss.clone().detach()
-    if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
-        raise NonFiniteValueError(
-            f"found {'NaN' if torch.isnan(loss).item() else 'Inf'} in local forward loss "
-            f"calculation at iteration {args.iteration + 1} (--check-for-nan-in-loss-and-grad)"
-        )
+    check_loss(loss, args, iteration=args.iteration + 1)
     return loss, reported
 
 

@@ -16,11 +16,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.transformer.spec_utils import import_spec
-from megatron.core.utils import NonFiniteValueError
 from megatron.training import get_args, get_parallel_state, get_timers, get_tokenizer, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
 from megatron.training.flag_errors import UserInputError
 from megatron.training.model_families import get_model_family
+from megatron.training.rerun import check_loss
 from megatron.training.training import pretrain
 from megatron.training.utils import get_device
 
@@ -131,11 +131,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         # (the schedule multiplies by CP size and DDP averages over DP x CP).
         num_tokens = local_tokens.clone()
         torch.distributed.all_reduce(num_tokens, group=state.get_context_parallel_group())
-    if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss).item():
-        raise NonFiniteValueError(
-            f"found {'NaN' if torch.isnan(loss).item() else 'Inf'} in local forward loss "
-            f"calculation at iteration {args.iteration + 1} (--check-for-nan-in-loss-and-grad)"
-        )
+    check_loss(loss, args, iteration=args.iteration + 1)
     reported = torch.cat([loss.clone().detach().view(1), local_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": reported}
 

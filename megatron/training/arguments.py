@@ -11,7 +11,7 @@ import os
 import sys
 
 from megatron.training import flag_policy
-from megatron.training.argument_groups import moe_rules, numerics_rules
+from megatron.training.argument_groups import moe_rules, numerics_rules, rerun_rules
 from megatron.training.argument_groups import validation as rules
 from megatron.training.argument_groups.all_groups import add_argument_groups
 from megatron.training.argument_groups.data import REMOVED_TOKENIZER_TYPES, add_tokenizer_args
@@ -137,6 +137,7 @@ def validate_args(args, defaults=None):
     rules.validate_data(args)
     rules.validate_logging(args)
     rules.validate_misc(args)
+    rerun_rules.validate_rerun(args)
     refusal = flag_policy.refusal(given)
     if refusal is not None:
         raise ArgumentValidationError(refusal)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -125,8 +126,12 @@ def save_checkpoint(
     optimizer,
     opt_param_scheduler,
     num_floating_point_operations_so_far: float = 0.0,
+    rerun_state: Optional[dict] = None,
 ) -> None:
-    """Save this rank's shard; rank 0 updates the tracker once every rank is done."""
+    """Save this rank's shard; rank 0 updates the tracker once every rank is done.
+
+    ``rerun_state``: the rerun state machine's state when it asks for a checkpoint to re-run an
+    iteration from (kept, as in Megatron, in torch_dist checkpoints only)."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     timers = global_vars.get_timers()
@@ -138,11 +143,20 @@ def save_checkpoint(
     if args.ckpt_format == "torch_dist":
         timers("save-checkpoint", log_level=0).start(barrier=True)
         save_checkpoint_dist(
-            iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far
+            iteration,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            num_floating_point_operations_so_far,
+            rerun_state=rerun_state,
         )
         timers("save-checkpoint").stop(barrier=True)
         return
     save_dir = args.save
+    if rerun_state is not None:
+        print_rank_0(
+            "RerunStateMachine checkpoints ONLY SUPPORTED for checkpoint format torch_dist"
+        )
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch format")
     timers("save-checkpoint", log_level=0).start(barrier=True)
 

@@ -58,7 +58,7 @@ from .checkpointing_common import (
     set_rng_state,
     why_write_failed,
 )
-from .utils import get_device, get_rank, print_rank_0
+from .utils import get_device, get_rank, get_world_size, print_rank_0
 
 TMP_SUFFIX = ".tmp"
 
@@ -134,9 +134,12 @@ def _merged_optimizer_common(optimizer) -> dict:
 
 # ---------------------------------------------------------------------------------- save
 def save_checkpoint_dist(
-    iteration: int, model, optimizer, opt_param_scheduler, flops: float
+    iteration: int, model, optimizer, opt_param_scheduler, flops: float, rerun_state=None
 ) -> None:
-    """Write ``<save>/iter_XXXXXXX`` in torch_dist format (collective over all ranks)."""
+    """Write ``<save>/iter_XXXXXXX`` in torch_dist format (collective over all ranks).
+
+    ``rerun_state`` (the rerun state machine's, when it asks for this checkpoint) goes to
+    ``rerun_state_machine`` in the common state, its per-rank part as a list by global rank."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     maybe_finalize_async_save(blocking=True)
@@ -176,6 +179,8 @@ def save_checkpoint_dist(
             {"coordinates": _coordinates(state), "state": rng_state(global_vars.get_rng_tracker())}
         )
     optim_common = _merged_optimizer_common(optimizer) if save_optim else None
+    if rerun_state is not None:
+        rerun_state = dict(rerun_state, sharded=_all_gather_object(rerun_state["sharded"]))
     final_dir = checkpoint_dir(save_dir, iteration)
     work_dir = final_dir + TMP_SUFFIX
     if get_rank() == 0:
@@ -194,6 +199,8 @@ def save_checkpoint_dist(
                 common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         if rng is not None:
             common["rng_state"] = rng
+        if rerun_state is not None:
+            common["rerun_state_machine"] = rerun_state
         if os.path.isdir(work_dir):
             shutil.rmtree(work_dir)  # left by an interrupted save of the same iteration
         try:
@@ -410,8 +417,23 @@ def load_checkpoint_dist(
             args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
         if not args.no_load_rng and "rng_state" in common:
             _restore_rng(common, state, len(chunks))
+        _restore_rerun_state(common.get("rerun_state_machine"))
     barrier()
     return iteration, float(common.get("num_floating_point_operations_so_far", 0.0)), ckpt_args
+
+
+def _restore_rerun_state(saved) -> None:
+    """Hand a checkpoint's pending re-run to this run's rerun state machine (same world)."""
+    machine = global_vars.get_rerun_state_machine()
+    if machine is None or not machine.validate_state_dict(saved):
+        return
+    per_rank = saved["sharded"]
+    if len(per_rank) != get_world_size():
+        raise CheckpointError(
+            f"the checkpoint asks to re-run an iteration on {len(per_rank)} ranks; this run has "
+            f"{get_world_size()}: resume it with the same number of processes"
+        )
+    machine.load_state_dict(dict(saved, sharded=per_rank[get_rank()]))
 
 
 def _holds_dp_reshardable_optimizer(keys) -> bool:

@@ -94,4 +94,5 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
         bucket_size=getattr(args, "ddp_bucket_size", None),
         check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False))
         and not args.fp16,
+        check_for_large_grads=bool(getattr(args, "check_for_large_grads", False)),
     )

@@ -171,6 +171,15 @@ honoured(
     """,
 )
 honoured(
+    "the rerun state machine: an iteration whose loss or gradients look wrong is run again on "
+    "the same data; a transient fault is logged, a reproduced one checkpoints and exits with "
+    "Megatron's codes (16: resume elsewhere, 17: validation failed)",
+    """
+    rerun_mode error_injection_rate error_injection_type result_rejected_tracker_filename
+    check_for_spiky_loss check_for_large_grads
+    """,
+)
+honoured(
     "mixed precision and loss scaling",
     """
     fp16 bf16 grad_reduce_in_bf16 loss_scale initial_loss_scale min_loss_scale loss_scale_window
@@ -395,7 +404,7 @@ _TEXT_GEN = (
     f"the dynamic-batching inference engine and its kernels are {_NYI} (the static text "
     "generation server is built: tools/run_text_generation_server.py)"
 )
-_FT = f"fault tolerance (rerun engine, in-process restart, fault injection, autoresume) is {_NYI}"
+_FT = f"fault tolerance (in-process restart, fault injection, autoresume) is {_NYI}"
 _RL = f"reinforcement learning and distillation are {_NYI}"
 _PROFILER = f"the PyTorch profiler and CUDA memory-history dumps are {_NYI}"
 
@@ -599,8 +608,7 @@ refused(
 refused(
     _FT,
     """
-    enable_ft_package calc_ft_timeouts ft_num_warmup_iters check_for_spiky_loss
-    check_for_large_grads result_rejected_tracker_filename error_injection_type
+    enable_ft_package calc_ft_timeouts ft_num_warmup_iters
     gpu_sniff_test_interval adlr_autoresume adlr_autoresume_interval
     disable_straggler_on_startup straggler_ctrlr_port
     exit_signal_handler_for_dataloader replication replication_jump replication_factor
@@ -615,7 +623,6 @@ refused(
     fault_injector_offset_seconds fault_injector_seed
     """,
 )
-refused(_FT, "rerun_mode", given=lambda value, args: value == "report_stats")
 # Its default is $WORLD_SIZE when the parser is built (tools may set args.world_size later).
 refused(
     _FT,
@@ -624,7 +631,6 @@ refused(
         value not in (getattr(args, "world_size", value), int(os.getenv("WORLD_SIZE", "1")))
     ),
 )
-refused(_FT, "error_injection_rate", given=lambda value, args: bool(value))
 refused(
     f"this data option is {_NYI}",
     """

@@ -125,3 +125,13 @@ def set_model_family(family):
 def reset_globals():
     """Forget every global (tests run several trainings in one process)."""
     _GLOBALS.clear()
+
+
+def get_rerun_state_machine():
+    """The run's :class:`~megatron.core.rerun_state_machine.RerunStateMachine` (None before
+    ``pretrain()`` builds it); loss functions validate their results through it."""
+    return _get("rerun_state_machine", required=False)
+
+
+def set_rerun_state_machine(machine):
+    _set("rerun_state_machine", machine)

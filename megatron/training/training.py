@@ -43,6 +43,7 @@ from .model_families import get_model_family
 from .moe_logging import collect_moe_losses, moe_loss_scalars, write_per_layer
 from .progress_log import log_checkpoint_saved, log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
+from .rerun import build_rerun_state_machine, results_not_validated, wrap_data_iterators
 from .straggler import StragglerDetector
 from .training_log import print_evaluation, training_log
 from .utils import get_device, print_rank_0
@@ -163,6 +164,8 @@ def _pretrain(
     )
     print_datetime("after megatron is initialized")
 
+    # Before the model: loading a checkpoint may hand it a re-run to finish.
+    machine = build_rerun_state_machine(args)
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
     with building("model, optimizer and scheduler", args):
         model, optimizer, opt_param_scheduler = setup_model_and_optimizer(
@@ -185,6 +188,7 @@ def _pretrain(
         train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(
             train_valid_test_dataset_provider
         )
+    train_iter = wrap_data_iterators(train_iter, machine)
     timers("train/valid/test-data-iterators-setup").stop()
     print_datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
@@ -355,6 +359,9 @@ def get_model(
         # Replicas are seeded identically, so their weights agree unless seeded per DP rank.
         if getattr(args, "data_parallel_random_init", False):
             ddp.broadcast_params()
+        machine = global_vars.get_rerun_state_machine()
+        if machine is not None:  # tools build models without one
+            ddp.set_rerun_state_machine(machine)
         wrapped.append(ddp)
     return wrapped
 
@@ -582,26 +589,33 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     timers = global_vars.get_timers()
-    optimizer.zero_grad()
-    for chunk in model:
-        chunk.zero_grad_buffer()
+    machine = global_vars.get_rerun_state_machine()
     forward_backward_func = get_forward_backward_func(
         args.pipeline_model_parallel_size,
         getattr(args, "virtual_pipeline_model_parallel_size", None),
     )
     num_microbatches = global_vars.get_num_microbatches()
-    timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
-    losses_reduced = forward_backward_func(
-        forward_step_func=forward_step_func,
-        data_iterator=data_iterator,
-        model=model,
-        num_microbatches=num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
-        **_pipeline_kwargs(args, state),
-    )
-    timers("forward-backward").stop()
+    # The machine runs the forward-backward pass again (same data, same RNG states) when a
+    # validated result was rejected, or every time with --rerun-mode report_stats.
+    while machine.should_run_forward_backward(data_iterator):
+        optimizer.zero_grad()
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
+        losses_reduced = forward_backward_func(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=False,
+            **_pipeline_kwargs(args, state),
+        )
+        timers("forward-backward").stop()
+    should_checkpoint, should_exit, exit_code = machine.should_checkpoint_and_exit()
+    if should_exit:
+        raise RerunExit(should_checkpoint, exit_code)
 
     timers("optimizer", log_level=1).start(barrier=args.barrier_with_L1_time)
     update_successful, grad_norm, num_zeros = optimizer.step()
@@ -628,6 +642,16 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
     ):
         write_per_layer(writer, moe_per_layer, config, iteration)
     return loss_reduced, skipped_iter, grad_norm, num_zeros
+
+
+class RerunExit(Exception):
+    """The rerun state machine ends the job (after a checkpoint when ``should_checkpoint``)
+    with ``exit_code``: the iteration is not applied."""
+
+    def __init__(self, should_checkpoint: bool, exit_code: int):
+        super().__init__(f"rerun state machine exit {exit_code}")
+        self.should_checkpoint = should_checkpoint
+        self.exit_code = exit_code
 
 
 def _has_expert_params(model) -> bool:
@@ -747,9 +771,32 @@ def _train_loop(
     while iteration < args.train_iters:
         maybe_finalize_async_save(blocking=False)  # commits a finished --async-save checkpoint
         global_vars.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
-        loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
-            train_forward_step, train_data_iterator, model, optimizer, opt_param_scheduler, config
-        )
+        try:
+            loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
+                train_forward_step,
+                train_data_iterator,
+                model,
+                optimizer,
+                opt_param_scheduler,
+                config,
+            )
+        except RerunExit as stop:
+            # Saved at the start of the iteration (step, RNG, consumed samples), with the
+            # machine's state, so that a restarted job runs the same iteration again.
+            if stop.should_checkpoint and args.save:
+                save_checkpoint(
+                    iteration,
+                    model,
+                    optimizer,
+                    opt_param_scheduler,
+                    flops,
+                    rerun_state=global_vars.get_rerun_state_machine().state_dict(
+                        train_data_iterator
+                    ),
+                )
+                args.last_saved_iteration = iteration
+            exit_code = stop.exit_code
+            break
         iteration += 1
         args.iteration = iteration
         batch_size = (
@@ -863,7 +910,7 @@ def evaluate(
     eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
     eval_mbs = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
     num_microbatches = eval_gbs // (eval_mbs * args.data_parallel_size)
-    with torch.no_grad():
+    with torch.no_grad(), results_not_validated():
         for step in range(eval_iters):
             if verbose:
                 print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")

@@ -26,16 +26,20 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
 from megatron.core.tensor_parallel import collectives
 from megatron.core.utils import NonFiniteValueError
 
 from .param_and_grad_buffer import ParamAndGradBuffer
 
+LARGE_GRADS_FACTOR = 10.0
+"""``--check-for-large-grads``: a gradient norm this many times the largest seen is flagged."""
 DEFAULT_BUCKET_SIZE = 40_000_000
 """Elements per bucket with --overlap-grad-reduce when --ddp-bucket-size is not given (or 1M x
 DP)."""
@@ -65,7 +69,13 @@ class DistributedDataParallelConfig:
     """Average inside the collective instead of pre-scaling by 1/DP
     (``--ddp-average-in-collective``)."""
     check_for_nan_in_grad: bool = False
-    """Raise if a reduced gradient holds NaN/Inf."""
+    """Check the gradients for NaN/Inf (``--check-for-nan-in-loss-and-grad``): each bucket's
+    local gradient norm before its reduction, through the rerun state machine when one is set
+    (:meth:`DistributedDataParallel.set_rerun_state_machine`); otherwise raise if a reduced
+    gradient holds NaN/Inf."""
+    check_for_large_grads: bool = False
+    """Flag a bucket whose local gradient norm is >= 10x the largest of its first 100 norms, as a
+    non-fatal result for the rerun state machine (``--check-for-large-grads``)."""
 
     def __post_init__(self):
         if self.overlap_param_gather and not self.use_distributed_optimizer:
@@ -123,6 +133,7 @@ class DistributedDataParallel(torch.nn.Module):
                 None  # one bucket per buffer (Megatron ignores --ddp-bucket-size here)
             )
         self.is_last_microbatch = True
+        self._nan_checked_before_reduction = False
 
         dense, expert = {}, {}
         seen = set()
@@ -167,6 +178,43 @@ class DistributedDataParallel(torch.nn.Module):
             self._param_gather_hooks.append(
                 module.register_state_dict_pre_hook(lambda *unused: self.finish_param_sync())
             )
+
+    def set_rerun_state_machine(self, machine: RerunStateMachine) -> None:
+        """Validate each bucket's local gradient norm before its reduction through ``machine``:
+        NaN and Inf (fatal; not with ``--rerun-mode disabled``, where the reduced gradients are
+        checked instead, on every rank alike) and unexpectedly large norms (non-fatal)."""
+        config = self.config
+        check_nan = config.check_for_nan_in_grad and machine.mode != RerunMode.DISABLED
+        if not (check_nan or config.check_for_large_grads):
+            return
+        self._nan_checked_before_reduction = check_nan
+
+        def check(index: int, grads: torch.Tensor) -> None:
+            norm = grads.norm(p=2)
+            where = f"for bucket #{index} in backward pass before data-parallel communication "
+            where += "collective"
+            # 0.1 %: gradient reductions need not be bitwise deterministic on every device.
+            if check_nan:
+                machine.validate_result(
+                    norm, torch.isnan, f"found NaN in local grad norm {where}", tolerance=0.001
+                )
+                machine.validate_result(
+                    norm, torch.isinf, f"found Inf in local grad norm {where}", tolerance=0.001
+                )
+            if config.check_for_large_grads:
+                machine.validate_result(
+                    norm,
+                    partial(
+                        machine.is_unexpectedly_large, threshold=LARGE_GRADS_FACTOR, context="grads"
+                    ),
+                    f"found unexpected large grads in bucket #{index} in backward pass before "
+                    "data-parallel communication collective",
+                    tolerance=0.001,
+                    fatal=False,
+                )
+
+        for buffer in self.all_buffers:
+            buffer.check_local_grads = check
 
     def _make_buffers(self, params_by_dtype, group, gradient_scaling_factor):
         config = self.config
@@ -260,7 +308,7 @@ class DistributedDataParallel(torch.nn.Module):
         expert buffers over the expert-data-parallel group."""
         for buffer in self.all_buffers:
             buffer.finish_grad_sync()
-        if self.config.check_for_nan_in_grad:
+        if self.config.check_for_nan_in_grad and not self._nan_checked_before_reduction:
             for buffer in self.all_buffers:
                 if not torch.isfinite(buffer.grad_data).all():
                     raise NonFiniteValueError(

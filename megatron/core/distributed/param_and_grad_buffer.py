@@ -23,7 +23,7 @@ the DDP wrapper waits for a bucket in a forward pre-hook of the first module usi
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,8 @@ class Bucket:
             )
         self.launched = True
         buf = self.buffer
+        if buf.check_local_grads is not None:
+            buf.check_local_grads(self.index, self.grad_data)
         if buf.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(buf.gradient_scaling_factor)
         if buf.dp_size == 1:
@@ -238,6 +240,9 @@ class ParamAndGradBuffer:
         self.use_distributed_optimizer = use_distributed_optimizer
         self.average_in_collective = average_in_collective
         self.native_avg = collectives.has_avg_op(dp_group)
+        self.check_local_grads: Optional[Callable[[int, torch.Tensor], None]] = None
+        """Called with (bucket index, bucket gradients) before each bucket's reduction: the
+        DDP's result validation (NaN/Inf and large gradients, through the rerun machine)."""
         if gradient_scaling_factor is None:
             gradient_scaling_factor = 1.0 if average_in_collective else 1.0 / self.dp_size
         self.gradient_scaling_factor = gradient_scaling_factor

@@ -1,0 +1,132 @@
+"""The training side of the rerun state machine: built from the flags, the loss checks of the
+pretrain scripts, and its state in checkpoints.
+
+``--rerun-mode`` (Megatron's default ``validate_results``), ``--error-injection-rate`` /
+``--error-injection-type``, ``--result-rejected-tracker-filename``,
+``--check-for-nan-in-loss-and-grad``, ``--check-for-spiky-loss`` and
+``--check-for-large-grads`` are read here; the machine itself is in
+``megatron/core/rerun_state_machine.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.rerun_state_machine import (
+    RerunDataIterator,
+    RerunDiagnostic,
+    RerunErrorInjector,
+    RerunMode,
+    RerunStateMachine,
+)
+from megatron.core.utils import NonFiniteValueError
+
+from . import global_vars
+
+SPIKY_LOSS_FACTOR = 10.0
+"""``--check-for-spiky-loss``: a loss this many times the largest of the first 100 is a spike."""
+
+
+def build_rerun_state_machine(args) -> RerunStateMachine:
+    """The machine for this run (kept in the training globals for the loss functions)."""
+    _show_machine_log_lines()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if torch.cuda.is_available():
+        device = torch.cuda.current_device()
+    else:  # on CPU a "device" is the process's slot on its node
+        device = int(os.environ.get("LOCAL_RANK", "0"))
+    tracker = global_vars.get_rng_tracker()
+    machine = RerunStateMachine(
+        mode=RerunMode(args.rerun_mode),
+        error_injector=RerunErrorInjector(
+            error_injection_rate=args.error_injection_rate,
+            error_injection_type=RerunDiagnostic(args.error_injection_type),
+            rank=rank,
+        ),
+        rank=rank,
+        device=device,
+        save_extra_state=(tracker.get_states if tracker is not None else None),
+        restore_extra_state=(tracker.set_states if tracker is not None else None),
+        result_rejected_tracker_filename=args.result_rejected_tracker_filename,
+    )
+    global_vars.set_rerun_state_machine(machine)
+    return machine
+
+
+def _show_machine_log_lines() -> None:
+    """The machine logs through ``logging`` as Megatron's does (warnings, errors, and the
+    report_stats summary at INFO): print them, message only, unless the user configured
+    logging."""
+    log = logging.getLogger("megatron.core.rerun_state_machine")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def wrap_data_iterators(iterators, machine: RerunStateMachine):
+    """Train iterators that can replay an iteration's micro-batches (one per model chunk)."""
+    record = machine.mode != RerunMode.DISABLED
+    if iterators is None:
+        return None
+    if isinstance(iterators, list):
+        return [None if it is None else RerunDataIterator(it, record) for it in iterators]
+    return RerunDataIterator(iterators, record)
+
+
+@contextmanager
+def results_not_validated():
+    """Evaluation: the loss functions run outside of any training iteration, so the machine is
+    disabled meanwhile (as in Megatron): a NaN loss ends the run with one line, nothing re-runs.
+    """
+    machine = global_vars.get_rerun_state_machine()
+    if machine is None or machine.mode == RerunMode.DISABLED:
+        yield
+        return
+    mode = machine.mode
+    machine.set_mode(RerunMode.DISABLED)
+    try:
+        yield
+    finally:
+        machine.set_mode(mode)
+
+
+def check_loss(loss: torch.Tensor, args, iteration: int) -> None:
+    """Megatron's loss checks, on this rank's loss before any reduction: NaN and Inf
+    (``--check-for-nan-in-loss-and-grad``, fatal) and spikes (``--check-for-spiky-loss``,
+    non-fatal). With ``--rerun-mode disabled`` a NaN/Inf loss ends the run with one line."""
+    machine: Optional[RerunStateMachine] = global_vars.get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        if machine is None or machine.mode == RerunMode.DISABLED:
+            if not torch.isfinite(loss).item():
+                raise NonFiniteValueError(
+                    f"found {'NaN' if torch.isnan(loss).item() else 'Inf'} in local forward loss "
+                    f"calculation at iteration {iteration} (--check-for-nan-in-loss-and-grad)"
+                )
+        else:
+            # Forward computations are deterministic: any difference in the re-run is a fault.
+            machine.validate_result(
+                loss, torch.isnan, "found NaN in local forward loss calculation", tolerance=0.0
+            )
+            machine.validate_result(
+                loss, torch.isinf, "found Inf in local forward loss calculation", tolerance=0.0
+            )
+    if args.check_for_spiky_loss and machine is not None:
+        machine.validate_result(
+            loss,
+            partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"),
+            "Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )

@@ -1,0 +1,74 @@
+"""Every rule of argument_groups/rerun_rules.py has a command line that breaks it (the words of
+its message in order), and the module has no rule without one."""
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron.training.argument_groups import rerun_rules, validation
+from megatron.training.arguments import ArgumentValidationError
+from tests.unit_tests.tiny_configs import tiny_args
+
+CASES = [
+    pytest.param(
+        ["--error-injection-rate", -1],
+        ["--error-injection-rate must be >= 0", "got -1"],
+        id="injection_rate_not_negative",
+    ),
+    pytest.param(
+        ["--error-injection-rate", 5, "--rerun-mode", "report_stats"],
+        ["--error-injection-rate 5 needs --rerun-mode validate_results", "report_stats"],
+        id="injection_needs_validate_results",
+    ),
+    pytest.param(
+        ["--check-for-large-grads", "--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
+        + ["--untie-embeddings-and-output-weights"],
+        ["--check-for-large-grads needs the DDP gradient buffers", "--use-torch-fsdp2"],
+        id="large_grads_not_with_fsdp",
+    ),
+]
+
+
+@pytest.mark.parametrize("extra, words", CASES)
+def test_rule(extra, words):
+    with pytest.raises(ArgumentValidationError, match=".*".join(map(re.escape, words))):
+        tiny_args(*extra)
+
+
+def test_the_flags_pass_together_where_they_apply():
+    args = tiny_args(
+        "--error-injection-rate", 3, "--error-injection-type", "persistent_error",
+        "--check-for-spiky-loss", "--check-for-large-grads",
+    )  # fmt: skip
+    assert (args.rerun_mode, args.error_injection_rate) == ("validate_results", 3)
+
+
+def test_every_rule_has_a_case(monkeypatch):
+    fired = set()
+    real_fail = validation.fail
+
+    def recording_fail(message):
+        frame = sys._getframe(1)
+        while frame.f_code.co_name in ("check", "fail"):
+            frame = frame.f_back
+        if frame.f_code.co_filename == rerun_rules.__file__:
+            fired.add(frame.f_lineno)
+        real_fail(message)
+
+    monkeypatch.setattr(validation, "fail", recording_fail)
+    for param in CASES:
+        with pytest.raises(ArgumentValidationError, match=r"\S"):
+            tiny_args(*param.values[0])
+    source = Path(rerun_rules.__file__).read_text()
+    sites = {
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("check", "fail")
+    }
+    assert len(sites) == 3  # the module was read
+    assert sites <= fired, f"rules in {rerun_rules.__file__} without a case: {sites - fired}"
