@@ -12,17 +12,25 @@ from megatron.training import collective_watch
 from tests.unit_tests.dist_utils import run_distributed
 
 
+def _away_until_rank_0_timed_out():
+    """Away (as a stopped rank would be) until rank 0's operation has timed out (it posts that
+    to the store), and through its grace period, however slow a loaded machine makes rank 0."""
+    store = dist.distributed_c10d._get_default_store()
+    store.wait([f"{collective_watch._STORE_PREFIX}/0"], timedelta(seconds=50))
+    time.sleep(collective_watch.GRACE_SECONDS + 1)
+
+
 def _one_rank_stays_away(rank, world_size, results):
     original = dist.all_reduce
     collective_watch.install(timedelta(seconds=60))
+    collective_watch.GRACE_SECONDS = 1.0  # this spawned process's copy of the module only
     assert dist.all_reduce is not original
     try:
         collective_watch.set_timeout(timedelta(seconds=2))
         dist.all_reduce(torch.ones(2))  # both ranks: completes and is traced
         dist.barrier()
         if rank == 1:
-            # Away (as a stopped rank would be) until rank 0 has timed out and reported.
-            time.sleep(2 + collective_watch.GRACE_SECONDS + 2)
+            _away_until_rank_0_timed_out()
             results.put((rank, "away", None))
             return
         try:
@@ -75,11 +83,7 @@ def _peer_never_sends(rank, world_size, results):
             dist.send(torch.ones(2), dst=1)
         else:
             dist.recv(received, src=0)
-            # Away until rank 0's receive has timed out (it posts that to the store), and for
-            # its grace period, however slow a loaded machine makes rank 0.
-            store = dist.distributed_c10d._get_default_store()
-            store.wait([f"{collective_watch._STORE_PREFIX}/0"], timedelta(seconds=50))
-            time.sleep(collective_watch.GRACE_SECONDS + 1)
+            _away_until_rank_0_timed_out()
             results.put((rank, "away", None))
             return
         try:
