@@ -166,6 +166,10 @@ def test_nan_injected_into_loss_or_gradient_stops_with_one_line(tmp_path, where)
 STOPS_RANK_1 = textwrap.dedent("""
     import os, signal
     import megatron.core.models.gpt.gpt_model as target
+    import megatron.training.collective_watch as watch
+    # Rank 0 waits this long for other ranks to report the same timeout before naming the
+    # missing ones; the stopped rank never reports, so 1 s says the same as the default 5 s.
+    watch.GRACE_SECONDS = 1.0
     _real = target.GPTModel.forward
     _calls = [0]
 
