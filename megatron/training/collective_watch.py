@@ -3,8 +3,11 @@
 ends the run with one line naming the operation, its group and the ranks that did not arrive,
 after a dump of this rank's last collectives.
 
-The watch wraps torch.distributed's collectives (the ones this code base calls) for the life of
-the run: each call is appended to a small per-rank trace. gloo and NCCL raise when a peer does
+The watch wraps torch.distributed's collectives (the ones this code base calls) and its
+point-to-point operations (``batch_isend_irecv``, as the pipeline schedules and context-parallel
+ring use it, and blocking ``send``/``recv``) for the life of the run: each call is appended to a
+small per-rank trace. A point-to-point operation is reported with its peer; the ranks that
+must arrive are this rank and the peer. gloo and NCCL raise when a peer does
 not show up in time; the wrapper turns that into :class:`CollectiveTimeoutError`. Which ranks
 did not arrive is found through the launcher's store: every rank whose collective timed out
 posts there, and the ranks of the group that do not post within a short grace period (stopped,
@@ -18,7 +21,7 @@ import inspect
 import sys
 import time
 from datetime import timedelta
-from typing import Deque, List, Optional
+from typing import Deque, List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -37,6 +40,10 @@ WATCHED = (
     "gather",
     "scatter",
 )
+# Point-to-point operations: the peer is the only other rank that has to arrive.
+WATCHED_P2P = ("send", "recv")
+# Labels of point-to-point operations start with one of these ("irecv from rank 1").
+P2P_NAMES = ("send", "recv", "isend", "irecv")
 TRACE_LENGTH = 16
 # How long a timed-out rank waits for the other ranks of the group to report the same timeout.
 GRACE_SECONDS = 5.0
@@ -70,6 +77,33 @@ def _is_timeout(exc: BaseException) -> bool:
     return "Timed out" in text or "timed out" in text or "Timeout" in text
 
 
+def _peer_rank(group, peer: Optional[int], group_peer: Optional[int]) -> Optional[int]:
+    """The peer's global rank, given as one (``peer``) or as its rank in ``group``."""
+    if peer is not None or group_peer is None:
+        return peer
+    return group_peer if group is None else dist.get_global_rank(group, group_peer)
+
+
+def _p2p_label(name: str, peer: Optional[int]) -> Tuple[str, List[int]]:
+    """(label, ranks that must arrive) of a point-to-point operation."""
+    direction = "to" if "send" in name else "from"
+    me = dist.get_rank()
+    return f"{name} {direction} rank {peer}", sorted({me, peer} - {None})
+
+
+def _describe(name, signature, args, kwargs) -> Tuple[str, List[int]]:
+    """(label for the trace and the message, ranks that must arrive) of one call."""
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = {}  # let the call itself report its wrong arguments
+    if name not in WATCHED_P2P:
+        return name, _group_ranks(bound.get("group"))
+    end = "dst" if name == "send" else "src"
+    peer = _peer_rank(bound.get("group"), bound.get(end), bound.get(f"group_{end}"))
+    return _p2p_label(name, peer)
+
+
 def _wrap(name, original):
     signature = inspect.signature(original)
 
@@ -77,20 +111,16 @@ def _wrap(name, original):
         watch = _WATCH
         if watch is None or not dist.is_initialized():
             return original(*args, **kwargs)
-        try:
-            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-        except TypeError:
-            group = None  # let the call itself report its wrong arguments
-        ranks = _group_ranks(group)
+        label, ranks = _describe(name, signature, args, kwargs)
         watch.count += 1
-        entry = [watch.count, name, ranks, time.time(), None]
+        entry = [watch.count, label, ranks, time.time(), None]
         watch.trace.append(entry)
         try:
             result = original(*args, **kwargs)
         except RuntimeError as exc:
             if isinstance(exc, CollectiveTimeoutError) or not _is_timeout(exc):
                 raise
-            raise _timed_out(watch, name, ranks) from None
+            raise _timed_out(watch, label, ranks) from None
         if isinstance(result, dist.Work):  # async_op=True: the wait is where it completes
             return _WatchedWork(result, watch, entry)
         entry[4] = time.time()
@@ -101,13 +131,45 @@ def _wrap(name, original):
     return watched
 
 
+def _wrap_batch_isend_irecv(original):
+    """Each operation of the batch gets its own trace entry and a watched handle: a receive
+    whose peer never sends ends, at its ``wait``, like a collective nobody joined."""
+
+    def watched(p2p_op_list):
+        watch = _WATCH
+        if watch is None or not dist.is_initialized():
+            return original(p2p_op_list)
+        works = original(p2p_op_list)
+        handles = []
+        for op, work in zip(p2p_op_list, works):
+            name = getattr(op.op, "__name__", str(op.op))
+            peer = _peer_rank(op.group, op.peer, getattr(op, "group_peer", None))
+            label, ranks = _p2p_label(name, peer)
+            watch.count += 1
+            entry = [watch.count, label, ranks, time.time(), None]
+            watch.trace.append(entry)
+            cpu = op.tensor.device.type == "cpu"
+            handles.append(_WatchedWork(work, watch, entry, cpu_p2p=cpu))
+        return handles
+
+    watched.__wrapped__ = original
+    watched.__name__ = "batch_isend_irecv"
+    return watched
+
+
 class _WatchedWork:
     """An async collective's handle whose ``wait`` is watched like a blocking call."""
 
-    def __init__(self, work, watch: _Watch, entry: list):
+    def __init__(self, work, watch: _Watch, entry: list, cpu_p2p: bool = False):
         self._work, self._watch, self._entry = work, watch, entry
+        self._cpu_p2p = cpu_p2p
 
     def wait(self, *args, **kwargs):
+        if self._cpu_p2p and not args and not kwargs:
+            # gloo's send/recv wait for the timeout their group had when it was made, not the
+            # one --distributed-timeout-seconds-after-init set later: pass the current one.
+            # (Not on GPUs: there a timeout would make NCCL's wait block the CPU thread.)
+            kwargs["timeout"] = self._watch.timeout
         try:
             done = self._work.wait(*args, **kwargs)
         except RuntimeError as exc:
@@ -117,6 +179,12 @@ class _WatchedWork:
             raise _timed_out(self._watch, name, ranks, self._entry[0]) from None
         self._entry[4] = time.time()
         return done
+
+    def is_completed(self) -> bool:
+        completed = self._work.is_completed()
+        if completed and self._entry[4] is None:  # a send nobody waits on: done by now
+            self._entry[4] = time.time()
+        return completed
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -146,10 +214,10 @@ def _timed_out(
     number = watch.count if number is None else number
     missing = _missing_ranks(ranks, watch.count)
     print(f"[rank {rank}] last {len(watch.trace)} collectives (oldest first):", file=sys.stderr)
-    for number, op, group, started, finished in watch.trace:
+    for traced, op, group, started, finished in watch.trace:
         took = f"{finished - started:.3f} s" if finished else "did not complete"
         print(
-            f"[rank {rank}]   #{number} {op} group ranks {group}: {took}",
+            f"[rank {rank}]   #{traced} {op} group ranks {group}: {took}",
             file=sys.stderr,
         )
     sys.stderr.flush()
@@ -160,8 +228,9 @@ def _timed_out(
     else:
         who = "every rank of the group reports the same timeout"
     seconds = watch.timeout.total_seconds()
+    what = "operation" if name.split()[0] in P2P_NAMES else "collective"
     return CollectiveTimeoutError(
-        f"rank {rank}: collective #{number} {name} over group ranks {ranks} did not "
+        f"rank {rank}: {what} #{number} {name} over group ranks {ranks} did not "
         f"complete within {seconds:g} s (--distributed-timeout-minutes / "
         f"--distributed-timeout-seconds-after-init): {who}"
     )
@@ -174,11 +243,13 @@ def install(timeout: timedelta) -> None:
         _WATCH.timeout = timeout
         return
     watch = _Watch(timeout)
-    for name in WATCHED:
+    for name in WATCHED + WATCHED_P2P:
         original = getattr(dist, name, None)
         if original is not None:
             watch.originals[name] = original
             setattr(dist, name, _wrap(name, original))
+    watch.originals["batch_isend_irecv"] = dist.batch_isend_irecv
+    dist.batch_isend_irecv = _wrap_batch_isend_irecv(dist.batch_isend_irecv)
     _WATCH = watch
 
 

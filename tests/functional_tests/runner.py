@@ -177,6 +177,19 @@ def train_metrics(args, nproc, tb_dir):
     }
 
 
+_ONE_PROCESS_RUNS = {}
+
+
+def one_process_metrics(args, tmp_path_factory):
+    """``train_metrics(args, None, ...)``, run once per pytest session for each distinct
+    ``args``: several test modules compare their layouts with the very same one-process run
+    (a start costs seconds; the run is deterministic, so sharing it changes no check)."""
+    key = tuple(args)
+    if key not in _ONE_PROCESS_RUNS:
+        _ONE_PROCESS_RUNS[key] = train_metrics(args, None, tmp_path_factory.mktemp("one_process"))
+    return {name: dict(values) for name, values in _ONE_PROCESS_RUNS[key].items()}
+
+
 # A parallel layout sums in another order than one process: float32 round-off, grown over 10
 # Adam steps. Measured over every layout these tests run (TP, SP, CP, PP, VPP, uneven PP, DP,
 # distributed optimizer, buckets, FSDP2, resumes): at most 1.6e-7 (loss) and 1.6e-6 (grad

@@ -9,6 +9,7 @@ import torch
 from tests.functional_tests.runner import (
     TINY_MODEL,
     assert_same_training,
+    one_process_metrics,
     run_pretrain,
     train_metrics,
 )
@@ -19,7 +20,7 @@ DIST_OPT = ["--use-distributed-optimizer"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return train_metrics(BASE, None, tmp_path_factory.mktemp("distopt_ref"))
+    return one_process_metrics(BASE, tmp_path_factory)
 
 
 def _assert_close(got, ref):

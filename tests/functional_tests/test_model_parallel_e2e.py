@@ -5,6 +5,7 @@ import pytest
 from tests.functional_tests.runner import (
     TINY_MODEL,
     assert_same_training,
+    one_process_metrics,
     read_tensorboard_scalars,
     run_pretrain,
 )
@@ -26,16 +27,10 @@ LLAMA_LIKE = [
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    runs = {}
-    for name, extra in (("gpt", []), ("llama", LLAMA_LIKE)):
-        tb = tmp_path_factory.mktemp(f"ref_{name}")
-        result = run_pretrain(TINY_MODEL + NO_DROPOUT + extra + ["--tensorboard-dir", str(tb)])
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = (
-            read_tensorboard_scalars(tb, "lm loss"),
-            read_tensorboard_scalars(tb, "grad-norm"),
-        )
-    return runs
+    return {
+        name: one_process_metrics(TINY_MODEL + NO_DROPOUT + extra, tmp_path_factory)
+        for name, extra in (("gpt", []), ("llama", LLAMA_LIKE))
+    }
 
 
 @pytest.mark.parametrize(
@@ -53,9 +48,8 @@ def test_layout_matches_single_process(references, model, layout, tmp_path):
         TINY_MODEL + NO_DROPOUT + extra + layout + ["--tensorboard-dir", str(tmp_path)], nproc=2
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    ref, ref_norm = references[model]
     got = {
         "loss": read_tensorboard_scalars(tmp_path, "lm loss"),
         "norm": read_tensorboard_scalars(tmp_path, "grad-norm"),
     }
-    assert_same_training(got, {"loss": ref, "norm": ref_norm}, range(1, 11))
+    assert_same_training(got, references[model], range(1, 11))
