@@ -27,7 +27,13 @@ setup(
     ],
     extras_require={
         # Everything `make test` needs, so that no test is skipped on a fresh machine.
-        "dev": ["pytest>=8", "pytest-timeout>=2.2", "matplotlib>=3.8", "ruff>=0.6"],
+        "dev": [
+            "pytest>=8",
+            "pytest-timeout>=2.2",
+            "pytest-xdist>=3.5",
+            "matplotlib>=3.8",
+            "ruff>=0.6",
+        ],
         "plot": ["matplotlib>=3.8"],
     },
 )
