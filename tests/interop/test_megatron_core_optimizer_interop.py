@@ -36,12 +36,9 @@ from megatron.core import dist_checkpointing as dc
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.parallel_state import initialize_model_parallel
-from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
-from megatron.core.timers import Timers
 from megatron.training import checkpointing, global_vars
 from tests.functional_tests.runner import run_pretrain
-from tests.unit_tests.checkpoint_utils import checkpoint_args
+from tests.unit_tests.checkpoint_utils import checkpoint_args, set_training_globals
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
@@ -106,13 +103,7 @@ class _Ours:
             **arg_overrides,
         )
         args.load, args.save = str(load), str(save)
-        global_vars.reset_globals()
-        global_vars.set_args(args)
-        global_vars.set_parallel_state(initialize_model_parallel())
-        global_vars.set_timers(Timers(0, "minmax"))
-        tracker = RNGStatesTracker("cpu")
-        model_parallel_manual_seed(tracker, 1234)
-        global_vars.set_rng_tracker(tracker)
+        set_training_globals(args)
         torch.manual_seed(99)  # not megatron-core's weights: a load must replace every one
         config = TransformerConfig(
             num_layers=LAYERS,

@@ -30,9 +30,8 @@ def checkpoint_args(tmp_path, ckpt_format: str, **overrides):
     return megatron_args(**{**settings, **overrides})
 
 
-def setup_training_state(args, make_model, bf16: bool = False):
-    """Set the globals a save or load reads (args, groups, timers, RNG tracker), then build
-    ``make_model()``, its optimizer and its LR scheduler."""
+def set_training_globals(args) -> None:
+    """Set the globals a save or load reads: args, groups, timers, RNG tracker."""
     global_vars.reset_globals()
     global_vars.set_args(args)
     global_vars.set_parallel_state(initialize_model_parallel())
@@ -40,9 +39,11 @@ def setup_training_state(args, make_model, bf16: bool = False):
     tracker = RNGStatesTracker("cpu")
     model_parallel_manual_seed(tracker, 1234)
     global_vars.set_rng_tracker(tracker)
-    model = make_model()
-    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=bf16), [model])
-    sched = OptimizerParamScheduler(
+
+
+def make_scheduler(opt) -> OptimizerParamScheduler:
+    """The LR scheduler the checkpoint tests save and load (warmup, then cosine decay)."""
+    return OptimizerParamScheduler(
         opt,
         init_lr=0.0,
         max_lr=1e-2,
@@ -55,4 +56,12 @@ def setup_training_state(args, make_model, bf16: bool = False):
         wd_incr_steps=100,
         wd_incr_style="constant",
     )
-    return model, opt, sched
+
+
+def setup_training_state(args, make_model, bf16: bool = False):
+    """Set the globals a save or load reads (:func:`set_training_globals`), then build
+    ``make_model()``, its optimizer and its LR scheduler."""
+    set_training_globals(args)
+    model = make_model()
+    opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=bf16), [model])
+    return model, opt, make_scheduler(opt)

@@ -20,7 +20,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import shard_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import checkpointing, checkpointing_dist, global_vars
-from tests.unit_tests.checkpoint_utils import checkpoint_args, setup_training_state
+from tests.unit_tests.checkpoint_utils import (
+    checkpoint_args,
+    make_scheduler,
+    setup_training_state,
+)
 
 
 def _args(tmp_path, **kw):
@@ -325,7 +329,6 @@ def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path
 def _distributed_setup(tmp_path, seed):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     model, _opt, _sched = _setup(tmp_path, seed=seed, use_distributed_optimizer=True)
     ddp = DistributedDataParallel(
@@ -335,19 +338,7 @@ def _distributed_setup(tmp_path, seed):
     opt = get_megatron_optimizer(
         OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True), [ddp]
     )
-    sched = OptimizerParamScheduler(
-        opt,
-        init_lr=0.0,
-        max_lr=1e-2,
-        min_lr=1e-3,
-        lr_warmup_steps=2,
-        lr_decay_steps=100,
-        lr_decay_style="cosine",
-        start_wd=0.1,
-        end_wd=0.1,
-        wd_incr_steps=100,
-        wd_incr_style="constant",
-    )
+    sched = make_scheduler(opt)
     return ddp, opt, sched
 
 
