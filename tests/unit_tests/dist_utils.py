@@ -26,8 +26,6 @@ def _worker(rank, world_size, store_path, timeout_s, fn, args, errors, finished)
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    # A rank still running just before the parent gives up prints where it is stuck.
-    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5.0), exit=False, file=sys.stderr)
     import_torch_dynamo_before_process_groups()
     # A file store: no port to pick, so two worlds started at once cannot meet by mistake.
     dist.init_process_group(
@@ -37,6 +35,10 @@ def _worker(rank, world_size, store_path, timeout_s, fn, args, errors, finished)
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+    # A rank still running just before the parent gives up prints where it is stuck. Armed after
+    # start-up: a dump that fires while the process is still importing can kill it (seen once
+    # under load with a 5 s limit: the rank died with SIGSEGV instead of being reported).
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5.0), exit=False, file=sys.stderr)
     try:
         fn(rank, world_size, *args)
         finished[rank] = 1
