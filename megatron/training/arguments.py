@@ -2,8 +2,9 @@
 
 The flags live in megatron/training/argument_groups/ (one `_add_<x>_args` per argparse
 group, registered below); the cross-flag rules of `validate_args` live in
-argument_groups/validation.py; what this code base does with each flag (honoured, no effect
-here, refused) is the table of flag_policy_table.py, applied by flag_policy.py.
+argument_groups/*_rules.py (their shared helpers in validation.py); what this code base does
+with each flag (honoured, no effect here, refused) is the table of flag_policy_table.py,
+applied by flag_policy.py.
 """
 
 import argparse
@@ -11,7 +12,15 @@ import os
 import sys
 
 from megatron.training import flag_policy
-from megatron.training.argument_groups import moe_rules, numerics_rules, rerun_rules
+from megatron.training.argument_groups import (
+    io_rules,
+    model_rules,
+    moe_rules,
+    numerics_rules,
+    parallel_rules,
+    rerun_rules,
+    training_rules,
+)
 from megatron.training.argument_groups import validation as rules
 from megatron.training.argument_groups.all_groups import add_argument_groups
 from megatron.training.argument_groups.data import REMOVED_TOKENIZER_TYPES, add_tokenizer_args
@@ -110,7 +119,7 @@ def parse_and_validate_args(
 
 
 # --------------------------------------------------------------------------------------
-# Validation (the rules themselves are in argument_groups/validation.py)
+# Validation (the rules themselves are in argument_groups/*_rules.py)
 # --------------------------------------------------------------------------------------
 def validate_args(args, defaults=None):
     """Apply `defaults` (only where the arg is None), check every cross-flag rule, fill in
@@ -121,22 +130,22 @@ def validate_args(args, defaults=None):
     _apply_defaults(args, defaults or {})
     # The policy judges what the user gave, before the rules derive other values from it.
     given = argparse.Namespace(**vars(args))
-    rules.translate_deprecated(args)
-    rules.validate_parallel_sizes(args)
-    rules.validate_model_shape(args)
+    model_rules.translate_deprecated(args)
+    parallel_rules.validate_parallel_sizes(args)
+    model_rules.validate_model_shape(args)
     moe_rules.validate_moe(args)
-    rules.validate_batch_size(args)
-    rules.validate_pipeline(args)
+    training_rules.validate_batch_size(args)
+    parallel_rules.validate_pipeline(args)
     numerics_rules.validate_optimizer(args)
     numerics_rules.validate_numerics(args)
-    rules.validate_data_parallel_strategy(args)
-    rules.validate_precision(args)
-    rules.validate_checkpointing(args)
-    rules.validate_schedule(args)
-    rules.validate_recompute(args)
-    rules.validate_data(args)
-    rules.validate_logging(args)
-    rules.validate_misc(args)
+    parallel_rules.validate_data_parallel_strategy(args)
+    training_rules.validate_precision(args)
+    io_rules.validate_checkpointing(args)
+    training_rules.validate_schedule(args)
+    training_rules.validate_recompute(args)
+    io_rules.validate_data(args)
+    io_rules.validate_logging(args)
+    model_rules.validate_misc(args)
     rerun_rules.validate_rerun(args)
     refusal = flag_policy.refusal(given)
     if refusal is not None:

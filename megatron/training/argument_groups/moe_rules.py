@@ -1,5 +1,5 @@
 """Cross-flag rules of the mixture-of-experts flags (Megatron's, plus what this code base does
-not build). The parallel sizes are checked in validation.validate_parallel_sizes."""
+not build). The parallel sizes are checked in parallel_rules.validate_parallel_sizes."""
 
 from .validation import check
 

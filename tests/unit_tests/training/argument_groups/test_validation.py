@@ -1,18 +1,18 @@
-"""Every rule of validate_args (megatron/training/argument_groups/validation.py): for each rule
-a command line that breaks it, and the words its message must contain (the flags at fault and
-their values, in order). test_every_rule_has_a_case reads the rule module and fails when a
-rule has no case below, so a new rule arrives with its test."""
+"""Every rule of validate_args in megatron/training/argument_groups/ (model_rules, parallel_rules,
+training_rules, io_rules): for each rule a command line that breaks it, and the words its
+message must contain (the flags at fault and their values, in order).
+test_every_rule_has_a_case reads the rule modules and fails when a rule has no case below, so a
+new rule arrives with its test."""
 
-import ast
+import functools
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-from megatron.training.argument_groups import validation
+from megatron.training.argument_groups import io_rules, model_rules, parallel_rules, training_rules
 from megatron.training.arguments import ArgumentValidationError
 from tests.unit_tests.tiny_configs import tiny_args
+from tests.unit_tests.training.argument_groups.rule_coverage import fired_rule_sites, rule_sites
 
 FSDP2 = ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
 FSDP2 += ["--untie-embeddings-and-output-weights"]
@@ -956,44 +956,20 @@ def test_tiny_command_line_passes_every_rule():
     assert (args.num_layers, args.hidden_size, args.world_size) == (4, 64, 1)
 
 
-def _rule_sites():
-    """Line numbers of the check(...)/fail(...) calls in the rule module (outside the helpers
-    that define them)."""
-    source = Path(validation.__file__).read_text()
-    sites = set()
-    for function in ast.parse(source).body:
-        if isinstance(function, ast.FunctionDef) and function.name not in ("check", "fail"):
-            for node in ast.walk(function):
-                if (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Name)
-                    and node.func.id in ("check", "fail")
-                ):
-                    sites.add(node.lineno)
-    return sites
+# The modules validation.py's rules were split into (moe_rules and rerun_rules have their own).
+RULE_MODULES = (model_rules, parallel_rules, training_rules, io_rules)
 
 
 def test_every_rule_has_a_case(monkeypatch):
-    fired = set()
-    real_fail = validation.fail
-
-    def recording_fail(message):
-        # The rule is the first frame in the rule module outside check() and fail().
-        frame = sys._getframe(1)
-        while frame.f_code.co_name in ("check", "fail"):
-            frame = frame.f_back
-        fired.add(frame.f_lineno)
-        real_fail(message)
-
-    monkeypatch.setattr(validation, "fail", recording_fail)
-    for param in CASES:
+    def run(param):
         extra, _, world_size, drop, env = param.values
         with monkeypatch.context() as patch:
             for name, value in env.items():
                 patch.setenv(name, value)
-            with pytest.raises(ArgumentValidationError, match=r"\S"):
-                tiny_args(*extra, world_size=world_size, drop=drop)
-    sites = _rule_sites()
-    assert len(sites) > 100  # the module was read
+            tiny_args(*extra, world_size=world_size, drop=drop)
+
+    fired = fired_rule_sites([functools.partial(run, param) for param in CASES], RULE_MODULES)
+    sites = rule_sites(RULE_MODULES)
+    assert len(sites) > 100  # the modules were read
     missing = sorted(sites - fired)
-    assert not missing, f"rules in {validation.__file__} without a case (lines): {missing}"
+    assert not missing, f"rules without a case (file, line): {missing}"
