@@ -1,4 +1,8 @@
-"""The training loop: ``pretrain()``, ``train()`` and ``train_step()``, as in Megatron-LM."""
+"""The training loop: ``pretrain()``, ``train()`` and ``train_step()``, as in Megatron-LM.
+
+Building the model and optimizer is in model_setup.py, the data iterators in data_iterators.py,
+evaluation in evaluation.py and the save/exit decision after each iteration in
+exit_decision.py."""
 
 from __future__ import annotations
 
@@ -6,57 +10,60 @@ import gc
 import sys
 import time
 from datetime import timedelta
-from functools import partial
-from typing import Callable, List, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
-from megatron.core.distributed.distributed_data_parallel import bucket_size_for_num_buckets
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.distributed.torch_fully_sharded_data_parallel import broadcast_module_params
 from megatron.core.enums import ModelType
-from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import NonFiniteValueError, get_model_config
 
 from . import global_vars
 from .argument_groups.validation import ArgumentValidationError
-from .checkpointing import (
-    CheckpointError,
-    convert_checkpoint_and_exit,
-    load_checkpoint,
-    maybe_finalize_async_save,
-    save_checkpoint,
-)
+from .checkpointing import CheckpointError, maybe_finalize_async_save, save_checkpoint
 from .checkpointing_common import check_save_dir_writable
 from .checkpointing_dist import release_async_save_group
 from .collective_watch import CollectiveTimeoutError, set_timeout, uninstall
-from .configs import ddp_config_from_args, optimizer_config_from_args
-from .data_samplers import build_pretraining_data_loader
+from .data_iterators import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
+from .evaluation import evaluate, evaluate_and_print_results
+from .exit_decision import checkpoint_and_decide_exit, save_if_not_saved
 from .flag_errors import BuildFromFlagsError, UserInputError, building
 from .initialize import initialize_megatron, teardown_process_groups
 from .model_families import get_model_family
+from .model_setup import (
+    get_model,
+    get_optimizer_param_scheduler,
+    setup_model_and_optimizer,
+    uses_torch_fsdp2,
+)
 from .moe_logging import collect_moe_losses, moe_loss_scalars, write_per_layer
-from .progress_log import log_checkpoint_saved, log_job_start
+from .progress_log import log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
-from .rerun import build_rerun_state_machine, results_not_validated, wrap_data_iterators
+from .rerun import build_rerun_state_machine, wrap_data_iterators
 from .straggler import StragglerDetector
-from .training_log import print_evaluation, training_log
-from .utils import get_device, print_rank_0
+from .training_log import training_log
+from .utils import get_device, pipeline_schedule_kwargs, print_datetime, print_rank_0
+
+# Megatron's megatron/training/training.py defines these; they live in their own modules here
+# (model_setup, data_iterators, evaluation, utils) and stay importable from this one.
+__all__ = [
+    "build_train_valid_test_data_iterators",
+    "evaluate",
+    "evaluate_and_print_results",
+    "get_model",
+    "get_optimizer_param_scheduler",
+    "get_train_valid_test_num_samples",
+    "leave_process_group",
+    "pretrain",
+    "print_datetime",
+    "setup_model_and_optimizer",
+    "train",
+    "train_step",
+    "uses_torch_fsdp2",
+]
 
 _TRAIN_START_TIME = None
-
-
-def print_datetime(message: str) -> None:
-    from datetime import datetime
-
-    if dist.is_initialized():
-        dist.barrier()
-    print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
 
 
 # Errors caused by what the user gave us (files, flags): one line on stderr, exit code 1, no
@@ -210,16 +217,10 @@ def _pretrain(
             config,
         )
         print_datetime("after training is done")
-        if (
-            exit_code is None
-            and args.save
-            and iteration != 0
-            and iteration != args.last_saved_iteration
-        ):
-            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
-            args.last_saved_iteration = iteration
-            if args.log_progress:
-                log_checkpoint_saved(args, iteration, flops, _TRAIN_START_TIME)
+        if exit_code is None and iteration != 0:
+            save_if_not_saved(
+                iteration, model, optimizer, opt_param_scheduler, flops, _TRAIN_START_TIME
+            )
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
     maybe_finalize_async_save(blocking=True)  # an --async-save checkpoint is complete before exit
@@ -283,307 +284,6 @@ def _finish_writers():
         wandb_writer.finish()
 
 
-def get_model(
-    model_provider: Callable,
-    model_type: ModelType = ModelType.encoder_or_decoder,
-    wrap_with_ddp: bool = True,
-) -> List[torch.nn.Module]:
-    """Build this rank's model chunk(s), move them to the device, cast and wrap in DDP."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    # One chunk per virtual stage; the model builds the layers of its (virtual) stage itself.
-    pp_rank, pp_size = state.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
-    num_chunks = args.virtual_pipeline_model_parallel_size or 1
-    chunks = []
-    for vp_stage in range(num_chunks):
-        model = model_provider(
-            pre_process=pp_rank == 0 and vp_stage == 0,
-            post_process=pp_rank == pp_size - 1 and vp_stage == num_chunks - 1,
-            vp_stage=vp_stage if num_chunks > 1 else None,
-        )
-        chunks.extend(model if isinstance(model, list) else [model])
-    for chunk in chunks:
-        chunk.model_type = model_type
-
-    if state.get_data_parallel_rank() == 0 and state.get_context_parallel_rank() == 0:
-        num_params = sum(sum(p.nelement() for p in chunk.parameters()) for chunk in chunks)
-        print(
-            " > number of parameters on (tensor, pipeline) model parallel rank ({}, {}): {}".format(
-                state.get_tensor_model_parallel_rank(),
-                state.get_pipeline_model_parallel_rank(),
-                num_params,
-            ),
-            flush=True,
-        )
-
-    device = get_device()
-    chunks = [chunk.to(device) for chunk in chunks]
-    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
-        # The last stage's output weight starts as a copy of the first stage's word embedding.
-        if state.is_pipeline_first_stage():
-            chunks[0].sync_shared_embedding(state.get_embedding_group())
-        if state.is_pipeline_last_stage():
-            chunks[-1].sync_shared_embedding(state.get_embedding_group())
-    if args.fp16 or args.bf16:
-        chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
-    if not wrap_with_ddp:
-        return chunks
-    ddp_config = ddp_config_from_args(args)
-    dp_cp_group = state.get_data_parallel_group(with_context_parallel=True)
-    if uses_torch_fsdp2(args):
-        # FSDP2 (also --use-megatron-fsdp with optim_grads_params): no DDP wrapper, grads come
-        # from FSDP's reduce-scatter. Each rank shards its own copy, so they must agree first.
-        wrapped = []
-        for chunk in chunks:
-            if getattr(args, "data_parallel_random_init", False):
-                broadcast_module_params(chunk, dp_cp_group)
-            wrapped.append(
-                TorchFullyShardedDataParallel(
-                    ddp_config,
-                    chunk,
-                    dp_cp_group,
-                    reshard_after_forward=getattr(args, "torch_fsdp2_reshard_after_forward", True),
-                )
-            )
-        return wrapped
-    if args.ddp_num_buckets:
-        ddp_config.bucket_size = bucket_size_for_num_buckets(chunks, args.ddp_num_buckets)
-    wrapped = []
-    for chunk in chunks:
-        ddp = DistributedDataParallel(
-            ddp_config,
-            chunk,
-            dp_cp_group,
-            expert_data_parallel_group=state.get_expert_data_parallel_group(),
-        )
-        # Replicas are seeded identically, so their weights agree unless seeded per DP rank.
-        if getattr(args, "data_parallel_random_init", False):
-            ddp.broadcast_params()
-        machine = global_vars.get_rerun_state_machine()
-        if machine is not None:  # tools build models without one
-            ddp.set_rerun_state_machine(machine)
-        wrapped.append(ddp)
-    return wrapped
-
-
-def uses_torch_fsdp2(args) -> bool:
-    """Whether the chunks are sharded with FSDP2: --use-torch-fsdp2, or --use-megatron-fsdp with
-    --data-parallel-sharding-strategy optim_grads_params (the strategy this code base maps onto
-    FSDP2; optim/optim_grads map onto the distributed optimizer, no_shard onto plain DDP)."""
-    if getattr(args, "use_torch_fsdp2", False):
-        return True
-    return (
-        bool(getattr(args, "use_megatron_fsdp", False))
-        and getattr(args, "data_parallel_sharding_strategy", None) == "optim_grads_params"
-    )
-
-
-def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
-    """The learning-rate and weight-decay scheduler (Megatron's); its steps count samples."""
-    args = global_vars.get_args()
-    if args.train_iters is not None and args.train_samples is None:
-        lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
-        wd_incr_steps = args.train_iters * args.global_batch_size
-        wsd_decay_steps = (
-            args.lr_wsd_decay_iters * args.global_batch_size
-            if getattr(args, "lr_wsd_decay_iters", None)
-            else None
-        )
-        warmup_steps = (
-            args.lr_warmup_fraction * lr_decay_steps
-            if args.lr_warmup_fraction is not None
-            else args.lr_warmup_iters * args.global_batch_size
-        )
-    else:
-        lr_decay_steps = args.lr_decay_samples or args.train_samples
-        wd_incr_steps = args.train_samples
-        wsd_decay_steps = getattr(args, "lr_wsd_decay_samples", None)
-        warmup_steps = (
-            args.lr_warmup_fraction * lr_decay_steps
-            if args.lr_warmup_fraction is not None
-            else args.lr_warmup_samples
-        )
-    start_wd = args.start_weight_decay if args.start_weight_decay is not None else args.weight_decay
-    end_wd = args.end_weight_decay if args.end_weight_decay is not None else args.weight_decay
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps,
-        lr_decay_steps=lr_decay_steps,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=start_wd,
-        end_wd=end_wd,
-        wd_incr_steps=wd_incr_steps,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        wsd_decay_steps=wsd_decay_steps,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-    )
-
-
-def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    timers = global_vars.get_timers()
-    fsdp2 = uses_torch_fsdp2(args)
-    if fsdp2 and (
-        args.load is not None
-        or getattr(args, "pretrained_checkpoint", None) is not None
-        or args.save is not None
-    ):
-        raise ValueError(
-            "checkpoints of FSDP2-sharded models (--use-torch-fsdp2 / --use-megatron-fsdp) "
-            "cannot be saved or loaded yet: drop --save/--load/--pretrained-checkpoint"
-        )
-    model = get_model(model_provider, model_type)
-    stats_group = state.get_model_parallel_group() if state.size("mp") > 1 else None
-    if fsdp2:
-        # The optimizer steps this rank's shards; a parameter's shards live on different DP ranks,
-        # so norms, zero counts and the inf check reduce over TP x DP x CP (PP is 1 with FSDP2).
-        chunks_to_optimize = [chunk.local_shards() for chunk in model]
-        stats_group = state.group("tp-dp-cp") if state.size("tp-dp-cp") > 1 else None
-    elif args.use_distributed_optimizer:
-        # The distributed optimizer shards the DDP buckets, so it needs the DDP wrappers.
-        chunks_to_optimize = model
-    else:
-        chunks_to_optimize = [chunk.module for chunk in model]
-    if getattr(args, "use_layer_wise_distributed_optimizer", False):
-        # Each DP rank owns whole params: their norms and inf flags are summed over all ranks.
-        stats_group = dist.group.WORLD if dist.is_initialized() else None
-    optimizer_config = optimizer_config_from_args(args, timers)
-    model_config = get_model_config(model[0])
-    if getattr(model_config, "use_mup", False):
-        optimizer_config.mup_width_mult = model_config.mup_width_mult
-    optimizer = get_megatron_optimizer(
-        optimizer_config,
-        chunks_to_optimize,
-        model_parallel_group=stats_group,
-        tp_rank=state.get_tensor_model_parallel_rank(),
-        tp_group=state.get_tensor_model_parallel_group(),
-        data_parallel_group=state.get_data_parallel_group(with_context_parallel=True),
-    )
-    if _has_expert_params(model) and dist.is_initialized():
-        # Expert grads differ across EP ranks: their norms and inf flags also reduce over
-        # the expert-tensor x expert x pipeline group.
-        optimizer.expert_parallel_group = state.group("tp-ep-pp")
-        optimizer.expert_tp_rank = state.get_expert_tensor_parallel_rank()
-    opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
-    for chunk in model:
-        config = get_model_config(chunk)
-        config.grad_scale_func = optimizer.scale_loss if args.fp16 else None
-        config.timers = timers
-        config.calculate_per_token_loss = getattr(args, "calculate_per_token_loss", False)
-        config.microbatch_group_size_per_vp_stage = args.microbatch_group_size_per_vp_stage
-        config.rng_tracker = global_vars.get_rng_tracker()
-        # The schedules hand the gradients (and the token count) to it after the last backward.
-        config.finalize_model_grads_func = partial(
-            finalize_model_grads, parallel_state=state, timers=timers
-        )
-
-    args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
-    if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
-        timers("load-checkpoint", log_level=0).start(barrier=True)
-        args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
-            model,
-            optimizer,
-            opt_param_scheduler,
-            load_arg="load" if args.load is not None else "pretrained_checkpoint",
-        )
-        timers("load-checkpoint").stop(barrier=True)
-        timers.log(["load-checkpoint"])
-    args.last_saved_iteration = args.iteration if args.iteration > 0 else None
-    if getattr(args, "ckpt_convert_format", None) is not None:
-        convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler)
-    return model, optimizer, opt_param_scheduler
-
-
-def get_train_valid_test_num_samples():
-    """Samples the train, validation and test datasets must hold (Megatron's targets)."""
-    args = global_vars.get_args()
-    train_samples = (
-        args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
-    )
-    eval_iters = args.eval_iters
-    eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
-    if getattr(args, "full_validation", False):
-        valid = None
-    elif args.eval_interval:
-        valid = (args.train_iters // args.eval_interval + 1) * eval_iters * eval_gbs
-    else:
-        valid = eval_iters * eval_gbs
-    test = eval_iters * eval_gbs
-    return train_samples, valid, test
-
-
-def build_train_valid_test_data_iterators(provider: Callable):
-    """Datasets (once), samplers from the consumed-sample counts, loaders, iterators."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    if args.iteration > 0 and args.consumed_train_samples == 0:
-        args.consumed_train_samples = args.iteration * args.global_batch_size
-    if args.iteration > 0 and args.consumed_valid_samples == 0 and args.eval_interval:
-        args.consumed_valid_samples = (
-            (args.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-        )
-    train_n, valid_n, test_n = get_train_valid_test_num_samples()
-    print_rank_0(" > datasets target sizes (minimum size):")
-    print_rank_0("    train:      {}".format(train_n))
-    print_rank_0("    validation: {}".format(valid_n))
-    print_rank_0("    test:       {}".format(test_n))
-    train_ds, valid_ds, test_ds = provider([train_n, valid_n, test_n])
-    dp_rank = state.get_data_parallel_rank()
-    dp_size = state.get_data_parallel_world_size()
-    train_loader = build_pretraining_data_loader(
-        train_ds, args.consumed_train_samples, args, dp_rank, dp_size
-    )
-    valid_loader = (
-        build_pretraining_data_loader(valid_ds, args.consumed_valid_samples, args, dp_rank, dp_size)
-        if valid_ds is not None and len(valid_ds) > args.consumed_valid_samples
-        else None
-    )
-    test_loader = (
-        build_pretraining_data_loader(test_ds, 0, args, dp_rank, dp_size)
-        if test_ds is not None
-        else None
-    )
-    args.do_train = train_loader is not None and args.train_iters > 0
-    args.do_valid = valid_loader is not None and args.eval_iters > 0
-    args.do_test = test_loader is not None and args.eval_iters > 0
-
-    def as_iter(loader):
-        if loader is None:
-            return None
-        return iter(loader) if args.dataloader_type == "single" else _cyclic(loader)
-
-    num_chunks = args.virtual_pipeline_model_parallel_size or 1
-    if num_chunks == 1:
-        return as_iter(train_loader), as_iter(valid_loader), as_iter(test_loader)
-
-    # Interleaved schedule: every model chunk walks its own iterator over the same samples.
-    def per_chunk(dataset, consumed):
-        if dataset is None or len(dataset) <= consumed:
-            return None
-        return [
-            as_iter(build_pretraining_data_loader(dataset, consumed, args, dp_rank, dp_size))
-            for _ in range(num_chunks)
-        ]
-
-    return (
-        per_chunk(train_ds, args.consumed_train_samples),
-        per_chunk(valid_ds, args.consumed_valid_samples),
-        per_chunk(test_ds, 0),
-    )
-
-
-def _cyclic(loader):
-    while True:
-        for batch in loader:
-            yield batch
-
-
 def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
     """One iteration: all micro-batches, gradient sync, optimizer and scheduler step."""
     args = global_vars.get_args()
@@ -610,7 +310,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
-            **_pipeline_kwargs(args, state),
+            **pipeline_schedule_kwargs(args, state),
         )
         timers("forward-backward").stop()
     should_checkpoint, should_exit, exit_code = machine.should_checkpoint_and_exit()
@@ -652,15 +352,6 @@ class RerunExit(Exception):
         super().__init__(f"rerun state machine exit {exit_code}")
         self.should_checkpoint = should_checkpoint
         self.exit_code = exit_code
-
-
-def _has_expert_params(model) -> bool:
-    return any(not getattr(p, "allreduce", True) for chunk in model for p in chunk.parameters())
-
-
-def _pipeline_kwargs(args, state) -> dict:
-    """The pipeline schedules need the groups; the no-pipelining schedule takes none."""
-    return {"pg_collection": state} if args.pipeline_model_parallel_size > 1 else {}
 
 
 def _reduce_losses(losses_reduced, state):
@@ -846,105 +537,9 @@ def _train_loop(
             )
             if args.manual_gc and args.manual_gc_eval:
                 gc.collect()
-        exit_code = _checkpoint_and_decide_exit(
-            model, optimizer, opt_param_scheduler, iteration, flops
+        exit_code = checkpoint_and_decide_exit(
+            model, optimizer, opt_param_scheduler, iteration, flops, _TRAIN_START_TIME
         )
         if exit_code is not None:
             break
     return iteration, flops, exit_code
-
-
-def _checkpoint_and_decide_exit(
-    model, optimizer, opt_param_scheduler, iteration, flops
-) -> Optional[int]:
-    """Save on the interval; on a signal, --exit-interval or --exit-duration-in-mins save and
-    stop."""
-    args = global_vars.get_args()
-    handler = global_vars.get_signal_handler()
-
-    def save():
-        if args.save and args.last_saved_iteration != iteration:
-            save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
-            args.last_saved_iteration = iteration
-            if args.log_progress:
-                log_checkpoint_saved(args, iteration, flops, _TRAIN_START_TIME)
-
-    if handler is not None and handler.signals_received():
-        save()
-        print_datetime(
-            "exiting program after receiving "
-            f"{handler.sig.name if hasattr(handler.sig, 'name') else 'a signal'}"
-        )
-        return 0
-    if args.save and args.save_interval and iteration % args.save_interval == 0:
-        save()
-    if args.exit_duration_in_mins:
-        elapsed = torch.tensor([(time.time() - _TRAIN_START_TIME) / 60.0], device=get_device())
-        if dist.is_initialized():
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if elapsed.item() > args.exit_duration_in_mins:
-            save()
-            print_datetime(f"exiting program after {elapsed.item():.2f} minutes")
-            return 0
-    if args.exit_interval and iteration % args.exit_interval == 0:
-        save()
-        print_datetime(f"exiting program at iteration {iteration}")
-        return 0
-    return None
-
-
-def evaluate(
-    forward_step_func, data_iterator, model, config, verbose: bool = False, eval_iters: int = None
-):
-    """Forward-only over --eval-iters batches; Σ loss / Σ tokens, reduced over DP×CP."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    for chunk in model:
-        chunk.eval()
-    eval_iters = eval_iters if eval_iters is not None else args.eval_iters
-    forward_backward_func = get_forward_backward_func(
-        args.pipeline_model_parallel_size,
-        getattr(args, "virtual_pipeline_model_parallel_size", None),
-    )
-    totals = {}
-    eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
-    eval_mbs = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
-    num_microbatches = eval_gbs // (eval_mbs * args.data_parallel_size)
-    with torch.no_grad(), results_not_validated():
-        for step in range(eval_iters):
-            if verbose:
-                print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
-            losses = forward_backward_func(
-                forward_step_func=forward_step_func,
-                data_iterator=data_iterator,
-                model=model,
-                num_microbatches=num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=eval_mbs,
-                forward_only=True,
-                **_pipeline_kwargs(args, state),
-            )
-            if state.is_pipeline_last_stage():
-                for loss in losses:
-                    for key, value in loss.items():
-                        value = value.detach().float().view(-1).to(get_device())
-                        if value.numel() != 2:
-                            value = torch.stack([value.sum(), torch.ones((), device=value.device)])
-                        totals[key] = totals.get(key, torch.zeros(2, device=value.device)) + value
-            args.consumed_valid_samples += eval_gbs
-    for chunk in model:
-        chunk.train()
-    result = {}
-    for key, total in totals.items():
-        if dist.is_initialized():
-            dist.all_reduce(total, group=state.get_data_parallel_group(with_context_parallel=True))
-        result[key] = (total[0] / total[1]).item()
-    return result
-
-
-def evaluate_and_print_results(
-    prefix, forward_step_func, data_iterator, model, iteration, config, verbose=False, test=False
-):
-    args = global_vars.get_args()
-    totals = evaluate(forward_step_func, data_iterator, model, config, verbose)
-    return print_evaluation(prefix, totals, iteration, args.consumed_train_samples, test=test)

@@ -34,9 +34,25 @@ def print_rank_last(message: str) -> None:
 
 
 def get_device():
+    """The device this process computes on: its local GPU, or the CPU."""
     import torch
 
-    """The device this process computes on: its local GPU, or the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def print_datetime(message: str) -> None:
+    """Megatron's ``[message] datetime: ...`` line on rank 0, once every rank got there."""
+    from datetime import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    print_rank_0(f"[{message}] datetime: {datetime.now().strftime('%Y-%m-%d %H:%M:%S')} ")
+
+
+def pipeline_schedule_kwargs(args, state) -> dict:
+    """The pipeline schedules need the groups; the no-pipelining schedule takes none."""
+    return {"pg_collection": state} if args.pipeline_model_parallel_size > 1 else {}

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from megatron.training import global_vars, training
+from megatron.training import exit_decision, global_vars
 from tests.unit_tests.dist_utils import run_distributed
 
 
@@ -24,8 +24,8 @@ def _decide(rank, world_size, minutes_running, results):
         )
     )
     global_vars.set_signal_handler(None)
-    training._TRAIN_START_TIME = time.time() - 60.0 * minutes_running[rank]
-    results.put((rank, training._checkpoint_and_decide_exit(None, None, None, 7, 0.0)))
+    start = time.time() - 60.0 * minutes_running[rank]
+    results.put((rank, exit_decision.checkpoint_and_decide_exit(None, None, None, 7, 0.0, start)))
 
 
 @pytest.mark.parametrize(

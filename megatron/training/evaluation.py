@@ -1,0 +1,71 @@
+"""Evaluation on the validation and test sets: forward-only passes over --eval-iters batches
+and Megatron's report of their loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+from . import global_vars
+from .rerun import results_not_validated
+from .training_log import print_evaluation
+from .utils import get_device, pipeline_schedule_kwargs, print_rank_0
+
+
+def evaluate(
+    forward_step_func, data_iterator, model, config, verbose: bool = False, eval_iters: int = None
+):
+    """Forward-only over --eval-iters batches; Σ loss / Σ tokens, reduced over DP×CP."""
+    args = global_vars.get_args()
+    state = global_vars.get_parallel_state()
+    for chunk in model:
+        chunk.eval()
+    eval_iters = eval_iters if eval_iters is not None else args.eval_iters
+    forward_backward_func = get_forward_backward_func(
+        args.pipeline_model_parallel_size,
+        getattr(args, "virtual_pipeline_model_parallel_size", None),
+    )
+    totals = {}
+    eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
+    eval_mbs = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
+    num_microbatches = eval_gbs // (eval_mbs * args.data_parallel_size)
+    with torch.no_grad(), results_not_validated():
+        for step in range(eval_iters):
+            if verbose:
+                print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
+            losses = forward_backward_func(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=num_microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=eval_mbs,
+                forward_only=True,
+                **pipeline_schedule_kwargs(args, state),
+            )
+            if state.is_pipeline_last_stage():
+                for loss in losses:
+                    for key, value in loss.items():
+                        value = value.detach().float().view(-1).to(get_device())
+                        if value.numel() != 2:
+                            value = torch.stack([value.sum(), torch.ones((), device=value.device)])
+                        totals[key] = totals.get(key, torch.zeros(2, device=value.device)) + value
+            args.consumed_valid_samples += eval_gbs
+    for chunk in model:
+        chunk.train()
+    result = {}
+    for key, total in totals.items():
+        if dist.is_initialized():
+            dist.all_reduce(total, group=state.get_data_parallel_group(with_context_parallel=True))
+        result[key] = (total[0] / total[1]).item()
+    return result
+
+
+def evaluate_and_print_results(
+    prefix, forward_step_func, data_iterator, model, iteration, config, verbose=False, test=False
+):
+    args = global_vars.get_args()
+    totals = evaluate(forward_step_func, data_iterator, model, config, verbose)
+    return print_evaluation(prefix, totals, iteration, args.consumed_train_samples, test=test)
