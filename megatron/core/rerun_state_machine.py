@@ -20,6 +20,8 @@ iterators are :class:`RerunDataIterator`, which replay the micro-batches of the 
 
 Megatron keeps one machine in a module-level singleton; here it is an object owned by the
 training loop and handed to whoever validates results. Log lines and exit codes are Megatron's.
+The data iterator (rerun_data_iterator.py) and the report_stats samples (rerun_stats.py) live in
+modules of their own and are importable from here too, as in Megatron.
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ import random
 import socket
 from collections import defaultdict
 from enum import Enum
-from typing import Any, Callable, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.rerun_data_iterator import RerunDataIterator
+from megatron.core.rerun_stats import QuickStats
 from megatron.core.utils import NonFiniteValueError
 
 logger = logging.getLogger(__name__)
@@ -120,61 +124,6 @@ def compare_floats(a: torch.Tensor, b: torch.Tensor) -> float:
     return math.fabs((af - bf) / (af + bf) * 2)
 
 
-class QuickStats:
-    """Distribution of the relative differences seen by one caller in ``report_stats`` mode."""
-
-    def __init__(self, max_size: int = 100000) -> None:
-        self.samples: List[float] = []
-        self.pos = 0
-        self.zero_cnt = 0
-        self.max = 0.0
-        self.max_size = max_size
-
-    def record(self, value: float) -> None:
-        if value == 0.0:
-            self.zero_cnt += 1
-            return
-        if self.pos < self.max_size:
-            self.samples.append(value)
-        else:  # keep the last max_size samples
-            self.samples[self.pos % self.max_size] = value
-        self.pos += 1
-        self.max = max(self.max, value)
-
-    def combine(self, others: List["QuickStats"]) -> None:
-        """Add the samples of other ranks' stats."""
-        if not others:
-            return
-        if len(self.samples) + sum(len(o.samples) for o in others) <= self.max_size:
-            for other in others:
-                self.samples.extend(other.samples)
-            self.pos = len(self.samples)
-        self.zero_cnt += sum(o.zero_cnt for o in others)
-        self.max = max([self.max] + [o.max for o in others])
-
-    def reset(self) -> None:
-        self.samples, self.pos, self.zero_cnt, self.max = [], 0, 0, 0.0
-
-    def print_stats(self) -> str:
-        """Megatron's one-line summary."""
-        self.samples.sort()
-        zeros, n = self.zero_cnt, len(self.samples)
-        if n == 0:
-            return f"{zeros:,} samples, all identical"
-        total = zeros + n
-        average = sum(self.samples) / total
-        percentiles = {}
-        for p in (0.5, 0.9, 0.99, 0.999):
-            # Identical samples (zeros) sort first and are not stored.
-            index = int(total * p) - zeros
-            percentiles[p] = f"{self.samples[index]:.3E}" if index >= 0 else "0.0"
-        return (
-            f"{total:,}/{zeros:,} total/identical samples, rel. variability: avg= {average:.3E}, "
-            f"p50= {percentiles[0.5]}, p90= {percentiles[0.9]}, p99= {percentiles[0.99]}, "
-            f"p99.9= {percentiles[0.999]}, max: {self.max:.3E}"
-        )
-
-
 class RerunErrorInjector:
     """``--error-injection-rate N`` / ``--error-injection-type``: on about one validation in N
     (per rank), reject a good result and make the re-runs behave as the chosen diagnostic would.
@@ -249,57 +198,6 @@ class RerunErrorInjector:
         self.error_injection_type = RerunDiagnostic(state["error_injection_type"])
         injected = state["injected_error_type"]
         self.injected_error_type = None if injected is None else RerunDiagnostic(injected)
-
-
-class RerunDataIterator:
-    """A data iterator that records the micro-batches of the current iteration and can replay
-    them (``rewind``) for a re-run; ``advance`` forgets them at the next iteration."""
-
-    def __init__(self, iterable: Iterable[Any], record: bool = True) -> None:
-        self.iterable: Iterator[Any] = iter(iterable)
-        self.record = record
-        """False with ``--rerun-mode disabled``: nothing is kept."""
-        self.saved_microbatches: List[Any] = []
-        self.replaying = False
-        self.replay_pos = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Any:
-        if self.replaying:
-            if self.replay_pos >= len(self.saved_microbatches):
-                raise RuntimeError(
-                    "the re-run asked for more micro-batches than the initial run used "
-                    "(the iteration's control flow is not deterministic)"
-                )
-            batch = self.saved_microbatches[self.replay_pos]
-            self.replay_pos += 1
-            return batch
-        batch = next(self.iterable)
-        if self.record:
-            self.saved_microbatches.append(batch)
-        return batch
-
-    def rewind(self) -> None:
-        self.replaying = True
-        self.replay_pos = 0
-
-    def advance(self) -> None:
-        self.replaying = False
-        self.saved_microbatches = []
-
-    def state_dict(self) -> dict:
-        return {
-            "saved_microbatches": self.saved_microbatches,
-            "replaying": self.replaying,
-            "replay_pos": self.replay_pos,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.saved_microbatches = list(state["saved_microbatches"])
-        self.replaying = bool(state["replaying"])
-        self.replay_pos = int(state["replay_pos"])
 
 
 DataIterators = Optional[Union[RerunDataIterator, List[Optional[RerunDataIterator]]]]
