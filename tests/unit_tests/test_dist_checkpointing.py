@@ -246,56 +246,6 @@ def test_round_trip_resumes_exactly(tmp_path, dtype):
         assert torch.equal(a, b)
 
 
-def _train_gpt(model, opt, sched, steps, seed):
-    from tests.unit_tests.tiny_configs import TINY_SEQ, TINY_VOCAB
-
-    g = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(0, TINY_VOCAB, (2, TINY_SEQ), generator=g)
-        positions = torch.arange(TINY_SEQ).unsqueeze(0).expand_as(tokens)
-        opt.zero_grad()
-        loss = model(tokens, positions, None, labels=tokens.roll(-1, 1)).mean()
-        loss.backward()
-        opt.step()
-        sched.step(2)
-        losses.append(loss.item())
-    return losses
-
-
-@pytest.mark.parametrize("per_layer", [True, False], ids=["old-per-layer-keys", "megatron-keys"])
-def test_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monkeypatch, per_layer):
-    # Checkpoints written here before the Megatron layout keyed each layer on its own
-    # (decoder.layers.1.input_layernorm.weight): they must still resume, model and optimizer.
-    from tests.unit_tests.tiny_configs import tiny_gpt_model
-
-    model, opt, sched = _setup(tmp_path, model=tiny_gpt_model(seed=0))
-    _train_gpt(model, opt, sched, 2, seed=1)
-    if per_layer:
-        writer = checkpointing_dist._sharded_model
-        monkeypatch.setattr(
-            checkpointing_dist,
-            "_sharded_model",
-            lambda m, s, megatron_layout=True: writer(m, s, megatron_layout=False),
-        )
-    checkpointing.save_checkpoint(2, model, opt, sched, 0.0)
-    monkeypatch.undo()
-    keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(_iter_dir(tmp_path, 2)))))
-    layer_key = (
-        "decoder.layers.1.input_layernorm.weight"
-        if per_layer
-        else "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
-    )
-    assert {layer_key, "optimizer.state.exp_avg." + layer_key} <= keys
-    straight = _train_gpt(model, opt, sched, 2, seed=2)
-
-    model2, opt2, sched2 = _setup(tmp_path, model=tiny_gpt_model(seed=5))
-    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 2
-    assert _train_gpt(model2, opt2, sched2, 2, seed=2) == straight
-    for (name, a), b in zip(model.named_parameters(), model2.parameters()):
-        assert torch.equal(a, b), name
-
-
 def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path, monkeypatch):
     # Megatron-LM's default distributed-optimizer layout keys its flat per-bucket state
     # optimizer.distributed.dp_group_idx_<i>.*: written here by renaming our entries.

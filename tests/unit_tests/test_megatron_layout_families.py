@@ -1,5 +1,6 @@
 """Megatron-LM's torch_dist layout for the other model families: MoE GPT (the expert axis),
-BERT and T5 (the blocks' prefixes, cross-attention, the output layer's extra state).
+BERT and T5 (the blocks' prefixes, cross-attention, the output layer's extra state); and GPT and
+MoE GPT checkpoints in the older per-layer keys still resuming.
 
 The keys are the ones megatron-core 0.16.1 writes (compared with the real megatron-core in
 tests/interop/test_model_families_layout.py); here, without it: the rows on our side, save and
@@ -18,8 +19,13 @@ from megatron.core.dist_checkpointing.megatron_layout import (
     unstack,
 )
 from megatron.training import checkpointing, checkpointing_dist
-from tests.unit_tests.test_dist_checkpointing import _iter_dir, _setup, _train_gpt
-from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config
+from tests.unit_tests.test_dist_checkpointing import _iter_dir, _setup
+from tests.unit_tests.tiny_configs import (
+    TINY_SEQ,
+    TINY_VOCAB,
+    tiny_gpt_model,
+    tiny_transformer_config,
+)
 
 
 def test_experts_of_an_expert_parallel_rank_get_the_global_expert_axis():
@@ -170,11 +176,43 @@ def test_moe_gpt_writes_megatron_keys():
     assert {k: v.shape for k, v in unstack(full).items()} == ours
 
 
+def _train_gpt(model, opt, sched, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, TINY_VOCAB, (2, TINY_SEQ), generator=g)
+        positions = torch.arange(TINY_SEQ).unsqueeze(0).expand_as(tokens)
+        opt.zero_grad()
+        loss = model(tokens, positions, None, labels=tokens.roll(-1, 1)).mean()
+        loss.backward()
+        opt.step()
+        sched.step(2)
+        losses.append(loss.item())
+    return losses
+
+
+# Checkpoints written here before the Megatron layout keyed each layer (and each expert) on its
+# own: they must still resume, model and optimizer. Per model: its config, then one layer's key
+# in the old per-layer layout and in Megatron's.
+RESUME_MODELS = {
+    "gpt": (
+        lambda: None,
+        "decoder.layers.1.input_layernorm.weight",
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    ),
+    "moe": (
+        _moe_config,
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
+        "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+    ),
+}
+
+
 @pytest.mark.parametrize("per_layer", [True, False], ids=["old-per-layer-keys", "megatron-keys"])
-def test_moe_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monkeypatch, per_layer):
-    # MoE checkpoints written here before the expert axis kept one key per layer and expert
-    # (decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight): they must still resume.
-    model, opt, sched = _setup(tmp_path, model=tiny_gpt_model(_moe_config(), seed=0))
+@pytest.mark.parametrize("family", list(RESUME_MODELS))
+def test_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monkeypatch, family, per_layer):
+    make_config, old_key, megatron_key = RESUME_MODELS[family]
+    model, opt, sched = _setup(tmp_path, model=tiny_gpt_model(make_config(), seed=0))
     _train_gpt(model, opt, sched, 2, seed=1)
     if per_layer:
         writer = checkpointing_dist._sharded_model
@@ -186,15 +224,11 @@ def test_moe_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monke
     checkpointing.save_checkpoint(2, model, opt, sched, 0.0)
     monkeypatch.undo()
     keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(_iter_dir(tmp_path, 2)))))
-    expert_key = (
-        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
-        if per_layer
-        else "decoder.layers.mlp.experts.experts.linear_fc1.weight"
-    )
-    assert {expert_key, "optimizer.state.exp_avg." + expert_key} <= keys
+    layer_key = old_key if per_layer else megatron_key
+    assert {layer_key, "optimizer.state.exp_avg." + layer_key} <= keys
     straight = _train_gpt(model, opt, sched, 2, seed=2)
 
-    model2, opt2, sched2 = _setup(tmp_path, model=tiny_gpt_model(_moe_config(), seed=5))
+    model2, opt2, sched2 = _setup(tmp_path, model=tiny_gpt_model(make_config(), seed=5))
     assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 2
     assert _train_gpt(model2, opt2, sched2, 2, seed=2) == straight
     for (name, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
