@@ -11,7 +11,9 @@ Two parts, as in Megatron's report:
   master copy, and with 16-bit gradients the fp32 copy of the gradient the optimizer steps on).
   ``--use-distributed-optimizer`` divides the optimizer state by the data-parallel x
   context-parallel size (the group the distributed optimizer shards over): fp32 16 -> 8 + 8/d,
-  bf16 with fp32 grads 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d bytes per parameter.
+  bf16 with fp32 grads 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d bytes per parameter. The routed
+  experts' state is sharded over the expert-data-parallel group instead, world / (expert TP x
+  EP x PP) = DP x CP x TP / (EP x ETP) ranks.
 * **activations**: Korthikanti et al. 2022 (Megatron's formula), for the micro-batches in flight
   on this pipeline rank. Per layer and micro-batch, in bytes with 16-bit activations:
   ``s*b*h*(18 + 4*ffn/h) + 5*a*s^2*b`` (= sbh(34 + 5as/h) for ffn = 4h). Without sequence
@@ -92,6 +94,16 @@ class ParameterCount:
         """Parameters of one dense layer on one tensor-parallel rank."""
         return (self.per_layer - self.per_layer_replicated) // tp + self.per_layer_replicated
 
+    def experts_on_rank(self, layers: int) -> int:
+        """The routed-expert parameters among those of a rank holding ``layers`` layers (its
+        EP x ETP share of each of its MoE layers' experts)."""
+        return self._moe_layers_among(layers) * (self.moe_experts // self.expert_shards)
+
+    def _moe_layers_among(self, layers: int) -> int:
+        """MoE layers among ``layers`` layers of a stage, assumed spread evenly over the stages
+        (exact with every layer MoE)."""
+        return round(layers * self.num_moe_layers / self.num_layers) if self.num_layers else 0
+
     def moe_layer_on_rank(self, tp: int) -> int:
         """Parameters of one MoE layer on one rank: its experts' share plus the TP share of
         the rest."""
@@ -102,7 +114,7 @@ class ParameterCount:
         """Parameters on pipeline rank ``pp_rank`` holding ``layers`` layers, per TP rank. With tied
         embeddings and PP > 1 the last stage keeps its own copy of the word embedding (Megatron).
         MoE layers are assumed spread evenly over the stages (exact with every layer MoE)."""
-        moe = round(layers * self.num_moe_layers / self.num_layers) if self.num_layers else 0
+        moe = self._moe_layers_among(layers)
         count = (layers - moe) * self.layer_on_tp_rank(tp) + moe * self.moe_layer_on_rank(tp)
         if pp_rank == 0:
             count += self.embedding // tp + self.position_embedding
@@ -230,9 +242,20 @@ class BytesPerParameter:
     """Ranks the optimizer state is sharded over (1 without the distributed optimizer)."""
     params_sharded: bool = False
     """Weights and gradients are sharded over the same ranks too (FSDP2)."""
+    expert_optimizer: Optional[float] = None
+    """Optimizer state on this rank of a routed-expert parameter (the distributed optimizer
+    shards it over the expert-data-parallel group); None: the same as ``optimizer``."""
+    expert_shards: int = 1
+    """Ranks the routed experts' optimizer state is sharded over."""
+
+    def __post_init__(self):
+        if self.expert_optimizer is None:
+            self.expert_optimizer = self.optimizer
+            self.expert_shards = self.shards
 
     @property
     def total(self) -> float:
+        """Of a dense (not routed-expert) parameter."""
         return self.weight + self.grad + self.optimizer
 
 
@@ -248,6 +271,20 @@ def optimizer_shards(args) -> int:
     ranks = getattr(args, "data_parallel_size", 1) * getattr(args, "context_parallel_size", 1)
     instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
     return max(1, ranks // instances)
+
+
+def expert_optimizer_shards(args) -> int:
+    """Ranks the distributed optimizer shards the routed experts' state over: the
+    expert-data-parallel group (the DDP wrapper reduces the expert gradients over it), world /
+    (expert TP x EP x PP) = DP x CP x TP / (EP x ETP); 1 without the distributed optimizer."""
+    if not getattr(args, "use_distributed_optimizer", False):
+        return 1
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    ranks = getattr(args, "data_parallel_size", 1) * getattr(args, "context_parallel_size", 1) * tp
+    instances = getattr(args, "num_distributed_optimizer_instances", 1) or 1
+    return max(1, ranks // (ep * etp) // instances)
 
 
 def bytes_per_parameter(args) -> BytesPerParameter:
@@ -280,12 +317,15 @@ def bytes_per_parameter(args) -> BytesPerParameter:
             params_sharded=True,
         )
     shards = optimizer_shards(args)
+    expert_shards = expert_optimizer_shards(args)
     return BytesPerParameter(
         weight=weight,
         grad=grad,
         optimizer=optimizer / shards,
         optimizer_unsharded=optimizer,
         shards=shards,
+        expert_optimizer=optimizer / expert_shards,
+        expert_shards=expert_shards,
     )
 
 
@@ -456,6 +496,8 @@ class TheoreticalMemory:
     """Micro-batches whose activations are held at the peak."""
     activations: Dict[str, float] = field(default_factory=dict)
     """Activation bytes by component."""
+    expert_parameters: int = 0
+    """Of ``parameters``, the routed experts' (their optimizer state is sharded otherwise)."""
 
     @property
     def weight_bytes(self) -> float:
@@ -467,7 +509,9 @@ class TheoreticalMemory:
 
     @property
     def optimizer_bytes(self) -> float:
-        return self.parameters * self.per_parameter.optimizer
+        per = self.per_parameter
+        dense = self.parameters - self.expert_parameters
+        return dense * per.optimizer + self.expert_parameters * per.expert_optimizer
 
     @property
     def weight_and_optimizer_bytes(self) -> float:
@@ -509,6 +553,13 @@ class TheoreticalMemory:
             "micro-batches "
             f"in flight): {self.activation_bytes / mb:.2f} MB",
         ]
+        if self.expert_parameters and per.expert_shards != per.shards:
+            lines.insert(
+                1,
+                f"    of which {self.expert_parameters} routed-expert parameters: optimizer "
+                f"{per.expert_optimizer:g} bytes/parameter (sharded over {per.expert_shards} "
+                "expert-data-parallel ranks)",
+            )
         lines += [f"      {name}: {value / mb:.2f} MB" for name, value in self.activations.items()]
         return lines
 
@@ -536,6 +587,7 @@ def compute_theoretical_memory(
     return TheoreticalMemory(
         pp_rank=pp_rank,
         parameters=count.on_rank(tp, pp, pp_rank, layers),
+        expert_parameters=count.experts_on_rank(layers),
         per_parameter=bytes_per_parameter(args),
         num_microbatches=num_microbatches,
         microbatches_in_flight=microbatches_in_flight(args, num_microbatches, pp_rank),

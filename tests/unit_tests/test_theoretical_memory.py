@@ -282,6 +282,42 @@ def test_distributed_optimizer_bytes_per_parameter(precision, plain, sharded):
         assert bytes_per_parameter(args).shards == d
 
 
+MOE_DISTOPT = ["--num-experts", "4", "--moe-ffn-hidden-size", "48", "--disable-bias-linear"]
+MOE_DISTOPT += ["--bf16", "--global-batch-size", "16", "--use-distributed-optimizer"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+@pytest.mark.parametrize(
+    "layout, ep, etp, dense_shards, expert_shards",
+    [
+        (TP2_SP + ["--expert-model-parallel-size", "2"], 2, 2, 4, 2),
+        (["--expert-model-parallel-size", "4"], 4, 1, 8, 2),
+        (TP2_SP + ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+         2, 1, 4, 4),
+    ],
+    ids=["tp2-ep2-etp2", "ep4", "tp2-ep2-etp1"],
+)  # fmt: skip
+def test_distributed_optimizer_shards_expert_state_over_expert_data_parallel(
+    layout, ep, etp, dense_shards, expert_shards
+):
+    """8 GPUs, bf16 (12 optimizer bytes per parameter unsharded): the distributed optimizer
+    shards the dense parameters' state over DP x CP = 8 / TP ranks and the routed experts' over
+    the expert-data-parallel group, 8 / (ETP x EP) ranks."""
+    args, _ = tool.validated_args(TINY + MOE_DISTOPT + layout, 8)
+    report = compute_theoretical_memory(args)
+    # By hand: 2 MoE layers x (4 / EP) experts x (fc1 [48, 64] + fc2 [64, 48]) / ETP.
+    experts = 2 * (4 // ep) * (48 * 64 + 64 * 48) // etp
+    assert report.expert_parameters == experts
+    dense = report.parameters - experts
+    expected = dense * 12 / dense_shards + experts * 12 / expert_shards
+    assert report.optimizer_bytes == pytest.approx(expected)
+    assert report.weight_and_optimizer_bytes == pytest.approx(
+        report.parameters * (2 + 4) + expected
+    )
+    line = f"sharded over {expert_shards} expert-data-parallel ranks"
+    assert (line in "\n".join(report.breakdown_lines())) == (dense_shards != expert_shards)
+
+
 @pytest.mark.parametrize("precision,plain", [([], 16), (["--bf16"], 18)])
 def test_fsdp2_shards_everything_over_data_parallel(precision, plain):
     """FSDP2 (ZeRO-3): weights, gradients and optimizer state all divided by DP x CP."""
