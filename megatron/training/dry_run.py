@@ -13,15 +13,13 @@ is trained and torch.distributed is never initialized. Exit status: 0 when the f
 valid, 2 with ``error: <message>`` on stderr when they are not (the message a real run prints).
 """
 
+import math
 import sys
 from typing import List, Optional, Sequence, Tuple
 
 from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
 from megatron.training.model_families import ModelFamily, get_model_family
-from megatron.training.theoretical_memory import (
-    compute_theoretical_memory,
-    model_state_bytes_per_param,
-)
+from megatron.training.theoretical_memory import bytes_per_parameter, compute_theoretical_memory
 
 WORLD_SIZE_FLAG = "--dry-run-world-size"
 MODEL_FLAG = "--dry-run-model"
@@ -150,12 +148,20 @@ def layout_lines(
     lines.append(
         ("parameters on the largest model-parallel rank", f"{largest} ({_human(largest)})")
     )
-    per_param = model_state_bytes_per_param(args)
+    per = bytes_per_parameter(args)
+    # The routed experts' optimizer state is sharded over expert DP, not DP x CP.
+    experts = count.experts_on_rank(math.ceil(args.num_layers / pp))
+    state = largest * per.total + experts * (per.expert_optimizer - per.optimizer)
+    experts_note = (
+        f"; routed experts' optimizer state over {per.expert_shards} expert-DP ranks"
+        if experts and per.expert_shards != per.shards
+        else ""
+    )
     lines.append(
         (
             "model-state memory per GPU (GB)",
-            f"{largest * per_param / 2**30:.2f} ({per_param:g} bytes/param: weights, "
-            "grads, optimizer; activations not included)",
+            f"{state / 2**30:.2f} ({per.total:g} bytes/param: weights, "
+            f"grads, optimizer{experts_note}; activations not included)",
         )
     )
     return lines

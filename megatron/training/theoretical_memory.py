@@ -338,11 +338,6 @@ def fully_sharded(args) -> bool:
     )
 
 
-def model_state_bytes_per_param(args) -> float:
-    """Weights + gradients + Adam/SGD state per parameter on one GPU."""
-    return bytes_per_parameter(args).total
-
-
 # ----------------------------------------------------------------------------- activations
 def num_microbatches_from_args(args) -> int:
     """Micro-batches per step: global batch / (micro batch x data parallel)."""

@@ -318,6 +318,25 @@ def test_distributed_optimizer_shards_expert_state_over_expert_data_parallel(
     assert (line in "\n".join(report.breakdown_lines())) == (dense_shards != expert_shards)
 
 
+def test_dry_run_model_state_shards_expert_state_over_expert_data_parallel():
+    """The dry run's model-state figure on 8 GPUs, TP2 EP2 (ETP = TP), bf16: 4 layers of 8
+    experts [4096 x 1024] x 2 (no biases), a quarter of them on each rank, with their optimizer
+    state (12 bytes/param) over 8 / (2 x 2) = 2 ranks; everything else over DP = 4."""
+    from megatron.training import dry_run
+
+    big = ["--hidden-size", "1024", "--num-attention-heads", "8", "--num-layers", "4"]
+    big += ["--moe-ffn-hidden-size", "4096", "--num-experts", "8"]
+    flags = TINY + MOE_DISTOPT[4:] + ["--expert-model-parallel-size", "2"]
+    args, _ = tool.validated_args(flags + TP2_SP + big, 8)
+    lines = dict(dry_run.layout_lines(args, 256, None))
+    largest = int(lines["parameters on the largest model-parallel rank"].split()[0])
+    experts = 4 * 8 * 2 * 4096 * 1024 // 4
+    expected = (largest - experts) * (2 + 4 + 12 / 4) + experts * (2 + 4 + 12 / 2)
+    gigabytes = lines["model-state memory per GPU (GB)"]
+    assert gigabytes.startswith(f"{expected / 2**30:.2f} (9 bytes/param")
+    assert "routed experts' optimizer state over 2 expert-DP ranks" in gigabytes
+
+
 @pytest.mark.parametrize("precision,plain", [([], 16), (["--bf16"], 18)])
 def test_fsdp2_shards_everything_over_data_parallel(precision, plain):
     """FSDP2 (ZeRO-3): weights, gradients and optimizer state all divided by DP x CP."""
