@@ -154,6 +154,12 @@ def parse(argv=None):
         default="torch_dist",
         help="train: the format to save and load (torch: one process, no distributed optimizer)",
     )
+    p.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="train: megatron-core's DDP with --overlap-grad-reduce and this bucket size",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     return p.parse_args(argv)
@@ -224,10 +230,14 @@ def _train(model, config, args) -> dict:
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
-            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True
+            use_distributed_optimizer=distributed,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=args.ddp_bucket_size is not None,
+            bucket_size=args.ddp_bucket_size,
         ),
         model,
     )
+    buffers = buffer_layouts(ddp)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -346,7 +356,34 @@ def _train(model, config, args) -> dict:
             dist_checkpointing.save(state, directory, content_metadata=metadata)
             with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write(str(iteration))
-    return {"losses": losses}
+    return {"losses": losses, "buffers": buffers}
+
+
+def buffer_layouts(ddp) -> list:
+    """megatron-core's grad-buffer layout of each of its DDP's buffers: per bucket its
+    ``numel``, ``numel_unpadded`` and its params as [name, start in the bucket, numel], in
+    buffer order."""
+    names = {param: name for name, param in ddp.module.named_parameters()}
+    out = []
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        buckets = []
+        for index, bucket in enumerate(buffer.buckets):
+            params = [
+                [names[param], start - bucket.offset, end - start]
+                for param, (start, end, bucket_id) in buffer.param_index_map.items()
+                if bucket_id == index
+            ]
+            buckets.append(
+                {
+                    "numel": bucket.grad_data.numel(),
+                    "numel_unpadded": bucket.numel_unpadded,
+                    "params": params,
+                }
+            )
+        out.append(
+            {"dtypes": [str(buffer.param_dtype), str(buffer.grad_dtype)], "buckets": buckets}
+        )
+    return out
 
 
 def build_model(args):
