@@ -296,9 +296,12 @@ def test_gpt_checkpoint_resumes_exactly_in_either_key_layout(tmp_path, monkeypat
         assert torch.equal(a, b), name
 
 
-def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path, monkeypatch):
+def test_megatron_dp_reshardable_state_without_the_distributed_optimizer_is_refused_in_one_line(
+    tmp_path, monkeypatch
+):
     # Megatron-LM's default distributed-optimizer layout keys its flat per-bucket state
-    # optimizer.distributed.dp_group_idx_<i>.*: written here by renaming our entries.
+    # optimizer.distributed.dp_group_idx_<i>.gbuf_idx_<g>.*: keys written here by renaming our
+    # entries. This run has no distributed optimizer to place such state in.
     model, opt, sched = _setup(tmp_path)
     _train(model, opt, sched, 1)
     entries = dc.optimizer_sharded_state_dict
@@ -307,7 +310,7 @@ def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path
         out = entries(*a, **k)
         for entry in out.values():
             entry.key = entry.key.replace(
-                "optimizer.state.", "optimizer.distributed.dp_group_idx_0."
+                "optimizer.state.", "optimizer.distributed.dp_group_idx_0.gbuf_idx_0."
             )
         return out
 
@@ -317,7 +320,9 @@ def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path
     model2, opt2, sched2 = _setup(tmp_path, seed=3)
     with pytest.raises(
         checkpointing.CheckpointError,
-        match="dp_reshardable layout .* pass --no-load-optim or --finetune to load the model only",
+        match=r"dp_reshardable layout, which cannot be placed in this run \(rank 0: this run does "
+        r"not use --use-distributed-optimizer\); the optimizer state was not loaded: pass "
+        "--no-load-optim or --finetune to load the model only",
     ):
         checkpointing.load_checkpoint(model2, opt2, sched2)
     global_vars.get_args().no_load_optim = True
@@ -425,7 +430,8 @@ def test_optimizer_common_state_of_megatron_core_and_of_earlier_checkpoints_is_r
     # This code base's earlier structure.
     earlier = {"param_groups": [{**group, "step": 4}], "grad_scaler": None, "has_state": True}
     assert normalized_common_state(earlier)["step"] == 4
-    # megatron-core's default distributed-optimizer layout is not read.
+    # megatron-core's default distributed-optimizer layout keeps its param groups beside the
+    # tensors (the checkpoint loader reads them in): without them it cannot be read.
     with pytest.raises(dc.UnreadableOptimizerState, match="Megatron-LM's dp_reshardable layout"):
         normalized_common_state({"param_state_sharding_type": "dp_reshardable"})
 

@@ -4,12 +4,13 @@ megatron-core keeps its distributed optimizer's state in the layout of its grad 
 writes it so: per model-parallel rank ``m``, grad buffer ``g`` (model chunk by chunk, one per
 (param dtype, grad dtype)) and bucket ``b``, one flat tensor per state name::
 
-    optimizer.distributed.dp_group_idx_<m>.gbuf_idx_<g>.dtype_(<p>, <g>).bucket_idx_<b>.<name>
+    optimizer.distributed.dp_group_idx_<m>.gbuf_idx_<g>.dtype_(<pd>, <gd>).bucket_idx_<b>.<name>
 
-with ``<name>`` ``param`` (the fp32 main weights), ``exp_avg`` and ``exp_avg_sq``. Element ``i``
-of such a tensor is element ``i`` of the bucket, whose global size is the bucket's unpadded
-numel (the end padding to a multiple of the DP size is left out, so DP may change). Beside them,
-objects ``...dp_group_idx_<m>.per_bucket_numel``, ``...per_bucket_numel_unpadded`` (a list over
+(``<pd>``, ``<gd>``: the param and grad dtypes) with ``<name>`` ``param`` (the fp32 main
+weights), ``exp_avg`` and ``exp_avg_sq``. Element ``i`` of such a tensor is element ``i`` of the
+bucket, whose global size is the bucket's unpadded numel (the end padding to a multiple of the
+DP size is left out, so DP may change). Beside them, objects
+``...dp_group_idx_<m>.per_bucket_numel`` and ``...per_bucket_numel_unpadded`` (a list over
 buffers of ``{(param dtype, grad dtype): [numel per bucket]}``) and ``...optimizer`` (the inner
 optimizer's ``param_groups``, each with the step).
 
@@ -32,9 +33,11 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .mapping import replicated
 
 PREFIX = "optimizer.distributed."
 DP_RESHARDABLE = "dp_reshardable"
@@ -204,3 +207,84 @@ def read_object(directory: str, metadata, key: str):
         saved = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         return saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
     return None
+
+
+# ---------------------------------------------------------------------------------- a model's
+@dataclass
+class MegatronCoreBuffer:
+    """One of megatron-core's grad buffers for a model chunk of this run."""
+
+    dtypes: Tuple[torch.dtype, torch.dtype]
+    """(param dtype, grad dtype)."""
+    buckets: List[BucketLayout]
+    params: Dict[str, torch.nn.Parameter]
+    """The buffer's parameters by name."""
+
+    def numel_unpadded(self) -> List[int]:
+        return [bucket.numel_unpadded for bucket in self.buckets]
+
+
+def megatron_core_buffers(
+    chunks: Sequence[Tuple[torch.nn.Module, Optional[int]]],
+    dtypes_of,
+    dp_size: int,
+) -> List[MegatronCoreBuffer]:
+    """The grad buffers megatron-core's DDP would build for these model chunks (each with the
+    bucket size it would use: None for one bucket), in its gbuf order: chunk by chunk, within a
+    chunk one buffer per (param dtype, grad dtype) = ``dtypes_of(param)`` in order of first
+    appearance. Expert parameters (megatron-core's second optimizer) are refused."""
+    out = []
+    for module, bucket_size in chunks:
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        groups: Dict[Tuple[torch.dtype, torch.dtype], List[str]] = {}
+        for name in registration_order(list(named)):
+            if not getattr(named[name], "allreduce", True):
+                raise UnmappableLayout(f"{name} is an expert parameter (MoE)")
+            groups.setdefault(tuple(dtypes_of(named[name])), []).append(name)
+        for dtypes, names in groups.items():
+            own = [n for n in names if getattr(named[n], "shared_embedding", False)]
+            buckets = buffer_layout(
+                [(n, named[n].numel()) for n in names], dp_size, bucket_size, own_bucket=own
+            )
+            out.append(MegatronCoreBuffer(dtypes, buckets, {n: named[n] for n in names}))
+    return out
+
+
+def numel_summary(per_buffer) -> List[Tuple[Tuple[str, str], List[int]]]:
+    """``per_bucket_numel_unpadded`` (megatron-core's list of ``{(dtype, dtype): [numel]}``) as
+    comparable ``[((dtype name, dtype name), [numel per bucket])]``."""
+    out = []
+    for entry in per_buffer:
+        for dtypes, numels in entry.items():
+            out.append((tuple(str(d) for d in dtypes), [int(n) for n in numels]))
+    return out
+
+
+class BucketStateLoad:
+    """Targets for the flat per-bucket state of ``buffers`` (megatron-core's keys of
+    model-parallel rank ``mp_index``) and, once loaded, each parameter's piece of it."""
+
+    def __init__(self, buffers: Sequence[MegatronCoreBuffer], mp_index: int, names, reads: bool):
+        self.buffers = list(buffers)
+        self.names = tuple(names)
+        self.targets = {}
+        self._flats: Dict[Tuple[int, int, str], torch.Tensor] = {}
+        if not reads:
+            return
+        for g, buffer in enumerate(self.buffers):
+            for b, bucket in enumerate(buffer.buckets):
+                for name in self.names:
+                    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+                    self._flats[(g, b, name)] = flat
+                    entry = replicated(bucket_key(mp_index, g, buffer.dtypes, b, name), flat)
+                    self.targets[entry.name] = entry
+
+    def values(self) -> Dict[Tuple[int, str], torch.Tensor]:
+        """``{(id(param), name): the parameter's loaded state, shaped like it}``."""
+        out = {}
+        for (g, b, name), flat in self._flats.items():
+            buffer = self.buffers[g]
+            for slot in buffer.buckets[b].params:
+                param = buffer.params[slot.name]
+                out[(id(param), name)] = flat[slot.start : slot.end].view(param.shape)
+        return out
