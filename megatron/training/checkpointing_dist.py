@@ -35,8 +35,10 @@ from megatron.core.dist_checkpointing import dp_reshardable as dpr
 from megatron.core.dist_checkpointing.async_save import AsyncSave
 from megatron.core.dist_checkpointing.megatron_layout import is_per_layer_layout
 from megatron.core.dist_checkpointing.optimizer_state import (
+    FULLY_RESHARDABLE,
     MAIN_PARAM,
     STATE_PREFIX,
+    distributed_state_by_param,
     is_distributed,
     load_optimizer_common_state,
     state_key,
@@ -154,7 +156,11 @@ def save_checkpoint_dist(
     chunks, entries, by_param = _sharded_model(model, state)
     save_optim = not args.no_save_optim and optimizer is not None
     optim_entries: Dict[str, dc.ShardedTensor] = {}
-    if save_optim:
+    sharding_type = FULLY_RESHARDABLE
+    if save_optim and _writes_dp_reshardable(args, optimizer, state):
+        sharding_type = dpr.DP_RESHARDABLE
+        optim_entries = _dp_reshardable_entries(optimizer, state)
+    elif save_optim:
         optim_entries = dc.optimizer_sharded_state_dict(optimizer, by_param)
     # Model weights (and the optimizer state of a non-distributed optimizer) are replicated over
     # DP x CP, experts over expert DP: one replica saves each of them.
@@ -181,7 +187,12 @@ def save_checkpoint_dist(
         rng = _all_gather_object(
             {"coordinates": _coordinates(state), "state": rng_state(global_vars.get_rng_tracker())}
         )
-    optim_common = _merged_optimizer_common(optimizer) if save_optim else None
+    optim_common = None
+    if save_optim and sharding_type == dpr.DP_RESHARDABLE:
+        # Its param groups and grad scaler are objects per model-parallel rank (above).
+        optim_common = {"param_state_sharding_type": dpr.DP_RESHARDABLE}
+    elif save_optim:
+        optim_common = _merged_optimizer_common(optimizer)
     if rerun_state is not None:
         rerun_state = dict(rerun_state, sharded=_all_gather_object(rerun_state["sharded"]))
     final_dir = checkpoint_dir(save_dir, iteration)
@@ -194,7 +205,7 @@ def save_checkpoint_dist(
             "num_floating_point_operations_so_far": float(flops),
             "parallel_layout": _layout(state, len(chunks)),
             # How the optimizer state is sharded: Megatron-LM reads it before loading.
-            "content_metadata": dc.content_metadata(),
+            "content_metadata": dc.content_metadata(sharding_type),
         }
         if save_optim:
             common["optimizer"] = optim_common
@@ -226,6 +237,55 @@ def save_checkpoint_dist(
             remove_partial(work_dir)
         raise _write_failed(work_dir, exc) from None
     _commit(save_dir, iteration)
+
+
+def _writes_dp_reshardable(args, optimizer, state) -> bool:
+    """Megatron-LM's default for the distributed optimizer: megatron-core's dp_reshardable
+    type, unless --dist-ckpt-optim-fully-reshardable asks otherwise or the model is one whose
+    megatron-core buffer layout is not reproduced here (MoE, BERT, T5: written
+    fully_reshardable, which content_metadata says). Agreed over the ranks."""
+    if not is_distributed(optimizer) or getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+        return False
+    reason = None
+    try:
+        dpr.megatron_core_buffers(
+            _megatron_core_chunks(optimizer, state), _dtypes_of(optimizer), optimizer.dp_size
+        )
+    except dpr.UnmappableLayout as exc:
+        reason = str(exc)
+    reasons = [r for r in _all_gather_object(reason) if r is not None]
+    if reasons:
+        print_rank_0(
+            " > distributed-optimizer state saved in the fully_reshardable type: megatron-core's "
+            f"dp_reshardable layout is not reproduced for this model ({reasons[0]})"
+        )
+    return not reasons
+
+
+def _dp_reshardable_entries(optimizer, state) -> dict:
+    """This rank's part of megatron-core's dp_reshardable state: the whole flat bucket tensors
+    and the objects of its model-parallel rank, written by DP rank 0 (a collective over DP)."""
+    tp = state.get_tensor_model_parallel_world_size()
+    mp_index = (
+        state.get_pipeline_model_parallel_rank() * tp + state.get_tensor_model_parallel_rank()
+    )
+    buffers = dpr.megatron_core_buffers(
+        _megatron_core_chunks(optimizer, state), _dtypes_of(optimizer), optimizer.dp_size
+    )
+    by_param = distributed_state_by_param(optimizer)
+    common = dc.optimizer_common_state(optimizer)
+    replica = optimizer.dp_rank != 0
+    out = dpr.layout_objects(buffers, mp_index, replica)
+    for name in ("optimizer", "grad_scaler"):
+        if name in common:
+            entry = dc.ShardedObject(
+                dpr.object_key(mp_index, name), common[name], (1,), (0,), replica=replica
+            )
+            out[entry.name] = entry
+    if by_param is not None:
+        names = (MAIN_PARAM,) + state_names(optimizer)
+        out.update(dpr.bucket_state_entries(buffers, mp_index, by_param, names))
+    return out
 
 
 def _write_failed(work_dir: str, exc: BaseException) -> CheckpointError:

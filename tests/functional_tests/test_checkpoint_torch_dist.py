@@ -29,6 +29,8 @@ SAVED_LAYOUT = [
     "--pipeline-model-parallel-size",
     "2",
     "--use-distributed-optimizer",
+    # The optimizer state resumes at other TP/PP layouts below: the type that reshards so.
+    "--dist-ckpt-optim-fully-reshardable",
 ]
 SHAPE_FLAGS = (
     "--num-layers",

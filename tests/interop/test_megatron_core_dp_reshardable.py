@@ -12,15 +12,21 @@ that layout from the model's parameter names and shapes
   same batches: the losses equal megatron-core's own (1e-5 relative); without the optimizer
   state iteration 4 differs (the negative control);
 * a run whose buffers megatron-core would lay out otherwise (another bucket size) is refused
-  in one line naming --no-load-optim / --finetune, and then loads with --no-load-optim.
+  in one line naming --no-load-optim / --finetune, and then loads with --no-load-optim;
+* the other way: we train at DP=1 with the distributed optimizer and save after iteration 2
+  (dp_reshardable, Megatron-LM's default); megatron-core loads it at DP=2 with its default and
+  trains 3 and 4: its losses equal ours.
 
 Run by ``make interop`` (needs $MCORE_PYTHON), not by ``make test``.
 """
 
+import argparse
 import json
 
 import pytest
+import torch
 
+from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import dp_reshardable as dpr
 from megatron.training import checkpointing, global_vars
 from tests.interop.test_megatron_core_optimizer_interop import (
@@ -97,3 +103,39 @@ def test_megatron_core_dp_reshardable_checkpoint_resumes_here_with_its_optimizer
             other.load()
         global_vars.get_args().no_load_optim = True
         assert other.load() == SAVED_AT
+
+
+def test_dp_reshardable_checkpoint_saved_here_resumes_in_megatron_core(tmp_path):
+    ours = _Ours(
+        tmp_path,
+        True,
+        load=tmp_path / "unused",
+        save=tmp_path / "ours",
+        ddp_bucket_size=BUCKET_SIZE,
+    )
+    for it in range(1, SAVED_AT + 1):
+        ours.step(it)
+    ours.save(SAVED_AT)
+    straight = {it: ours.step(it) for it in range(SAVED_AT + 1, LAST + 1)}
+    directory = str(tmp_path / "ours" / f"iter_{SAVED_AT:07d}")
+    assert dc.load_common(directory, safe_globals=[argparse.Namespace])["content_metadata"][
+        "distrib_optim_sharding_type"
+    ] == ("dp_reshardable")
+    keys = set(dc.tensor_shapes(dc.read_dcp_metadata(directory)))
+    assert not any(k.startswith("optimizer.state.") for k in keys)
+    # several buckets, as megatron-core lays them out
+    assert dpr.bucket_key(0, 0, (torch.float32, torch.float32), 1, "exp_avg") in keys
+
+    theirs = _mcore_train(
+        tmp_path / "mc.json",
+        tmp_path / "unused_mcore",
+        "--load",
+        tmp_path / "ours",
+        "--optimizer-sharding",
+        "dp_reshardable",
+        "--ddp-bucket-size",
+        BUCKET_SIZE,
+        processes=2,
+    )
+    assert sorted(theirs) == list(range(SAVED_AT + 1, LAST + 1))  # resumed after iteration 2
+    _close(theirs, straight, "here dp_reshardable DP=1 -> megatron-core DP=2")

@@ -3,7 +3,7 @@ its own DDP, optimizer and scheduler, driven on CPU by ``tools/interop/mcore_gpt
 this code base's training-side save/load (``checkpointing.save_checkpoint`` /
 ``load_checkpoint``, torch_dist, in this process), fp32. The driver works around two faults of
 megatron-core's distributed optimizer on its torch-AdamW path (see its
-``_keep_adamw_step_on_fully_reshardable_load``); with them megatron-core's own resume from its
+``_keep_adamw_step_on_distributed_load``); with them megatron-core's own resume from its
 fully_reshardable checkpoint equals its straight run.
 
 * megatron-core trains iterations 1-4 and saves after 2; we load that checkpoint (model,
@@ -25,6 +25,7 @@ fully_reshardable checkpoint equals its straight run.
 Run by ``make interop`` (needs $MCORE_PYTHON), not by ``make test``.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -252,10 +253,22 @@ def test_megatron_core_training_resumes_here_with_its_optimizer_state(
 def test_training_saved_here_resumes_in_megatron_core_with_our_optimizer_state(
     tmp_path, distributed, sharding, processes, fmt
 ):
-    ours = _Ours(tmp_path, distributed, load=tmp_path / "unused", save=tmp_path / "ours", fmt=fmt)
+    # fully_reshardable asked for (the default with the distributed optimizer is megatron-core's
+    # dp_reshardable: test_megatron_core_dp_reshardable.py).
+    ours = _Ours(
+        tmp_path,
+        distributed,
+        load=tmp_path / "unused",
+        save=tmp_path / "ours",
+        fmt=fmt,
+        dist_ckpt_optim_fully_reshardable=True,
+    )
     for it in range(1, SAVED_AT + 1):
         ours.step(it)
     ours.save(SAVED_AT)
+    directory = str(tmp_path / "ours" / f"iter_{SAVED_AT:07d}")
+    common = dc.load_common(directory, safe_globals=[argparse.Namespace])
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     straight = {it: ours.step(it) for it in range(SAVED_AT + 1, LAST + 1)}
 
     theirs = _mcore_train(

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .mapping import replicated
+from .mapping import ShardedObject, ShardedTensor, replicated
 
 PREFIX = "optimizer.distributed."
 DP_RESHARDABLE = "dp_reshardable"
@@ -288,3 +288,39 @@ class BucketStateLoad:
                 param = buffer.params[slot.name]
                 out[(id(param), name)] = flat[slot.start : slot.end].view(param.shape)
         return out
+
+
+def bucket_state_entries(
+    buffers: Sequence[MegatronCoreBuffer],
+    mp_index: int,
+    by_param: Dict[Tuple[int, str], torch.Tensor],
+    names: Sequence[str],
+) -> Dict[str, ShardedTensor]:
+    """The flat per-bucket tensors megatron-core's dp_reshardable type holds, whole (one rank
+    writes them; padding between parameters is zeros), from each parameter's state
+    ``by_param[(id(param), name)]``."""
+    out = {}
+    for g, buffer in enumerate(buffers):
+        for b, bucket in enumerate(buffer.buckets):
+            for name in names:
+                flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+                for slot in bucket.params:
+                    value = by_param[(id(buffer.params[slot.name]), name)]
+                    flat[slot.start : slot.end].copy_(value.reshape(-1))
+                entry = replicated(bucket_key(mp_index, g, buffer.dtypes, b, name), flat)
+                out[entry.name] = entry
+    return out
+
+
+def layout_objects(
+    buffers: Sequence[MegatronCoreBuffer], mp_index: int, replica: bool
+) -> Dict[str, ShardedObject]:
+    """megatron-core's ``per_bucket_numel`` (padded at the DP size the buffers were laid out
+    for) and ``per_bucket_numel_unpadded`` objects of model-parallel rank ``mp_index``."""
+    padded = [{b.dtypes: [k.numel for k in b.buckets]} for b in buffers]
+    unpadded = [{b.dtypes: b.numel_unpadded()} for b in buffers]
+    out = {}
+    for name, value in (("per_bucket_numel", padded), ("per_bucket_numel_unpadded", unpadded)):
+        entry = ShardedObject(object_key(mp_index, name), value, (1,), (0,), replica=replica)
+        out[entry.name] = entry
+    return out

@@ -130,11 +130,11 @@ def optimizer_common_state(optimizer) -> Dict[str, Any]:
     return inner
 
 
-def content_metadata() -> Dict[str, Any]:
-    """Megatron-LM's ``content_metadata`` of a checkpoint whose optimizer state is written by
-    :func:`optimizer_sharded_state_dict` (it reads the sharding type from there when loading)."""
+def content_metadata(sharding_type: str = FULLY_RESHARDABLE) -> Dict[str, Any]:
+    """Megatron-LM's ``content_metadata`` of a checkpoint whose distributed-optimizer state is
+    in ``sharding_type`` (Megatron-LM reads the type from there when loading)."""
     return {
-        "distrib_optim_sharding_type": FULLY_RESHARDABLE,
+        "distrib_optim_sharding_type": sharding_type,
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
     }
@@ -282,6 +282,22 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
             # "param" (the fp32 main weight) is written for every parameter, as megatron-core's
             # fully_reshardable loader asks for it.
             _add(out, entry.with_data(state_key(name, entry.key), value))
+    return out
+
+
+def distributed_state_by_param(optimizer) -> Optional[Dict[Tuple[int, str], torch.Tensor]]:
+    """The distributed optimizer's per-parameter state gathered over DP (a collective):
+    ``{(id(model param), name): flat fp32 tensor}`` for ``param`` (the main weights) and the
+    state names, holding the buffers this rank is the state root of; None on other ranks."""
+    state = optimizer.get_parameter_state_dp_zero()
+    if state is None:
+        return None
+    out = {}
+    for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
+        if gbuf_idx not in state:  # another rank gathered that buffer
+            continue
+        for name, flats in state[gbuf_idx][dtype_key].items():
+            out[(id(param), name)] = flats[bucket_id][start : start + param.numel()]
     return out
 
 
