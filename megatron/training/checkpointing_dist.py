@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import shutil
 from typing import Dict, Optional
 
@@ -30,14 +31,18 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing as dc
+from megatron.core.dist_checkpointing import dp_reshardable as dpr
 from megatron.core.dist_checkpointing.async_save import AsyncSave
 from megatron.core.dist_checkpointing.megatron_layout import is_per_layer_layout
 from megatron.core.dist_checkpointing.optimizer_state import (
+    FULLY_RESHARDABLE,
     MAIN_PARAM,
     STATE_PREFIX,
+    distributed_state_by_param,
     is_distributed,
     load_optimizer_common_state,
     state_key,
+    state_names,
 )
 from megatron.core.utils import unwrap_model
 
@@ -151,7 +156,11 @@ def save_checkpoint_dist(
     chunks, entries, by_param = _sharded_model(model, state)
     save_optim = not args.no_save_optim and optimizer is not None
     optim_entries: Dict[str, dc.ShardedTensor] = {}
-    if save_optim:
+    sharding_type = FULLY_RESHARDABLE
+    if save_optim and _writes_dp_reshardable(args, optimizer, state):
+        sharding_type = dpr.DP_RESHARDABLE
+        optim_entries = _dp_reshardable_entries(optimizer, state)
+    elif save_optim:
         optim_entries = dc.optimizer_sharded_state_dict(optimizer, by_param)
     # Model weights (and the optimizer state of a non-distributed optimizer) are replicated over
     # DP x CP, experts over expert DP: one replica saves each of them.
@@ -178,7 +187,12 @@ def save_checkpoint_dist(
         rng = _all_gather_object(
             {"coordinates": _coordinates(state), "state": rng_state(global_vars.get_rng_tracker())}
         )
-    optim_common = _merged_optimizer_common(optimizer) if save_optim else None
+    optim_common = None
+    if save_optim and sharding_type == dpr.DP_RESHARDABLE:
+        # Its param groups and grad scaler are objects per model-parallel rank (above).
+        optim_common = {"param_state_sharding_type": dpr.DP_RESHARDABLE}
+    elif save_optim:
+        optim_common = _merged_optimizer_common(optimizer)
     if rerun_state is not None:
         rerun_state = dict(rerun_state, sharded=_all_gather_object(rerun_state["sharded"]))
     final_dir = checkpoint_dir(save_dir, iteration)
@@ -191,7 +205,7 @@ def save_checkpoint_dist(
             "num_floating_point_operations_so_far": float(flops),
             "parallel_layout": _layout(state, len(chunks)),
             # How the optimizer state is sharded: Megatron-LM reads it before loading.
-            "content_metadata": dc.content_metadata(),
+            "content_metadata": dc.content_metadata(sharding_type),
         }
         if save_optim:
             common["optimizer"] = optim_common
@@ -223,6 +237,55 @@ def save_checkpoint_dist(
             remove_partial(work_dir)
         raise _write_failed(work_dir, exc) from None
     _commit(save_dir, iteration)
+
+
+def _writes_dp_reshardable(args, optimizer, state) -> bool:
+    """Megatron-LM's default for the distributed optimizer: megatron-core's dp_reshardable
+    type, unless --dist-ckpt-optim-fully-reshardable asks otherwise or the model is one whose
+    megatron-core buffer layout is not reproduced here (MoE, BERT, T5: written
+    fully_reshardable, which content_metadata says). Agreed over the ranks."""
+    if not is_distributed(optimizer) or getattr(args, "dist_ckpt_optim_fully_reshardable", False):
+        return False
+    reason = None
+    try:
+        dpr.megatron_core_buffers(
+            _megatron_core_chunks(optimizer, state), _dtypes_of(optimizer), optimizer.dp_size
+        )
+    except dpr.UnmappableLayout as exc:
+        reason = str(exc)
+    reasons = [r for r in _all_gather_object(reason) if r is not None]
+    if reasons:
+        print_rank_0(
+            " > distributed-optimizer state saved in the fully_reshardable type: megatron-core's "
+            f"dp_reshardable layout is not reproduced for this model ({reasons[0]})"
+        )
+    return not reasons
+
+
+def _dp_reshardable_entries(optimizer, state) -> dict:
+    """This rank's part of megatron-core's dp_reshardable state: the whole flat bucket tensors
+    and the objects of its model-parallel rank, written by DP rank 0 (a collective over DP)."""
+    tp = state.get_tensor_model_parallel_world_size()
+    mp_index = (
+        state.get_pipeline_model_parallel_rank() * tp + state.get_tensor_model_parallel_rank()
+    )
+    buffers = dpr.megatron_core_buffers(
+        _megatron_core_chunks(optimizer, state), _dtypes_of(optimizer), optimizer.dp_size
+    )
+    by_param = distributed_state_by_param(optimizer)
+    common = dc.optimizer_common_state(optimizer)
+    replica = optimizer.dp_rank != 0
+    out = dpr.layout_objects(buffers, mp_index, replica)
+    for name in ("optimizer", "grad_scaler"):
+        if name in common:
+            entry = dc.ShardedObject(
+                dpr.object_key(mp_index, name), common[name], (1,), (0,), replica=replica
+            )
+            out[entry.name] = entry
+    if by_param is not None:
+        names = (MAIN_PARAM,) + state_names(optimizer)
+        out.update(dpr.bucket_state_entries(buffers, mp_index, by_param, names))
+    return out
 
 
 def _write_failed(work_dir: str, exc: BaseException) -> CheckpointError:
@@ -345,12 +408,10 @@ def load_checkpoint_dist(
     finetune = args.finetune or release
     load_optim = not finetune and not args.no_load_optim and optimizer is not None
     optim_load = None
-    if load_optim and _holds_dp_reshardable_optimizer(dcp_metadata.state_dict_metadata):
-        raise CheckpointError(
-            f"checkpoint {directory} holds the distributed optimizer's state in Megatron-LM's "
-            "dp_reshardable layout (optimizer.distributed.*), which this code base cannot read "
-            "(Megatron-LM writes optimizer.state.* with --dist-ckpt-optim-fully-reshardable); "
-            "pass --no-load-optim or --finetune to load the model only"
+    bucket_state = None
+    if load_optim and dpr.holds_dp_reshardable(ckpt_keys):
+        bucket_state, common = _dp_reshardable_source(
+            optimizer, state, directory, dcp_metadata, ckpt_args, common
         )
     if load_optim:
         if "optimizer" not in common:
@@ -366,7 +427,9 @@ def load_checkpoint_dist(
                 "--no-load-optim or --finetune to load the model only"
             ) from None
         if step > 0:
-            optim_load = dc.OptimizerLoad(optimizer, by_param, lambda key: key in ckpt_keys, step)
+            optim_load = dc.OptimizerLoad(
+                optimizer, by_param, lambda key: key in ckpt_keys, step, bucket_state=bucket_state
+            )
     targets = dict(entries)
     if optim_load is not None:
         targets.update(optim_load.targets)
@@ -378,7 +441,7 @@ def load_checkpoint_dist(
             directory,
             strictness=strictness,
             counts_as_unexpected=lambda key: (
-                not key.startswith(STATE_PREFIX)
+                not key.startswith((STATE_PREFIX, dpr.PREFIX))
                 # fp32 main weights of fp32 parameters: the model weights themselves
                 or (load_optim and not key.startswith(state_key(MAIN_PARAM, "")))
             ),
@@ -436,12 +499,99 @@ def _restore_rerun_state(saved) -> None:
     machine.load_state_dict(dict(saved, sharded=per_rank[get_rank()]))
 
 
-def _holds_dp_reshardable_optimizer(keys) -> bool:
-    """Megatron-LM's default distributed-optimizer layout: per-bucket flat state keyed
-    ``optimizer.distributed.dp_group_idx_<i>.…``, no per-parameter ``optimizer.state.*``."""
-    return any(k.startswith("optimizer.distributed.") for k in keys) and not any(
-        k.startswith(STATE_PREFIX) for k in keys
+def _dp_reshardable_source(optimizer, state, directory, metadata, ckpt_args, common):
+    """For a checkpoint with megatron-core's dp_reshardable optimizer state: the targets that
+    read this rank's buckets, and ``common`` with the optimizer's param groups (saved beside
+    the tensors) in it. One CheckpointError on every rank when this run cannot place that
+    state (collective: every rank calls it)."""
+    problem, bucket_state, optimizer_common, grad_scaler = None, None, None, None
+    tp = state.get_tensor_model_parallel_world_size()
+    pp = state.get_pipeline_model_parallel_world_size()
+    mp_index = (
+        state.get_pipeline_model_parallel_rank() * tp + state.get_tensor_model_parallel_rank()
     )
+    try:
+        saved_tp = getattr(ckpt_args, "tensor_model_parallel_size", tp)
+        saved_pp = getattr(ckpt_args, "pipeline_model_parallel_size", pp)
+        if (saved_tp, saved_pp) != (tp, pp):
+            raise dpr.UnmappableLayout(
+                f"it was saved at TP={saved_tp} PP={saved_pp} and this run uses TP={tp} PP={pp} "
+                "(that layout reshards over DP only)"
+            )
+        # Megatron-LM's Transformer Engine layers register their parameters in another order
+        # (the norms inside the linear layers); checkpoints written here (they carry
+        # parallel_layout) come from this code base's local layers.
+        written_here = "parallel_layout" in common
+        transformer_impl = getattr(ckpt_args, "transformer_impl", "local")
+        if not written_here and transformer_impl == "transformer_engine":
+            raise dpr.UnmappableLayout(
+                "it was saved with --transformer-impl transformer_engine, whose parameter order "
+                "this code base does not reproduce"
+            )
+        if not is_distributed(optimizer):
+            raise dpr.UnmappableLayout("this run does not use --use-distributed-optimizer")
+        buffers = dpr.megatron_core_buffers(
+            _megatron_core_chunks(optimizer, state), _dtypes_of(optimizer), optimizer.dp_size
+        )
+        saved = dpr.read_object(
+            directory, metadata, dpr.object_key(mp_index, "per_bucket_numel_unpadded")
+        )
+        optimizer_common = dpr.read_object(
+            directory, metadata, dpr.object_key(mp_index, "optimizer")
+        )
+        if saved is None or optimizer_common is None:
+            raise dpr.UnmappableLayout(
+                f"it holds no state for model-parallel rank {mp_index} (dp_group_idx_{mp_index})"
+            )
+        ours = dpr.numel_summary([{b.dtypes: b.numel_unpadded()} for b in buffers])
+        if dpr.numel_summary(saved) != ours:
+            raise dpr.UnmappableLayout(
+                f"its buckets hold {dpr.numel_summary(saved)} elements (unpadded, per buffer "
+                f"dtypes), the layout megatron-core would use for this model {ours}"
+            )
+        bucket_state = dpr.BucketStateLoad(
+            buffers,
+            mp_index,
+            (MAIN_PARAM,) + state_names(optimizer),
+            optimizer.holds_any_state_root(),
+        )
+        grad_scaler = dpr.read_object(directory, metadata, dpr.object_key(mp_index, "grad_scaler"))
+    except (dpr.UnmappableLayout, OSError, RuntimeError, pickle.UnpicklingError) as exc:
+        problem = f"rank {get_rank()}: {exc}"
+    problems = [p for p in _all_gather_object(problem) if p is not None]
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {directory} holds the distributed optimizer's state in megatron-core's "
+            f"dp_reshardable layout, which cannot be placed in this run ({problems[0]}); the "
+            "optimizer state was not loaded: pass --no-load-optim or --finetune to load the "
+            "model only"
+        )
+    merged = {"optimizer": optimizer_common, "param_state_sharding_type": dpr.DP_RESHARDABLE}
+    if grad_scaler is not None:
+        merged["grad_scaler"] = grad_scaler
+    return bucket_state, dict(common, optimizer=merged)
+
+
+def _megatron_core_chunks(optimizer, state):
+    """(model chunk, the bucket size megatron-core's DDP would give it): its --ddp-bucket-size
+    rule on the first pipeline stage's first chunk, one bucket elsewhere."""
+    first_stage = state.get_pipeline_model_parallel_rank() == 0
+    return [
+        (
+            unwrap_model(chunk),
+            getattr(chunk, "bucket_size", None) if first_stage and i == 0 else None,
+        )
+        for i, chunk in enumerate(optimizer.model_chunks)
+    ]
+
+
+def _dtypes_of(optimizer):
+    """param -> (param dtype, grad dtype) of the buffer this run keeps it in."""
+    dtypes = {}
+    for buffer in optimizer.buffers:
+        for param in buffer.param_index_map:
+            dtypes[id(param)] = (buffer.param_dtype, buffer.grad_dtype)
+    return lambda param: dtypes[id(param)]
 
 
 def _restore_rng(common: dict, state, num_chunks: int) -> None:

@@ -229,8 +229,11 @@ honoured(
     """,
 )
 honoured(
-    "the torch_dist optimizer state here is always megatron-core's fully_reshardable type "
-    "(reshards across every parallel dimension; Megatron-LM reads the type from the checkpoint)",
+    "with the distributed optimizer the torch_dist optimizer state is megatron-core's "
+    "dp_reshardable type (Megatron-LM's default; reshards over DP only) unless this flag asks "
+    "for fully_reshardable (reshards across every parallel dimension); models whose "
+    "megatron-core buffer layout is not reproduced here (MoE, BERT, T5) write fully_reshardable "
+    "and say so; the type is in content_metadata",
     "dist_ckpt_optim_fully_reshardable",
 )
 honoured(

@@ -29,6 +29,8 @@ SAVED_LAYOUT = [
     "--pipeline-model-parallel-size",
     "2",
     "--use-distributed-optimizer",
+    # The optimizer state resumes at other TP/PP layouts below: the type that reshards so.
+    "--dist-ckpt-optim-fully-reshardable",
 ]
 SHAPE_FLAGS = (
     "--num-layers",
@@ -201,3 +203,39 @@ def test_bad_checkpoints_fail_with_one_clear_line(saved, tmp_path):
     (damaged / "iter_0000003" / "__5_0.distcp").unlink()
     line = _error_line(run_pretrain(BASE + ["--load", str(damaged), "--ckpt-step", "3"]))
     assert f"{damaged}/iter_0000003/__5_0.distcp is missing" in line, line
+
+
+def test_dp_reshardable_default_resumes_at_another_dp_size_and_refuses_another_pp(tmp_path):
+    # Megatron-LM's default type of the distributed optimizer's state (megatron-core's
+    # dp_reshardable: flat buckets in its grad-buffer layout) reshards over DP only.
+    from megatron.core.dist_checkpointing import read_dcp_metadata, tensor_shapes
+
+    ckpt = tmp_path / "ckpt"
+    base = list(BASE)
+    base[base.index("--num-layers") + 1] = "2"  # one layer per stage: cheaper
+    pp2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    straight, _ = _run(
+        base + pp2 + ["--save", str(ckpt), "--save-interval", "3"], 4, tmp_path / "t0"
+    )
+    keys = set(tensor_shapes(read_dcp_metadata(str(ckpt / "iter_0000003"))))
+    assert not any(k.startswith("optimizer.state.") for k in keys)
+    # Each stage's state under its model-parallel rank; the tied embedding weights of the first
+    # and the last stage are in buckets of their own (megatron-core's shared_embedding rule).
+    buckets = {
+        (k.split(".gbuf_idx_")[0].split(".")[-1], k.split(".bucket_idx_")[1].split(".")[0])
+        for k in keys
+        if k.startswith("optimizer.distributed.")
+    }
+    assert buckets == {(f"dp_group_idx_{m}", str(b)) for m in (0, 1) for b in (0, 1)}, buckets
+
+    losses, _ = _run(base + pp2 + ["--load", str(ckpt), "--ckpt-step", "3"], 2, tmp_path / "t1")
+    _assert_same_losses(losses, straight, range(4, 7))  # DP=2 -> DP=1
+
+    line = _error_line(
+        run_pretrain(
+            base + ["--use-distributed-optimizer", "--load", str(ckpt), "--ckpt-step", "3"]
+        )
+    )
+    assert "dp_reshardable layout, which cannot be placed in this run" in line, line
+    assert "saved at TP=1 PP=2 and this run uses TP=1 PP=1" in line, line
+    assert "pass --no-load-optim or --finetune" in line, line

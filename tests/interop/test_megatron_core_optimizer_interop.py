@@ -3,7 +3,7 @@ its own DDP, optimizer and scheduler, driven on CPU by ``tools/interop/mcore_gpt
 this code base's training-side save/load (``checkpointing.save_checkpoint`` /
 ``load_checkpoint``, torch_dist, in this process), fp32. The driver works around two faults of
 megatron-core's distributed optimizer on its torch-AdamW path (see its
-``_keep_adamw_step_on_fully_reshardable_load``); with them megatron-core's own resume from its
+``_keep_adamw_step_on_distributed_load``); with them megatron-core's own resume from its
 fully_reshardable checkpoint equals its straight run.
 
 * megatron-core trains iterations 1-4 and saves after 2; we load that checkpoint (model,
@@ -17,13 +17,15 @@ fully_reshardable checkpoint equals its straight run.
 * The other way: we train 1-4 and save after 2; megatron-core loads model + optimizer +
   scheduler + iteration from it as Megatron-LM does and trains 3 and 4: its losses equal ours
   (without the distributed optimizer; with it, ours at DP=1 and megatron-core's at DP=2).
-* megatron-core's default distributed-optimizer layout (``dp_reshardable``) is refused here
-  with one line that says what was not loaded and how to go on; so is the optimizer state of
-  its ``torch`` format, whose parameter order differs from ours (the model part loads).
+* The optimizer state of megatron-core's ``torch`` format, whose parameter order differs from
+  ours, is refused here with one line that says what was not loaded and how to go on (the
+  model part loads). Its default distributed-optimizer layout (``dp_reshardable``): see
+  test_megatron_core_dp_reshardable.py.
 
 Run by ``make interop`` (needs $MCORE_PYTHON), not by ``make test``.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -36,7 +38,7 @@ from megatron.core import dist_checkpointing as dc
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.training import checkpointing, global_vars
+from megatron.training import checkpointing
 from tests.functional_tests.runner import run_pretrain
 from tests.unit_tests.checkpoint_utils import checkpoint_args, set_training_globals
 
@@ -88,7 +90,14 @@ class _Ours:
     globals its checkpoint save/load reads."""
 
     def __init__(
-        self, tmp_path, distributed, load=None, save=None, fmt="torch_dist", **arg_overrides
+        self,
+        tmp_path,
+        distributed,
+        load=None,
+        save=None,
+        fmt="torch_dist",
+        ddp_bucket_size=None,
+        **arg_overrides,
     ):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -117,7 +126,10 @@ class _Ours:
         if distributed:
             self.ddp = DistributedDataParallel(
                 DistributedDataParallelConfig(
-                    use_distributed_optimizer=True, grad_reduce_in_fp32=True
+                    use_distributed_optimizer=True,
+                    grad_reduce_in_fp32=True,
+                    overlap_grad_reduce=ddp_bucket_size is not None,
+                    bucket_size=ddp_bucket_size,
                 ),
                 self.model,
             )
@@ -241,10 +253,22 @@ def test_megatron_core_training_resumes_here_with_its_optimizer_state(
 def test_training_saved_here_resumes_in_megatron_core_with_our_optimizer_state(
     tmp_path, distributed, sharding, processes, fmt
 ):
-    ours = _Ours(tmp_path, distributed, load=tmp_path / "unused", save=tmp_path / "ours", fmt=fmt)
+    # fully_reshardable asked for (the default with the distributed optimizer is megatron-core's
+    # dp_reshardable: test_megatron_core_dp_reshardable.py).
+    ours = _Ours(
+        tmp_path,
+        distributed,
+        load=tmp_path / "unused",
+        save=tmp_path / "ours",
+        fmt=fmt,
+        dist_ckpt_optim_fully_reshardable=True,
+    )
     for it in range(1, SAVED_AT + 1):
         ours.step(it)
     ours.save(SAVED_AT)
+    directory = str(tmp_path / "ours" / f"iter_{SAVED_AT:07d}")
+    common = dc.load_common(directory, safe_globals=[argparse.Namespace])
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "fully_reshardable"
     straight = {it: ours.step(it) for it in range(SAVED_AT + 1, LAST + 1)}
 
     theirs = _mcore_train(
@@ -260,26 +284,6 @@ def test_training_saved_here_resumes_in_megatron_core_with_our_optimizer_state(
     )
     assert sorted(theirs) == list(range(SAVED_AT + 1, LAST + 1))  # resumed after iteration 2
     _close(theirs, straight, f"here -> megatron-core {sharding}")
-
-
-def test_megatron_core_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path):
-    saved = tmp_path / "mcore"
-    _mcore_train(
-        tmp_path / "mc.json",
-        saved,
-        "--save-at",
-        SAVED_AT,
-        "--optimizer-sharding",
-        "dp_reshardable",
-    )
-    ours = _Ours(tmp_path, True, load=saved, save=tmp_path / "unused")
-    with pytest.raises(
-        checkpointing.CheckpointError,
-        match=r"dp_reshardable layout .*pass --no-load-optim or --finetune to load the model only",
-    ):
-        ours.load()
-    global_vars.get_args().no_load_optim = True
-    assert ours.load() == SAVED_AT
 
 
 def test_megatron_core_torch_format_optimizer_state_is_refused_in_one_line(tmp_path):

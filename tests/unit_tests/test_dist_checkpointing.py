@@ -246,41 +246,84 @@ def test_round_trip_resumes_exactly(tmp_path, dtype):
         assert torch.equal(a, b)
 
 
-def test_megatron_dp_reshardable_optimizer_state_is_refused_in_one_line(tmp_path, monkeypatch):
-    # Megatron-LM's default distributed-optimizer layout keys its flat per-bucket state
-    # optimizer.distributed.dp_group_idx_<i>.*: written here by renaming our entries.
-    model, opt, sched = _setup(tmp_path)
-    _train(model, opt, sched, 1)
-    entries = dc.optimizer_sharded_state_dict
+def _train_gpt(model, opt, sched, steps, seed):
+    from tests.unit_tests.tiny_configs import TINY_SEQ, TINY_VOCAB
 
-    def megatron_dp_reshardable(*a, **k):
-        out = entries(*a, **k)
-        for entry in out.values():
-            entry.key = entry.key.replace(
-                "optimizer.state.", "optimizer.distributed.dp_group_idx_0."
-            )
-        return out
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, TINY_VOCAB, (2, TINY_SEQ), generator=g)
+        positions = torch.arange(TINY_SEQ).unsqueeze(0).expand_as(tokens)
+        opt.zero_grad()
+        if hasattr(model, "zero_grad_buffer"):  # DistributedDataParallel
+            model.zero_grad_buffer()
+        loss = model(tokens, positions, None, labels=tokens.roll(-1, 1)).mean()
+        loss.backward()
+        if hasattr(model, "finish_grad_sync"):
+            model.finish_grad_sync()
+        opt.step()
+        sched.step(2)
+        losses.append(loss.item())
+    return losses
 
-    monkeypatch.setattr(dc, "optimizer_sharded_state_dict", megatron_dp_reshardable)
-    checkpointing.save_checkpoint(1, model, opt, sched, 0.0)
-    monkeypatch.undo()
-    model2, opt2, sched2 = _setup(tmp_path, seed=3)
+
+def test_gpt_distributed_optimizer_state_is_megatron_cores_dp_reshardable_by_default(tmp_path):
+    # Megatron-LM's default with the distributed optimizer: flat per-bucket tensors in
+    # megatron-core's grad-buffer layout, its param groups and bucket sizes as objects beside
+    # them (the layout itself is checked against megatron-core in tests/interop).
+    from megatron.core.dist_checkpointing import dp_reshardable as dpr
+    from tests.unit_tests.tiny_configs import tiny_gpt_model
+
+    ddp, opt, sched = _distributed_setup(tmp_path, seed=0, model=tiny_gpt_model(seed=0))
+    _train_gpt(ddp, opt, sched, 2, seed=1)
+    checkpointing.save_checkpoint(2, ddp, opt, sched, 0.0)
+    saved_weights = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    straight = _train_gpt(ddp, opt, sched, 2, seed=2)
+
+    directory = str(_iter_dir(tmp_path, 2))
+    metadata = dc.read_dcp_metadata(directory)
+    fp32 = (torch.float32, torch.float32)
+    assert {k for k in dc.tensor_shapes(metadata) if k.startswith("optimizer.")} == {
+        dpr.bucket_key(0, 0, fp32, 0, name) for name in ("param", "exp_avg", "exp_avg_sq")
+    }
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(_iter_dir(tmp_path, 2) / "common.pt", weights_only=True)
+    assert common["optimizer"] == {"param_state_sharding_type": "dp_reshardable"}
+    assert common["content_metadata"]["distrib_optim_sharding_type"] == "dp_reshardable"
+    groups = dpr.read_object(directory, metadata, dpr.object_key(0, "optimizer"))["param_groups"]
+    assert [(g["wd_mult"], g["step"]) for g in groups] == [(1.0, 2.0), (0.0, 2.0)]
+    numel = dpr.read_object(directory, metadata, dpr.object_key(0, "per_bucket_numel_unpadded"))
+    # One bucket holding every parameter, each starting at a multiple of 64 elements.
+    assert list(numel[0]) == [fp32] and len(numel[0][fp32]) == 1
+    total = sum(p.numel() for p in ddp.parameters())
+    assert total <= numel[0][fp32][0] < total + 64 * len(list(ddp.parameters()))
+
+    ddp2, opt2, sched2 = _distributed_setup(tmp_path, seed=5, model=tiny_gpt_model(seed=5))
+    assert checkpointing.load_checkpoint(ddp2, opt2, sched2)[0] == 2
+    assert _train_gpt(ddp2, opt2, sched2, 2, seed=2) == straight
+
+    # Without the distributed optimizer that state has no place: one line, then the model alone.
+    model3, opt3, sched3 = _setup(tmp_path, model=tiny_gpt_model(seed=5))
     with pytest.raises(
         checkpointing.CheckpointError,
-        match="dp_reshardable layout .* pass --no-load-optim or --finetune to load the model only",
+        match=r"dp_reshardable layout, which cannot be placed in this run \(rank 0: this run does "
+        r"not use --use-distributed-optimizer\); the optimizer state was not loaded: pass "
+        "--no-load-optim or --finetune to load the model only",
     ):
-        checkpointing.load_checkpoint(model2, opt2, sched2)
+        checkpointing.load_checkpoint(model3, opt3, sched3)
     global_vars.get_args().no_load_optim = True
-    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
-    for a, b in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(a, b)
+    assert checkpointing.load_checkpoint(model3, opt3, sched3)[0] == 2
+    for name, param in model3.named_parameters():
+        assert torch.equal(param, saved_weights[name]), name
 
 
-def _distributed_setup(tmp_path, seed):
+def _distributed_setup(tmp_path, seed, model=None, **kw):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    model, _opt, _sched = _setup(tmp_path, seed=seed, use_distributed_optimizer=True)
+    model, _opt, _sched = _setup(
+        tmp_path, seed=seed, model=model, use_distributed_optimizer=True, **kw
+    )
     ddp = DistributedDataParallel(
         DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
         model,
@@ -312,7 +355,7 @@ def test_distributed_optimizer_state_in_megatron_core_fully_reshardable_keys(tmp
     # optimizer.state.{param,exp_avg,exp_avg_sq}.<key>, "param" being the fp32 main weight (for
     # fp32 weights too); common state {"optimizer": {"param_groups": [.., "step"]},
     # "param_state_sharding_type": "fully_reshardable"}.
-    ddp, opt, sched = _distributed_setup(tmp_path, seed=0)
+    ddp, opt, sched = _distributed_setup(tmp_path, seed=0, dist_ckpt_optim_fully_reshardable=True)
     _train_ddp(ddp, opt, sched, 3, seed=7)
     checkpointing.save_checkpoint(3, ddp, opt, sched, 0.0)
     straight = _train_ddp(ddp, opt, sched, 2, seed=8)
@@ -375,7 +418,8 @@ def test_optimizer_common_state_of_megatron_core_and_of_earlier_checkpoints_is_r
     # This code base's earlier structure.
     earlier = {"param_groups": [{**group, "step": 4}], "grad_scaler": None, "has_state": True}
     assert normalized_common_state(earlier)["step"] == 4
-    # megatron-core's default distributed-optimizer layout is not read.
+    # megatron-core's default distributed-optimizer layout keeps its param groups beside the
+    # tensors (the checkpoint loader reads them in): without them it cannot be read.
     with pytest.raises(dc.UnreadableOptimizerState, match="Megatron-LM's dp_reshardable layout"):
         normalized_common_state({"param_state_sharding_type": "dp_reshardable"})
 

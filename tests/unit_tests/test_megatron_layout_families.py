@@ -19,10 +19,8 @@ from megatron.core.dist_checkpointing.megatron_layout import (
     unstack,
 )
 from megatron.training import checkpointing, checkpointing_dist
-from tests.unit_tests.test_dist_checkpointing import _iter_dir, _setup
+from tests.unit_tests.test_dist_checkpointing import _iter_dir, _setup, _train_gpt
 from tests.unit_tests.tiny_configs import (
-    TINY_SEQ,
-    TINY_VOCAB,
     tiny_gpt_model,
     tiny_transformer_config,
 )
@@ -174,21 +172,6 @@ def test_moe_gpt_writes_megatron_keys():
     full = {k: torch.zeros(v) for k, v in layer_keys.items()}
     ours = {k: v.shape for k, v in model.state_dict().items() if k.startswith("decoder.layers.")}
     assert {k: v.shape for k, v in unstack(full).items()} == ours
-
-
-def _train_gpt(model, opt, sched, steps, seed):
-    g = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(0, TINY_VOCAB, (2, TINY_SEQ), generator=g)
-        positions = torch.arange(TINY_SEQ).unsqueeze(0).expand_as(tokens)
-        opt.zero_grad()
-        loss = model(tokens, positions, None, labels=tokens.roll(-1, 1)).mean()
-        loss.backward()
-        opt.step()
-        sched.step(2)
-        losses.append(loss.item())
-    return losses
 
 
 # Checkpoints written here before the Megatron layout keyed each layer (and each expert) on its

@@ -154,6 +154,12 @@ def parse(argv=None):
         default="torch_dist",
         help="train: the format to save and load (torch: one process, no distributed optimizer)",
     )
+    p.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="train: megatron-core's DDP with --overlap-grad-reduce and this bucket size",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     return p.parse_args(argv)
@@ -186,17 +192,21 @@ def train_batch(args, iteration: int):
     return tokens, labels
 
 
-def _keep_adamw_step_on_fully_reshardable_load() -> None:
-    """Two faults of megatron-core 0.16.1's distributed optimizer with torch's AdamW (its path
-    without Transformer Engine or apex), which a fully_reshardable load hits:
+def _keep_adamw_step_on_distributed_load() -> None:
+    """Faults of megatron-core 0.16.1's distributed optimizer with torch's AdamW (its path
+    without Transformer Engine or apex), which its loads hit:
 
     * it restores the step from the param groups into ONE tensor shared by every parameter's
       state, which AdamW then advances once per parameter at each step (a resumed run would
       use a wrong bias correction from its first step on);
     * it then copies every entry of the parameter's state from the checkpoint, "step" included,
-      which that format does not hold: a KeyError.
+      which fully_reshardable does not hold (a KeyError) and dp_reshardable takes from the
+      state before the load;
+    * dp_reshardable copies into fp32 main params that are views of leaf parameters outside
+      ``torch.no_grad``, which autograd refuses.
 
-    Give each parameter its own copy of the restored step, and keep it through the copy."""
+    Give each parameter its own copy of the restored step, keep it through the copy, and copy
+    without autograd."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
@@ -204,10 +214,15 @@ def _keep_adamw_step_on_fully_reshardable_load() -> None:
     def own_step(self, model_param, tensors):
         group, order = self.model_param_group_index_map[model_param]
         state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
-        if "step" in state and "step" not in tensors:
+        if "step" in state:
+            # The step restored from the param groups; dp_reshardable hands over the step of
+            # the state before the load (its "step" is not saved), which would overwrite it.
             state["step"] = state["step"].clone()
             tensors = {**tensors, "step": state["step"].clone()}
-        return original(self, model_param, tensors)
+        # dp_reshardable's load copies into the fp32 main params outside no_grad: with fp32
+        # weights those are views of the model's leaf parameters, which autograd refuses.
+        with torch.no_grad():
+            return original(self, model_param, tensors)
 
     DistributedOptimizer._set_main_param_and_optimizer_states = own_step
 
@@ -224,10 +239,14 @@ def _train(model, config, args) -> dict:
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
-            use_distributed_optimizer=distributed, grad_reduce_in_fp32=True
+            use_distributed_optimizer=distributed,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=args.ddp_bucket_size is not None,
+            bucket_size=args.ddp_bucket_size,
         ),
         model,
     )
+    buffers = buffer_layouts(ddp)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
@@ -279,7 +298,7 @@ def _train(model, config, args) -> dict:
             # values first (as it does for its FSDP loads), which the load then overwrites.
             for inner in optimizer.chained_optimizers:
                 inner._init_optimizer_states_with_dummy_values()
-            _keep_adamw_step_on_fully_reshardable_load()
+            _keep_adamw_step_on_distributed_load()
         model_state = model.sharded_state_dict()
         state = {
             "model": model_state,
@@ -346,7 +365,34 @@ def _train(model, config, args) -> dict:
             dist_checkpointing.save(state, directory, content_metadata=metadata)
             with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write(str(iteration))
-    return {"losses": losses}
+    return {"losses": losses, "buffers": buffers}
+
+
+def buffer_layouts(ddp) -> list:
+    """megatron-core's grad-buffer layout of each of its DDP's buffers: per bucket its
+    ``numel``, ``numel_unpadded`` and its params as [name, start in the bucket, numel], in
+    buffer order."""
+    names = {param: name for name, param in ddp.module.named_parameters()}
+    out = []
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        buckets = []
+        for index, bucket in enumerate(buffer.buckets):
+            params = [
+                [names[param], start - bucket.offset, end - start]
+                for param, (start, end, bucket_id) in buffer.param_index_map.items()
+                if bucket_id == index
+            ]
+            buckets.append(
+                {
+                    "numel": bucket.grad_data.numel(),
+                    "numel_unpadded": bucket.numel_unpadded,
+                    "params": params,
+                }
+            )
+        out.append(
+            {"dtypes": [str(buffer.param_dtype), str(buffer.grad_dtype)], "buckets": buckets}
+        )
+    return out
 
 
 def build_model(args):

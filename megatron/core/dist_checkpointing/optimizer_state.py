@@ -20,7 +20,8 @@ The non-tensor part (param-group hyperparameters, step count, grad scaler) is
 with the checkpoint's common state under ``optimizer``); :func:`content_metadata` is what
 Megatron-LM stores beside it to say how the optimizer state was sharded.
 Megatron-LM's default for the distributed optimizer, ``dp_reshardable`` (flat per-bucket
-tensors ``optimizer.distributed.*`` tied to its own bucket layout), is neither written nor read.
+tensors ``optimizer.distributed.*`` tied to its own bucket layout), is read through
+:mod:`.dp_reshardable` (``OptimizerLoad(..., bucket_state=...)``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ FP32_PARAM = "fp32_param"
 MAIN_PARAM = "param"
 """The fp32 main weights of the distributed optimizer (Megatron's fully_reshardable name)."""
 FULLY_RESHARDABLE = "fully_reshardable"
+DP_RESHARDABLE = "dp_reshardable"
 _GROUP_SETTINGS = (
     "params",
     "wd_mult",
@@ -128,11 +130,11 @@ def optimizer_common_state(optimizer) -> Dict[str, Any]:
     return inner
 
 
-def content_metadata() -> Dict[str, Any]:
-    """Megatron-LM's ``content_metadata`` of a checkpoint whose optimizer state is written by
-    :func:`optimizer_sharded_state_dict` (it reads the sharding type from there when loading)."""
+def content_metadata(sharding_type: str = FULLY_RESHARDABLE) -> Dict[str, Any]:
+    """Megatron-LM's ``content_metadata`` of a checkpoint whose distributed-optimizer state is
+    in ``sharding_type`` (Megatron-LM reads the type from there when loading)."""
     return {
-        "distrib_optim_sharding_type": FULLY_RESHARDABLE,
+        "distrib_optim_sharding_type": sharding_type,
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
     }
@@ -151,7 +153,9 @@ def normalized_common_state(common: Dict[str, Any]) -> Dict[str, Any]:
         step = max([int(g.get("step", 0)) for g in groups] or [0])
         return {"param_groups": groups, "grad_scaler": common.get("grad_scaler"), "step": step}
     sharding = common.get("param_state_sharding_type")
-    if sharding is not None and sharding != FULLY_RESHARDABLE:
+    # dp_reshardable's param groups are objects beside its tensors: the caller puts them in.
+    readable = (FULLY_RESHARDABLE, DP_RESHARDABLE) if "optimizer" in common else ()
+    if sharding is not None and sharding not in readable:
         raise UnreadableOptimizerState(
             f"the distributed optimizer's state is in Megatron-LM's {sharding} layout"
         )
@@ -281,6 +285,22 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
     return out
 
 
+def distributed_state_by_param(optimizer) -> Optional[Dict[Tuple[int, str], torch.Tensor]]:
+    """The distributed optimizer's per-parameter state gathered over DP (a collective):
+    ``{(id(model param), name): flat fp32 tensor}`` for ``param`` (the main weights) and the
+    state names, holding the buffers this rank is the state root of; None on other ranks."""
+    state = optimizer.get_parameter_state_dp_zero()
+    if state is None:
+        return None
+    out = {}
+    for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
+        if gbuf_idx not in state:  # another rank gathered that buffer
+            continue
+        for name, flats in state[gbuf_idx][dtype_key].items():
+            out[(id(param), name)] = flats[bucket_id][start : start + param.numel()]
+    return out
+
+
 # ---------------------------------------------------------------------------------- load
 class OptimizerLoad:
     """Targets to read the per-parameter optimizer state into, and the step that finishes it.
@@ -295,14 +315,20 @@ class OptimizerLoad:
         by_param: Dict[int, ShardedTensor],
         has_key: Callable[[str], bool],
         step: int,
+        bucket_state=None,
     ):
         self.optimizer = optimizer
+        # megatron-core's dp_reshardable state (a dp_reshardable.BucketStateLoad), read instead
+        # of the per-parameter entries.
+        self._bucket_state = bucket_state
         self.step = step
         self.targets: Dict[str, ShardedTensor] = {}
         self._buffers: Dict[Tuple[int, str], torch.Tensor] = {}
         self._has_key = has_key
         names = state_names(optimizer)
-        if is_distributed(optimizer):
+        if bucket_state is not None:
+            self.targets.update(bucket_state.targets)
+        elif is_distributed(optimizer):
             self._prepare_distributed(by_param, names)
         else:
             self._prepare_local(by_param, names)
@@ -364,6 +390,8 @@ class OptimizerLoad:
 
     def _finish_distributed(self) -> None:
         optimizer = self.optimizer
+        if self._bucket_state is not None:
+            self._buffers.update(self._bucket_state.values())
         if not optimizer.holds_any_state_root():
             optimizer.load_parameter_state_from_dp_zero(None)
             return
