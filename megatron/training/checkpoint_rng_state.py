@@ -9,9 +9,14 @@ of per-rank dicts with Megatron's fields:
 * ``random_rng_state``: ``random.getstate()``;
 * ``np_rng_state``: ``numpy.random.get_state()`` (the legacy tuple with a uint32 array);
 * ``torch_rng_state``: ``torch.get_rng_state()``;
-* ``cuda_rng_state``: ``torch.cuda.get_rng_state()``, or None where there is no CUDA device:
-  Megatron-LM writes the key always, and a CPU run has no CUDA generator to save;
+* ``cuda_rng_state``: ``torch.cuda.get_rng_state()``, only where there is a CUDA device;
 * ``rng_tracker_states``: the model-parallel tracker's named states.
+
+A run without CUDA has no CUDA generator to save, so its entries lack ``cuda_rng_state``:
+Megatron-LM (which always writes the key) then stops its RNG restore with its own line
+("Unable to load rng state ... Specify --no-load-rng"), the right outcome, since the CPU
+generator states of such a run (the tracker's too) cannot seed CUDA generators. With None in
+the key it would fail in ``torch.cuda.set_rng_state`` instead, with a traceback.
 
 The list has one entry (data-parallel ranks share their seeds), or one per data-parallel rank
 with ``--data-parallel-random-init``. As in Megatron-LM the state is restored only where the
@@ -47,13 +52,15 @@ _SHARD = re.compile(r"^(?P<key>[^/]+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)
 
 def megatron_rng_state(tracker) -> dict:
     """This process's RNG states as one entry of Megatron-LM's ``rng_state`` list."""
-    return {
+    states = {
         "random_rng_state": random.getstate(),
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "rng_tracker_states": tracker.get_states() if tracker is not None else {},
     }
+    if torch.cuda.is_available():
+        states["cuda_rng_state"] = torch.cuda.get_rng_state()
+    states["rng_tracker_states"] = tracker.get_states() if tracker is not None else {}
+    return states
 
 
 def _grid(state) -> Tuple[Tuple[int, int], Tuple[int, int]]:

@@ -10,6 +10,7 @@ project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, 
     python tools/interop/mcore_gpt.py train DIR --out result.json --iters N [--save-at K]
         [--load CKPT] [--optimizer-sharding none|dp_reshardable|fully_reshardable] [model flags]
     python tools/interop/mcore_gpt.py describe - --out layout.json --family bert [model flags]
+    python tools/interop/mcore_gpt.py rng DIR --out draws.json --rng-grid PP,TP
 
 ``save`` builds the model from ``--seed`` and writes it into DIR/iter_0000001 (with the tracker
 file, as Megatron-LM lays it out); ``load`` reads the torch_dist directory DIR into a model built
@@ -19,6 +20,13 @@ loaded model's state dict (per-layer names) to ``--tensors``. ``--torch-save D``
 writes the torch format, ``D/iter_0000001/mp_rank_00/model_optim_rng.pt``; ``--torch-load FILE``
 (load) also loads a torch-format file strictly into another model (``"torch_loss"``).
 For BERT and T5 (``--family``), ``save`` and ``load`` compute no loss (``"loss": null``).
+``save --rng-draws FILE`` also writes the RNG state as Megatron-LM's training loop builds it for
+``torch_dist`` (``get_rng_state``: the ShardedObject ``rng_state`` on the (PP, TP) = (1, 1) grid
+holding a list of one dict), after advancing every stream past its seed, and then writes the
+next draws of each stream (:func:`rng_draws`) to FILE. ``rng`` reads every ``rng_state`` object
+of the (PP, TP) grid ``--rng-grid`` from the torch_dist directory DIR, restores each as
+Megatron-LM's ``load_checkpoint`` does (:func:`restore_rng_like_megatron_lm`) and writes
+``{"<pp>.<tp>": {"fields": [...], "draws": ...}}`` to ``--out``.
 ``describe`` writes the keys, global shapes and offsets of ``model.sharded_state_dict()``'s
 tensors and the unique keys of its objects (see :func:`describe`). ``--num-experts N`` makes
 the GPT a MoE model (every layer, top-2, SequentialMLP experts).
@@ -45,8 +53,10 @@ Its optimizers need more (tensors made with
 import argparse
 import json
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -97,7 +107,7 @@ def _optimizer_on_cpu() -> None:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("save", "load", "train", "describe"))
+    p.add_argument("action", choices=("save", "load", "train", "describe", "rng"))
     p.add_argument("directory")
     p.add_argument("--out", required=True)
     p.add_argument("--tensors")
@@ -153,6 +163,12 @@ def parse(argv=None):
         choices=("torch_dist", "torch"),
         default="torch_dist",
         help="train: the format to save and load (torch: one process, no distributed optimizer)",
+    )
+    p.add_argument("--rng-draws", help="save: also save the RNG state; write its next draws here")
+    p.add_argument(
+        "--rng-grid",
+        type=lambda text: tuple(int(v) for v in text.split(",")),
+        help="rng: the (PP, TP) grid of the rng_state objects to read, e.g. 1,2",
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -349,6 +365,77 @@ def _train(model, config, args) -> dict:
     return {"losses": losses}
 
 
+def rng_draws() -> dict:
+    """The next numbers of the four streams a checkpoint's RNG state restores."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    with get_cuda_rng_tracker().fork():
+        tracked = torch.rand(3).tolist()
+    return {
+        "random": random.random(),
+        "numpy": float(np.random.random()),
+        "torch": torch.rand(3).tolist(),
+        "tracker": tracked,
+    }
+
+
+def megatron_lm_rng_state():
+    """Megatron-LM's ``get_rng_state`` for ``torch_dist`` in one process (TP=PP=DP=1, no
+    data-parallel random init): its per-rank dict in a list, as a ShardedObject over (pp, tp)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),  # the CPU generator's here, see above
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    return ShardedObject("rng_state", [state], (1, 1), (0, 0), replica_id=0)
+
+
+def restore_rng_like_megatron_lm(saved: list) -> None:
+    """Megatron-LM's ``load_checkpoint``, RNG part, without data-parallel random init (entry 0).
+    A checkpoint written without CUDA has no ``cuda_rng_state``; Megatron-LM on a GPU stops
+    there and asks for ``--no-load-rng``; on CPU there is no CUDA generator to set: skipped."""
+    from megatron.core import tensor_parallel
+
+    state = saved[0]
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if not state["rng_tracker_states"]:
+        raise KeyError("rng_tracker_states is empty")  # Megatron-LM's own check
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {
+            name: tensor_parallel.convert_cuda_rng_state(value, to_graphable=False)
+            for name, value in state["rng_tracker_states"].items()
+        }
+    )
+
+
+def _read_rng_grid(args) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pp_size, tp_size = args.rng_grid
+    requests = {
+        f"{pp}.{tp}": ShardedObject("rng_state", None, (pp_size, tp_size), (pp, tp))
+        for pp in range(pp_size)
+        for tp in range(tp_size)
+    }
+    loaded = dist_checkpointing.load(dict(requests), args.directory)
+    result = {}
+    for place in requests:  # (the loaded dict also holds common.pt's entries)
+        saved = loaded[place]
+        restore_rng_like_megatron_lm(saved)
+        result[place] = {"fields": sorted(saved[0]), "entries": len(saved), "draws": rng_draws()}
+    return result
+
+
 def build_model(args):
     """megatron-core's model of ``args.family`` with its local spec, fp32 on the CPU; a GPT with
     ``--num-experts`` has MoE layers (top-2, dropless, allgather dispatcher: the alltoall one
@@ -476,6 +563,12 @@ def main(argv=None) -> int:
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed if args.action == "save" else args.seed + 1)
+    if args.action == "rng":
+        with open(args.out, "w") as f:
+            json.dump(_read_rng_grid(args), f)
+        dist.destroy_process_group()
+        os.remove(store)
+        return 0
     model = build_model(args)
     if args.action == "describe":
         with open(args.out, "w") as f:
@@ -503,7 +596,15 @@ def main(argv=None) -> int:
             "iteration": ITERATION,
             "checkpoint_version": 3.0,
         }
+        if args.rng_draws:
+            # Every stream away from its seed first, so that a restore from the seed fails.
+            random.random(), np.random.random(), torch.rand(5)
+            rng_draws()
+            state["rng_state"] = megatron_lm_rng_state()
         dist_checkpointing.save(state, directory)
+        if args.rng_draws:
+            with open(args.rng_draws, "w") as f:
+                json.dump(rng_draws(), f)
         with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(ITERATION))
     else:
