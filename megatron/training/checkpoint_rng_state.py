@@ -24,9 +24,12 @@ checkpoint's TP and PP sizes equal this run's: with another layout no rank has a
 
 Rerun state machine: the common part (mode, state, iteration) stays in ``common.pt`` under
 ``rerun_state_machine``; each rank's part is the object ``rerun_state_machine_state`` on a
-(world size,) grid at the rank's global rank. The common part keeps plain values (mode name,
-state number), as this code base's machine gives them: ``common.pt`` is read with
-``weights_only=True``, which refuses Megatron-LM's pickled enums.
+(world size,) grid at the rank's global rank. Both hold megatron-core's types (the ``RerunMode``
+and ``RerunState`` enums, the failed validation as a ``Call`` of a ``Caller``, the injected
+error types as ``RerunDiagnostic``): this code base has classes of the same module path, names
+and values, so the pickles are the same both ways, and reading allows just those classes. The
+machine itself keeps plain values (:func:`to_megatron_rerun_state`,
+:func:`plain_rerun_common`, :func:`plain_rerun_part` convert).
 
 Checkpoints written here before keep ``rng_state`` (a list of every rank's state with its
 coordinates) and the machine's per-rank parts (``sharded``, a list by global rank) inside
@@ -117,10 +120,72 @@ def choose_rng_state(saved: list, state, data_parallel_random_init: bool) -> dic
     return saved[index]
 
 
+def to_megatron_rerun_state(rerun_state: dict) -> dict:
+    """The machine's ``state_dict()`` (plain values) with megatron-core's types."""
+    from megatron.core.rerun_state_machine import (
+        Call,
+        Caller,
+        RerunDiagnostic,
+        RerunMode,
+        RerunState,
+    )
+
+    part = dict(rerun_state["sharded"])
+    failed = part["failed_validation_call"]
+    if failed is not None:
+        part["failed_validation_call"] = Call(Caller(failed[0], int(failed[1])), int(failed[2]))
+    injector = dict(part["error_injector_checkpoint"])
+    for name in ("error_injection_type", "injected_error_type"):
+        if injector[name] is not None:
+            injector[name] = RerunDiagnostic(injector[name])
+    part["error_injector_checkpoint"] = injector
+    return {
+        **rerun_state,
+        "mode": RerunMode(rerun_state["mode"]),
+        "state": RerunState(rerun_state["state"]),
+        "sharded": part,
+    }
+
+
+def plain_rerun_common(saved: Optional[dict]) -> Optional[dict]:
+    """A checkpoint's ``rerun_state_machine`` entry with plain mode and state values (it holds
+    enums when written by megatron-core or here now, plain values when written here before)."""
+    from megatron.core.rerun_state_machine import RerunMode, RerunState
+
+    if not isinstance(saved, dict) or "state" not in saved:
+        return saved
+    plain = dict(saved, state=RerunState(saved["state"]).value)
+    if "mode" in saved:
+        plain["mode"] = RerunMode(saved["mode"]).value
+    return plain
+
+
+def plain_rerun_part(part: dict) -> dict:
+    """A rank's part of the machine's state with plain values, as the machine loads it."""
+    from megatron.core.rerun_state_machine import Call
+
+    plain = dict(part)
+    failed = plain.get("failed_validation_call")
+    if isinstance(failed, Call):
+        plain["failed_validation_call"] = [
+            failed.caller.message,
+            failed.caller.rank,
+            failed.sequence,
+        ]
+    injector = dict(plain.get("error_injector_checkpoint") or {})
+    for name in ("error_injection_type", "injected_error_type"):
+        if hasattr(injector.get(name), "value"):
+            injector[name] = injector[name].value
+    plain["error_injector_checkpoint"] = injector
+    return plain
+
+
 def rerun_entries(rerun_state: dict, rank: int, world_size: int) -> Tuple[dict, dc.ShardedObject]:
-    """Split the machine's state into its common part and this rank's object."""
-    common = {k: v for k, v in rerun_state.items() if k != "sharded"}
-    obj = dc.ShardedObject(RERUN_KEY, rerun_state["sharded"], (world_size,), (rank,))
+    """Split the machine's state into its common part and this rank's object, in
+    megatron-core's types."""
+    megatron_state = to_megatron_rerun_state(rerun_state)
+    common = {k: v for k, v in megatron_state.items() if k != "sharded"}
+    obj = dc.ShardedObject(RERUN_KEY, megatron_state["sharded"], (world_size,), (rank,))
     return common, obj
 
 

@@ -384,7 +384,8 @@ def load_checkpoint_dist(
     rng_entry = _rng_request(object_keys, state) if load_rng else None
     rerun_saved, rerun_entry = None, None
     if not finetune:
-        rerun_saved, rerun_entry = _rerun_request(common.get("rerun_state_machine"), object_keys)
+        rerun_saved = checkpoint_rng_state.plain_rerun_common(common.get("rerun_state_machine"))
+        rerun_saved, rerun_entry = _rerun_request(rerun_saved, object_keys)
     for entry in (rng_entry, rerun_entry):
         if entry is not None:
             targets[entry.name] = entry
@@ -495,7 +496,9 @@ def _restore_rerun_state(saved, entry) -> None:
     if machine is None or not machine.validate_state_dict(saved):
         return
     if entry is not None:
-        machine.load_state_dict(dict(saved, sharded=entry.data))
+        machine.load_state_dict(
+            dict(saved, sharded=checkpoint_rng_state.plain_rerun_part(entry.data))
+        )
         return
     per_rank = saved["sharded"]
     if len(per_rank) != get_world_size():

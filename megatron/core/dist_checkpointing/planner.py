@@ -66,11 +66,26 @@ def _numpy_globals() -> list:
     ]
 
 
+def megatron_state_globals() -> list:
+    """The classes, besides tensors and plain values, that Megatron-LM's checkpoint state holds
+    and that reading may construct: numpy arrays (the RNG state) and the rerun state machine's
+    enums and call records (megatron-core's, under the same module path and names here)."""
+    from megatron.core.rerun_state_machine import (
+        Call,
+        Caller,
+        RerunDiagnostic,
+        RerunMode,
+        RerunState,
+    )
+
+    return _numpy_globals() + [RerunMode, RerunState, RerunDiagnostic, Call, Caller]
+
+
 def load_object(buffer: io.BytesIO, key: str):
     """The object saved under ``key`` (megatron-core stores a one-element list per key), read
-    with ``weights_only=True``: tensors, plain Python values and numpy arrays only."""
+    with ``weights_only=True``: tensors, plain values and :func:`megatron_state_globals` only."""
     try:
-        with torch.serialization.safe_globals(_numpy_globals()):
+        with torch.serialization.safe_globals(megatron_state_globals()):
             saved = torch.load(buffer, map_location="cpu", weights_only=True)
     except Exception as exc:  # weights_only refusals and damaged bytes raise several types
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

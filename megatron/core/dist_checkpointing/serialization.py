@@ -35,7 +35,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .mapping import ShardedObject, ShardedTensor
-from .planner import ShardedLoadPlanner, ShardedSavePlanner, ShardingError
+from .planner import (
+    ShardedLoadPlanner,
+    ShardedSavePlanner,
+    ShardingError,
+    megatron_state_globals,
+)
 
 SHARDED_BACKEND = "torch_dist"
 SHARDED_BACKEND_VERSION = 1
@@ -153,14 +158,15 @@ def save_common(state: dict, directory: str) -> None:
 
 
 def load_common(directory: str, safe_globals: Sequence = ()) -> dict:
-    """Read common.pt with ``weights_only=True`` (plus the allow-listed ``safe_globals``)."""
+    """Read common.pt with ``weights_only=True`` (plus the allow-listed ``safe_globals`` and
+    the classes of Megatron-LM's state, :func:`.planner.megatron_state_globals`)."""
     path = os.path.join(directory, COMMON_FILE)
     if not os.path.isfile(path):
         raise CheckpointingError(
             f"{path} is missing: {directory} is not a complete torch_dist checkpoint"
         )
     try:
-        with torch.serialization.safe_globals(list(safe_globals)):
+        with torch.serialization.safe_globals(list(safe_globals) + megatron_state_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
