@@ -140,3 +140,81 @@ def test_rng_state_saved_here_at_tp2_is_read_by_megatron_core(tmp_path):
             ["random_rng_state", "np_rng_state", "torch_rng_state", "rng_tracker_states"]
         )  # no cuda_rng_state: written without CUDA
         assert read["draws"] == ours[rank], rank
+
+
+# ------------------------------------------------------------------ the rerun state machine
+def _our_machine():
+    from megatron.core.rerun_state_machine import RerunStateMachine
+    from megatron.training import global_vars
+
+    machine = RerunStateMachine(mode="validate_results")
+    global_vars.set_rerun_state_machine(machine)
+    return machine
+
+
+def _fields(machine):
+    """The driver's ``machine_fields`` of this code base's machine."""
+    failed = machine.failed_validation_call
+    return {
+        "mode": machine.mode.value,
+        "state": machine.state.name,
+        "current_iteration": machine.current_iteration,
+        "checkpoint_requested": machine.checkpoint_requested,
+        "rerun_requested": machine.rerun_requested,
+        "failed_validation_call": (
+            None
+            if failed is None
+            else [type(failed).__name__, failed.caller.message, failed.caller.rank, failed.sequence]
+        ),
+        "initial_result": machine.initial_result,
+        "suspicious_node": machine.suspicious_node,
+        "suspicious_device": machine.suspicious_device,
+        "large_value_counts": machine.large_value_counts,
+        "max_values": machine.max_values,
+        "error_injection_type": machine.error_injector.error_injection_type.value,
+    }
+
+
+def test_rerun_state_machine_state_exchanged_both_ways(tmp_path):
+    # megatron-core's machine at a re-run checkpoint (a fault reproduced at iteration 1), saved
+    # as Megatron-LM saves it; this code base's load hands it to its machine.
+    from megatron.core.rerun_state_machine import Call, Caller, RerunDiagnostic, RerunState
+    from megatron.training import checkpoint_rng_state, checkpointing_dist, global_vars
+
+    saved = _mcore("save", tmp_path / "mcore", tmp_path / "saved.json", "--rerun-state")
+    theirs = saved["rerun"]
+    directory = tmp_path / "mcore" / "iter_0000001"
+    try:
+        machine = _our_machine()
+        common = dc.load_common(str(directory))  # megatron-core's enums in it
+        keys = set(dc.read_dcp_metadata(str(directory)).state_dict_metadata)
+        plain = checkpoint_rng_state.plain_rerun_common(common["rerun_state_machine"])
+        plain, entry = checkpointing_dist._rerun_request(plain, keys)
+        assert entry is not None and entry.unique_key == "rerun_state_machine_state/shard_0_1"
+        dc.load({entry.name: entry}, str(directory))
+        checkpointing_dist._restore_rerun_state(plain, entry)
+        assert _fields(machine) == theirs
+        assert theirs["state"] == "WILL_RERUN_FROM_CHECKPOINT"  # not a machine left as built
+
+        # The other way: this code base's machine at a re-run checkpoint, saved as its
+        # save_checkpoint saves it; megatron-core loads it as Megatron-LM does.
+        machine = _our_machine()
+        machine.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+        machine.current_iteration = 5
+        machine.checkpoint_requested = True
+        machine.failed_validation_call = Call(Caller("found NaN in local grad norm", 0), 1)
+        machine.initial_result = 0.25
+        machine.suspicious_node, machine.suspicious_device = "node-b", 1
+        machine.large_value_counts, machine.max_values = {"grad": 2}, {"grad": 7.5}
+        machine.error_injector.error_injection_type = RerunDiagnostic.TRANSIENT_ERROR
+        ours = tmp_path / "ours"
+        common, part = checkpoint_rng_state.rerun_entries(
+            machine.state_dict(None, force=True), rank=0, world_size=1
+        )
+        dc.save({part.name: part}, str(ours))
+        dc.save_common({"rerun_state_machine": common, "iteration": 5}, str(ours))
+        dc.write_metadata_json(str(ours))
+        read = _mcore("rerun", ours, tmp_path / "read.json")
+        assert read == _fields(machine)
+    finally:
+        global_vars.set_rerun_state_machine(None)

@@ -11,6 +11,7 @@ project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, 
         [--load CKPT] [--optimizer-sharding none|dp_reshardable|fully_reshardable] [model flags]
     python tools/interop/mcore_gpt.py describe - --out layout.json --family bert [model flags]
     python tools/interop/mcore_gpt.py rng DIR --out draws.json --rng-grid PP,TP
+    python tools/interop/mcore_gpt.py rerun DIR --out machine.json
 
 ``save`` builds the model from ``--seed`` and writes it into DIR/iter_0000001 (with the tracker
 file, as Megatron-LM lays it out); ``load`` reads the torch_dist directory DIR into a model built
@@ -27,6 +28,11 @@ next draws of each stream (:func:`rng_draws`) to FILE. ``rng`` reads every ``rng
 of the (PP, TP) grid ``--rng-grid`` from the torch_dist directory DIR, restores each as
 Megatron-LM's ``load_checkpoint`` does (:func:`restore_rng_like_megatron_lm`) and writes
 ``{"<pp>.<tp>": {"fields": [...], "draws": ...}}`` to ``--out``.
+``save --rerun-state`` also saves the rerun state machine's state as Megatron-LM's training loop
+does when the machine asks for a checkpoint (after a reproduced fault: see
+:func:`_machine_at_a_rerun_checkpoint`); ``rerun`` loads a machine's state from the torch_dist
+directory DIR as Megatron-LM's ``load_checkpoint`` does and writes its fields
+(:func:`machine_fields`) to ``--out``.
 ``describe`` writes the keys, global shapes and offsets of ``model.sharded_state_dict()``'s
 tensors and the unique keys of its objects (see :func:`describe`). ``--num-experts N`` makes
 the GPT a MoE model (every layer, top-2, SequentialMLP experts).
@@ -107,7 +113,7 @@ def _optimizer_on_cpu() -> None:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("save", "load", "train", "describe", "rng"))
+    p.add_argument("action", choices=("save", "load", "train", "describe", "rng", "rerun"))
     p.add_argument("directory")
     p.add_argument("--out", required=True)
     p.add_argument("--tensors")
@@ -169,6 +175,9 @@ def parse(argv=None):
         "--rng-grid",
         type=lambda text: tuple(int(v) for v in text.split(",")),
         help="rng: the (PP, TP) grid of the rng_state objects to read, e.g. 1,2",
+    )
+    p.add_argument(
+        "--rerun-state", action="store_true", help="save: also save a rerun state machine's state"
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -436,6 +445,69 @@ def _read_rng_grid(args) -> dict:
     return result
 
 
+def _machine_at_a_rerun_checkpoint():
+    """megatron-core's rerun state machine as it stands when it asks for a checkpoint: a fault
+    reproduced in place at iteration 1 on rank 0, to be re-run on other hardware."""
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.VALIDATE_RESULTS)
+    machine = rsm.get_rerun_state_machine()
+    machine.state = rsm.RerunState.WILL_RERUN_FROM_CHECKPOINT
+    machine.current_iteration = 1
+    machine.checkpoint_requested = True
+    machine.failed_validation_call = rsm.Call(rsm.Caller("loss is NaN", 0), 2)
+    machine.initial_result = 1.5
+    machine.suspicious_node = "node-a"
+    machine.suspicious_device = 3
+    machine.large_value_counts = {"loss": 4}
+    machine.max_values = {"loss": 2.5}
+    machine.error_injector.error_injection_type = rsm.RerunDiagnostic.PERSISTENT_ERROR
+    return machine
+
+
+def machine_fields(machine) -> dict:
+    """What a restarted job takes from a rerun checkpoint, as JSON values."""
+    failed = machine.failed_validation_call
+    return {
+        "mode": machine.mode.value,
+        "state": machine.state.name,
+        "current_iteration": machine.current_iteration,
+        "checkpoint_requested": machine.checkpoint_requested,
+        "rerun_requested": machine.rerun_requested,
+        "failed_validation_call": (
+            None
+            if failed is None
+            else [type(failed).__name__, failed.caller.message, failed.caller.rank, failed.sequence]
+        ),
+        "initial_result": machine.initial_result,
+        "suspicious_node": machine.suspicious_node,
+        "suspicious_device": machine.suspicious_device,
+        "large_value_counts": machine.large_value_counts,
+        "max_values": machine.max_values,
+        "error_injection_type": machine.error_injector.error_injection_type.value,
+    }
+
+
+def _load_rerun_state(args) -> dict:
+    """Megatron-LM's ``load_checkpoint``, rerun part (same world size, TP, PP and DP)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.VALIDATE_RESULTS)
+    machine = rsm.get_rerun_state_machine()
+    common = dist_checkpointing.load_common_state_dict(args.directory)
+    if not machine.validate_state_dict(common["rerun_state_machine"]):
+        raise RuntimeError("the checkpoint's rerun_state_machine does not ask for a re-run")
+    request = {
+        "rerun_state_machine": machine.state_dict(
+            data_iterator=None, ckpt_format="torch_dist", force=True
+        )
+    }
+    loaded = dist_checkpointing.load(request, args.directory)
+    machine.load_state_dict(loaded["rerun_state_machine"])
+    return machine_fields(machine)
+
+
 def build_model(args):
     """megatron-core's model of ``args.family`` with its local spec, fp32 on the CPU; a GPT with
     ``--num-experts`` has MoE layers (top-2, dropless, allgather dispatcher: the alltoall one
@@ -563,9 +635,9 @@ def main(argv=None) -> int:
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed if args.action == "save" else args.seed + 1)
-    if args.action == "rng":
+    if args.action in ("rng", "rerun"):
         with open(args.out, "w") as f:
-            json.dump(_read_rng_grid(args), f)
+            json.dump(_read_rng_grid(args) if args.action == "rng" else _load_rerun_state(args), f)
         dist.destroy_process_group()
         os.remove(store)
         return 0
@@ -601,6 +673,9 @@ def main(argv=None) -> int:
             random.random(), np.random.random(), torch.rand(5)
             rng_draws()
             state["rng_state"] = megatron_lm_rng_state()
+        if args.rerun_state:
+            machine = _machine_at_a_rerun_checkpoint()
+            state["rerun_state_machine"] = machine.state_dict(None, ckpt_format="torch_dist")
         dist_checkpointing.save(state, directory)
         if args.rng_draws:
             with open(args.rng_draws, "w") as f:
@@ -625,6 +700,10 @@ def main(argv=None) -> int:
         "keys": sorted(state),
         "other_keys": sorted(k for k in full if k not in state),  # _extra_state entries
     }
+    if args.action == "save" and args.rerun_state:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        result["rerun"] = machine_fields(get_rerun_state_machine())
     if args.action == "load" and args.torch_load:
         other = build_model(args)
         saved = torch.load(args.torch_load, map_location="cpu", weights_only=False)
