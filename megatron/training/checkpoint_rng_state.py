@@ -180,6 +180,22 @@ def plain_rerun_part(part: dict) -> dict:
     return plain
 
 
+def check_tracker_states(saved: dict, tracker) -> None:
+    """Refuse tracker states this run's generators cannot take: a CUDA generator's (Megatron-LM
+    on a GPU) in a run without CUDA, or the other way round, would fail only at the first
+    dropout."""
+    if tracker is None:
+        return
+    current = tracker.get_states()
+    for name, state in (saved or {}).items():
+        if name in current and state.numel() != current[name].numel():
+            raise ValueError(
+                f"rng_tracker_states[{name!r}] is a generator state of {state.numel()} bytes; "
+                f"this run's {tracker.device.type} generator takes {current[name].numel()} "
+                "(saved on another kind of device?)"
+            )
+
+
 def rerun_entries(rerun_state: dict, rank: int, world_size: int) -> Tuple[dict, dc.ShardedObject]:
     """Split the machine's state into its common part and this rank's object, in
     megatron-core's types."""

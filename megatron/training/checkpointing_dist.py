@@ -465,8 +465,11 @@ def _set_rng(saved: list, state, args, directory: str) -> None:
         chosen = checkpoint_rng_state.choose_rng_state(
             saved, state, getattr(args, "data_parallel_random_init", False)
         )
+        checkpoint_rng_state.check_tracker_states(
+            chosen.get("rng_tracker_states"), global_vars.get_rng_tracker()
+        )
         set_rng_state(chosen, global_vars.get_rng_tracker())
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CheckpointError(
             f"checkpoint {directory}: cannot restore the RNG state ({exc}); pass --no-load-rng "
             "to keep this run's seeds"

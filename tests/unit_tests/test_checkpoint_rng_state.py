@@ -154,3 +154,14 @@ def _worker_data_parallel_random_init(rank, world, directory):
 
 def test_data_parallel_random_init_saves_every_dp_ranks_state_and_each_gets_its_own(tmp_path):
     run_distributed(_worker_data_parallel_random_init, 2, str(tmp_path / "ckpt"))
+
+
+def test_tracker_states_of_another_kind_of_device_are_refused():
+    from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
+
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_manual_seed(tracker, 1)
+    crs.check_tracker_states(tracker.get_states(), tracker)  # its own: fine
+    cuda_like = {"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)}  # a CUDA Philox state
+    with pytest.raises(ValueError, match=r"'model-parallel-rng'\] is a generator state of 16 "):
+        crs.check_tracker_states(cuda_like, tracker)
