@@ -165,3 +165,24 @@ def test_tracker_states_of_another_kind_of_device_are_refused():
     cuda_like = {"model-parallel-rng": torch.zeros(16, dtype=torch.uint8)}  # a CUDA Philox state
     with pytest.raises(ValueError, match=r"'model-parallel-rng'\] is a generator state of 16 "):
         crs.check_tracker_states(cuda_like, tracker)
+
+
+def test_a_rerun_checkpoint_written_here_before_still_hands_its_state_to_the_machine():
+    # Before: the common part with plain values and every rank's part as a list by global rank,
+    # all inside common.pt (no object in the DCP files).
+    from megatron.core.rerun_state_machine import RerunStateMachine
+    from megatron.training import checkpointing_dist, global_vars
+
+    earlier = dict(_machine_state(), sharded=[_machine_state()["sharded"]])
+    machine = RerunStateMachine(mode="validate_results")
+    global_vars.set_rerun_state_machine(machine)
+    try:
+        saved = crs.plain_rerun_common(earlier)
+        saved, entry = checkpointing_dist._rerun_request(saved, object_keys=set())
+        assert entry is None
+        checkpointing_dist._restore_rerun_state(saved, entry)
+    finally:
+        global_vars.set_rerun_state_machine(None)
+    assert machine.state is RerunState.WILL_RERUN_FROM_CHECKPOINT
+    assert (machine.current_iteration, machine.suspicious_device) == (7, 1)
+    assert machine.failed_validation_call == Call(("loss is NaN", 1), 0)
