@@ -206,11 +206,11 @@ def test_bad_checkpoints_fail_with_one_clear_line(saved, tmp_path):
 def test_tp2_resume_with_dropout_continues_the_same_random_streams(tmp_path):
     # Dropout 0.1 at TP=2: each TP rank draws its own masks from the model-parallel tracker,
     # the shared ones from the default generator. A resume at the same layout continues every
-    # stream exactly (the same losses, bit for bit); with --no-load-rng the losses differ from
-    # iteration 3 on (checked by hand: 6.1756 vs 6.1802), so the restore is what is tested.
+    # stream exactly (the same loss, bit for bit); with --no-load-rng iteration 3's loss
+    # differs (checked by hand: 6.1756 vs 6.1802), so the restore is what is tested.
     from megatron.core.dist_checkpointing import read_dcp_metadata
 
-    dropout = MODEL + ["--train-iters", "4", "--tensor-model-parallel-size", "2"]
+    dropout = MODEL + ["--train-iters", "3", "--tensor-model-parallel-size", "2"]
     ckpt = tmp_path / "ckpt"
     straight, _ = _run(dropout + ["--save", str(ckpt), "--save-interval", "2"], 2, tmp_path / "a")
     # Megatron-LM's form: one rng_state object per (pp, tp) on the (PP, TP) = (1, 2) grid.
@@ -220,5 +220,5 @@ def test_tp2_resume_with_dropout_continues_the_same_random_streams(tmp_path):
         "rng_state/shard_0.1_1.2",
     }
     resumed, _ = _run(dropout + ["--load", str(ckpt), "--ckpt-step", "2"], 2, tmp_path / "b")
-    assert sorted(resumed) == [3, 4]
-    assert all(resumed[it] == straight[it] for it in (3, 4)), (resumed, straight)
+    assert sorted(resumed) == [3]
+    assert resumed[3] == straight[3], (resumed, straight)
