@@ -2,7 +2,7 @@
 Megatron-LM gives them, so that either code base resumes the other's random streams.
 
 RNG: one object ``rng_state`` on a (PP, TP) grid, i.e. the checkpoint entry
-``rng_state/shard_<pp>.<tp>_<PP>.<TP>``, written by the rank of data-parallel (with context
+``rng_state/shard_<pp>.<tp>_<PP>.<TP>``, written by the rank at data-parallel (with context
 parallel) rank 0 of each (pp, tp) and read back by every rank of that (pp, tp). It holds a list
 of per-rank dicts with Megatron's fields:
 
