@@ -5,8 +5,9 @@ and optimizer tensors under global names, readable at any TP/PP/DP/CP layout, wi
 virtual stages or the distributed optimizer; the layers stacked and named as Megatron-LM writes
 them, see megatron.core.dist_checkpointing.megatron_layout; checkpoints written here with one key
 per layer still load), ``common.pt`` (args, iteration, scheduler,
-optimizer hyperparameters and grad scaler, every rank's RNG state; read with
-``weights_only=True``) and ``metadata.json``.
+optimizer hyperparameters and grad scaler; read with ``weights_only=True``) and ``metadata.json``.
+The RNG state and the rerun state machine's per-rank state are objects in the DCP files, as
+Megatron-LM writes them (see :mod:`.checkpoint_rng_state`).
 
 Crash safety: every rank writes into ``iter_XXXXXXX.tmp``; once all have finished, rank 0 writes
 metadata.json there, renames the directory to ``iter_XXXXXXX`` and only then moves the tracker.
@@ -29,6 +30,7 @@ from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import dp_reshardable as dpr
@@ -46,7 +48,7 @@ from megatron.core.dist_checkpointing.optimizer_state import (
 )
 from megatron.core.utils import unwrap_model
 
-from . import global_vars
+from . import checkpoint_rng_state, global_vars
 from .checkpoint_integrity import integrity_digests, seal
 from .checkpointing_common import (
     CHECKPOINT_VERSION,
@@ -59,7 +61,6 @@ from .checkpointing_common import (
     print_saved_checkpoint,
     remove_partial,
     remove_unretained,
-    rng_state,
     set_rng_state,
     why_write_failed,
 )
@@ -144,7 +145,8 @@ def save_checkpoint_dist(
     """Write ``<save>/iter_XXXXXXX`` in torch_dist format (collective over all ranks).
 
     ``rerun_state`` (the rerun state machine's, when it asks for this checkpoint) goes to
-    ``rerun_state_machine`` in the common state, its per-rank part as a list by global rank."""
+    ``rerun_state_machine`` in the common state, its per-rank part to the
+    ``rerun_state_machine_state`` object of the rank."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     maybe_finalize_async_save(blocking=True)
@@ -182,11 +184,13 @@ def save_checkpoint_dist(
     )
     sharded = {**entries, **optim_entries}
 
-    rng = None
     if not args.no_save_rng:
-        rng = _all_gather_object(
-            {"coordinates": _coordinates(state), "state": rng_state(global_vars.get_rng_tracker())}
+        rng = checkpoint_rng_state.rng_sharded_object(
+            state,
+            global_vars.get_rng_tracker(),
+            getattr(args, "data_parallel_random_init", False),
         )
+        sharded[rng.name] = rng
     optim_common = None
     if save_optim and sharding_type == dpr.DP_RESHARDABLE:
         # Its param groups and grad scaler are objects per model-parallel rank (above).
@@ -194,7 +198,10 @@ def save_checkpoint_dist(
     elif save_optim:
         optim_common = _merged_optimizer_common(optimizer)
     if rerun_state is not None:
-        rerun_state = dict(rerun_state, sharded=_all_gather_object(rerun_state["sharded"]))
+        rerun_state, rerun_object = checkpoint_rng_state.rerun_entries(
+            rerun_state, get_rank(), get_world_size()
+        )
+        sharded[rerun_object.name] = rerun_object
     final_dir = checkpoint_dir(save_dir, iteration)
     work_dir = final_dir + TMP_SUFFIX
     if get_rank() == 0:
@@ -211,8 +218,6 @@ def save_checkpoint_dist(
             common["optimizer"] = optim_common
             if opt_param_scheduler is not None:
                 common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        if rng is not None:
-            common["rng_state"] = rng
         if rerun_state is not None:
             common["rerun_state_machine"] = rerun_state
         if os.path.isdir(work_dir):
@@ -433,6 +438,20 @@ def load_checkpoint_dist(
     targets = dict(entries)
     if optim_load is not None:
         targets.update(optim_load.targets)
+    object_keys = {
+        k
+        for k, v in dcp_metadata.state_dict_metadata.items()
+        if isinstance(v, BytesStorageMetadata)
+    }
+    load_rng = not finetune and not args.no_load_rng
+    rng_entry = _rng_request(object_keys, state) if load_rng else None
+    rerun_saved, rerun_entry = None, None
+    if not finetune:
+        rerun_saved = checkpoint_rng_state.plain_rerun_common(common.get("rerun_state_machine"))
+        rerun_saved, rerun_entry = _rerun_request(rerun_saved, object_keys)
+    for entry in (rng_entry, rerun_entry):
+        if entry is not None:
+            targets[entry.name] = entry
 
     strictness = dc.StrictHandling(getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
     try:
@@ -478,17 +497,74 @@ def load_checkpoint_dist(
             args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
             args.skipped_train_samples = getattr(ckpt_args, "skipped_train_samples", 0)
             args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
-        if not args.no_load_rng and "rng_state" in common:
+        if rng_entry is not None:
+            _set_rng(rng_entry.data, state, args, directory)
+        elif load_rng and "rng_state" in common:  # the list form written here before
             _restore_rng(common, state, len(chunks))
-        _restore_rerun_state(common.get("rerun_state_machine"))
+        _restore_rerun_state(rerun_saved, rerun_entry)
     barrier()
     return iteration, float(common.get("num_floating_point_operations_so_far", 0.0)), ckpt_args
 
 
-def _restore_rerun_state(saved) -> None:
+def _rng_request(object_keys, state) -> Optional[dc.ShardedObject]:
+    """The entry that reads this rank's RNG state, when the checkpoint holds Megatron-LM's
+    ``rng_state`` object at this run's TP and PP sizes (Megatron-LM's rule: with another TP/PP
+    layout no rank has a counterpart and the RNG is left as seeded)."""
+    grid = checkpoint_rng_state.saved_grid(object_keys, checkpoint_rng_state.RNG_KEY)
+    if grid is None:
+        return None  # saved with --no-save-rng, or the list form written here before
+    request = checkpoint_rng_state.rng_request(state)
+    if grid != request.global_shape:
+        print_rank_0(
+            " > RNG state not restored: the checkpoint was saved with TP={} PP={}, this run "
+            "uses TP={} PP={}".format(grid[1], grid[0], *reversed(request.global_shape))
+        )
+        return None
+    return request
+
+
+def _set_rng(saved: list, state, args, directory: str) -> None:
+    try:
+        chosen = checkpoint_rng_state.choose_rng_state(
+            saved, state, getattr(args, "data_parallel_random_init", False)
+        )
+        checkpoint_rng_state.check_tracker_states(
+            chosen.get("rng_tracker_states"), global_vars.get_rng_tracker()
+        )
+        set_rng_state(chosen, global_vars.get_rng_tracker())
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {directory}: cannot restore the RNG state ({exc}); pass --no-load-rng "
+            "to keep this run's seeds"
+        ) from None
+
+
+def _rerun_request(saved, object_keys):
+    """(the machine's common state, the entry that reads this rank's part) when the checkpoint
+    asks to re-run an iteration; the entry is None for the list form written here before."""
+    machine = global_vars.get_rerun_state_machine()
+    if machine is None or not machine.validate_state_dict(saved):
+        return saved, None
+    if isinstance(saved.get("sharded"), list):
+        return saved, None
+    grid = checkpoint_rng_state.saved_grid(object_keys, checkpoint_rng_state.RERUN_KEY)
+    if grid != (get_world_size(),):
+        raise CheckpointError(
+            f"the checkpoint asks to re-run an iteration on {grid[0] if grid else 0} ranks; "
+            f"this run has {get_world_size()}: resume it with the same number of processes"
+        )
+    return saved, checkpoint_rng_state.rerun_request(get_rank(), get_world_size())
+
+
+def _restore_rerun_state(saved, entry) -> None:
     """Hand a checkpoint's pending re-run to this run's rerun state machine (same world)."""
     machine = global_vars.get_rerun_state_machine()
     if machine is None or not machine.validate_state_dict(saved):
+        return
+    if entry is not None:
+        machine.load_state_dict(
+            dict(saved, sharded=checkpoint_rng_state.plain_rerun_part(entry.data))
+        )
         return
     per_rank = saved["sharded"]
     if len(per_rank) != get_world_size():

@@ -1,13 +1,14 @@
 """The rerun state machine in real training at 2 processes (torchrun, gloo): an injected
 transient error is re-run on the same data and training goes on to the same losses as a run
 without it; an injected persistent error saves a checkpoint with the machine's state and ends
-the job with Megatron's exit code 16."""
+the job with Megatron's exit code 16, and the job resumed from it on the same devices re-runs the
+iteration and exits 16 again."""
 
 import argparse
 import re
 
-import torch
-
+from megatron.core import dist_checkpointing as dc
+from megatron.core.rerun_state_machine import Call, RerunMode, RerunState
 from tests.functional_tests.runner import TINY_MODEL, parse_log_lines, run_pretrain
 
 ITERATIONS = 4
@@ -63,9 +64,31 @@ def test_injected_persistent_error_checkpoints_and_exits_16(tmp_path):
     # before its optimizer step, with every rank's part of the machine's state.
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert " iteration        2/" not in out
-    with torch.serialization.safe_globals([argparse.Namespace]):  # the saved args
-        common = torch.load(ckpt / "iter_0000001" / "common.pt", weights_only=True)
+    # megatron-core's form and types: the common part in common.pt with its enums ...
+    common = dc.load_common(str(ckpt / "iter_0000001"), safe_globals=[argparse.Namespace])
     saved = common["rerun_state_machine"]
-    assert (saved["mode"], saved["current_iteration"]) == ("validate_results", 1)
-    assert [rank["suspicious_device"] for rank in saved["sharded"]] == [0, 1]
-    assert all(rank["checkpoint_requested"] for rank in saved["sharded"])
+    assert saved == {
+        "mode": RerunMode.VALIDATE_RESULTS,
+        "state": RerunState.WILL_RERUN_FROM_CHECKPOINT,
+        "current_iteration": 1,
+    }
+    # ... and each rank's part as the object rerun_state_machine_state on a (world size,) grid
+    # at the rank, its failed validation a Call.
+    parts = [
+        dc.ShardedObject("rerun_state_machine_state", None, (2,), (rank,), read_back=True)
+        for rank in range(2)
+    ]
+    dc.load({part.name: part for part in parts}, str(ckpt / "iter_0000001"))
+    assert [part.data["suspicious_device"] for part in parts] == [0, 1]
+    assert all(part.data["checkpoint_requested"] for part in parts)
+    assert all(isinstance(part.data["failed_validation_call"], Call) for part in parts)
+
+    # Resumed on the same devices, the machine reads its state back, re-runs the iteration,
+    # finds itself on the suspicious device again and asks once more for a restart (exit 16).
+    resumed = run_pretrain(RUN + flags + ["--load", str(ckpt)], nproc=2, timeout=200)
+    out = resumed.stdout
+    assert re.search(r"exitcode\s*: 16 ", resumed.stderr), out[-3000:] + resumed.stderr[-3000:]
+    assert "Getting RerunStateMachine state from checkpoint. Will rerun step." in out
+    assert (
+        "Need to restart job from the same checkpoint because it was scheduled on the same node/GPU"
+    ) in out, out[-3000:]

@@ -754,3 +754,92 @@ def test_use_checkpoint_args_reads_model_flags(tmp_path, capsys):
         and "setting swiglu to True from checkpoint" in out
     )
     assert "keeping --num-layers 2 from the command line (the checkpoint has 6)" in out
+
+
+def _next_draws():
+    """The next numbers of the four streams a checkpoint's RNG state restores."""
+    import random
+
+    import numpy as np
+
+    with global_vars.get_rng_tracker().fork():
+        tracked = torch.rand(3)
+    return random.random(), float(np.random.random()), torch.rand(3), tracked
+
+
+def _reseed_everything(seed):
+    import random
+
+    import numpy as np
+
+    from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tracker = RNGStatesTracker("cpu")
+    model_parallel_manual_seed(tracker, seed)
+    global_vars.set_rng_tracker(tracker)
+
+
+def _assert_same_draws(got, expected):
+    assert got[:2] == expected[:2]
+    assert torch.equal(got[2], expected[2]) and torch.equal(got[3], expected[3])
+
+
+def test_rng_state_is_megatron_lms_object_and_the_earlier_list_form_still_loads(tmp_path):
+    import numpy as np
+
+    from megatron.training.checkpointing_common import rng_state
+
+    model, opt, sched = _setup(tmp_path)
+    _train(model, opt, sched, 2)
+    with global_vars.get_rng_tracker().fork():
+        torch.rand(5)  # the tracked stream is no longer at its seed
+    checkpointing.save_checkpoint(2, model, opt, sched, 0.0)
+    expected = _next_draws()
+    directory = _iter_dir(tmp_path, 2)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(directory / "common.pt", weights_only=True)
+    assert "rng_state" not in common
+
+    # Megatron-LM's rng_state: an object on the (PP, TP) = (1, 1) grid holding a list of one
+    # per-rank dict, numpy's state as numpy.random.get_state() gives it; no CUDA state on CPU
+    # (none to save: Megatron-LM then asks for --no-load-rng in its own line).
+    entry = dc.ShardedObject("rng_state", None, (1, 1), (0, 0), read_back=True)
+    dc.load({entry.name: entry}, str(directory))
+    [saved] = entry.data
+    assert set(saved) == {
+        "random_rng_state",
+        "np_rng_state",
+        "torch_rng_state",
+        "rng_tracker_states",
+    }
+    name, keys, position, has_gauss, cached_gaussian = saved["np_rng_state"]
+    assert name == "MT19937" and keys.dtype == np.uint32 and keys.shape == (624,)
+    assert isinstance(position, int) and isinstance(cached_gaussian, float)
+    assert saved["torch_rng_state"].dtype == torch.uint8
+    assert set(saved["rng_tracker_states"]) == set(global_vars.get_rng_tracker().get_states())
+
+    model2, opt2, sched2 = _setup(tmp_path, seed=99)
+    _reseed_everything(4321)
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 2
+    _assert_same_draws(_next_draws(), expected)
+
+    # The form written here before: every rank's state with its (pp, tp, dp, cp) in common.pt.
+    args = global_vars.get_args()
+    args.no_save_rng = True
+    checkpointing.save_checkpoint(3, model2, opt2, sched2, 0.0)
+    args.no_save_rng = False
+    earlier = [{"coordinates": (0, 0, 0, 0), "state": rng_state(global_vars.get_rng_tracker())}]
+    expected = _next_draws()
+    old = _iter_dir(tmp_path, 3)
+    assert not any(
+        k.startswith("rng_state") for k in dc.read_dcp_metadata(str(old)).state_dict_metadata
+    )
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        common = torch.load(old / "common.pt", weights_only=True)
+    torch.save({**common, "rng_state": earlier}, old / "common.pt")
+    _reseed_everything(55)
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 3
+    _assert_same_draws(_next_draws(), expected)

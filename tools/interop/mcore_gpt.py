@@ -10,6 +10,8 @@ project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, 
     python tools/interop/mcore_gpt.py train DIR --out result.json --iters N [--save-at K]
         [--load CKPT] [--optimizer-sharding none|dp_reshardable|fully_reshardable] [model flags]
     python tools/interop/mcore_gpt.py describe - --out layout.json --family bert [model flags]
+    python tools/interop/mcore_gpt.py rng DIR --out draws.json --rng-grid PP,TP
+    python tools/interop/mcore_gpt.py rerun DIR --out machine.json
 
 ``save`` builds the model from ``--seed`` and writes it into DIR/iter_0000001 (with the tracker
 file, as Megatron-LM lays it out); ``load`` reads the torch_dist directory DIR into a model built
@@ -19,6 +21,18 @@ loaded model's state dict (per-layer names) to ``--tensors``. ``--torch-save D``
 writes the torch format, ``D/iter_0000001/mp_rank_00/model_optim_rng.pt``; ``--torch-load FILE``
 (load) also loads a torch-format file strictly into another model (``"torch_loss"``).
 For BERT and T5 (``--family``), ``save`` and ``load`` compute no loss (``"loss": null``).
+``save --rng-draws FILE`` also writes the RNG state as Megatron-LM's training loop builds it for
+``torch_dist`` (``get_rng_state``: the ShardedObject ``rng_state`` on the (PP, TP) = (1, 1) grid
+holding a list of one dict), after advancing every stream past its seed, and then writes the
+next draws of each stream (:func:`rng_draws`) to FILE. ``rng`` reads every ``rng_state`` object
+of the (PP, TP) grid ``--rng-grid`` from the torch_dist directory DIR, restores each as
+Megatron-LM's ``load_checkpoint`` does (:func:`restore_rng_like_megatron_lm`) and writes
+``{"<pp>.<tp>": {"fields": [...], "draws": ...}}`` to ``--out``.
+``save --rerun-state`` also saves the rerun state machine's state as Megatron-LM's training loop
+does when the machine asks for a checkpoint (after a reproduced fault: see
+:func:`_machine_at_a_rerun_checkpoint`); ``rerun`` loads a machine's state from the torch_dist
+directory DIR as Megatron-LM's ``load_checkpoint`` does and writes its fields
+(:func:`machine_fields`) to ``--out``.
 ``describe`` writes the keys, global shapes and offsets of ``model.sharded_state_dict()``'s
 tensors and the unique keys of its objects (see :func:`describe`). ``--num-experts N`` makes
 the GPT a MoE model (every layer, top-2, SequentialMLP experts).
@@ -45,8 +59,10 @@ Its optimizers need more (tensors made with
 import argparse
 import json
 import os
+import random
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -97,7 +113,7 @@ def _optimizer_on_cpu() -> None:
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("action", choices=("save", "load", "train", "describe"))
+    p.add_argument("action", choices=("save", "load", "train", "describe", "rng", "rerun"))
     p.add_argument("directory")
     p.add_argument("--out", required=True)
     p.add_argument("--tensors")
@@ -159,6 +175,15 @@ def parse(argv=None):
         type=int,
         default=None,
         help="train: megatron-core's DDP with --overlap-grad-reduce and this bucket size",
+    )
+    p.add_argument("--rng-draws", help="save: also save the RNG state; write its next draws here")
+    p.add_argument(
+        "--rng-grid",
+        type=lambda text: tuple(int(v) for v in text.split(",")),
+        help="rng: the (PP, TP) grid of the rng_state objects to read, e.g. 1,2",
+    )
+    p.add_argument(
+        "--rerun-state", action="store_true", help="save: also save a rerun state machine's state"
     )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -395,6 +420,140 @@ def buffer_layouts(ddp) -> list:
     return out
 
 
+def rng_draws() -> dict:
+    """The next numbers of the four streams a checkpoint's RNG state restores."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    with get_cuda_rng_tracker().fork():
+        tracked = torch.rand(3).tolist()
+    return {
+        "random": random.random(),
+        "numpy": float(np.random.random()),
+        "torch": torch.rand(3).tolist(),
+        "tracker": tracked,
+    }
+
+
+def megatron_lm_rng_state():
+    """Megatron-LM's ``get_rng_state`` for ``torch_dist`` in one process (TP=PP=DP=1, no
+    data-parallel random init): its per-rank dict in a list, as a ShardedObject over (pp, tp)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),  # the CPU generator's here, see above
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    return ShardedObject("rng_state", [state], (1, 1), (0, 0), replica_id=0)
+
+
+def restore_rng_like_megatron_lm(saved: list) -> None:
+    """Megatron-LM's ``load_checkpoint``, RNG part, without data-parallel random init (entry 0).
+    A checkpoint written without CUDA has no ``cuda_rng_state``; Megatron-LM on a GPU stops
+    there and asks for ``--no-load-rng``; on CPU there is no CUDA generator to set: skipped."""
+    from megatron.core import tensor_parallel
+
+    state = saved[0]
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if not state["rng_tracker_states"]:
+        raise KeyError("rng_tracker_states is empty")  # Megatron-LM's own check
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {
+            name: tensor_parallel.convert_cuda_rng_state(value, to_graphable=False)
+            for name, value in state["rng_tracker_states"].items()
+        }
+    )
+
+
+def _read_rng_grid(args) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    pp_size, tp_size = args.rng_grid
+    requests = {
+        f"{pp}.{tp}": ShardedObject("rng_state", None, (pp_size, tp_size), (pp, tp))
+        for pp in range(pp_size)
+        for tp in range(tp_size)
+    }
+    loaded = dist_checkpointing.load(dict(requests), args.directory)
+    result = {}
+    for place in requests:  # (the loaded dict also holds common.pt's entries)
+        saved = loaded[place]
+        restore_rng_like_megatron_lm(saved)
+        result[place] = {"fields": sorted(saved[0]), "entries": len(saved), "draws": rng_draws()}
+    return result
+
+
+def _machine_at_a_rerun_checkpoint():
+    """megatron-core's rerun state machine as it stands when it asks for a checkpoint: a fault
+    reproduced in place at iteration 1 on rank 0, to be re-run on other hardware."""
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.VALIDATE_RESULTS)
+    machine = rsm.get_rerun_state_machine()
+    machine.state = rsm.RerunState.WILL_RERUN_FROM_CHECKPOINT
+    machine.current_iteration = 1
+    machine.checkpoint_requested = True
+    machine.failed_validation_call = rsm.Call(rsm.Caller("loss is NaN", 0), 2)
+    machine.initial_result = 1.5
+    machine.suspicious_node = "node-a"
+    machine.suspicious_device = 3
+    machine.large_value_counts = {"loss": 4}
+    machine.max_values = {"loss": 2.5}
+    machine.error_injector.error_injection_type = rsm.RerunDiagnostic.PERSISTENT_ERROR
+    return machine
+
+
+def machine_fields(machine) -> dict:
+    """What a restarted job takes from a rerun checkpoint, as JSON values."""
+    failed = machine.failed_validation_call
+    return {
+        "mode": machine.mode.value,
+        "state": machine.state.name,
+        "current_iteration": machine.current_iteration,
+        "checkpoint_requested": machine.checkpoint_requested,
+        "rerun_requested": machine.rerun_requested,
+        "failed_validation_call": (
+            None
+            if failed is None
+            else [type(failed).__name__, failed.caller.message, failed.caller.rank, failed.sequence]
+        ),
+        "initial_result": machine.initial_result,
+        "suspicious_node": machine.suspicious_node,
+        "suspicious_device": machine.suspicious_device,
+        "large_value_counts": machine.large_value_counts,
+        "max_values": machine.max_values,
+        "error_injection_type": machine.error_injector.error_injection_type.value,
+    }
+
+
+def _load_rerun_state(args) -> dict:
+    """Megatron-LM's ``load_checkpoint``, rerun part (same world size, TP, PP and DP)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import rerun_state_machine as rsm
+
+    rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.VALIDATE_RESULTS)
+    machine = rsm.get_rerun_state_machine()
+    common = dist_checkpointing.load_common_state_dict(args.directory)
+    if not machine.validate_state_dict(common["rerun_state_machine"]):
+        raise RuntimeError("the checkpoint's rerun_state_machine does not ask for a re-run")
+    request = {
+        "rerun_state_machine": machine.state_dict(
+            data_iterator=None, ckpt_format="torch_dist", force=True
+        )
+    }
+    loaded = dist_checkpointing.load(request, args.directory)
+    machine.load_state_dict(loaded["rerun_state_machine"])
+    return machine_fields(machine)
+
+
 def build_model(args):
     """megatron-core's model of ``args.family`` with its local spec, fp32 on the CPU; a GPT with
     ``--num-experts`` has MoE layers (top-2, dropless, allgather dispatcher: the alltoall one
@@ -522,6 +681,12 @@ def main(argv=None) -> int:
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed if args.action == "save" else args.seed + 1)
+    if args.action in ("rng", "rerun"):
+        with open(args.out, "w") as f:
+            json.dump(_read_rng_grid(args) if args.action == "rng" else _load_rerun_state(args), f)
+        dist.destroy_process_group()
+        os.remove(store)
+        return 0
     model = build_model(args)
     if args.action == "describe":
         with open(args.out, "w") as f:
@@ -549,7 +714,18 @@ def main(argv=None) -> int:
             "iteration": ITERATION,
             "checkpoint_version": 3.0,
         }
+        if args.rng_draws:
+            # Every stream away from its seed first, so that a restore from the seed fails.
+            random.random(), np.random.random(), torch.rand(5)
+            rng_draws()
+            state["rng_state"] = megatron_lm_rng_state()
+        if args.rerun_state:
+            machine = _machine_at_a_rerun_checkpoint()
+            state["rerun_state_machine"] = machine.state_dict(None, ckpt_format="torch_dist")
         dist_checkpointing.save(state, directory)
+        if args.rng_draws:
+            with open(args.rng_draws, "w") as f:
+                json.dump(rng_draws(), f)
         with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(ITERATION))
     else:
@@ -570,6 +746,10 @@ def main(argv=None) -> int:
         "keys": sorted(state),
         "other_keys": sorted(k for k in full if k not in state),  # _extra_state entries
     }
+    if args.action == "save" and args.rerun_state:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        result["rerun"] = machine_fields(get_rerun_state_machine())
     if args.action == "load" and args.torch_load:
         other = build_model(args)
         saved = torch.load(args.torch_load, map_location="cpu", weights_only=False)

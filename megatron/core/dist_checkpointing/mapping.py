@@ -106,6 +106,9 @@ class ShardedObject:
     """True when another rank saves the same object."""
     expert: bool = False
     """An MoE expert's object: replicated over the expert-data-parallel group, not over DP."""
+    read_back: bool = False
+    """True: loading replaces :attr:`data` with the object saved under :attr:`unique_key` (the
+    RNG state); False: the entry is written but never read (the layers' ``_extra_state``)."""
 
     @property
     def unique_key(self) -> str:

@@ -9,7 +9,9 @@ nothing missing) before a byte is written.
 
 The dict's keys only name the entries; the checkpoint key is each entry's ``key``, so several
 entries (the layers of a stacked tensor held by one rank) may write chunks of the same key.
-:class:`ShardedObject` entries are written as pickled bytes under their ``unique_key``.
+:class:`ShardedObject` entries are written as pickled bytes under their ``unique_key``; those
+marked ``read_back`` are read back with ``torch.load(weights_only=True)`` (numpy arrays allowed:
+Megatron-LM's RNG state holds numpy's), so no object in a checkpoint can run code.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Dict, List, Tuple, Union
 import torch
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -27,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
+    LoadItemType,
     LoadPlan,
     LoadPlanner,
     ReadItem,
@@ -41,6 +45,57 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from .mapping import Chunk, ShardedObject, ShardedTensor
 
 _MAX_LISTED = 5
+
+
+def _numpy_globals() -> list:
+    """The numpy classes an array's pickle names. Under both module names of ``_reconstruct``:
+    numpy 2 moved ``numpy.core`` to ``numpy._core``, and files written with numpy 1 name the
+    old one."""
+    import numpy as np
+
+    try:
+        reconstruct = np._core.multiarray._reconstruct
+    except AttributeError:  # numpy 1
+        reconstruct = np.core.multiarray._reconstruct
+    return [
+        np.ndarray,
+        np.dtype,
+        (reconstruct, "numpy.core.multiarray._reconstruct"),
+        (reconstruct, "numpy._core.multiarray._reconstruct"),
+        *(getattr(np.dtypes, name) for name in dir(np.dtypes) if name.endswith("DType")),
+    ]
+
+
+def megatron_state_globals() -> list:
+    """The classes, besides tensors and plain values, that Megatron-LM's checkpoint state holds
+    and that reading may construct: numpy arrays (the RNG state) and the rerun state machine's
+    enums and call records (megatron-core's, under the same module path and names here)."""
+    from megatron.core.rerun_state_machine import (
+        Call,
+        Caller,
+        RerunDiagnostic,
+        RerunMode,
+        RerunState,
+    )
+
+    return _numpy_globals() + [RerunMode, RerunState, RerunDiagnostic, Call, Caller]
+
+
+def load_object(buffer: io.BytesIO, key: str):
+    """The object saved under ``key`` (megatron-core stores a one-element list per key), read
+    with ``weights_only=True``: tensors, plain values and :func:`megatron_state_globals` only."""
+    try:
+        with torch.serialization.safe_globals(megatron_state_globals()):
+            saved = torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refusals and damaged bytes raise several types
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # torch's refusal is a paragraph; its one informative line names the global.
+        reason = next((line for line in lines if "Unsupported global" in line), None)
+        reason = reason or (lines[0] if lines else type(exc).__name__)
+        raise ValueError(f"{key}: cannot read the object safely ({reason})") from None
+    if not isinstance(saved, list) or len(saved) != 1:
+        raise ValueError(f"{key}: expected a list of one object, got {type(saved).__name__}")
+    return saved[0]
 
 
 class ShardingError(ValueError):
@@ -213,17 +268,38 @@ class ShardedSavePlanner(SavePlanner):
 
 class ShardedLoadPlanner(LoadPlanner):
     """Reads, for every entry of a flat ``{name: ShardedTensor}`` dict, the saved pieces that
-    overlap its chunks, straight into its local tensor."""
+    overlap its chunks, straight into its local tensor; and for every ``read_back``
+    :class:`ShardedObject`, the object saved under its unique key, into its ``data``."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        self.state_dict: Dict[str, ShardedTensor] = state_dict
-        self._chunks = chunk_index(state_dict)
+        self.state_dict: Dict[str, Union[ShardedTensor, ShardedObject]] = state_dict
+        tensors = {k: v for k, v in state_dict.items() if isinstance(v, ShardedTensor)}
+        self._chunks = chunk_index(tensors)
+        self._objects = {
+            v.unique_key: v for v in state_dict.values() if isinstance(v, ShardedObject)
+        }
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
         requests: List[ReadItem] = []
+        for key, entry in self._objects.items():
+            if not isinstance(self.metadata.state_dict_metadata.get(key), BytesStorageMetadata):
+                raise KeyError(f"{key} is not an object in the checkpoint")
+            index = MetadataIndex(key)
+            requests.append(
+                ReadItem(
+                    type=LoadItemType.BYTE_IO,
+                    dest_index=index,
+                    dest_offsets=torch.Size((0,)),
+                    storage_index=index,
+                    storage_offsets=torch.Size((0,)),
+                    lengths=torch.Size((0,)),
+                )
+            )
         for sharded in self.state_dict.values():
+            if isinstance(sharded, ShardedObject):
+                continue
             key = sharded.key
             md = self.metadata.state_dict_metadata.get(key)
             if not isinstance(md, TensorStorageMetadata):
@@ -247,9 +323,10 @@ class ShardedLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        raise ValueError(
-            f"{read_item.dest_index.fqn}: unexpected non-tensor entry in the checkpoint"
-        )
+        key = read_item.dest_index.fqn
+        if key not in self._objects:
+            raise ValueError(f"{key}: unexpected non-tensor entry in the checkpoint")
+        self._objects[key].data = load_object(value, key)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         sharded, chunk = self._chunks[

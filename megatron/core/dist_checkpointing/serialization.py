@@ -28,10 +28,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from .mapping import ShardedObject, ShardedTensor
-from .planner import ShardedLoadPlanner, ShardedSavePlanner, ShardingError
+from .planner import (
+    ShardedLoadPlanner,
+    ShardedSavePlanner,
+    ShardingError,
+    megatron_state_globals,
+)
 
 SHARDED_BACKEND = "torch_dist"
 SHARDED_BACKEND_VERSION = 1
@@ -149,14 +158,15 @@ def save_common(state: dict, directory: str) -> None:
 
 
 def load_common(directory: str, safe_globals: Sequence = ()) -> dict:
-    """Read common.pt with ``weights_only=True`` (plus the allow-listed ``safe_globals``)."""
+    """Read common.pt with ``weights_only=True`` (plus the allow-listed ``safe_globals`` and
+    the classes of Megatron-LM's state, :func:`.planner.megatron_state_globals`)."""
     path = os.path.join(directory, COMMON_FILE)
     if not os.path.isfile(path):
         raise CheckpointingError(
             f"{path} is missing: {directory} is not a complete torch_dist checkpoint"
         )
     try:
-        with torch.serialization.safe_globals(list(safe_globals)):
+        with torch.serialization.safe_globals(list(safe_globals) + megatron_state_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -385,8 +395,14 @@ def load(
     (``counts_as_unexpected(key)`` narrows which checkpoint keys may be unexpected, e.g. not the
     optimizer state when the optimizer is not being loaded). Every rank raises the same
     :class:`CheckpointingError`, listing the first mismatches, or none does.
-    :class:`ShardedObject` entries (``_extra_state``) are not read.
+    :class:`ShardedObject` entries are read into their ``data`` when marked ``read_back`` (a
+    missing one counts as a missing key), and left alone otherwise (``_extra_state``).
     """
+    objects = {
+        v.unique_key: v
+        for v in sharded_state_dict.values()
+        if isinstance(v, ShardedObject) and v.read_back
+    }
     sharded_state_dict = {
         k: v for k, v in sharded_state_dict.items() if isinstance(v, ShardedTensor)
     }
@@ -403,10 +419,17 @@ def load(
     if problem:
         raise CheckpointingError(problem)
 
-    shapes = tensor_shapes(read_dcp_metadata(directory))
+    dcp_metadata = read_dcp_metadata(directory)
+    shapes = tensor_shapes(dcp_metadata)
+    saved_objects = {
+        k
+        for k, v in dcp_metadata.state_dict_metadata.items()
+        if isinstance(v, BytesStorageMetadata)
+    }
     local_keys = {v.key for v in sharded_state_dict.values()}
     optional = {v.key for v in sharded_state_dict.values() if v.optional}
     local_missing = sorted(k for k in local_keys if k not in shapes and k not in optional)
+    local_missing += sorted(k for k in objects if k not in saved_objects)
     local_bad_shapes = sorted(
         {
             f"{v.key}: checkpoint {shapes[v.key][0]} vs model {tuple(v.global_shape)}"
@@ -446,6 +469,7 @@ def load(
     to_read = {
         k: v for k, v in sharded_state_dict.items() if v.key not in missing and v.key in shapes
     }
+    to_read.update({k: v for k, v in objects.items() if k in saved_objects})
     no_dist = not _use_dist(process_group)
     try:
         with warnings.catch_warnings():
