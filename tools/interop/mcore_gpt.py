@@ -154,6 +154,11 @@ def parse(argv=None):
         default="torch_dist",
         help="train: the format to save and load (torch: one process, no distributed optimizer)",
     )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="train: bf16 model (Float16Module) and megatron-core's mixed-precision optimizer",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     return p.parse_args(argv)
@@ -221,6 +226,10 @@ def _train(model, config, args) -> dict:
 
     _optimizer_on_cpu()
     distributed = args.optimizer_sharding != "none"
+    if args.bf16:  # as Megatron-LM's get_model wraps it: bf16 weights, fp32 outputs
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
@@ -235,6 +244,8 @@ def _train(model, config, args) -> dict:
             weight_decay=args.weight_decay,
             clip_grad=1.0,
             use_distributed_optimizer=distributed,
+            bf16=args.bf16,
+            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         ),
         [ddp],
     )
@@ -378,6 +389,8 @@ def build_model(args):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=not args.disable_bias_linear,
+        bf16=getattr(args, "bf16", False),
+        params_dtype=torch.bfloat16 if getattr(args, "bf16", False) else torch.float32,
         **moe,
     )
     positions = args.max_position_embeddings or args.seq_length
