@@ -111,6 +111,12 @@ def parse(argv=None):
     p.add_argument("--max-position-embeddings", type=int, default=None)
     p.add_argument("--tied", action="store_true", help="share embedding and output weights")
     p.add_argument("--batch-seed", type=int, default=7)
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="describe, save: the TP size (start the driver with torchrun, one process per rank)",
+    )
     p.add_argument("--num-experts", type=int, default=None, help="GPT: MoE layers, top-2")
     p.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     p.add_argument("--disable-bias-linear", action="store_true")
@@ -180,6 +186,51 @@ def loss_of(model, args) -> float:
     causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
     with torch.no_grad():
         losses = model(tokens, positions, causal.view(1, 1, *causal.shape), labels=labels)
+    return losses.float().mean().item()
+
+
+def bert_batch(args):
+    """The BERT batch both code bases compute the loss of: [2, seq] tokens, token types (two
+    segments), padding mask (the second sample's last 3 positions are padding), masked-LM
+    labels, and the sentence-order labels [2]."""
+    g = torch.Generator().manual_seed(args.batch_seed)
+    tokens = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
+    labels = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
+    types = (torch.arange(args.seq_length) >= args.seq_length // 2).long().expand(2, -1)
+    padding = torch.ones(2, args.seq_length, dtype=torch.long)
+    padding[1, -3:] = 0
+    return tokens, types.contiguous(), padding, labels, torch.tensor([0, 1])
+
+
+def bert_loss_of(model, args) -> float:
+    """The masked-LM loss of :func:`bert_batch` averaged over its real (not padding) tokens,
+    plus the sentence-order loss of its binary head."""
+    model.eval()
+    tokens, types, padding, labels, order = bert_batch(args)
+    with torch.no_grad():
+        lm, binary = model(tokens, padding, tokentype_ids=types, lm_labels=labels)
+    lm = (lm.float() * padding).sum() / padding.sum()
+    return (lm + torch.nn.functional.cross_entropy(binary.float(), order)).item()
+
+
+def t5_batch(args):
+    """The T5 batch both code bases compute the loss of: [2, seq] encoder tokens, decoder tokens
+    and labels (no padding)."""
+    g = torch.Generator().manual_seed(args.batch_seed)
+    return tuple(
+        torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g) for _ in "edl"
+    )
+
+
+def t5_loss_of(model, args) -> float:
+    """The mean per-token loss of :func:`t5_batch`. megatron-core's masks (True = masked): none
+    in the encoder and from the decoder to the encoder, causal in the decoder."""
+    model.eval()
+    encoder, decoder, labels = t5_batch(args)
+    visible = torch.zeros(2, 1, args.seq_length, args.seq_length, dtype=torch.bool)
+    causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
+    with torch.no_grad():
+        losses = model(encoder, decoder, visible, causal.expand(2, 1, -1, -1), visible, labels)
     return losses.float().mean().item()
 
 
@@ -389,6 +440,7 @@ def build_model(args):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         bf16=getattr(args, "bf16", False),
         params_dtype=torch.bfloat16 if getattr(args, "bf16", False) else torch.float32,
         **moe,
@@ -409,15 +461,24 @@ def build_model(args):
     if args.family == "t5":
         from megatron.core.models.T5 import T5Model
         from megatron.core.models.T5.t5_spec import (
-            get_t5_decoder_with_local_block_spec,
-            get_t5_encoder_with_local_block_spec,
+            LNImpl,
+            decoder_model_with_local_spec,
+            encoder_model_with_local_spec,
         )
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        # Its local block specs (get_t5_{en,de}coder_with_local_block_spec) take each block's
+        # final norm from Transformer Engine (TENorm), which is None without it: no final norms
+        # on CPU, while Megatron-LM's T5 (TE installed) has them. The same blocks with the
+        # layers' own LayerNorm there: the same parameters, final_layernorm.{weight,bias}.
+        def block(layer):
+            return TransformerBlockSubmodules([layer] * args.num_layers, layer_norm=LNImpl)
 
         return T5Model(
             config,
             config,
-            get_t5_encoder_with_local_block_spec(args.num_layers),
-            get_t5_decoder_with_local_block_spec(args.num_layers),
+            block(encoder_model_with_local_spec()),
+            block(decoder_model_with_local_spec()),
             vocab_size=args.vocab_size,
             max_sequence_length=positions,
             share_embeddings_and_output_weights=True,  # as pretrain_t5.py builds it
@@ -473,9 +534,9 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     store = None
-    if "WORLD_SIZE" in os.environ:  # started by torchrun (train only): data parallel
-        if args.action != "train":
-            print("error: only `train` runs with more than one process", file=sys.stderr)
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: data parallel (train) or TP
+        if args.action == "load":
+            print("error: `load` runs in one process", file=sys.stderr)
             return 2
         dist.init_process_group("gloo")
     else:
@@ -486,15 +547,22 @@ def main(argv=None) -> int:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed if args.action == "save" else args.seed + 1)
     model = build_model(args)
     if args.action == "describe":
-        with open(args.out, "w") as f:
-            json.dump(describe(model.sharded_state_dict()), f)
+        layout = describe(model.sharded_state_dict())
+        if dist.get_world_size() > 1:  # one description per rank, in rank order
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, layout)
+            layout = {"ranks": everyone}
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(layout, f)
         dist.destroy_process_group()
-        os.remove(store)
+        if store is not None:
+            os.remove(store)
         return 0
     if args.action == "train":
         result = _train(model, model.config, args)
@@ -533,7 +601,7 @@ def main(argv=None) -> int:
     full = model.state_dict()
     state = {k: v for k, v in full.items() if torch.is_tensor(v)}
     result = {
-        "loss": loss_of(model, args) if args.family == "gpt" else None,  # GPT's forward
+        "loss": {"gpt": loss_of, "bert": bert_loss_of, "t5": t5_loss_of}[args.family](model, args),
         "keys": sorted(state),
         "other_keys": sorted(k for k in full if k not in state),  # _extra_state entries
     }
@@ -542,12 +610,14 @@ def main(argv=None) -> int:
         saved = torch.load(args.torch_load, map_location="cpu", weights_only=False)
         other.load_state_dict(saved["model"], strict=True)  # as Megatron-LM loads it
         result["torch_loss"] = loss_of(other, args)
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
     if args.tensors:
         torch.save(state, args.tensors)
     dist.destroy_process_group()
-    os.remove(store)
+    if store is not None:
+        os.remove(store)
     return 0
 
 
