@@ -3,7 +3,9 @@ CPU by ``tools/interop/mcore_gpt.py train --bf16``: its ``Float16Module`` and mi
 optimizer, fp32 main weights) and this code base's training-side save/load, torch_dist, with
 the optimizer state (``optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.*`` without the
 distributed optimizer, ``optimizer.state.{param,exp_avg,exp_avg_sq}.*`` with it, in its
-``fully_reshardable`` type). Both ways, and with and without the distributed optimizer.
+``fully_reshardable`` type). Both ways, and with and without the distributed optimizer:
+megatron-core's checkpoint loads here and trains on, and megatron-core resumes from the
+checkpoint this code base writes of that state.
 
 What is exact and what is not:
 
@@ -129,27 +131,3 @@ def test_bf16_training_of_megatron_core_resumes_here_and_back(
     assert fresh.load() == SAVED_AT
     without = {it: fresh.step(it) for it in range(SAVED_AT + 1, LAST + 1)}
     assert abs(without[LAST] - theirs[LAST]) > 10 * bounds[LAST], (without, theirs, bounds)
-
-
-def test_bf16_training_saved_here_resumes_in_megatron_core(tmp_path):
-    # Our own training's state (the distributed optimizer's is covered by the round trip above).
-    sharding, processes, distributed = CASES[0]
-    ours = _Ours(tmp_path, distributed, load=tmp_path / "unused", save=tmp_path / "ours", bf16=True)
-    for it in range(1, SAVED_AT + 1):
-        ours.step(it)
-    ours.save(SAVED_AT)
-    straight = {it: ours.step(it) for it in range(SAVED_AT + 1, LAST + 1)}
-    bounds = _bf16_bounds(tmp_path, distributed, tmp_path / "ours", straight)
-
-    theirs = _mcore_train(
-        tmp_path / "mc.json",
-        tmp_path / "unused_mcore",
-        "--load",
-        tmp_path / "ours",
-        "--optimizer-sharding",
-        sharding,
-        "--bf16",
-        processes=processes,
-    )
-    assert sorted(theirs) == list(range(SAVED_AT + 1, LAST + 1))  # resumed after iteration 2
-    _within(theirs, straight, bounds, f"here -> megatron-core {sharding}")

@@ -3,7 +3,9 @@
 checkpoint layout of its GPT (dense or MoE), BERT or T5 model.
 
 Runs in a Python environment that has megatron-core (see ``make interop``), never in this
-project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, local spec).
+project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, local spec);
+under torchrun, ``train`` runs data parallel and ``describe`` / ``save`` at
+``--tensor-model-parallel-size`` (one process per TP rank; rank 0 writes ``--out``).
 
     python tools/interop/mcore_gpt.py save DIR --out result.json [model flags]
     python tools/interop/mcore_gpt.py load DIR --out result.json --tensors state.pt [model flags]
@@ -18,9 +20,11 @@ tensor and the other entries of the model's state_dict) to ``--out``; ``load`` a
 loaded model's state dict (per-layer names) to ``--tensors``. ``--torch-save D`` (save) also
 writes the torch format, ``D/iter_0000001/mp_rank_00/model_optim_rng.pt``; ``--torch-load FILE``
 (load) also loads a torch-format file strictly into another model (``"torch_loss"``).
-For BERT and T5 (``--family``), ``save`` and ``load`` compute no loss (``"loss": null``).
+For BERT and T5 (``--family``) the loss is :func:`bert_loss_of` / :func:`t5_loss_of`; the T5 is
+built with its blocks' final norms (see :func:`build_model`).
 ``describe`` writes the keys, global shapes and offsets of ``model.sharded_state_dict()``'s
-tensors and the unique keys of its objects (see :func:`describe`). ``--num-experts N`` makes
+tensors and the unique keys of its objects (see :func:`describe`; at TP>1 one such description
+per rank: ``{"ranks": [...]}``). ``--num-experts N`` makes
 the GPT a MoE model (every layer, top-2, SequentialMLP experts).
 
 ``train`` trains with megatron-core's own DDP, optimizer (``get_megatron_optimizer``: Adam, clip
@@ -32,7 +36,9 @@ state is sharded). It trains up to iteration ``--iters``, saving model + optimiz
 iteration into DIR/iter_<K> (and the tracker) after iteration ``--save-at`` K, as Megatron-LM's
 training loop writes them (``--ckpt-format torch``: one ``mp_rank_00/model_optim_rng.pt``, as
 Megatron-LM's torch format at TP=1, PP=1, loaded back the same way); ``--out`` gets
-``{"losses": {iteration: loss}}``.
+``{"losses": {iteration: loss}}``. With ``--bf16`` the model is bf16 in megatron-core's
+``Float16Module`` and the optimizer its mixed-precision one (fp32 main weights), as Megatron-LM
+builds them for ``--bf16``.
 
 megatron-core 0.16.1 imports without Transformer Engine or apex; its local spec runs on CPU once
 ``torch.cuda.current_device`` and the CUDA RNG calls are pointed at the CPU (done here, in the
@@ -138,6 +144,10 @@ def parse(argv=None):
         choices=("gpt", "bert", "t5"),
         default="gpt",
         help="describe: the model whose sharded_state_dict() is described",
+    )
+    p.add_argument(
+        "--describe-to",
+        help="save: also write what `describe` writes, to this file (one start for both)",
     )
     p.add_argument(
         "--torch-save", help="save: also write DIR/iter_0000001/mp_rank_00/model_optim_rng.pt"
@@ -551,15 +561,16 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed if args.action == "save" else args.seed + 1)
     model = build_model(args)
-    if args.action == "describe":
+    if args.action == "describe" or args.describe_to:
         layout = describe(model.sharded_state_dict())
         if dist.get_world_size() > 1:  # one description per rank, in rank order
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, layout)
             layout = {"ranks": everyone}
         if dist.get_rank() == 0:
-            with open(args.out, "w") as f:
+            with open(args.describe_to or args.out, "w") as f:
                 json.dump(layout, f)
+    if args.action == "describe":
         dist.destroy_process_group()
         if store is not None:
             os.remove(store)
