@@ -97,10 +97,16 @@ class _Ours:
         save=None,
         fmt="torch_dist",
         ddp_bucket_size=None,
+        bf16=False,
         **arg_overrides,
     ):
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer.module import Float16Module
         from megatron.core.transformer.transformer_config import TransformerConfig
+
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        if bf16:
+            arg_overrides.update(bf16=True, params_dtype=dtype)
 
         args = checkpoint_args(
             tmp_path,
@@ -120,8 +126,12 @@ class _Ours:
             num_attention_heads=HEADS,
             hidden_dropout=0.0,
             attention_dropout=0.0,
+            bf16=bf16,
+            params_dtype=dtype,
         )
         self.model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+        if bf16:  # as the training loop wraps it: bf16 weights, fp32 outputs
+            self.model = Float16Module(config, self.model)
         self.ddp = None
         if distributed:
             self.ddp = DistributedDataParallel(
@@ -139,6 +149,8 @@ class _Ours:
                 weight_decay=WEIGHT_DECAY,
                 clip_grad=1.0,
                 use_distributed_optimizer=distributed,
+                bf16=bf16,
+                params_dtype=dtype,
             ),
             [self.ddp or self.model],
         )

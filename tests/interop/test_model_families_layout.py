@@ -8,6 +8,8 @@ model must describe the same checkpoint. For MoE GPT, megatron-core also writes 
 that this code base loads at EP=2 (every tensor asked for, none left) and gives megatron-core's
 loss on the same batch; and megatron-core loads a MoE checkpoint written here, every tensor
 equal, with this code base's loss (and its torch-format ``_extra_state`` entries are ours).
+BERT and T5 checkpoints go both ways, every tensor equal; megatron-core's T5 checkpoint gives
+its loss here (the driver builds its T5 with the final norms it has under Transformer Engine).
 """
 
 import json
@@ -196,7 +198,7 @@ def _one_process_layout(model):
 
 def _loads_in_megatron_core(model, family, tmp_path):
     """megatron-core loads ``model``'s checkpoint written here: every tensor it holds equals
-    ours (read by name; its T5 lacks the final norms on CPU, see below)."""
+    ours (read by name)."""
     for p in model.parameters():  # the checkpoint's values must be ours, not an initialization
         p.data.add_(torch.randn_like(p) * 0.01)
     entries, _ = dc.model_sharded_state_dict([model])
@@ -209,7 +211,6 @@ def _loads_in_megatron_core(model, family, tmp_path):
     theirs = torch.load(tmp_path / "t.pt", weights_only=True)
     ours = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     if family == "t5":
-        ours = {k: v for k, v in ours.items() if k not in T5_FINAL_NORMS}
         ours["position_embeddings.weight"] = ours["embedding.position_embeddings.weight"]
         ours["output_layer.bias"] = ours["lm_head.output_layer.bias"]
     assert sorted(theirs) == sorted(ours)
@@ -241,14 +242,6 @@ def test_bert_layout_equals_megatron_core_both_ways(tmp_path):
         assert torch.equal(tensor, ours[name]), name
 
 
-# megatron-core's T5, without Transformer Engine, builds its local spec's blocks without the
-# final norm (``layer_norm=TENorm`` is None there); with it, the final norms have the names used
-# here. Everything else, its two aliases included, is written here as it writes it.
-T5_FINAL_NORMS = {
-    f"{b}.final_layernorm.{p}" for b in ("encoder", "decoder") for p in ("weight", "bias")
-}
-
-
 def test_t5_layout_equals_megatron_core_both_ways(tmp_path):
     from megatron.core.models.T5.t5_model import T5Model
     from megatron.core.parallel_state import initialize_model_parallel
@@ -258,10 +251,30 @@ def test_t5_layout_equals_megatron_core_both_ways(tmp_path):
     model = T5Model(_config(state), _config(state), VOCAB, SEQ, pg_collection=state)
     ours = _one_process_layout(model)
     assert {"position_embeddings.weight", "output_layer.bias"} <= {t[0] for t in ours["tensors"]}
-    expected = reference["tensors"] + [t for t in ours["tensors"] if t[0] in T5_FINAL_NORMS]
-    assert ours["tensors"] == sorted(expected)
-    assert ours["objects"] == reference["objects"]
+    # The driver builds megatron-core's T5 with the final norms it has under Transformer Engine.
+    assert "encoder.final_layernorm.weight" in {t[0] for t in reference["tensors"]}
+    assert ours == reference
     _loads_in_megatron_core(model, "t5", tmp_path)
+
+    # And the other way: megatron-core's T5 checkpoint loads here (every tensor asked for, none
+    # left over) and gives its loss on the same batch.
+    saved = _mcore("save", tmp_path / "mcore_t5", tmp_path / "mt5.json", "--family", "t5")
+    torch.manual_seed(99)  # not the checkpoint's weights: the load must replace every one
+    model = T5Model(_config(state), _config(state), VOCAB, SEQ, pg_collection=state)
+    entries, _ = dc.model_sharded_state_dict([model])
+    dc.load(
+        entries,
+        str(tmp_path / "mcore_t5" / "iter_0000001"),
+        strictness=dc.StrictHandling.RAISE_ALL,
+        counts_as_unexpected=lambda key: True,
+    )
+    g = torch.Generator().manual_seed(7)  # the driver's t5_batch (no padding)
+    encoder, decoder, labels = (torch.randint(0, VOCAB, (2, SEQ), generator=g) for _ in "edl")
+    no_padding = torch.ones(2, SEQ, dtype=torch.long)
+    model.eval()
+    with torch.no_grad():
+        loss = model(encoder, decoder, no_padding, no_padding, labels).float().mean().item()
+    assert abs(loss - saved["loss"]) <= RTOL * abs(saved["loss"]), (loss, saved["loss"])
 
 
 def test_moe_gpt_mixing_dense_and_moe_layers_layout_and_checkpoint(tmp_path):

@@ -3,7 +3,9 @@
 checkpoint layout of its GPT (dense or MoE), BERT or T5 model.
 
 Runs in a Python environment that has megatron-core (see ``make interop``), never in this
-project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, local spec).
+project's: both packages are imported as ``megatron``. One process (TP=1, PP=1, local spec);
+under torchrun, ``train`` runs data parallel and ``describe`` / ``save`` at
+``--tensor-model-parallel-size`` (one process per TP rank; rank 0 writes ``--out``).
 
     python tools/interop/mcore_gpt.py save DIR --out result.json [model flags]
     python tools/interop/mcore_gpt.py load DIR --out result.json --tensors state.pt [model flags]
@@ -20,7 +22,8 @@ tensor and the other entries of the model's state_dict) to ``--out``; ``load`` a
 loaded model's state dict (per-layer names) to ``--tensors``. ``--torch-save D`` (save) also
 writes the torch format, ``D/iter_0000001/mp_rank_00/model_optim_rng.pt``; ``--torch-load FILE``
 (load) also loads a torch-format file strictly into another model (``"torch_loss"``).
-For BERT and T5 (``--family``), ``save`` and ``load`` compute no loss (``"loss": null``).
+For BERT and T5 (``--family``) the loss is :func:`bert_loss_of` / :func:`t5_loss_of`; the T5 is
+built with its blocks' final norms (see :func:`build_model`).
 ``save --rng-draws FILE`` also writes the RNG state as Megatron-LM's training loop builds it for
 ``torch_dist`` (``get_rng_state``: the ShardedObject ``rng_state`` on the (PP, TP) = (1, 1) grid
 holding a list of one dict), after advancing every stream past its seed, and then writes the
@@ -34,7 +37,8 @@ does when the machine asks for a checkpoint (after a reproduced fault: see
 directory DIR as Megatron-LM's ``load_checkpoint`` does and writes its fields
 (:func:`machine_fields`) to ``--out``.
 ``describe`` writes the keys, global shapes and offsets of ``model.sharded_state_dict()``'s
-tensors and the unique keys of its objects (see :func:`describe`). ``--num-experts N`` makes
+tensors and the unique keys of its objects (see :func:`describe`; at TP>1 one such description
+per rank: ``{"ranks": [...]}``). ``--num-experts N`` makes
 the GPT a MoE model (every layer, top-2, SequentialMLP experts).
 
 ``train`` trains with megatron-core's own DDP, optimizer (``get_megatron_optimizer``: Adam, clip
@@ -46,7 +50,9 @@ state is sharded). It trains up to iteration ``--iters``, saving model + optimiz
 iteration into DIR/iter_<K> (and the tracker) after iteration ``--save-at`` K, as Megatron-LM's
 training loop writes them (``--ckpt-format torch``: one ``mp_rank_00/model_optim_rng.pt``, as
 Megatron-LM's torch format at TP=1, PP=1, loaded back the same way); ``--out`` gets
-``{"losses": {iteration: loss}}``.
+``{"losses": {iteration: loss}}``. With ``--bf16`` the model is bf16 in megatron-core's
+``Float16Module`` and the optimizer its mixed-precision one (fp32 main weights), as Megatron-LM
+builds them for ``--bf16``.
 
 megatron-core 0.16.1 imports without Transformer Engine or apex; its local spec runs on CPU once
 ``torch.cuda.current_device`` and the CUDA RNG calls are pointed at the CPU (done here, in the
@@ -127,6 +133,12 @@ def parse(argv=None):
     p.add_argument("--max-position-embeddings", type=int, default=None)
     p.add_argument("--tied", action="store_true", help="share embedding and output weights")
     p.add_argument("--batch-seed", type=int, default=7)
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="describe, save: the TP size (start the driver with torchrun, one process per rank)",
+    )
     p.add_argument("--num-experts", type=int, default=None, help="GPT: MoE layers, top-2")
     p.add_argument("--moe-ffn-hidden-size", type=int, default=None)
     p.add_argument("--disable-bias-linear", action="store_true")
@@ -148,6 +160,10 @@ def parse(argv=None):
         choices=("gpt", "bert", "t5"),
         default="gpt",
         help="describe: the model whose sharded_state_dict() is described",
+    )
+    p.add_argument(
+        "--describe-to",
+        help="save: also write what `describe` writes, to this file (one start for both)",
     )
     p.add_argument(
         "--torch-save", help="save: also write DIR/iter_0000001/mp_rank_00/model_optim_rng.pt"
@@ -185,6 +201,11 @@ def parse(argv=None):
     p.add_argument(
         "--rerun-state", action="store_true", help="save: also save a rerun state machine's state"
     )
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="train: bf16 model (Float16Module) and megatron-core's mixed-precision optimizer",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     return p.parse_args(argv)
@@ -206,6 +227,51 @@ def loss_of(model, args) -> float:
     causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
     with torch.no_grad():
         losses = model(tokens, positions, causal.view(1, 1, *causal.shape), labels=labels)
+    return losses.float().mean().item()
+
+
+def bert_batch(args):
+    """The BERT batch both code bases compute the loss of: [2, seq] tokens, token types (two
+    segments), padding mask (the second sample's last 3 positions are padding), masked-LM
+    labels, and the sentence-order labels [2]."""
+    g = torch.Generator().manual_seed(args.batch_seed)
+    tokens = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
+    labels = torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g)
+    types = (torch.arange(args.seq_length) >= args.seq_length // 2).long().expand(2, -1)
+    padding = torch.ones(2, args.seq_length, dtype=torch.long)
+    padding[1, -3:] = 0
+    return tokens, types.contiguous(), padding, labels, torch.tensor([0, 1])
+
+
+def bert_loss_of(model, args) -> float:
+    """The masked-LM loss of :func:`bert_batch` averaged over its real (not padding) tokens,
+    plus the sentence-order loss of its binary head."""
+    model.eval()
+    tokens, types, padding, labels, order = bert_batch(args)
+    with torch.no_grad():
+        lm, binary = model(tokens, padding, tokentype_ids=types, lm_labels=labels)
+    lm = (lm.float() * padding).sum() / padding.sum()
+    return (lm + torch.nn.functional.cross_entropy(binary.float(), order)).item()
+
+
+def t5_batch(args):
+    """The T5 batch both code bases compute the loss of: [2, seq] encoder tokens, decoder tokens
+    and labels (no padding)."""
+    g = torch.Generator().manual_seed(args.batch_seed)
+    return tuple(
+        torch.randint(0, args.vocab_size, (2, args.seq_length), generator=g) for _ in "edl"
+    )
+
+
+def t5_loss_of(model, args) -> float:
+    """The mean per-token loss of :func:`t5_batch`. megatron-core's masks (True = masked): none
+    in the encoder and from the decoder to the encoder, causal in the decoder."""
+    model.eval()
+    encoder, decoder, labels = t5_batch(args)
+    visible = torch.zeros(2, 1, args.seq_length, args.seq_length, dtype=torch.bool)
+    causal = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), 1)
+    with torch.no_grad():
+        losses = model(encoder, decoder, visible, causal.expand(2, 1, -1, -1), visible, labels)
     return losses.float().mean().item()
 
 
@@ -261,6 +327,10 @@ def _train(model, config, args) -> dict:
 
     _optimizer_on_cpu()
     distributed = args.optimizer_sharding != "none"
+    if args.bf16:  # as Megatron-LM's get_model wraps it: bf16 weights, fp32 outputs
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     ddp = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
@@ -279,6 +349,8 @@ def _train(model, config, args) -> dict:
             weight_decay=args.weight_decay,
             clip_grad=1.0,
             use_distributed_optimizer=distributed,
+            bf16=args.bf16,
+            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         ),
         [ddp],
     )
@@ -583,6 +655,9 @@ def build_model(args):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=not args.disable_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        bf16=getattr(args, "bf16", False),
+        params_dtype=torch.bfloat16 if getattr(args, "bf16", False) else torch.float32,
         **moe,
     )
     positions = args.max_position_embeddings or args.seq_length
@@ -601,15 +676,24 @@ def build_model(args):
     if args.family == "t5":
         from megatron.core.models.T5 import T5Model
         from megatron.core.models.T5.t5_spec import (
-            get_t5_decoder_with_local_block_spec,
-            get_t5_encoder_with_local_block_spec,
+            LNImpl,
+            decoder_model_with_local_spec,
+            encoder_model_with_local_spec,
         )
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+        # Its local block specs (get_t5_{en,de}coder_with_local_block_spec) take each block's
+        # final norm from Transformer Engine (TENorm), which is None without it: no final norms
+        # on CPU, while Megatron-LM's T5 (TE installed) has them. The same blocks with the
+        # layers' own LayerNorm there: the same parameters, final_layernorm.{weight,bias}.
+        def block(layer):
+            return TransformerBlockSubmodules([layer] * args.num_layers, layer_norm=LNImpl)
 
         return T5Model(
             config,
             config,
-            get_t5_encoder_with_local_block_spec(args.num_layers),
-            get_t5_decoder_with_local_block_spec(args.num_layers),
+            block(encoder_model_with_local_spec()),
+            block(decoder_model_with_local_spec()),
             vocab_size=args.vocab_size,
             max_sequence_length=positions,
             share_embeddings_and_output_weights=True,  # as pretrain_t5.py builds it
@@ -665,9 +749,9 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     store = None
-    if "WORLD_SIZE" in os.environ:  # started by torchrun (train only): data parallel
-        if args.action != "train":
-            print("error: only `train` runs with more than one process", file=sys.stderr)
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: data parallel (train) or TP
+        if args.action == "load":
+            print("error: `load` runs in one process", file=sys.stderr)
             return 2
         dist.init_process_group("gloo")
     else:
@@ -678,7 +762,7 @@ def main(argv=None) -> int:
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1)
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed if args.action == "save" else args.seed + 1)
     if args.action in ("rng", "rerun"):
@@ -688,11 +772,19 @@ def main(argv=None) -> int:
         os.remove(store)
         return 0
     model = build_model(args)
+    if args.action == "describe" or args.describe_to:
+        layout = describe(model.sharded_state_dict())
+        if dist.get_world_size() > 1:  # one description per rank, in rank order
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, layout)
+            layout = {"ranks": everyone}
+        if dist.get_rank() == 0:
+            with open(args.describe_to or args.out, "w") as f:
+                json.dump(layout, f)
     if args.action == "describe":
-        with open(args.out, "w") as f:
-            json.dump(describe(model.sharded_state_dict()), f)
         dist.destroy_process_group()
-        os.remove(store)
+        if store is not None:
+            os.remove(store)
         return 0
     if args.action == "train":
         result = _train(model, model.config, args)
@@ -742,7 +834,7 @@ def main(argv=None) -> int:
     full = model.state_dict()
     state = {k: v for k, v in full.items() if torch.is_tensor(v)}
     result = {
-        "loss": loss_of(model, args) if args.family == "gpt" else None,  # GPT's forward
+        "loss": {"gpt": loss_of, "bert": bert_loss_of, "t5": t5_loss_of}[args.family](model, args),
         "keys": sorted(state),
         "other_keys": sorted(k for k in full if k not in state),  # _extra_state entries
     }
@@ -755,12 +847,14 @@ def main(argv=None) -> int:
         saved = torch.load(args.torch_load, map_location="cpu", weights_only=False)
         other.load_state_dict(saved["model"], strict=True)  # as Megatron-LM loads it
         result["torch_loss"] = loss_of(other, args)
-    with open(args.out, "w") as f:
-        json.dump(result, f)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
     if args.tensors:
         torch.save(state, args.tensors)
     dist.destroy_process_group()
-    os.remove(store)
+    if store is not None:
+        os.remove(store)
     return 0
 
 
