@@ -69,6 +69,35 @@ def test_registration_order_puts_linear_proj_before_linear_qkv_and_numbers_layer
     ]
 
 
+def test_te_spec_fused_layer_norm_names_come_before_their_linear_weight_and_bias():
+    # One TE-spec layer without linear biases, LayerNorm (h=4, ffn=8, 2 heads): registration is
+    # linear_proj.weight, then linear_qkv's layer_norm_weight, layer_norm_bias, weight, then
+    # linear_fc1's the same, then linear_fc2.weight (TE's LayerNormLinear order).
+    sizes = {
+        "decoder.layers.0.self_attention.linear_proj.weight": 16,
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": 4,
+        "decoder.layers.0.self_attention.linear_qkv.layer_norm_bias": 4,
+        "decoder.layers.0.self_attention.linear_qkv.weight": 48,
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": 4,
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_bias": 4,
+        "decoder.layers.0.mlp.linear_fc1.weight": 32,
+        "decoder.layers.0.mlp.linear_fc2.weight": 32,
+    }
+    expected = list(sizes)
+    order = registration_order(list(reversed(expected)))
+    assert order == expected
+    # Reversed in the buffer, each start rounded up to 64:
+    # fc2.w 0..32, fc1.w 64..96, fc1.ln_b 128..132, fc1.ln_w 192..196, qkv.w 256..304,
+    # qkv.ln_b 320..324, qkv.ln_w 384..388, proj.w 448..464; end padded to 512 at DP=2.
+    starts = [448, 384, 320, 256, 192, 128, 64, 0]
+    (bucket,) = buffer_layout([(n, sizes[n]) for n in order], dp_size=2)
+    assert bucket == BucketLayout(
+        tuple(ParamSlot(n, s, sizes[n]) for n, s in reversed(list(zip(order, starts)))),
+        464,
+        512,
+    )
+
+
 def test_an_unknown_parameter_is_refused_by_name():
     with pytest.raises(UnmappableLayout, match=r"decoder\.layers\.0\.mlp\.router\.weight"):
         registration_order(["decoder.layers.0.mlp.router.weight"])

@@ -23,7 +23,8 @@ first) and is padded at its end to a multiple of lcm(DP size, 128); a parameter 
 ``shared_embedding`` (tied embeddings split over pipeline stages) gets a bucket of its own.
 
 Which order megatron-core registers a GPT's parameters in (:func:`registration_order`) is known
-here for its local spec's dense layers only; other models are refused by the caller.
+here for its dense layers only (local spec; the TE spec's fused ``layer_norm_*`` names by TE's
+source, unproven against a TE checkpoint); other models are refused by the caller.
 """
 
 from __future__ import annotations
@@ -145,7 +146,13 @@ _IN_LAYER = (
     "mlp.linear_fc1.",
     "mlp.linear_fc2.",
 )
-_LEAVES = ("weight", "bias")
+# Within a module: weight before bias. Transformer Engine's fused LayerNormLinear (megatron-core's
+# TELayerNormColumnParallelLinear: linear_qkv / linear_fc1 of its TE spec) registers
+# layer_norm_weight, then layer_norm_bias (LayerNorm only), then weight, then bias; without a
+# bias, ``bias`` is a plain empty tensor, not a parameter, so it is not in the grad buffer
+# (TransformerEngine transformer_engine/pytorch/module/layernorm_linear.py, LayerNormLinear
+# .__init__, as of its 1.x releases). Not checked against a checkpoint written with TE.
+_LEAVES = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 
 
