@@ -28,6 +28,11 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.megatron_layout import with_extra_state, without_extra_state
+from megatron.core.optimizer.param_order import (
+    PARAM_ORDER,
+    PARAM_ORDER_KEY,
+    legacy_parameter_order,
+)
 from megatron.core.utils import unwrap_model
 
 from . import global_vars
@@ -216,6 +221,7 @@ def save_checkpoint(
         if not args.no_save_optim:
             if optimizer is not None:
                 state_dict["optimizer"] = optimizer.state_dict()
+                state_dict[PARAM_ORDER_KEY] = PARAM_ORDER
             if opt_param_scheduler is not None:
                 state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         if rng_states is not None:
@@ -315,6 +321,28 @@ def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
         problems.append("unexpected in checkpoint: " + ", ".join(unexpected[:5]))
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit this model ({' | '.join(problems)})")
+
+
+def _in_current_parameter_order(optimizer, chunks, saved: dict) -> dict:
+    """The optimizer state of a file without the parameter-order mark: Megatron-LM's (in the
+    current order) or one written here before this code base followed megatron-core's
+    registration order, whose per-parameter state is moved to the current positions (told
+    apart by the shapes of the state, see megatron/core/optimizer/param_order.py)."""
+    if not hasattr(optimizer, "state_dict_in_current_order"):
+        return saved
+    legacy = legacy_parameter_order(unwrap_model(chunk) for chunk in chunks)
+    rank = {id(param): r for r, param in enumerate(legacy)}
+    try:
+        moved = optimizer.state_dict_in_current_order(saved, rank)
+    except KeyError:  # a parameter the model does not have: the load says what does not fit
+        return saved
+    if moved is None:
+        return saved
+    print_rank_0(
+        " > the optimizer state lists the parameters in this code base's earlier order "
+        "(linear_qkv before linear_proj): moved to megatron-core's"
+    )
+    return moved
 
 
 def load_checkpoint(
@@ -420,8 +448,11 @@ def load_checkpoint(
         if optimizer is not None:
             if getattr(args, "use_distributed_optimizer", False):
                 _check_distributed_optimizer_file(optimizer, distrib_optim_path(path))
+            saved_optimizer = state_dict["optimizer"]
+            if PARAM_ORDER_KEY not in state_dict:
+                saved_optimizer = _in_current_parameter_order(optimizer, chunks, saved_optimizer)
             try:
-                optimizer.load_state_dict(state_dict["optimizer"])
+                optimizer.load_state_dict(saved_optimizer)
             except (KeyError, ValueError) as exc:
                 raise CheckpointError(
                     f"checkpoint {path}: the optimizer state does not fit this run "

@@ -479,7 +479,10 @@ def main(argv=None) -> int:
     model = build_model(args)
     if args.action == "describe":
         with open(args.out, "w") as f:
-            json.dump(describe(model.sharded_state_dict()), f)
+            layout = describe(model.sharded_state_dict())
+            # The order torch optimizers (and the torch format) pair state with parameters by.
+            layout["parameters"] = [name for name, _ in model.named_parameters()]
+            json.dump(layout, f)
         dist.destroy_process_group()
         os.remove(store)
         return 0
