@@ -86,10 +86,12 @@ def _check_distributed_optimizer_file(optimizer, path: str) -> None:
         )
 
 
-def _load_distributed_optimizer_state(optimizer, path: str) -> None:
-    """Re-shard distrib_optim.pt over this run's DP group (collective); any DP size may load it."""
+def _load_distributed_optimizer_state(optimizer, path: str, legacy_rank=None) -> None:
+    """Re-shard distrib_optim.pt over this run's DP group (collective); any DP size may load it.
+    ``legacy_rank``: the file lays the buffers out in this code base's earlier parameter order
+    (see megatron/core/optimizer/param_order.py)."""
     try:
-        optimizer.load_parameter_state(path)
+        optimizer.load_parameter_state(path, legacy_rank)
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
@@ -323,6 +325,12 @@ def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
         raise CheckpointError(f"checkpoint {path} does not fit this model ({' | '.join(problems)})")
 
 
+def _legacy_rank(chunks) -> dict:
+    """id(param) -> its rank in this code base's earlier parameter order."""
+    legacy = legacy_parameter_order(unwrap_model(chunk) for chunk in chunks)
+    return {id(param): r for r, param in enumerate(legacy)}
+
+
 def _in_current_parameter_order(optimizer, chunks, saved: dict) -> dict:
     """The optimizer state of a file without the parameter-order mark: Megatron-LM's (in the
     current order) or one written here before this code base followed megatron-core's
@@ -330,10 +338,8 @@ def _in_current_parameter_order(optimizer, chunks, saved: dict) -> dict:
     apart by the shapes of the state, see megatron/core/optimizer/param_order.py)."""
     if not hasattr(optimizer, "state_dict_in_current_order"):
         return saved
-    legacy = legacy_parameter_order(unwrap_model(chunk) for chunk in chunks)
-    rank = {id(param): r for r, param in enumerate(legacy)}
     try:
-        moved = optimizer.state_dict_in_current_order(saved, rank)
+        moved = optimizer.state_dict_in_current_order(saved, _legacy_rank(chunks))
     except KeyError:  # a parameter the model does not have: the load says what does not fit
         return saved
     if moved is None:
@@ -460,7 +466,12 @@ def load_checkpoint(
                     "only"
                 ) from None
             if getattr(args, "use_distributed_optimizer", False):
-                _load_distributed_optimizer_state(optimizer, distrib_optim_path(path))
+                # Our distrib_optim.pt layout (per-bucket lists) is this code base's own: a file
+                # without the order mark was written here, in the earlier order.
+                legacy_rank = None
+                if PARAM_ORDER_KEY not in state_dict:
+                    legacy_rank = _legacy_rank(chunks)
+                _load_distributed_optimizer_state(optimizer, distrib_optim_path(path), legacy_rank)
         if opt_param_scheduler is not None and "opt_param_scheduler" in state_dict:
             opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):

@@ -122,8 +122,13 @@ def _train(model, opt, sched, first, last):
         labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
         positions = torch.arange(SEQ).unsqueeze(0).expand_as(tokens)
         opt.zero_grad()
+        ddp = hasattr(model, "finish_grad_sync")  # the distributed optimizer's DDP wrapper
+        if ddp:
+            model.zero_grad_buffer()
         loss = model(tokens, positions, None, labels=labels).float().mean()
         loss.backward()
+        if ddp:
+            model.finish_grad_sync()
         assert opt.step()[0]
         sched.step(2)
         losses.append(loss.item())
@@ -179,3 +184,70 @@ def test_a_checkpoint_in_the_old_parameter_order_resumes_exactly(tmp_path, bf16)
     assert resumed == straight
     for (name, a), b in zip(model.named_parameters(), model2.parameters()):
         assert torch.equal(a, b), name
+
+
+def _distributed_setup(args):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from tests.unit_tests.checkpoint_utils import make_scheduler, set_training_globals
+
+    set_training_globals(args)
+    model = _gpt()
+    ddp = DistributedDataParallel(
+        DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+        model,
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True), [ddp]
+    )
+    return ddp, opt, make_scheduler(opt)
+
+
+def _distrib_optim_as_written_before(directory):
+    """Rewrite distrib_optim.pt (one buffer, one bucket) as this code base laid it out before:
+    the parameters in reverse old registration order, each starting at a multiple of 64
+    elements; and drop the order mark from model_optim_rng.pt."""
+    path = directory / "model_optim_rng.pt"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        saved = torch.load(path, weights_only=True)
+    assert saved.pop(PARAM_ORDER_KEY) == "megatron-core"
+    torch.save(saved, path)
+
+    numel = {n: p.numel() for n, p in _gpt().named_parameters()}
+
+    def starts(names):
+        where, offset = {}, 0
+        for name in names:
+            where[name] = -(-offset // 64) * 64
+            offset = where[name] + numel[name]
+        return where, offset
+
+    current_names = [n for n, _ in _gpt().named_parameters()]
+    now, size = starts(list(reversed(current_names)))
+    before, old_size = starts(list(reversed(_old_names(current_names))))
+    state = torch.load(directory / "distrib_optim.pt", weights_only=True)
+    (buckets,) = state[0].values()
+    for key, (flat,) in buckets.items():
+        assert flat.numel() == size
+        old = torch.zeros(old_size)
+        for name in current_names:
+            old[before[name] : before[name] + numel[name]] = flat[
+                now[name] : now[name] + numel[name]
+            ]
+        buckets[key] = [old]
+    state["per_bucket_numel_unpadded"] = [{k: [old_size] for k in state[0]}]
+    torch.save(state, directory / "distrib_optim.pt")
+
+
+def test_a_distributed_optimizer_checkpoint_in_the_old_layout_resumes_exactly(tmp_path):
+    args = checkpoint_args(tmp_path, "torch", use_distributed_optimizer=True)
+    model, opt, sched = _distributed_setup(args)
+
+    _train(model, opt, sched, 1, 2)
+    checkpointing.save_checkpoint(2, model, opt, sched)
+    straight = _train(model, opt, sched, 3, 4)
+
+    _distrib_optim_as_written_before(tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00")
+    model, opt, sched = _distributed_setup(args)
+    assert checkpointing.load_checkpoint(model, opt, sched)[0] == 2
+    assert _train(model, opt, sched, 3, 4) == straight
