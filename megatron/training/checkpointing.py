@@ -24,6 +24,7 @@ import os
 import sys
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -285,6 +286,18 @@ def format_to_load(args, directory: str) -> str:
     )
 
 
+def _numpy_array_globals() -> list:
+    """What unpickling a numpy array needs: Megatron-LM stores numpy's RNG state as
+    ``np.random.get_state()`` returns it (a uint32 array), written by numpy 1 or 2."""
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct  # numpy 2 / 1
+    allowed = [np.ndarray, np.dtype, reconstruct]
+    allowed += [
+        (reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core")
+    ]
+    allowed += [np.dtypes.UInt32DType] if hasattr(np, "dtypes") else []
+    return allowed
+
+
 def _load_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(
@@ -292,7 +305,7 @@ def _load_file(path: str) -> dict:
             "or deleted checkpoint, or it was saved with another parallel layout)"
         )
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with torch.serialization.safe_globals([argparse.Namespace, *_numpy_array_globals()]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
