@@ -251,3 +251,42 @@ def test_a_distributed_optimizer_checkpoint_in_the_old_layout_resumes_exactly(tm
     model, opt, sched = _distributed_setup(args)
     assert checkpointing.load_checkpoint(model, opt, sched)[0] == 2
     assert _train(model, opt, sched, 3, 4) == straight
+
+
+def test_param_groups_in_megatron_cores_order_and_old_group_order_is_moved():
+    # megatron-core lists the weight-decay group first even when a model's first parameter is a
+    # norm (as on a later pipeline stage); this code base listed first the group of the first
+    # parameter. A state saved in that order is moved back into place.
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+        opt = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1), [model])
+        return model, opt
+
+    model, opt = build()
+    assert [g["wd_mult"] for g in opt.param_groups] == [1.0, 0.0]
+    model(torch.randn(2, 8)).square().mean().backward()
+    opt.step()
+    saved = opt.state_dict()
+    # As written before: the no-weight-decay group (LayerNorm weight and bias, Linear bias)
+    # first, numbered from 0.
+    decay, no_decay = saved["param_groups"]
+    ids = no_decay["params"] + decay["params"]
+    renumber = {old: new for new, old in enumerate(ids)}
+    old_file = {
+        "state": {renumber[i]: v for i, v in saved["state"].items()},
+        "param_groups": [
+            {**no_decay, "params": [renumber[i] for i in no_decay["params"]]},
+            {**decay, "params": [renumber[i] for i in decay["params"]]},
+        ],
+    }
+    model2, opt2 = build()
+    legacy = {id(p): r for r, p in enumerate(legacy_parameter_order([model2]))}
+    assert opt2.state_dict_in_current_order(saved, legacy) is None  # the current order fits
+    moved = opt2.state_dict_in_current_order(old_file, legacy)
+    opt2.load_state_dict(moved)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], opt2.state[q][key])

@@ -261,7 +261,7 @@ class MegatronOptimizer:
         half_groups = getattr(self, "float16_groups", None)
         if half_groups is not None and "fp32_from_fp16_params" in out:
             out["fp32_from_fp16_params"] = reorder_legacy_lists(
-                out["fp32_from_fp16_params"], half_groups, legacy_rank
+                out["fp32_from_fp16_params"], groups, half_groups, legacy_rank
             )
         return out
 

@@ -65,46 +65,68 @@ def legacy_parameter_order(chunks: Iterable[torch.nn.Module]) -> List[torch.nn.P
     return order
 
 
-def legacy_positions(params: Sequence[torch.Tensor], legacy_rank: Dict[int, int]) -> List[int]:
+def legacy_positions(
+    params: Sequence[torch.Tensor], legacy_rank: Dict[int, int], ranks: Sequence[int] = ()
+) -> List[int]:
     """For each of ``params`` (a list in the current order), its position in the same list
-    ordered the legacy way (``legacy_rank``: id(param) -> rank in the legacy order)."""
-    legacy = sorted(range(len(params)), key=lambda k: legacy_rank[id(params[k])])
-    positions = [0] * len(params)
+    ordered the legacy way (``legacy_rank``: id(param) -> rank in the legacy order; or the
+    ranks given as ``ranks``)."""
+    ranks = list(ranks) or [legacy_rank[id(p)] for p in params]
+    legacy = sorted(range(len(ranks)), key=lambda k: ranks[k])
+    positions = [0] * len(ranks)
     for position, k in enumerate(legacy):
         positions[k] = position
     return positions
 
 
+def legacy_group_positions(
+    groups: Sequence[Sequence[torch.Tensor]], legacy_rank: Dict[int, int]
+) -> List[int]:
+    """For each param group (current order), its position among the groups as this code base
+    ordered them before: by the first of their parameters in the legacy order."""
+    firsts = [min((legacy_rank[id(p)] for p in group), default=-1) for group in groups]
+    return legacy_positions([], {}, firsts)
+
+
 def reorder_legacy_inner_state(
     inner: Dict[str, Any], groups: Sequence[Sequence[torch.Tensor]], legacy_rank: Dict[int, int]
 ) -> Dict[str, Any]:
-    """A copy of a torch optimizer state dict saved in the legacy order whose param groups list
-    the saved parameter numbers in the current order of ``groups`` (the model parameters of
-    each group); groups whose length does not match are left for the load to refuse."""
+    """A copy of a torch optimizer state dict saved in the legacy order whose param groups
+    follow the current order of ``groups`` (the model parameters of each group) and list the
+    saved parameter numbers in the current order; left as it is when the number of groups or
+    of a group's parameters does not match (the load refuses it)."""
+    saved = list(inner.get("param_groups", []))
+    if len(saved) != len(groups):
+        return inner
+    saved = [saved[g] for g in legacy_group_positions(groups, legacy_rank)]
     saved_groups = []
-    for group, saved in zip(groups, inner.get("param_groups", [])):
-        ids = list(saved.get("params", []))
+    for group, saved_group in zip(groups, saved):
+        ids = list(saved_group.get("params", []))
         if len(ids) == len(group):
             ids = [ids[p] for p in legacy_positions(group, legacy_rank)]
-        saved_groups.append({**saved, "params": ids})
-    saved_groups += inner.get("param_groups", [])[len(saved_groups) :]
+        saved_groups.append({**saved_group, "params": ids})
     return {**inner, "param_groups": saved_groups}
 
 
 def reorder_legacy_lists(
     lists: Sequence[Sequence[Any]],
     groups: Sequence[Sequence[torch.Tensor]],
+    members: Sequence[Sequence[torch.Tensor]],
     legacy_rank: Dict[int, int],
 ) -> List[List[Any]]:
-    """Per-group lists saved in the legacy order (e.g. the fp32 master copies) in the current
-    order of ``groups``; lists whose length does not match are kept as they are."""
+    """Per-group lists saved in the legacy order, each holding a value per parameter of
+    ``members`` (e.g. the fp32 master copies of each group's half-precision parameters), in the
+    current order of ``groups`` and ``members``; left as they are when the counts differ."""
+    if len(lists) != len(groups):
+        return [list(v) for v in lists]
+    lists = [lists[g] for g in legacy_group_positions(groups, legacy_rank)]
     out = []
-    for values, group in zip(lists, groups):
+    for values, group in zip(lists, members):
         values = list(values)
         if len(values) == len(group):
             values = [values[p] for p in legacy_positions(group, legacy_rank)]
         out.append(values)
-    return out + [list(v) for v in lists[len(out) :]]
+    return out
 
 
 def state_fits(inner: Dict[str, Any], groups: Sequence[Sequence[torch.Tensor]]) -> bool:
