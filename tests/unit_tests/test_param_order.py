@@ -92,13 +92,10 @@ def test_registration_order_is_megatron_cores_and_the_legacy_order_is_the_old_on
         current = [name for name, _ in model.named_parameters()]
         name_of = {id(p): n for n, p in model.named_parameters()}
         # megatron-core's order (checked against megatron-core itself in tests/interop).
-        attention = [n.split(".self_attention.")[1] for n in current if ".self_attention." in n]
-        assert attention[:2] == ["linear_proj.weight", "linear_qkv.weight"] or attention[:4] == [
-            "linear_proj.weight",
-            "linear_proj.bias",
-            "linear_qkv.weight",
-            "linear_qkv.bias",
-        ]
+        qkv = [n for n in current if n.endswith("self_attention.linear_qkv.weight")]
+        assert qkv, family
+        for name in qkv:
+            assert current.index(name.replace("linear_qkv", "linear_proj")) < current.index(name)
         legacy = [name_of[id(p)] for p in legacy_parameter_order([model])]
         assert legacy == _old_names(current), family
         assert legacy != current, family
