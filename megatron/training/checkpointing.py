@@ -28,6 +28,12 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.dist_checkpointing.megatron_layout import with_extra_state, without_extra_state
+from megatron.core.dist_checkpointing.planner import megatron_state_globals
+from megatron.core.optimizer.param_order import (
+    PARAM_ORDER,
+    PARAM_ORDER_KEY,
+    legacy_parameter_order,
+)
 from megatron.core.utils import unwrap_model
 
 from . import global_vars
@@ -81,10 +87,12 @@ def _check_distributed_optimizer_file(optimizer, path: str) -> None:
         )
 
 
-def _load_distributed_optimizer_state(optimizer, path: str) -> None:
-    """Re-shard distrib_optim.pt over this run's DP group (collective); any DP size may load it."""
+def _load_distributed_optimizer_state(optimizer, path: str, legacy_rank=None) -> None:
+    """Re-shard distrib_optim.pt over this run's DP group (collective); any DP size may load it.
+    ``legacy_rank``: the file lays the buffers out in this code base's earlier parameter order
+    (see megatron/core/optimizer/param_order.py)."""
     try:
-        optimizer.load_parameter_state(path)
+        optimizer.load_parameter_state(path, legacy_rank)
     except ValueError as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
@@ -216,6 +224,7 @@ def save_checkpoint(
         if not args.no_save_optim:
             if optimizer is not None:
                 state_dict["optimizer"] = optimizer.state_dict()
+                state_dict[PARAM_ORDER_KEY] = PARAM_ORDER
             if opt_param_scheduler is not None:
                 state_dict["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         if rng_states is not None:
@@ -284,7 +293,8 @@ def _load_file(path: str) -> dict:
             "or deleted checkpoint, or it was saved with another parallel layout)"
         )
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        # numpy arrays (Megatron-LM's numpy RNG state), the rerun machine's records: as torch_dist
+        with torch.serialization.safe_globals([argparse.Namespace, *megatron_state_globals()]):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -315,6 +325,32 @@ def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
         problems.append("unexpected in checkpoint: " + ", ".join(unexpected[:5]))
     if problems:
         raise CheckpointError(f"checkpoint {path} does not fit this model ({' | '.join(problems)})")
+
+
+def _legacy_rank(chunks) -> dict:
+    """id(param) -> its rank in this code base's earlier parameter order."""
+    legacy = legacy_parameter_order(unwrap_model(chunk) for chunk in chunks)
+    return {id(param): r for r, param in enumerate(legacy)}
+
+
+def _in_current_parameter_order(optimizer, chunks, saved: dict) -> dict:
+    """The optimizer state of a file without the parameter-order mark: Megatron-LM's (in the
+    current order) or one written here before this code base followed megatron-core's
+    registration order, whose per-parameter state is moved to the current positions (told
+    apart by the shapes of the state, see megatron/core/optimizer/param_order.py)."""
+    if not hasattr(optimizer, "state_dict_in_current_order"):
+        return saved
+    try:
+        moved = optimizer.state_dict_in_current_order(saved, _legacy_rank(chunks))
+    except KeyError:  # a parameter the model does not have: the load says what does not fit
+        return saved
+    if moved is None:
+        return saved
+    print_rank_0(
+        " > the optimizer state lists the parameters in this code base's earlier order "
+        "(linear_qkv before linear_proj): moved to megatron-core's"
+    )
+    return moved
 
 
 def load_checkpoint(
@@ -420,8 +456,11 @@ def load_checkpoint(
         if optimizer is not None:
             if getattr(args, "use_distributed_optimizer", False):
                 _check_distributed_optimizer_file(optimizer, distrib_optim_path(path))
+            saved_optimizer = state_dict["optimizer"]
+            if PARAM_ORDER_KEY not in state_dict:
+                saved_optimizer = _in_current_parameter_order(optimizer, chunks, saved_optimizer)
             try:
-                optimizer.load_state_dict(state_dict["optimizer"])
+                optimizer.load_state_dict(saved_optimizer)
             except (KeyError, ValueError) as exc:
                 raise CheckpointError(
                     f"checkpoint {path}: the optimizer state does not fit this run "
@@ -429,7 +468,12 @@ def load_checkpoint(
                     "only"
                 ) from None
             if getattr(args, "use_distributed_optimizer", False):
-                _load_distributed_optimizer_state(optimizer, distrib_optim_path(path))
+                # Our distrib_optim.pt layout (per-bucket lists) is this code base's own: a file
+                # without the order mark was written here, in the earlier order.
+                legacy_rank = None
+                if PARAM_ORDER_KEY not in state_dict:
+                    legacy_rank = _legacy_rank(chunks)
+                _load_distributed_optimizer_state(optimizer, distrib_optim_path(path), legacy_rank)
         if opt_param_scheduler is not None and "opt_param_scheduler" in state_dict:
             opt_param_scheduler.load_state_dict(state_dict["opt_param_scheduler"])
     elif optimizer is not None and hasattr(optimizer, "reload_model_params"):

@@ -17,9 +17,9 @@ fully_reshardable checkpoint equals its straight run.
 * The other way: we train 1-4 and save after 2; megatron-core loads model + optimizer +
   scheduler + iteration from it as Megatron-LM does and trains 3 and 4: its losses equal ours
   (without the distributed optimizer; with it, ours at DP=1 and megatron-core's at DP=2).
-* The optimizer state of megatron-core's ``torch`` format, whose parameter order differs from
-  ours, is refused here with one line that says what was not loaded and how to go on (the
-  model part loads). Its default distributed-optimizer layout (``dp_reshardable``): see
+* The same both ways in the ``torch`` format (``model_optim_rng.pt``), whose optimizer state
+  is paired with the parameters by position: our registration order is megatron-core's.
+* Its default distributed-optimizer layout (``dp_reshardable``): see
   test_megatron_core_dp_reshardable.py.
 
 Run by ``make interop`` (needs $MCORE_PYTHON), not by ``make test``.
@@ -203,8 +203,16 @@ def _close(ours, theirs, what):
 
 @pytest.mark.parametrize(
     "sharding, processes, distributed, fmt",
-    [("none", 1, False, "torch_dist"), ("fully_reshardable", 2, True, "torch_dist")],
-    ids=["fp32-optimizer", "distributed-optimizer-fully-reshardable-dp2-to-dp1"],
+    [
+        ("none", 1, False, "torch_dist"),
+        ("fully_reshardable", 2, True, "torch_dist"),
+        ("none", 1, False, "torch"),
+    ],
+    ids=[
+        "fp32-optimizer",
+        "distributed-optimizer-fully-reshardable-dp2-to-dp1",
+        "torch-format-fp32-optimizer",
+    ],
 )
 def test_megatron_core_training_resumes_here_with_its_optimizer_state(
     tmp_path, sharding, processes, distributed, fmt
@@ -259,8 +267,12 @@ def test_megatron_core_training_resumes_here_with_its_optimizer_state(
 
 @pytest.mark.parametrize(
     "distributed, sharding, processes, fmt",
-    [(False, "none", 1, "torch_dist"), (True, "fully_reshardable", 2, "torch_dist")],
-    ids=["fp32-optimizer", "distributed-optimizer-dp1-to-dp2"],
+    [
+        (False, "none", 1, "torch_dist"),
+        (True, "fully_reshardable", 2, "torch_dist"),
+        (False, "none", 1, "torch"),
+    ],
+    ids=["fp32-optimizer", "distributed-optimizer-dp1-to-dp2", "torch-format-fp32-optimizer"],
 )
 def test_training_saved_here_resumes_in_megatron_core_with_our_optimizer_state(
     tmp_path, distributed, sharding, processes, fmt
@@ -296,25 +308,3 @@ def test_training_saved_here_resumes_in_megatron_core_with_our_optimizer_state(
     )
     assert sorted(theirs) == list(range(SAVED_AT + 1, LAST + 1))  # resumed after iteration 2
     _close(theirs, straight, f"here -> megatron-core {sharding}")
-
-
-def test_megatron_core_torch_format_optimizer_state_is_refused_in_one_line(tmp_path):
-    # The torch format pairs optimizer state with parameters by position, and megatron-core
-    # lists each layer's linear_proj before its linear_qkv (registration order), this code base
-    # the other way round: the state cannot be placed, which one line says; the model loads.
-    saved = tmp_path / "mcore"
-    theirs = _mcore_train(
-        tmp_path / "mc.json", saved, "--save-at", SAVED_AT, "--ckpt-format", "torch"
-    )
-    ours = _Ours(tmp_path, False, load=saved, save=tmp_path / "unused", fmt="torch")
-    with pytest.raises(
-        checkpointing.CheckpointError,
-        match=r"lists the parameters in another order .*pass --no-load-optim to load the model",
-    ):
-        ours.load()
-    ours = _Ours(
-        tmp_path, False, load=saved, save=tmp_path / "unused", fmt="torch", no_load_optim=True
-    )
-    assert ours.load() == SAVED_AT
-    loss = ours.step(SAVED_AT + 1)  # the weights of iteration 2: megatron-core's loss
-    assert abs(loss - theirs[SAVED_AT + 1]) <= RTOL * abs(theirs[SAVED_AT + 1]), (loss, theirs)

@@ -4,7 +4,8 @@ megatron-core runs in its own environment through ``tools/interop/mcore_gpt.py``
 test_megatron_core_interop.py and ``make interop``). For each family, megatron-core describes
 its ``model.sharded_state_dict()`` (every tensor's key, global shape and global offset, every
 ``_extra_state`` object's key) and this code base's ``model_sharded_state_dict`` of the same
-model must describe the same checkpoint. For MoE GPT, megatron-core also writes a checkpoint
+model must describe the same checkpoint, and list its parameters in the same order (dense GPT
+too). For MoE GPT, megatron-core also writes a checkpoint
 that this code base loads at EP=2 (every tensor asked for, none left) and gives megatron-core's
 loss on the same batch; and megatron-core loads a MoE checkpoint written here, every tensor
 equal, with this code base's loss (and its torch-format ``_extra_state`` entries are ours).
@@ -144,11 +145,39 @@ def _loss(model):
         return model(tokens, positions, None, labels=labels).mean().item()
 
 
+def _one_process_groups():
+    from megatron.core.parallel_state import initialize_model_parallel
+
+    return initialize_model_parallel()
+
+
+def _same_parameter_order(model, reference, left_out=()):
+    """Our ``named_parameters()`` order is megatron-core's: torch optimizers, and the torch
+    format's optimizer state, pair state with parameters by it."""
+    ours = [name for name, _ in model.named_parameters() if name not in left_out]
+    assert ours == reference["parameters"]
+
+
+def test_gpt_parameter_order_equals_megatron_cores(tmp_path):
+    from megatron.core.models.gpt import GPTModel
+
+    reference = _mcore("describe", "-", tmp_path / "gpt.json")
+    model = GPTModel(
+        _config(_one_process_groups()),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False,  # the driver's default
+    )
+    assert "decoder.layers.0.self_attention.linear_proj.bias" in reference["parameters"]
+    _same_parameter_order(model, reference)
+
+
 def test_moe_gpt_layout_equals_megatron_core_and_its_checkpoint_loads_at_ep2(tmp_path):
     reference = _mcore("describe", "-", tmp_path / "layout.json", *MOE_FLAGS)
     assert any(
         t[0] == "decoder.layers.mlp.experts.experts.linear_fc1.weight" for t in reference["tensors"]
     )
+    _same_parameter_order(_moe_gpt(_one_process_groups()), reference)
     saved = _mcore("save", tmp_path / "mcore", tmp_path / "saved.json", *MOE_FLAGS)
     directory = tmp_path / "mcore" / "iter_0000001"
     run_distributed(_worker_moe_at_ep2, 2, str(directory), saved["loss"], reference)
@@ -225,7 +254,8 @@ def test_bert_layout_equals_megatron_core_both_ways(tmp_path):
     reference = _mcore("describe", "-", tmp_path / "bert.json", "--family", "bert")
     state = initialize_model_parallel()
     model = BertModel(_config(state), 2, VOCAB, SEQ, pg_collection=state)
-    assert _one_process_layout(model) == reference
+    assert _one_process_layout(model) == {k: reference[k] for k in ("tensors", "objects")}
+    _same_parameter_order(model, reference)
     _loads_in_megatron_core(model, "bert", tmp_path)
 
     # And the other way: megatron-core's BERT checkpoint loads here, every tensor equal.
@@ -253,7 +283,8 @@ def test_t5_layout_equals_megatron_core_both_ways(tmp_path):
     assert {"position_embeddings.weight", "output_layer.bias"} <= {t[0] for t in ours["tensors"]}
     # The driver builds megatron-core's T5 with the final norms it has under Transformer Engine.
     assert "encoder.final_layernorm.weight" in {t[0] for t in reference["tensors"]}
-    assert ours == reference
+    assert ours == {k: reference[k] for k in ("tensors", "objects")}
+    _same_parameter_order(model, reference)
     _loads_in_megatron_core(model, "t5", tmp_path)
 
     # And the other way: megatron-core's T5 checkpoint loads here (every tensor asked for, none
@@ -311,6 +342,7 @@ def test_moe_gpt_mixing_dense_and_moe_layers_layout_and_checkpoint(tmp_path):
         "tensors": sorted(reference["tensors"]),
         "objects": sorted(reference["objects"]),
     }
+    _same_parameter_order(model, reference)
     directory = tmp_path / "mcore" / "iter_0000001"
     dc.load(entries, str(directory), strictness=dc.StrictHandling.RAISE_ALL)
     loss = _loss(model)

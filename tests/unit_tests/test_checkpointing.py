@@ -127,3 +127,23 @@ def test_finetune_and_no_save_optim(tmp_path):
     assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 0
     for a, b in zip(model.parameters(), model2.parameters()):
         assert torch.equal(a, b)
+
+
+def test_megatron_lm_numpy_rng_state_loads_weights_only(tmp_path):
+    # Megatron-LM stores numpy's RNG state as np.random.get_state() returns it (an ndarray),
+    # which torch's weights-only loader refuses unless numpy's array globals are allowed.
+    import numpy as np
+
+    model, opt, sched = _setup(tmp_path)
+    checkpointing.save_checkpoint(1, model, opt, sched)
+    path = tmp_path / "ckpt" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        sd = torch.load(path, weights_only=True)
+    np.random.seed(5)
+    sd["rng_state"][0]["np_rng_state"] = np.random.get_state()
+    expected = np.random.rand(3)
+    torch.save(sd, path)
+    np.random.seed(6)
+    model2, opt2, sched2 = _setup(tmp_path, seed=99)
+    assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
+    assert np.array_equal(np.random.rand(3), expected)

@@ -49,7 +49,8 @@ root CKPT as Megatron-LM does (the checkpoint's ``content_metadata`` says how th
 state is sharded). It trains up to iteration ``--iters``, saving model + optimizer + scheduler +
 iteration into DIR/iter_<K> (and the tracker) after iteration ``--save-at`` K, as Megatron-LM's
 training loop writes them (``--ckpt-format torch``: one ``mp_rank_00/model_optim_rng.pt``, as
-Megatron-LM's torch format at TP=1, PP=1, loaded back the same way); ``--out`` gets
+Megatron-LM's torch format at TP=1, PP=1, with its ``args`` (the fields a loader reads) and
+``rng_state``, loaded back the same way); ``--out`` gets
 ``{"losses": {iteration: loss}}``. With ``--bf16`` the model is bf16 in megatron-core's
 ``Float16Module`` and the optimizer its mixed-precision one (fp32 main weights), as Megatron-LM
 builds them for ``--bf16``.
@@ -318,6 +319,45 @@ def _keep_adamw_step_on_distributed_load() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = own_step
 
 
+def _megatron_lm_rng_state() -> dict:
+    """The RNG state Megatron-LM's torch format stores per data-parallel rank (numpy's as
+    ``np.random.get_state()`` returns it; the CUDA state is the CPU one here)."""
+    import random
+
+    import numpy as np
+
+    from megatron.core import tensor_parallel
+
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _megatron_lm_args(args, iteration: int, global_batch_size: int) -> argparse.Namespace:
+    """The part of Megatron-LM's saved ``args`` a loader reads: the model's shape, the
+    optimizer layout and the samples consumed so far (Megatron-LM saves its whole Namespace)."""
+    return argparse.Namespace(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        padded_vocab_size=args.vocab_size,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        use_distributed_optimizer=False,
+        params_dtype=torch.float32,
+        iteration=iteration,
+        consumed_train_samples=iteration * global_batch_size,
+        consumed_valid_samples=0,
+    )
+
+
 def _train(model, config, args) -> dict:
     """Megatron-LM's resume and training loop for one process (see the module docstring)."""
     from megatron.core import dist_checkpointing
@@ -437,12 +477,14 @@ def _train(model, config, args) -> dict:
             directory = os.path.join(args.directory, f"iter_{iteration:07d}", "mp_rank_00")
             os.makedirs(directory, exist_ok=True)
             state = {
+                "args": _megatron_lm_args(args, iteration, share * dist.get_world_size()),
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "opt_param_scheduler": scheduler.state_dict(),
                 "iteration": iteration,
                 "checkpoint_version": 3.0,
                 "num_floating_point_operations_so_far": 0.0,
+                "rng_state": [_megatron_lm_rng_state()],
             }
             torch.save(state, os.path.join(directory, "model_optim_rng.pt"))
             with open(os.path.join(args.directory, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -774,6 +816,8 @@ def main(argv=None) -> int:
     model = build_model(args)
     if args.action == "describe" or args.describe_to:
         layout = describe(model.sharded_state_dict())
+        # The order torch optimizers (and the torch format) pair state with parameters by.
+        layout["parameters"] = [name for name, _ in model.named_parameters()]
         if dist.get_world_size() > 1:  # one description per rank, in rank order
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, layout)

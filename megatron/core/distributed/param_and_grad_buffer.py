@@ -52,6 +52,42 @@ def _requires_own_bucket(param: torch.nn.Parameter, use_distributed_optimizer: b
     return use_distributed_optimizer and bool(getattr(param, "shared_embedding", False))
 
 
+def buffer_layout(
+    params: List[torch.Tensor],
+    bucket_size: Optional[int],
+    use_distributed_optimizer: bool,
+    dp_size: int,
+):
+    """Where ``params`` (in buffer order) lie in their buffer: (each param's start, and per
+    bucket (first param index, last + 1, start, unpadded end, padded end))."""
+    starts, bucket_bounds = [], []
+    offset = 0
+    bucket_start, bucket_first = 0, 0
+
+    def close_bucket(last_exclusive: int, end: int):
+        nonlocal offset, bucket_start, bucket_first
+        padded_end = end
+        if use_distributed_optimizer:
+            padded_end = bucket_start + _pad(end - bucket_start, bucket_end_multiple(dp_size))
+        bucket_bounds.append((bucket_first, last_exclusive, bucket_start, end, padded_end))
+        offset = padded_end
+        bucket_start, bucket_first = padded_end, last_exclusive
+
+    for i, param in enumerate(params):
+        own = _requires_own_bucket(param, use_distributed_optimizer)
+        if own and i > bucket_first:
+            close_bucket(i, offset)
+        start = _pad(offset, PARAM_START_ALIGNMENT) if use_distributed_optimizer else offset
+        end = start + param.numel()
+        starts.append(start)
+        offset = end
+        if own or (bucket_size is not None and end - bucket_start >= bucket_size):
+            close_bucket(i + 1, end)
+    if bucket_first < len(params):
+        close_bucket(len(params), offset)
+    return starts, bucket_bounds
+
+
 class Bucket:
     """A contiguous range of one buffer whose gradients are reduced by one collective."""
 
@@ -250,37 +286,12 @@ class ParamAndGradBuffer:
         self.param_index_map = {}
         """param -> (start, end, bucket index) in the buffer."""
 
-        # ---- layout
-        starts, bucket_bounds = (
-            [],
-            [],
-        )  # bucket_bounds: (first param idx, last+1, start, unpadded end, end)
-        offset = 0
-        bucket_start, bucket_first = 0, 0
-
-        def close_bucket(last_exclusive: int, end: int):
-            nonlocal offset, bucket_start, bucket_first
-            padded_end = end
-            if use_distributed_optimizer:
-                padded_end = bucket_start + _pad(
-                    end - bucket_start, bucket_end_multiple(self.dp_size)
-                )
-            bucket_bounds.append((bucket_first, last_exclusive, bucket_start, end, padded_end))
-            offset = padded_end
-            bucket_start, bucket_first = padded_end, last_exclusive
-
-        for i, param in enumerate(params):
-            own = _requires_own_bucket(param, use_distributed_optimizer)
-            if own and i > bucket_first:
-                close_bucket(i, offset)
-            start = _pad(offset, PARAM_START_ALIGNMENT) if use_distributed_optimizer else offset
-            end = start + param.numel()
-            starts.append(start)
-            offset = end
-            if own or (bucket_size is not None and end - bucket_start >= bucket_size):
-                close_bucket(i + 1, end)
-        if bucket_first < len(params):
-            close_bucket(len(params), offset)
+        self.bucket_size = bucket_size
+        """The bucket size the layout was made with (None: one bucket)."""
+        starts, bucket_bounds = buffer_layout(
+            params, bucket_size, use_distributed_optimizer, self.dp_size
+        )
+        offset = bucket_bounds[-1][4] if bucket_bounds else 0
         self.numel = offset
         self.numel_unpadded = bucket_bounds[-1][3] if bucket_bounds else 0
 

@@ -76,6 +76,19 @@ def _inner_optimizer_of(param: torch.Tensor, config: OptimizerConfig) -> str:
     return config.optimizer
 
 
+def _megatron_core_group_rank(key: Tuple) -> Tuple:
+    """megatron-core's order of param groups (torch-format checkpoints pair state with them by
+    position): the groups without overrides of the defaults first, then by the sorted names of
+    what they override (max/min LR of --decoupled-lr before lr_mult before wd_mult 0); groups
+    that tie keep the order of their first parameter."""
+    wd_mult, group_lr_mult, _is_expert, is_decoupled, _mup_eps, _inner = key
+    overrides = (["max_lr", "min_lr"] if is_decoupled else []) + (
+        ["lr_mult"] if group_lr_mult != 1.0 else []
+    )
+    overrides += ["wd_mult"] if wd_mult != 1.0 else []
+    return (bool(overrides), tuple(sorted(overrides)))
+
+
 def get_param_groups(
     model_chunks: Sequence[torch.nn.Module],
     config: OptimizerConfig,
@@ -120,7 +133,7 @@ def get_param_groups(
             grouped.setdefault(key, []).append(param)
 
     groups = []
-    for key, params in grouped.items():
+    for key, params in sorted(grouped.items(), key=lambda item: _megatron_core_group_rank(item[0])):
         wd_mult, group_lr_mult, is_expert_parallel, is_decoupled, mup_eps, inner = key
         max_lr = float(config.decoupled_lr) if is_decoupled else float(config.lr)
         group_min_lr = decoupled_min_lr if is_decoupled else min_lr

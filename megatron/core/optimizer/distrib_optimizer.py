@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.distributed.param_and_grad_buffer import buffer_layout
 from megatron.core.tensor_parallel import collectives
 
 from .clip_grads import param_is_counted_once, sum_of_powered_norms
@@ -534,10 +535,56 @@ class DistributedOptimizer(MegatronOptimizer):
         if state is not None:
             torch.save(state, filename)
 
-    def load_parameter_state(self, filename: str) -> None:
-        """Read ``filename`` on the ranks that root a buffer and re-shard it over (expert) DP."""
+    def load_parameter_state(
+        self, filename: str, legacy_rank: Optional[Dict[int, int]] = None
+    ) -> None:
+        """Read ``filename`` on the ranks that root a buffer and re-shard it over (expert) DP.
+
+        ``legacy_rank`` (id(param) -> rank in this code base's earlier registration order, see
+        param_order.py): the file was written with the buffers laid out in that order; its
+        state is moved to the current layout first."""
         state = None
         if self.holds_any_state_root():
             saved = torch.load(filename, map_location="cpu", weights_only=True)
             state = self._state_from_file(saved)
+            if legacy_rank is not None and _FILE_ERROR not in state:
+                state = self._state_in_current_layout(state, legacy_rank)
         self.load_parameter_state_from_dp_zero(state)
+
+    def _state_in_current_layout(
+        self, state: Dict[Any, Any], legacy_rank: Dict[int, int]
+    ) -> Dict[Any, Any]:
+        """The per-bucket state of buffers laid out in the legacy parameter order (reverse
+        registration order, as now), moved param by param into the current layout; a state
+        that does not fit the legacy layout is left for the load to refuse."""
+        moved = dict(state)
+        for gbuf_idx, buffer in enumerate(self.buffers):
+            dtype_key = (buffer.param_dtype, buffer.grad_dtype)
+            try:
+                saved = state[gbuf_idx][dtype_key]
+            except (KeyError, TypeError):
+                continue
+            old_params = sorted(buffer.params, key=lambda p: -legacy_rank[id(p)])
+            starts, bounds = buffer_layout(
+                old_params, buffer.bucket_size, buffer.use_distributed_optimizer, buffer.dp_size
+            )
+            if [b[3] - b[2] for b in bounds] != [len(t) for t in saved.get("param", [])]:
+                continue
+            old_place = {}
+            for b, (first, last, bucket_start, _, _) in enumerate(bounds):
+                for i in range(first, last):
+                    old_place[id(old_params[i])] = (b, starts[i] - bucket_start)
+            tensors = {}
+            for key, old_buckets in saved.items():
+                new_buckets = []
+                for bucket in buffer.buckets:
+                    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+                    for param in bucket.params:
+                        start = buffer.param_index_map[param][0] - bucket.offset
+                        b, old_start = old_place[id(param)]
+                        n = param.numel()
+                        flat[start : start + n].copy_(old_buckets[b][old_start : old_start + n])
+                    new_buckets.append(flat)
+                tensors[key] = new_buckets
+            moved[gbuf_idx] = {dtype_key: tensors}
+        return moved

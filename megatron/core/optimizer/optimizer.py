@@ -26,6 +26,7 @@ from .clip_grads import (
 )
 from .grad_scaler import MegatronGradScaler
 from .optimizer_config import OptimizerConfig
+from .param_order import reorder_legacy_inner_state, reorder_legacy_lists, state_fits
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Attributes that decide how a param enters norms/zero counts; copied onto master params.
@@ -230,6 +231,40 @@ class MegatronOptimizer:
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def model_param_groups(self) -> List[List[torch.Tensor]]:
+        """Each param group's model parameters, in the group's (the state's) order."""
+        return [list(group["params"]) for group in self.optimizer.param_groups]
+
+    def state_dict_in_current_order(
+        self, state_dict: Dict[str, Any], legacy_rank: Dict[int, int]
+    ) -> Optional[Dict[str, Any]]:
+        """``state_dict`` (as :meth:`state_dict` returns it) moved from this code base's legacy
+        parameter order (``legacy_rank``, see param_order.py) to the current one, when its
+        per-parameter state fits the legacy order and not the current one; else None (use it
+        as it is: a file in the current order, or one that fits neither, which the load
+        refuses)."""
+        inner_key = next(
+            (k for k in ("optimizer", "optimizer_state_dict") if k in state_dict), None
+        )
+        inner = state_dict if "param_groups" in state_dict else state_dict.get(inner_key)
+        if not isinstance(inner, dict) or not inner.get("state"):
+            return None
+        groups = self.model_param_groups()
+        if state_fits(inner, groups):
+            return None
+        moved = reorder_legacy_inner_state(inner, groups, legacy_rank)
+        if not state_fits(moved, groups):
+            return None
+        if inner is state_dict:
+            return moved
+        out = {**state_dict, inner_key: moved}
+        half_groups = getattr(self, "float16_groups", None)
+        if half_groups is not None and "fp32_from_fp16_params" in out:
+            out["fp32_from_fp16_params"] = reorder_legacy_lists(
+                out["fp32_from_fp16_params"], groups, half_groups, legacy_rank
+            )
+        return out
+
     @property
     def param_groups(self) -> List[Dict[str, Any]]:
         """The inner optimizer's param groups (the scheduler sets 'lr' and 'weight_decay')."""
@@ -285,8 +320,7 @@ def _check_state_shapes(groups: List[Dict[str, Any]], inner_state: Dict[str, Any
                         f"the state {name!r} of parameter {k} of group {g} has shape "
                         f"{tuple(value.shape)}, this model's parameter there "
                         f"{tuple(param.shape)}: the checkpoint lists the parameters in another "
-                        "order (Megatron-LM's registers each layer's linear_proj before its "
-                        "linear_qkv) or is of another model"
+                        "order or is of another model"
                     )
 
 
@@ -459,6 +493,17 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                     param.grad = None
 
     # ------------------------------------------------------------------ checkpointing
+    def model_param_groups(self) -> List[List[torch.Tensor]]:
+        model_param_of = {
+            id(master): half
+            for half_group, master_group in zip(self.float16_groups, self.fp32_from_float16_groups)
+            for half, master in zip(half_group, master_group)
+        }
+        return [
+            [model_param_of.get(id(p), p) for p in group["params"]]
+            for group in self.optimizer.param_groups
+        ]
+
     def state_dict(self) -> Dict[str, Any]:
         state = {"optimizer": self.optimizer.state_dict()}
         if self.grad_scaler is not None:

@@ -43,7 +43,11 @@ class SelfAttention(MegatronModule):
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
 
-        self.linear_qkv = ColumnParallelLinear(
+        # Built in this order (the initialization draws depend on it) but registered as
+        # megatron-core registers them: core_attention, linear_proj, linear_qkv, q/k layernorm.
+        # Torch optimizers and Megatron's torch-format checkpoints pair state with parameters by
+        # this registration order (see megatron/core/optimizer/param_order.py).
+        linear_qkv = ColumnParallelLinear(
             config.hidden_size,
             self.query_projection_size + 2 * self.kv_projection_size,
             config=config,
@@ -54,17 +58,15 @@ class SelfAttention(MegatronModule):
             tp_group=tp_group,
         )
         # Muon orthogonalizes the Q, K and V parts of this weight apart (--muon-no-split-qkv).
-        self.linear_qkv.weight.is_qkv = True
+        linear_qkv.weight.is_qkv = True
+        q_layernorm = k_layernorm = None
         if config.qk_layernorm:
-            self.q_layernorm = build_norm(config, self.hidden_size_per_attention_head)
-            self.k_layernorm = build_norm(config, self.hidden_size_per_attention_head)
-        else:
-            self.q_layernorm = None
-            self.k_layernorm = None
-        self.core_attention = DotProductAttention(
+            q_layernorm = build_norm(config, self.hidden_size_per_attention_head)
+            k_layernorm = build_norm(config, self.hidden_size_per_attention_head)
+        core_attention = DotProductAttention(
             config, layer_number, attn_mask_type, pg_collection=pg_collection
         )
-        self.linear_proj = RowParallelLinear(
+        linear_proj = RowParallelLinear(
             self.query_projection_size,
             config.hidden_size,
             config=config,
@@ -74,6 +76,11 @@ class SelfAttention(MegatronModule):
             tp_comm_buffer_name="proj",
             tp_group=tp_group,
         )
+        self.core_attention = core_attention
+        self.linear_proj = linear_proj
+        self.linear_qkv = linear_qkv
+        self.q_layernorm = q_layernorm
+        self.k_layernorm = k_layernorm
         self.recompute_core_attention = (
             config.recompute_granularity == "selective"
             and "core_attn"
@@ -179,7 +186,9 @@ class CrossAttention(MegatronModule):
         query_size = config.kv_channels * config.num_attention_heads
         kv_size = config.kv_channels * config.num_query_groups
         bias = config.add_bias_linear or config.add_qkv_bias
-        self.linear_q = ColumnParallelLinear(
+        # Built in this order (the initialization draws depend on it) but registered as
+        # megatron-core registers them: core_attention, linear_proj, linear_q, linear_kv.
+        linear_q = ColumnParallelLinear(
             config.hidden_size,
             query_size,
             config=config,
@@ -188,7 +197,7 @@ class CrossAttention(MegatronModule):
             gather_output=False,
             tp_group=tp_group,
         )
-        self.linear_kv = ColumnParallelLinear(
+        linear_kv = ColumnParallelLinear(
             config.hidden_size,
             2 * kv_size,
             config=config,
@@ -197,10 +206,10 @@ class CrossAttention(MegatronModule):
             gather_output=False,
             tp_group=tp_group,
         )
-        self.core_attention = DotProductAttention(
+        core_attention = DotProductAttention(
             config, layer_number, attn_mask_type, pg_collection=pg_collection
         )
-        self.linear_proj = RowParallelLinear(
+        linear_proj = RowParallelLinear(
             query_size,
             config.hidden_size,
             config=config,
@@ -209,6 +218,10 @@ class CrossAttention(MegatronModule):
             input_is_parallel=True,
             tp_group=tp_group,
         )
+        self.core_attention = core_attention
+        self.linear_proj = linear_proj
+        self.linear_q = linear_q
+        self.linear_kv = linear_kv
 
     def forward(
         self,

@@ -185,9 +185,13 @@ class BertModel(LanguageModule):
             if add_binary_head:
                 tp_group = self.tp_group if self.pg_collection.tp_size > 1 else None
                 with init_rng_scope(config.init_seed, _POOLER_INIT_KEY):
-                    self.pooler = Pooler(config.hidden_size, config, tp_group)
+                    pooler = Pooler(config.hidden_size, config, tp_group)
                 with init_rng_scope(config.init_seed, _BINARY_HEAD_INIT_KEY):
-                    self.binary_head = _Linear(config.hidden_size, 2, config, config.init_method)
+                    binary_head = _Linear(config.hidden_size, 2, config, config.init_method)
+                # Registered as megatron-core registers them (binary_head first): the order in
+                # which torch optimizers and the torch format pair state with parameters.
+                self.binary_head = binary_head
+                self.pooler = pooler
         self.setup_embeddings_and_output_layer()
 
     def set_input_tensor(self, input_tensor) -> None:
