@@ -98,7 +98,15 @@ def test_bf16_training_of_megatron_core_resumes_here_and_back(
     assert written[f"optimizer.state.{main}.{qkv}"].dtype == torch.float32
 
     # Load, and save again at once: the same tensors, bit for bit.
-    ours = _Ours(tmp_path, distributed, load=saved, save=tmp_path / "ours", bf16=True)
+    # Saved again in megatron-core's type (ours defaults to dp_reshardable, as Megatron-LM does).
+    ours = _Ours(
+        tmp_path,
+        distributed,
+        load=saved,
+        save=tmp_path / "ours",
+        bf16=True,
+        dist_ckpt_optim_fully_reshardable=sharding == "fully_reshardable",
+    )
     assert ours.load() == SAVED_AT
     ours.save(SAVED_AT)
     rewritten = _all_tensors(tmp_path / "ours" / f"iter_{SAVED_AT:07d}")
