@@ -29,6 +29,9 @@ import torch
 from megatron.core import dist_checkpointing as dc
 from tests.unit_tests.dist_utils import run_distributed
 
+# The driver's fields of a rerun machine: its attributes are the same on both sides.
+from tools.interop.mcore_gpt import machine_fields
+
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON")
@@ -152,29 +155,6 @@ def _our_machine():
     return machine
 
 
-def _fields(machine):
-    """The driver's ``machine_fields`` of this code base's machine."""
-    failed = machine.failed_validation_call
-    return {
-        "mode": machine.mode.value,
-        "state": machine.state.name,
-        "current_iteration": machine.current_iteration,
-        "checkpoint_requested": machine.checkpoint_requested,
-        "rerun_requested": machine.rerun_requested,
-        "failed_validation_call": (
-            None
-            if failed is None
-            else [type(failed).__name__, failed.caller.message, failed.caller.rank, failed.sequence]
-        ),
-        "initial_result": machine.initial_result,
-        "suspicious_node": machine.suspicious_node,
-        "suspicious_device": machine.suspicious_device,
-        "large_value_counts": machine.large_value_counts,
-        "max_values": machine.max_values,
-        "error_injection_type": machine.error_injector.error_injection_type.value,
-    }
-
-
 def test_rerun_state_machine_state_exchanged_both_ways(tmp_path):
     # megatron-core's machine at a re-run checkpoint (a fault reproduced at iteration 1), saved
     # as Megatron-LM saves it; this code base's load hands it to its machine.
@@ -193,7 +173,7 @@ def test_rerun_state_machine_state_exchanged_both_ways(tmp_path):
         assert entry is not None and entry.unique_key == "rerun_state_machine_state/shard_0_1"
         dc.load({entry.name: entry}, str(directory))
         checkpointing_dist._restore_rerun_state(plain, entry)
-        assert _fields(machine) == theirs
+        assert machine_fields(machine) == theirs
         assert theirs["state"] == "WILL_RERUN_FROM_CHECKPOINT"  # not a machine left as built
 
         # The other way: this code base's machine at a re-run checkpoint, saved as its
@@ -215,6 +195,6 @@ def test_rerun_state_machine_state_exchanged_both_ways(tmp_path):
         dc.save_common({"rerun_state_machine": common, "iteration": 5}, str(ours))
         dc.write_metadata_json(str(ours))
         read = _mcore("rerun", ours, tmp_path / "read.json")
-        assert read == _fields(machine)
+        assert read == machine_fields(machine)
     finally:
         global_vars.set_rerun_state_machine(None)
