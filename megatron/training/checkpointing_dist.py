@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import shutil
 from typing import Dict, Optional
 
@@ -632,7 +631,8 @@ def _dp_reshardable_source(optimizer, state, directory, metadata, ckpt_args, com
             optimizer.holds_any_state_root(),
         )
         grad_scaler = dpr.read_object(directory, metadata, dpr.object_key(mp_index, "grad_scaler"))
-    except (dpr.UnmappableLayout, OSError, RuntimeError, pickle.UnpicklingError) as exc:
+    # load_object's refusals are ValueErrors, as UnmappableLayout is.
+    except (ValueError, OSError, RuntimeError) as exc:
         problem = f"rank {get_rank()}: {exc}"
     problems = [p for p in _all_gather_object(problem) if p is not None]
     if problems:

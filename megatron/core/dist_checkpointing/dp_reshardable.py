@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .mapping import ShardedObject, ShardedTensor, replicated
+from .planner import load_object
 
 PREFIX = "optimizer.distributed."
 DP_RESHARDABLE = "dp_reshardable"
@@ -200,7 +201,8 @@ def holds_dp_reshardable(keys) -> bool:
 
 def read_object(directory: str, metadata, key: str):
     """The object saved under ``<key>/shard_0_1`` (megatron-core's ShardedObject of shape (1,)),
-    read with ``weights_only=True``; None when the checkpoint does not hold it."""
+    read as every saved object is (:func:`.planner.load_object`); None when the checkpoint does
+    not hold it."""
     fqn = f"{key}/shard_0_1"
     for index, info in metadata.storage_data.items():
         if index.fqn != fqn:
@@ -210,9 +212,7 @@ def read_object(directory: str, metadata, key: str):
         with open(os.path.join(directory, info.relative_path), "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
-        # megatron-core saves the list of the objects it wrote under the key: one.
-        saved = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-        return saved[0] if isinstance(saved, list) and len(saved) == 1 else saved
+        return load_object(io.BytesIO(data), fqn)
     return None
 
 
