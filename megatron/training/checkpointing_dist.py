@@ -318,6 +318,17 @@ def release_async_save_group() -> None:
     _AsyncState.group = _AsyncState.world = None
 
 
+def abandon_async_save() -> Optional[str]:
+    """A failed run ends without waiting for the background save: forget it and return the
+    directory it was writing into (None if none). That directory is never marked complete
+    (metadata.json, rename and tracker are written only by the commit), so a later load takes
+    the last complete checkpoint."""
+    pending, _AsyncState.pending = _AsyncState.pending, None
+    if pending is None:
+        return None
+    return checkpoint_dir(pending["save_dir"], pending["iteration"]) + TMP_SUFFIX
+
+
 def _commit(save_dir: str, iteration: int, asynchronous: bool = False) -> None:
     """Every rank has written its part: mark the checkpoint complete and move the tracker."""
     barrier()

@@ -115,9 +115,11 @@ class MegatronPretrainingRandomSampler:
 def _leave_signals_to_the_trainer(_worker_id: int) -> None:
     """torchrun forwards SIGTERM to the whole process group: a data-loader worker that died of
     it first made the trainer fail before --exit-signal-handler could save. The trainer alone
-    decides; its workers stop when it closes the loader (or dies)."""
+    decides; its workers stop when it closes the loader, when it dies (torch's worker loop
+    checks its parent every 5 s) or when it fails (failed_run kills them)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.set_wakeup_fd(-1)  # the trainer's SIGINT watchdog reads that pipe, not for a worker
 
 
 def build_pretraining_data_loader(

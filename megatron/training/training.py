@@ -23,11 +23,12 @@ from . import global_vars
 from .argument_groups.validation import ArgumentValidationError
 from .checkpointing import CheckpointError, maybe_finalize_async_save, save_checkpoint
 from .checkpointing_common import check_save_dir_writable
-from .checkpointing_dist import release_async_save_group
+from .checkpointing_dist import abandon_async_save, release_async_save_group
 from .collective_watch import CollectiveTimeoutError, set_timeout, uninstall
 from .data_iterators import build_train_valid_test_data_iterators, get_train_valid_test_num_samples
 from .evaluation import evaluate, evaluate_and_print_results
 from .exit_decision import checkpoint_and_decide_exit, save_if_not_saved
+from .failed_run import enable_fault_handler, end_failed_run, watch_for_interrupt
 from .flag_errors import BuildFromFlagsError, UserInputError, building
 from .initialize import initialize_megatron, teardown_process_groups
 from .model_families import get_model_family
@@ -103,12 +104,20 @@ def pretrain(
     ``args_defaults`` is None. ``argv`` (default ``sys.argv[1:]``) lets tests run a training
     in-process. Returns nothing, like Megatron's: a process group created here is torn down
     before returning.
+
+    Run as the program (``argv`` None), an unexpected exception or Ctrl-C ends the process at
+    once with its traceback (see :mod:`.failed_run`), so that torchrun can end the job; an
+    in-process caller (``argv`` given) gets the exception instead.
     """
     if model_family is None:
         model_family = get_model_family("gpt")
     if args_defaults is None:
         args_defaults = dict(model_family.args_defaults)
     owns_process_group = not dist.is_initialized()
+    is_the_program = argv is None  # pretrain_gpt.py & co; in-process callers pass argv
+    enable_fault_handler()
+    if is_the_program:
+        watch_for_interrupt()
     try:
         global_vars.set_model_family(model_family)
         exit_code = _pretrain(
@@ -128,6 +137,12 @@ def pretrain(
     except SystemExit as exc:
         # --ckpt-convert-format and --exit-on-missing-checkpoint end the run on every rank together.
         exit_code = 0 if exc.code is None else exc.code
+    except BaseException as exc:  # a bug, Ctrl-C, a collective that lost its peer
+        if not is_the_program:
+            raise  # the caller owns the process
+        # Ends now, with no barrier, no teardown and no exit handler (they can wait for ever on
+        # other ranks, on data-loader workers or on the background save).
+        end_failed_run(exc, cleanups=(_note_abandoned_async_save, _finish_writers))
     # The model, optimizer and iterators were _pretrain's locals and are gone now.
     if owns_process_group:
         leave_process_group()
@@ -271,6 +286,17 @@ def leave_process_group(wait_for_all: bool = True):
             "still references a group); the process may abort at exit",
             file=sys.stderr,
             flush=True,
+        )
+
+
+def _note_abandoned_async_save():
+    work_dir = abandon_async_save()
+    if work_dir is not None:
+        print(
+            f"[rank {dist.get_rank() if dist.is_initialized() else 0}] the asynchronous save "
+            f"into {work_dir} was abandoned; it is not marked complete, the last complete "
+            "checkpoint stays the one to resume from",
+            file=sys.stderr,
         )
 
 

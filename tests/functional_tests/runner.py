@@ -5,6 +5,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,6 +132,84 @@ def run_pretrain(args, nproc=None, timeout=240, script="pretrain_gpt.py", extra_
     # A leaked process group can abort a rank at exit, intermittently: fail every time instead.
     assert "outlived the process-group teardown" not in stderr, stderr[-3000:]
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+class Launched:
+    """torchrun in a session of its own, its output collected by threads while it runs (for
+    tests that act on a run while it runs: signals, faults)."""
+
+    def __init__(self, args, nproc=2, extra_env=None, timeout=240):
+        env = env_for_tests()
+        env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
+        env.update(extra_env or {})
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        cmd += ["--standalone", str(REPO / "pretrain_gpt.py")] + list(args)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self.stdout, self.stderr = [], []
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self.stderr), daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+        # A watchdog under pytest-timeout's 300 s: whatever happens, the launcher's group dies.
+        self._watchdog = threading.Timer(timeout, self.kill)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.append(line)
+
+    def output(self):
+        return "".join(self.stdout) + "\n--- stderr ---\n" + "".join(self.stderr)
+
+    def wait_for(self, text, timeout=90, stream="stdout"):
+        lines = self.stdout if stream == "stdout" else self.stderr
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in lines):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.kill()
+        raise AssertionError(f"{text!r} never printed\n{self.output()[-4000:]}")
+
+    def finish(self, timeout=90):
+        """(return code, seconds it took to end); ``ended_at`` is the launcher's end
+        (``time.time()``), ``output_closed_at`` the end of its output (see below)."""
+        start = time.monotonic()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"did not end within {timeout} s\n{self.output()[-4000:]}")
+        self.ended_at = time.time()
+        self._watchdog.cancel()
+        for reader in self._readers:
+            reader.join(10)
+        # When every process holding the output pipes (the launcher, the ranks and their
+        # children) had ended; None if one still held them 10 s after the launcher ended.
+        closed = not any(reader.is_alive() for reader in self._readers)
+        self.output_closed_at = time.time() if closed else None
+        return self.proc.returncode, time.monotonic() - start
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def _stop(proc):
