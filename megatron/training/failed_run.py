@@ -14,7 +14,8 @@ Python's SIGINT handler until the call returns. :func:`watch_for_interrupt` wake
 through ``signal.set_wakeup_fd`` (written by the C-level handler at once, whatever the main
 thread does) that gives the main thread a short grace, then dumps every thread's stack and
 ends the process. Ends that no Python code can run any more use faulthandler's C watchdog
-(``dump_traceback_later(exit=True)``), which needs no GIL either.
+(``dump_traceback_later(exit=True)``), which needs no GIL either. So every path after a SIGINT
+is bounded, even one where the KeyboardInterrupt escapes (the watchdog armed the deadline).
 """
 
 from __future__ import annotations

@@ -142,7 +142,11 @@ def pretrain(
             raise  # the caller owns the process
         # Ends now, with no barrier, no teardown and no exit handler (they can wait for ever on
         # other ranks, on data-loader workers or on the background save).
-        end_failed_run(exc, cleanups=(_note_abandoned_async_save, _finish_writers))
+        while True:
+            try:
+                end_failed_run(exc, cleanups=(_note_abandoned_async_save, _finish_writers))
+            except KeyboardInterrupt as interrupt:  # a SIGINT pending as the failure came
+                exc = interrupt
     # The model, optimizer and iterators were _pretrain's locals and are gone now.
     if owns_process_group:
         leave_process_group()
