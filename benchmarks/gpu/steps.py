@@ -392,7 +392,8 @@ def step_d(step: Step) -> Tuple[bool, str, dict]:
 # ----------------------------------------------------------------------------- e: GPT-2 large
 def gpt2_micro_batch(step: Step) -> int:
     """The issue's micro-batch (32), or 16 on a card under 100 GiB, where transformers' run of
-    the model (step f) does not fit at 32; GPU_CHECK_MBS overrides. The global batch stays."""
+    the model (step f) is estimated not to fit at 32; GPU_CHECK_MBS overrides. The global batch
+    stays."""
     if os.environ.get("GPU_CHECK_MBS"):
         return int(os.environ["GPU_CHECK_MBS"])
     memory = step.results.step("a").get("memory_mib", 0)
