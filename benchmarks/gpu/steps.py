@@ -59,11 +59,12 @@ def _flags(**values) -> List[str]:
     return out
 
 
-def gpt_flags(
-    layers, hidden, heads, seq, micro_batch, global_batch, iterations, vocab, lr=1e-3, **extra
-) -> List[str]:
-    """A GPT on mock data, no dropout, a log line per iteration, no evaluation or checkpoint."""
-    return _flags(
+def training_values(
+    layers, hidden, heads, seq, micro_batch, global_batch, iterations, lr=1e-3
+) -> Dict[str, object]:
+    """Shape and schedule of a run (flag name -> value): no dropout, a log line per iteration,
+    no evaluation and no checkpoint; the data flags are the caller's."""
+    return dict(
         num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -78,14 +79,19 @@ def gpt_flags(
         lr_warmup_iters=1,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        mock_data=True,
-        tokenizer_type="NullTokenizer",
-        vocab_size=vocab,
         log_interval=1,
         eval_iters=0,
         seed=1234,
-        **extra,
     )
+
+
+def gpt_flags(
+    layers, hidden, heads, seq, micro_batch, global_batch, iterations, vocab, lr=1e-3, **extra
+) -> List[str]:
+    """A GPT on mock data (NullTokenizer with ``vocab`` tokens plus the end-of-document one)."""
+    values = training_values(layers, hidden, heads, seq, micro_batch, global_batch, iterations, lr)
+    values.update(mock_data=True, tokenizer_type="NullTokenizer", vocab_size=vocab, **extra)
+    return _flags(**values)
 
 
 # Sizes per mode. GPU: what the issue asks; CPU: the smallest runs that still exercise each path.
@@ -218,11 +224,20 @@ def step_a(step: Step) -> Tuple[bool, str, dict]:
 
 
 # ----------------------------------------------------------------------------- b: parity
+def parity_flags(step: Step) -> List[str]:
+    """Step b's run: a 2-layer GPT in fp32 initialised on the CPU."""
+    return gpt_flags(
+        **step.sizes["parity"],
+        iterations=step.sizes["parity_iterations"],
+        vocab=1000,
+        lr=3e-4,
+        use_cpu_initialization=True,
+    )
+
+
 def step_b(step: Step) -> Tuple[bool, str, dict]:
     iterations = step.sizes["parity_iterations"]
-    flags = gpt_flags(**step.sizes["parity"], iterations=iterations, vocab=1000, lr=3e-4) + _flags(
-        use_cpu_initialization=True
-    )
+    flags = parity_flags(step)
     launches = {}
     for name, env in (("device", step.device_env()), ("cpu", {"CUDA_VISIBLE_DEVICES": ""})):
         tb = step.log_dir / f"{step.name}-{name}-tensorboard"
@@ -285,42 +300,35 @@ def _sentence_corpus(step: Step) -> str:
 def _model_runs(step: Step, corpus: str) -> Dict[str, Tuple[str, List[str]]]:
     """name -> (entry point, flags) of the four bf16 runs."""
     sizes, iterations = step.sizes["model"], step.sizes["model_iterations"]
-    common = dict(sizes, iterations=iterations, vocab=1000)
-    gpt = gpt_flags(**common) + _flags(bf16=True)
-    bert_data = _flags(
-        data_path=corpus,
-        vocab_file=REPO / "tests" / "data" / "bert-vocab.txt",
-        split="98,2,0",
-        data_cache_path=step.log_dir / "data" / "cache",
-    )
-    # BERT and T5: GPT's shape flags on the sentence corpus (their own tokenizer, no mock data).
-    shaped = [f for f in gpt if f not in ("--mock-data", "--tokenizer-type", "NullTokenizer")]
-    at = shaped.index("--vocab-size")
-    del shaped[at : at + 2]
-    bert = shaped + bert_data
-    t5 = [f for f in bert]
-    at = t5.index("--num-layers")
-    del t5[at : at + 2]
-    seq = sizes["seq"]
-    t5 += _flags(
-        encoder_num_layers=sizes["layers"],
-        decoder_num_layers=sizes["layers"],
-        encoder_seq_length=seq,
-        decoder_seq_length=seq // 2,
-        vocab_extra_ids=100,
-    )
-    at = t5.index("--seq-length")
-    del t5[at : at + 2]
+    gpt = gpt_flags(**sizes, iterations=iterations, vocab=1000, bf16=True)
     moe = gpt + _flags(
         num_experts=4,
         moe_router_topk=2,
         moe_token_dispatcher_type="alltoall",
         moe_aux_loss_coeff=0.01,
     )
+    # BERT and T5: the same shape on the sentence corpus, with their WordPiece tokenizer.
+    bert = training_values(**sizes, iterations=iterations)
+    bert.update(
+        bf16=True,
+        data_path=corpus,
+        vocab_file=REPO / "tests" / "data" / "bert-vocab.txt",
+        split="98,2,0",
+        data_cache_path=step.log_dir / "data" / "cache",
+    )
+    t5 = dict(bert)
+    del t5["num_layers"], t5["seq_length"]
+    t5.update(
+        encoder_num_layers=sizes["layers"],
+        decoder_num_layers=sizes["layers"],
+        encoder_seq_length=sizes["seq"],
+        decoder_seq_length=sizes["seq"] // 2,
+        vocab_extra_ids=100,
+    )
     return {
         "gpt": ("pretrain_gpt.py", gpt),
-        "bert": ("pretrain_bert.py", bert),
-        "t5": ("pretrain_t5.py", t5),
+        "bert": ("pretrain_bert.py", _flags(**bert)),
+        "t5": ("pretrain_t5.py", _flags(**t5)),
         "moe": ("pretrain_gpt.py", moe),
     }
 
@@ -349,6 +357,12 @@ def step_c(step: Step) -> Tuple[bool, str, dict]:
 
 
 # ----------------------------------------------------------------------------- d: a crash
+def crash_flags(step: Step) -> List[str]:
+    """Step d's run, a user's command line: the default --num-workers (data-loader worker
+    processes) included."""
+    return gpt_flags(**step.sizes["crash"], iterations=20, vocab=1000, bf16=step.gpu)
+
+
 def step_d(step: Step) -> Tuple[bool, str, dict]:
     sizes = step.sizes["crash"]
     micro_batches = sizes["global_batch"] // sizes["micro_batch"]
@@ -362,9 +376,7 @@ def step_d(step: Step) -> Tuple[bool, str, dict]:
         GPU_CHECK_RAISED_AT_FILE=str(marker),
         GPU_CHECK_MESSAGE=message,
     )
-    # A user's command line: the default --num-workers (data-loader worker processes) included.
-    flags = gpt_flags(**sizes, iterations=20, vocab=1000) + _flags(bf16=step.gpu)
-    launch = Launch("pretrain_gpt.py", flags, step.log("run"), env=env)
+    launch = Launch("pretrain_gpt.py", crash_flags(step), step.log("run"), env=env)
     while launch.proc.poll() is None and not marker.exists():
         if time.monotonic() > step.deadline:
             launch.kill()
@@ -421,13 +433,28 @@ def _padded_vocab(text: str) -> int:
     raise ValueError("no 'padded vocab' line in the log")
 
 
+def gpt2_flags(step: Step, micro_batch: int, tensorboard_dir: Path) -> List[str]:
+    """Step e's run: GPT-2 (large on a GPU) in bf16 on mock data, GPT-2's hyper-parameters."""
+    return gpt_flags(
+        **dict(step.sizes["gpt2"], micro_batch=micro_batch),
+        iterations=step.sizes["gpt2_iterations"],
+        vocab=step.sizes["gpt2_vocab"],
+        lr=2.5e-4,
+        bf16=True,
+        log_throughput=True,
+        log_memory_to_tensorboard=True,
+        tensorboard_dir=tensorboard_dir,
+        init_method_std=0.02,
+        weight_decay=0.1,
+        adam_beta2=0.95,
+    )
+
+
 def step_e(step: Step) -> Tuple[bool, str, dict]:
     sizes = dict(step.sizes["gpt2"], micro_batch=gpt2_micro_batch(step))
     iterations = step.sizes["gpt2_iterations"]
     tb = step.log_dir / f"{step.name}-tensorboard"
-    flags = gpt_flags(**sizes, iterations=iterations, vocab=step.sizes["gpt2_vocab"], lr=2.5e-4)
-    flags += _flags(bf16=True, log_throughput=True, log_memory_to_tensorboard=True)
-    flags += _flags(tensorboard_dir=tb, init_method_std=0.02, weight_decay=0.1, adam_beta2=0.95)
+    flags = gpt2_flags(step, sizes["micro_batch"], tb)
     launch = Launch("pretrain_gpt.py", flags, step.log("run"), env=step.device_env())
     code = launch.wait(step.deadline)
     if code != 0:

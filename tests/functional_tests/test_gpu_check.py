@@ -41,3 +41,27 @@ def test_gpu_check_passes_every_step_in_cpu_mode(tmp_path):
     assert results["f"]["time_ratio_ours_over_hf"] > 0
     for step in "abcdef":
         assert os.path.getsize(log_dir / f"{step}.log") > 0
+
+
+def test_the_gpu_runs_flags_pass_the_parser_and_validation(tmp_path, capsys):
+    """The flag sets of the GPU mode (its sizes are not run here) through the dry run: the real
+    parser, validate_args and each model's checks, as if on one GPU."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    import steps
+
+    from megatron.training import dry_run
+
+    step = steps.Step("x", "gpu", tmp_path, 90)
+    runs = {"b": ("gpt", steps.parity_flags(step)), "d": ("gpt", steps.crash_flags(step))}
+    for name, (script, flags) in steps._model_runs(step, str(tmp_path / "corpus")).items():
+        runs[f"c-{name}"] = (script[len("pretrain_") : -len(".py")], flags)
+    runs["e"] = ("gpt", steps.gpt2_flags(step, 32, tmp_path / "tb"))
+    for name, (model, flags) in runs.items():
+        code = dry_run.main(["--dry-run-world-size", "1", "--dry-run-model", model] + flags)
+        out = capsys.readouterr()
+        assert code == 0, f"{name}: {out.err[-2000:]}"
+    # GPT-2 large as the issue gives it: 774M parameters, GPT-2's vocabulary padded to 50,304.
+    assert "parameters ...................................... 774090240" in out.out
+    assert "padded vocab size ............................... 50304" in out.out
