@@ -24,16 +24,21 @@ flag                                        variable                            
 --no-flight-recorder-extra-dump-on-exec     TORCH_NCCL_EXTRA_DUMP_ON_EXEC                 1
 ==========================================  ============================================  =======
 
+The first three are set on every NCCL run: the recorder is then on with a known dump location on
+any torch release (2.11's own defaults are the same: 2000 entries, dump on timeout). The last
+three follow Megatron-LM, which sets them only when a dump path is given (the flag, or either
+prefix variable): without one they are set only when their flag is given, and torch's defaults
+apply otherwise (stack traces in the dump, every entry, no dump when an exception takes a process
+group down). Those defaults are the values the flags can ask for, so a given flag is never lost.
+``TORCH_NCCL_EXTRA_DUMP_ON_EXEC=1`` makes an exception that aborts a process group dump the
+recorder on every rank and end them, which is why it waits for a dump path.
+
 The dump path is a file prefix: each rank writes ``<prefix><global rank>``. A directory (one that
 exists, or a path ending in ``/``) gets Megatron-LM's prefix ``<dir>/_dump_``. Without the flag
 and the variables, torch's own default prefix is named explicitly,
 ``${XDG_CACHE_HOME:-~/.cache}/torch/comm_lib_trace_rank_``, so that the start-up line can say
 where the dumps go whatever the torch release. The prefix's directory is created.
 ``torchfrtrace <dir> -p <file prefix>`` (PyTorch's analyser) reads the dumps of all ranks.
-
-Megatron-LM sets these variables only when a dump path is given; here they are set on every NCCL
-run, so that the recorder is on with the flags' defaults on torch releases whose own defaults
-leave it off.
 """
 
 from __future__ import annotations
@@ -90,21 +95,26 @@ def flight_recorder_settings(
 ) -> Tuple[Dict[str, str], Dict[str, str]]:
     """(variables to set, {setting: value in effect}) for an NCCL run; nothing the environment
     sets is overridden (a setting one of whose names is set is the environment's)."""
-    to_set: Dict[str, str] = {}
     path = _flag(args, "flight_recorder_dump_path", None)
-    flag_prefix = dump_prefix_of(path) if path else default_dump_prefix(environ)
-    wanted = (
+    path_given = bool(path) or _first_set(environ, DUMP_PREFIX) is not None
+    wanted = [
         ("buffer", BUFFER, str(_flag(args, "flight_recorder_trace_buffer_size", 2000))),
         ("dump on timeout", DUMP_ON_TIMEOUT, _bit(args, "flight_recorder_dump_on_timeout", True)),
-        ("dump prefix", DUMP_PREFIX, flag_prefix),
-        ("stack traces", STACK_TRACE, _bit(args, "flight_recorder_include_stack_trace", False)),
-        ("only active", ONLY_ACTIVE, _bit(args, "flight_recorder_include_only_active", True)),
         (
-            "extra dump on exception",
-            EXTRA_DUMP_ON_EXEC,
-            _bit(args, "flight_recorder_extra_dump_on_exec", True),
+            "dump prefix",
+            DUMP_PREFIX,
+            dump_prefix_of(path) if path else default_dump_prefix(environ),
         ),
-    )
+    ]
+    # Megatron-LM's: with a dump path (else only a given flag; torch's defaults otherwise).
+    for setting, names, dest, default in (
+        ("stack traces", STACK_TRACE, "flight_recorder_include_stack_trace", False),
+        ("only active", ONLY_ACTIVE, "flight_recorder_include_only_active", True),
+        ("extra dump on exception", EXTRA_DUMP_ON_EXEC, "flight_recorder_extra_dump_on_exec", True),
+    ):
+        if path_given or _flag(args, dest, default) != default:
+            wanted.append((setting, names, _bit(args, dest, default)))
+    to_set: Dict[str, str] = {}
     effective: Dict[str, str] = {}
     for setting, names, value in wanted:
         given = _first_set(environ, names)

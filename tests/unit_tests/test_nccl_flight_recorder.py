@@ -32,17 +32,15 @@ def _configure(args, backend="nccl", environ=None):
     return to_set, environ, lines
 
 
-def test_defaults_turn_the_recorder_on_with_megatrons_flag_defaults(home):
+def test_defaults_turn_the_recorder_on_and_name_where_it_dumps(home):
     to_set, environ, lines = _configure(tiny_args())
     prefix = str(home / ".cache" / "torch" / "comm_lib_trace_rank_")
+    # Without a dump path the other three keep torch's defaults, as in Megatron-LM.
     assert to_set == {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-        "TORCH_INCLUDE_STACK_TRACE": "0",
-        "TORCH_INCLUDE_ONLY_ACTIVE": "1",
-        "TORCH_NCCL_EXTRA_DUMP_ON_EXEC": "1",
     }
     assert all(environ[name] == value for name, value in to_set.items())
     assert (home / ".cache" / "torch").is_dir()  # the writer does not create it
@@ -87,7 +85,13 @@ def test_flags_go_to_their_variables(home, tmp_path):
     prefix = str(tmp_path / "traces" / "job7_rank")
     to_set, _, _ = _configure(tiny_args("--flight-recorder-dump-path", prefix))
     assert to_set["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix
+    assert to_set["TORCH_NCCL_EXTRA_DUMP_ON_EXEC"] == "1"  # Megatron-LM's, with a path
     assert (tmp_path / "traces").is_dir() and not (tmp_path / "traces" / "job7_rank").exists()
+    # Without a path a given flag is still set (the others keep torch's defaults).
+    to_set, _, _ = _configure(tiny_args("--flight-recorder-include-stack-trace"))
+    assert to_set["TORCH_INCLUDE_STACK_TRACE"] == "1"
+    assert "TORCH_NCCL_EXTRA_DUMP_ON_EXEC" not in to_set
+    assert "TORCH_INCLUDE_ONLY_ACTIVE" not in to_set
 
 
 def test_the_environment_wins(home, tmp_path):
