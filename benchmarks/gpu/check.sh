@@ -34,6 +34,7 @@ fi
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # transformers builds from a config: nothing to fetch
 PY=${PYTHON:-$(command -v python || command -v python3)}
 LOG_DIR=${OUT:+$OUT/gpu-check}
 LOG_DIR=${LOG_DIR:-$REPO/runs/gpu-check}
