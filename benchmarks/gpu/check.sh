@@ -13,8 +13,8 @@
 #   f  the same model in transformers (SDPA, bf16 autocast, fused AdamW): ours/transformers
 #
 # Each step has its own time limit (90 s or less); the script stops at the first step that fails
-# and prints a table of every step last (also in <log dir>/summary.txt). Logs go to $OUT/gpu-check
-# when OUT is set, else runs/gpu-check; each step's figures are in results.json there. It runs
+# and prints a table of every step last (also in <log dir>/summary.txt). Logs go to $OUT when OUT
+# is set, else runs/gpu-check; each step's figures are in results.json there. It runs
 # from the checkout (PYTHONPATH is set here); no network is used. Exit status 0 if every step
 # passed. PYTHON picks the interpreter; GPU_CHECK_MBS the micro-batch of steps e and f.
 set -uo pipefail
@@ -36,8 +36,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}  # transformers builds from a config: nothing to fetch
 PY=${PYTHON:-$(command -v python || command -v python3)}
-LOG_DIR=${OUT:+$OUT/gpu-check}
-LOG_DIR=${LOG_DIR:-$REPO/runs/gpu-check}
+LOG_DIR=${OUT:-$REPO/runs/gpu-check}
 mkdir -p "$LOG_DIR"
 rm -f "$LOG_DIR/results.json" "$LOG_DIR/summary.txt"
 
