@@ -23,8 +23,7 @@ def test_gpu_check_passes_every_step_in_cpu_mode(tmp_path):
         text=True,
         timeout=560,  # the steps' limits add up to 470 s
     )
-    log_dir = tmp_path
-    table = (log_dir / "summary.txt").read_text()
+    table = (tmp_path / "summary.txt").read_text()
     assert result.stdout.rstrip().endswith(table.rstrip()), result.stdout[-3000:]  # printed last
     # Columns: step (4), check (36), result (8), seconds (7), figures.
     rows = {
@@ -34,21 +33,19 @@ def test_gpu_check_passes_every_step_in_cpu_mode(tmp_path):
     failed = {step: row for step, row in rows.items() if row[42:50].strip() != "PASS"}
     assert not failed, table + "\n" + result.stderr[-2000:]
     assert result.returncode == 0, table
-    results = json.loads((log_dir / "results.json").read_text())
+    results = json.loads((tmp_path / "results.json").read_text())
     assert results["b"]["max_abs_difference"] == 0.0  # both runs are CPU runs here
     assert results["d"]["seconds_to_end"] <= 30
     assert results["e"]["tflops"] > 0 and results["e"]["peak_allocated_mb"] > 0
     assert results["f"]["time_ratio_ours_over_hf"] > 0
     for step in "abcdef":
-        assert os.path.getsize(log_dir / f"{step}.log") > 0
+        assert os.path.getsize(tmp_path / f"{step}.log") > 0
 
 
-def test_the_gpu_runs_flags_pass_the_parser_and_validation(tmp_path, capsys):
+def test_the_gpu_runs_flags_pass_the_parser_and_validation(tmp_path, capsys, monkeypatch):
     """The flag sets of the GPU mode (its sizes are not run here) through the dry run: the real
     parser, validate_args and each model's checks, as if on one GPU."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks" / "gpu"))
     import steps
 
     from megatron.training import dry_run
