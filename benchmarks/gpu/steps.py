@@ -35,16 +35,14 @@ import runs  # noqa: E402
 from runs import REPO, Launch, Results  # noqa: E402
 
 PARITY_TOLERANCE = 1e-5
+CRASH_ITERATION = 3
+CRASH_BOUND_S = 30.0
+GPT2_LARGE_VOCAB = 50256  # NullTokenizer adds the end-of-document token: GPT-2's 50,257
 
 
 def rate(tflops: float) -> str:
     """TFLOP/s to read at a glance: one decimal on a GPU, three digits for CPU's small rates."""
     return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
-
-
-CRASH_ITERATION = 3
-CRASH_BOUND_S = 30.0
-GPT2_LARGE_VOCAB = 50256  # NullTokenizer adds the end-of-document token: GPT-2's 50,257
 
 
 def _flags(**values) -> List[str]:
@@ -499,7 +497,7 @@ def step_e(step: Step) -> Tuple[bool, str, dict]:
     }
     mfu = f"{100 * figures['mfu']:.1f} % of step a" if figures["mfu"] else "no ceiling"
     summary = (
-        f"mbs {sizes['micro_batch']} x {sizes['global_batch'] // sizes['micro_batch']}: "
+        f"micro-batch {sizes['micro_batch']}, global batch {sizes['global_batch']}: "
         f"{ms:.1f} ms/iteration, {rate(tflops)} TFLOP/s ({mfu}), peak allocated "
         f"{figures['peak_allocated_mb']:.0f} MB, reserved {figures['peak_reserved_mb']:.0f} MB "
         f"(theoretical {theoretical})"
