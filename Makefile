@@ -4,12 +4,33 @@ NPROC ?= 2
 RUN_DIR ?= runs/quickstart
 PIP_INSTALL = $(PYTHON) -m pip install -q -c constraints.txt
 
-.PHONY: install lint test test-faults test-fast interop quickstart quickstart-mock prepare-ds-sample \
-	clean prepare-ds-sample-bert quickstart-bert quickstart-t5
+.PHONY: install install-cpu install-gpu lint test test-faults test-fast interop quickstart \
+	quickstart-mock prepare-ds-sample clean prepare-ds-sample-bert quickstart-bert quickstart-t5 \
+	gpu-check
 
+# A CUDA build of torch already installed (an NGC container, a cluster image) is kept: install-gpu.
+# Otherwise the pinned CPU build: install-cpu.
 install:
+	@if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; \
+	then $(MAKE) --no-print-directory install-gpu; else $(MAKE) --no-print-directory install-cpu; fi
+
+install-cpu:
 	$(PIP_INSTALL) torch==2.13.0
 	$(PIP_INSTALL) -e .[dev]
+
+# The package and its other requirements with torch held at the installed build (a constraint
+# torch==<installed version>, so pip neither replaces nor upgrades it). Needs pip's index for the
+# missing packages; without a network run from the checkout instead (PYTHONPATH, see README.md).
+install-gpu:
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "error: install-gpu keeps the installed \
+	torch and there is none; make install-cpu installs the CPU build" >&2; exit 2; }
+	@pin=$$(mktemp) && $(PYTHON) -c "import torch; print('torch==' + torch.__version__)" >$$pin && \
+	echo "keeping $$(cat $$pin) (CUDA $$($(PYTHON) -c 'import torch; print(torch.version.cuda)'))" && \
+	$(PYTHON) -m pip install -q -c $$pin -e .[dev]; status=$$?; rm -f $$pin; exit $$status
+
+# Every GPU check in one command (see benchmarks/README.md); CHECK_MODE=cpu for the tiny CPU run.
+gpu-check:
+	PYTHON=$(PYTHON) bash benchmarks/gpu/check.sh
 
 # ruff (configured in pyproject.toml): lint rules and the formatting the tree is kept in.
 lint:

@@ -1,14 +1,19 @@
-"""No silent hang: a collective that does not complete within the process groups' timeout
-(``--distributed-timeout-minutes``, or ``--distributed-timeout-seconds-after-init`` once set up)
-ends the run with one line naming the operation, its group and the ranks that did not arrive,
-after a dump of this rank's last collectives.
+"""No silent hang on gloo: a collective that does not complete within the process groups'
+timeout (``--distributed-timeout-minutes``, or ``--distributed-timeout-seconds-after-init`` once
+set up) ends the run with one line naming the operation, its group and the ranks that did not
+arrive, after a dump of this rank's last collectives.
+
+The watch is installed on gloo runs only. gloo's collectives block until they complete or time
+out, so Python sees both; NCCL's return once queued on a CUDA stream, so timing them here would
+measure nothing: NCCL runs rely on PyTorch's watchdog and flight recorder instead
+(nccl_flight_recorder.py). ``set_timeout`` serves both backends.
 
 The watch wraps torch.distributed's collectives (the ones this code base calls) and its
 point-to-point operations (``batch_isend_irecv``, as the pipeline schedules and context-parallel
 ring use it, and blocking ``send``/``recv``) for the life of the run: each call is appended to a
 small per-rank trace. A point-to-point operation is reported with its peer; the ranks that
-must arrive are this rank and the peer. gloo and NCCL raise when a peer does
-not show up in time; the wrapper turns that into :class:`CollectiveTimeoutError`. Which ranks
+must arrive are this rank and the peer. gloo raises when a peer does not show up in time; the
+wrapper turns that into :class:`CollectiveTimeoutError`. Which ranks
 did not arrive is found through the launcher's store: every rank whose collective timed out
 posts there, and the ranks of the group that do not post within a short grace period (stopped,
 killed or stuck elsewhere) are named.

@@ -202,9 +202,19 @@ honoured(
     "log_straggler straggler_minmax_count",
 )
 honoured(
-    "a collective that does not complete within the timeout ends the run with a line naming "
-    "it, its group and the ranks that did not arrive (and a dump of the last collectives)",
+    "a collective that does not complete within the timeout ends the run: on gloo with a line "
+    "naming it, its group and the ranks that did not arrive (and a dump of the last "
+    "collectives); on NCCL through PyTorch's watchdog and flight recorder",
     "distributed_timeout_minutes distributed_timeout_seconds_after_init",
+)
+honoured(
+    "NCCL's flight recorder: the TORCH_* variables PyTorch reads, set before init_process_group "
+    "where the environment does not set them (a gloo run notes that they do not apply)",
+    """
+    flight_recorder_dump_path flight_recorder_trace_buffer_size flight_recorder_dump_on_timeout
+    flight_recorder_include_stack_trace flight_recorder_include_only_active
+    flight_recorder_extra_dump_on_exec
+    """,
 )
 honoured(
     "this code base creates no gloo copies of its process groups",
@@ -689,9 +699,7 @@ refused(
     log_memory_interval log_device_memory_used log_max_attention_logit log_energy
     config_logger_dir one_logger_project one_logger_run_name one_logger_async app_tag_run_name
     app_tag_run_version otel_enabled otel_service_name otel_span_groups
-    run_workload_inspector_server flight_recorder_dump_path flight_recorder_trace_buffer_size
-    flight_recorder_dump_on_timeout flight_recorder_include_stack_trace
-    flight_recorder_include_only_active flight_recorder_extra_dump_on_exec
+    run_workload_inspector_server
     """,
 )
 honoured("layers built from a layer spec of your own (--spec <module> <name>)", "spec")

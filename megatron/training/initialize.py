@@ -19,7 +19,7 @@ from megatron.core.parallel_state import initialize_model_parallel, live_gloo_wo
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
 from megatron.core.timers import Timers
 
-from . import collective_watch, global_vars
+from . import collective_watch, global_vars, nccl_flight_recorder
 from .cpu_allocator import configure_cpu_allocator
 from .flag_errors import building
 from .utils import get_device, print_rank_0
@@ -171,13 +171,19 @@ def _initialize_distributed(args):
     if args.world_size == 1 and "MASTER_ADDR" not in os.environ:
         return  # plain `python pretrain_gpt.py`: a single process needs no process group
     import_torch_dynamo_before_process_groups()
+    # NCCL's watchdog and flight recorder report a collective that times out (its calls return
+    # once queued, so Python cannot time them); on gloo the collective watch does.
+    nccl_flight_recorder.configure(
+        args, backend, print_fn=lambda line: print(line, flush=True) if args.rank == 0 else None
+    )
     dist.init_process_group(
         backend=backend,
         world_size=args.world_size,
         rank=args.rank,
         timeout=timedelta(minutes=args.distributed_timeout_minutes),
     )
-    collective_watch.install(timedelta(minutes=args.distributed_timeout_minutes))
+    if backend == "gloo":
+        collective_watch.install(timedelta(minutes=args.distributed_timeout_minutes))
 
 
 def _set_random_seed(args, state):

@@ -16,7 +16,13 @@ Two parts, as in Megatron's report:
   EP x PP) = DP x CP x TP / (EP x ETP) ranks.
 * **activations**: Korthikanti et al. 2022 (Megatron's formula), for the micro-batches in flight
   on this pipeline rank. Per layer and micro-batch, in bytes with 16-bit activations:
-  ``s*b*h*(18 + 4*ffn/h) + 5*a*s^2*b`` (= sbh(34 + 5as/h) for ffn = 4h). Without sequence
+  ``s*b*h*(18 + 4*ffn/h) + 5*a*s^2*b`` (= sbh(34 + 5as/h) for ffn = 4h). The attention-score
+  term (softmax output, its dropout mask and output) is counted only where the attention that
+  will run keeps the scores for backward: the unfused path (``--attention-backend
+  unfused``/``local``, and ``auto`` for fp32 on CPU up to 1024 tokens; see
+  ``dot_product_attention.unfused_attention_runs``). SDPA's flash / memory-efficient kernels (what
+  ``auto`` runs on a GPU), ring attention (CP) and calls with a mask tensor (BERT, T5's encoder,
+  ``--reset-attention-mask``) keep one statistic per query row instead. Without sequence
   parallelism only the parts inside the tensor-parallel regions (8 + 4*ffn/h and the attention
   scores) are divided by TP; with it everything is. Selective recompute of ``core_attn`` drops
   the attention-score term, of ``mlp`` the two ffn-wide tensors; full recompute keeps only the
@@ -43,6 +49,10 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megatron.core.transformer.dot_product_attention import unfused_attention_runs
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
@@ -380,8 +390,38 @@ class LayerActivations:
         return self.outside_tp + self.inside_tp + self.attention_scores
 
 
-def layer_activation_bytes(args) -> LayerActivations:
-    """Per-layer activations of one micro-batch on one TP rank, with selective recompute applied."""
+def _activation_dtype(args) -> torch.dtype:
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    return torch.float16 if getattr(args, "fp16", False) else torch.float32
+
+
+def _backend_name(value) -> str:
+    """--attention-backend's name (an AttnBackend member, or its name from a checkpoint)."""
+    return getattr(value, "name", value) or "auto"
+
+
+def attention_keeps_scores(args, device_type: str = "cuda", explicit_mask: bool = False) -> bool:
+    """Whether the attention the run will take keeps its s x s scores for backward: only the
+    unfused path does. ``explicit_mask``: the model hands attention a mask tensor (BERT's and
+    T5's padding masks), which always takes SDPA; GPT builds one with --reset-attention-mask."""
+    if getattr(args, "context_parallel_size", 1) > 1:
+        return False  # ring attention: a row statistic per query block
+    if explicit_mask or getattr(args, "reset_attention_mask", False):
+        return False
+    return unfused_attention_runs(
+        _backend_name(getattr(args, "attention_backend", "auto")),
+        _activation_dtype(args),
+        device_type,
+        args.seq_length,
+    )
+
+
+def layer_activation_bytes(
+    args, device_type: str = "cuda", explicit_mask: bool = False
+) -> LayerActivations:
+    """Per-layer activations of one micro-batch on one TP rank, with selective recompute applied,
+    on ``device_type`` (which decides the attention path of ``--attention-backend auto``)."""
     scale = 1.0 if _half_precision(args) else 2.0  # the formula counts 2-byte activations
     tp = getattr(args, "tensor_model_parallel_size", 1)
     cp = getattr(args, "context_parallel_size", 1)
@@ -395,6 +435,8 @@ def layer_activation_bytes(args) -> LayerActivations:
     outside = (8 * scale + 2) * sbh
     inside = (8 + 4 * ffn_ratio) * scale * sbh / tp  # Q, K (4), V (2), proj input (2), MLP 4*ffn/h
     scores = (4 * scale + 1) * args.num_attention_heads * s * seq * b / tp
+    if not attention_keeps_scores(args, device_type, explicit_mask):
+        scores = 0.0
     if getattr(args, "recompute_granularity", None) == "selective":
         modules = getattr(args, "recompute_modules", None) or ["core_attn"]
         if "core_attn" in modules:
@@ -436,9 +478,15 @@ def _full_recompute_layers(args, layers_per_chunk: List[int]):
 
 
 def activation_components(
-    args, num_microbatches: Optional[int] = None, pp_rank: int = 0, layers: Optional[int] = None
+    args,
+    num_microbatches: Optional[int] = None,
+    pp_rank: int = 0,
+    layers: Optional[int] = None,
+    device_type: str = "cuda",
+    explicit_mask: bool = False,
 ) -> "OrderedDict[str, float]":
-    """Activation bytes on pipeline rank ``pp_rank`` at its peak, by component."""
+    """Activation bytes on pipeline rank ``pp_rank`` at its peak, by component (see
+    layer_activation_bytes for ``device_type`` and ``explicit_mask``)."""
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     tp = getattr(args, "tensor_model_parallel_size", 1)
     cp = getattr(args, "context_parallel_size", 1)
@@ -448,7 +496,7 @@ def activation_components(
     if layers is None:
         layers = layers_per_pipeline_rank(args)[pp_rank]
     in_flight = microbatches_in_flight(args, num_microbatches, pp_rank)
-    per_layer = layer_activation_bytes(args)
+    per_layer = layer_activation_bytes(args, device_type, explicit_mask)
     parts: "OrderedDict[str, float]" = OrderedDict()
     if getattr(args, "recompute_granularity", None) == "full":
         vp = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
@@ -493,6 +541,9 @@ class TheoreticalMemory:
     """Activation bytes by component."""
     expert_parameters: int = 0
     """Of ``parameters``, the routed experts' (their optimizer state is sharded otherwise)."""
+    device_type: str = "cuda"
+    """The device the activations were counted for (it decides the attention path of
+    ``--attention-backend auto``)."""
 
     @property
     def weight_bytes(self) -> float:
@@ -546,7 +597,7 @@ class TheoreticalMemory:
             f"    optimizer state: {self.optimizer_bytes / mb:.2f} MB",
             f"    activations ({self.microbatches_in_flight:g} of {self.num_microbatches} "
             "micro-batches "
-            f"in flight): {self.activation_bytes / mb:.2f} MB",
+            f"in flight, on {self.device_type}): {self.activation_bytes / mb:.2f} MB",
         ]
         if self.expert_parameters and per.expert_shards != per.shards:
             lines.insert(
@@ -560,10 +611,15 @@ class TheoreticalMemory:
 
 
 def compute_theoretical_memory(
-    args, num_microbatches: Optional[int] = None, pp_rank: int = 0, family=None
+    args,
+    num_microbatches: Optional[int] = None,
+    pp_rank: int = 0,
+    family=None,
+    device_type: str = "cuda",
 ) -> TheoreticalMemory:
     """The theoretical memory of pipeline rank ``pp_rank`` for the validated ``args``
-    (``args.padded_vocab_size`` must be set for the embedding terms; None counts them as 0).
+    (``args.padded_vocab_size`` must be set for the embedding terms; None counts them as 0),
+    on ``device_type`` (a GPU unless told: the trainer passes the device it runs on).
 
     ``family`` (a ModelFamily) supplies the parameter count and the activations; None means the
     decoder-transformer (GPT) formulas of this module."""
@@ -586,7 +642,10 @@ def compute_theoretical_memory(
         per_parameter=bytes_per_parameter(args),
         num_microbatches=num_microbatches,
         microbatches_in_flight=microbatches_in_flight(args, num_microbatches, pp_rank),
-        activations=dict(activations(args, num_microbatches, pp_rank, layers)),
+        activations=dict(
+            activations(args, num_microbatches, pp_rank, layers, device_type=device_type)
+        ),
+        device_type=device_type,
     )
 
 
@@ -597,10 +656,11 @@ def report_theoretical_memory(
     verbose: bool = True,
     print_fn: Callable[[str], None] = print,
     family=None,
+    device_type: str = "cuda",
 ) -> TheoreticalMemory:
     """Print Megatron's theoretical-memory line for pipeline rank ``pp_rank`` (the trainer calls
     it on rank 0, i.e. the first stage, whose activations are the largest), then the breakdown."""
-    memory = compute_theoretical_memory(args, num_microbatches, pp_rank, family)
+    memory = compute_theoretical_memory(args, num_microbatches, pp_rank, family, device_type)
     print_fn(memory.summary_line())
     if verbose:
         for line in memory.breakdown_lines():

@@ -206,6 +206,7 @@ def _pretrain(
             args,
             num_microbatches=global_vars.get_num_microbatches(),
             family=global_vars.get_model_family(),
+            device_type=get_device().type,
         )
     config = get_model_config(model[0])
 

@@ -26,8 +26,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron.training.model_families import get_model_family
 from megatron.training.theoretical_memory import (
     NUM_BYTES_IN_MEGABYTE,
+    attention_keeps_scores,
     bytes_per_parameter,
     compute_theoretical_memory,
     layer_activation_bytes,
@@ -408,11 +410,13 @@ def _gpt(extra=(), world_size=1):
 
 
 def test_layer_activation_formula_matches_the_paper():
+    # The paper's attention keeps its scores: the unfused path.
+    unfused = ["--attention-backend", "unfused"]
     s, b, h, a = 512, 2, 256, 8
     sbh = s * b * h
-    assert layer_activation_bytes(_gpt()).total == sbh * (34 + 5 * a * s / h)
+    assert layer_activation_bytes(_gpt(unfused)).total == sbh * (34 + 5 * a * s / h)
     t = 4
-    tp = ["--tensor-model-parallel-size", "4"]
+    tp = unfused + ["--tensor-model-parallel-size", "4"]
     assert layer_activation_bytes(_gpt(tp, 4)).total == pytest.approx(
         sbh * (10 + 24 / t + 5 * a * s / (h * t))
     )
@@ -423,9 +427,85 @@ def test_layer_activation_formula_matches_the_paper():
         _gpt(tp + ["--sequence-parallel", "--recompute-activations"], 4)
     ).total == pytest.approx(sbh / t * 34)
     # fp32 doubles everything but the three 1-byte dropout masks (2 sbh + a s^2 b).
-    fp32 = make_args([x for x in _gpt_argv() if x != "--bf16"])
+    fp32 = make_args([x for x in _gpt_argv() if x != "--bf16"] + unfused)
     assert layer_activation_bytes(fp32).total == pytest.approx(
         2 * sbh * (34 + 5 * a * s / h) - 2 * sbh - a * s * s * b
+    )
+
+
+def test_attention_scores_are_counted_only_where_the_attention_keeps_them():
+    s, b, h, a = 512, 2, 256, 8
+    sbh, scores = s * b * h, 5 * a * s * s * b
+    fp32_argv = [x for x in _gpt_argv() if x != "--bf16"]
+    for backend in ("auto", "flash", "fused"):  # a GPU run's SDPA kernels keep no scores
+        assert layer_activation_bytes(_gpt(["--attention-backend", backend])).total == 34 * sbh
+    assert layer_activation_bytes(_gpt(["--attention-backend", "local"])).total == (
+        34 * sbh + scores
+    )
+    # On CPU, auto runs the unfused path for fp32 up to 1024 tokens, SDPA for bf16 or longer.
+    assert layer_activation_bytes(_gpt(), "cpu").attention_scores == 0
+    assert layer_activation_bytes(make_args(fp32_argv), "cpu").attention_scores == 9 * a * s * s * b
+    assert layer_activation_bytes(make_args(fp32_argv), "cuda").attention_scores == 0
+    longer = [x if x != "512" else "2048" for x in fp32_argv]
+    assert layer_activation_bytes(make_args(longer), "cpu").attention_scores == 0
+    # A mask tensor (--reset-attention-mask, BERT's padding) or CP's ring attention: SDPA.
+    unfused = ["--attention-backend", "unfused"]
+    masked = _gpt(unfused + ["--reset-attention-mask"])
+    assert layer_activation_bytes(masked).attention_scores == 0
+    assert layer_activation_bytes(_gpt(unfused), explicit_mask=True).attention_scores == 0
+    ring = _gpt(unfused + ["--context-parallel-size", "2"], world_size=2)
+    assert layer_activation_bytes(ring).attention_scores == 0
+    bert = get_model_family("bert")
+    layers = bert.activation_components(_gpt(unfused), 1, 0, 8)["transformer layers"]
+    assert layers == 8 * 34 * sbh
+    # The trainer reports for the device it runs on.
+    cpu = compute_theoretical_memory(make_args(fp32_argv), device_type="cpu")
+    assert (
+        cpu.activations["transformer layers"]
+        == 8 * layer_activation_bytes(make_args(fp32_argv), "cpu").total
+    )
+    assert "on cpu" in "\n".join(cpu.breakdown_lines())
+
+
+def _largest_saved_tensor(backend, dtype, seq):
+    """numel of the largest tensor the attention saves for backward (CPU, 2 heads, d 16)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from tests.unit_tests.tiny_configs import tiny_transformer_config
+
+    config = tiny_transformer_config(num_layers=1, attention_backend=backend)
+    attention = DotProductAttention(config, layer_number=1)
+    q, k, v = (torch.randn(seq, 1, 2, 16, dtype=dtype, requires_grad=True) for _ in range(3))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel()) or t, lambda t: t
+    ):
+        attention(q, k, v, None)
+    return max(saved)
+
+
+@pytest.mark.parametrize(
+    "backend, dtype, seq",
+    [
+        ("auto", torch.float32, 256),
+        ("auto", torch.bfloat16, 256),
+        ("auto", torch.float32, 1040),
+        ("flash", torch.float32, 256),
+        ("unfused", torch.float32, 256),
+        ("unfused", torch.bfloat16, 256),
+    ],
+)
+def test_the_report_counts_scores_exactly_where_attention_saves_them(backend, dtype, seq):
+    """Reality check on CPU: a tensor of a quarter of the score matrix (or more) is saved for
+    backward exactly when the report counts the score term."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        attention_backend=backend, bf16=dtype == torch.bfloat16, fp16=False, seq_length=seq
+    )
+    keeps = attention_keeps_scores(args, "cpu")
+    assert keeps == (_largest_saved_tensor(backend, dtype, seq) >= 2 * seq * seq / 4)
+    assert keeps == (
+        backend == "unfused" or (dtype == torch.float32 and seq <= 1024 and backend == "auto")
     )
 
 

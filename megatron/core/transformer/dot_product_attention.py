@@ -172,20 +172,30 @@ class DotProductAttention(MegatronModule):
 
     def _use_unfused(self, query, key, attention_mask, mask_type) -> bool:
         """Whether the unfused path of blocked_attention.py runs this call (see the module doc)."""
-        backend = self.config.attention_backend
-        if backend in ("flash", "fused"):
-            return False
-        explicit = backend in ("unfused", "local")
-        # 'auto' keeps half precision on SDPA (the unfused path was measured faster in fp32).
-        dtypes = _UNFUSED_DTYPES if explicit else (torch.float32, torch.float64)
-        applies = (
-            attention_mask is None
-            and query.dtype in dtypes
-            and (
-                mask_type == AttnMaskType.no_mask
-                or (mask_type == AttnMaskType.causal and key.shape[0] == query.shape[0])
-            )
+        maskless = attention_mask is None and (
+            mask_type == AttnMaskType.no_mask
+            or (mask_type == AttnMaskType.causal and key.shape[0] == query.shape[0])
         )
-        if explicit:
-            return applies
-        return applies and query.device.type == "cpu" and query.shape[0] <= UNFUSED_AUTO_MAX_SEQ
+        return maskless and unfused_attention_runs(
+            self.config.attention_backend, query.dtype, query.device.type, query.shape[0]
+        )
+
+
+def unfused_attention_runs(
+    backend: str, dtype: torch.dtype, device_type: str, seq_length: int
+) -> bool:
+    """Whether a call without a mask tensor (causal over equal lengths, or no mask) takes the
+    unfused path, by ``--attention-backend`` name, input dtype, device type and sequence length.
+
+    The theoretical memory report asks the same question: only that path keeps the attention
+    scores for backward (SDPA's kernels keep one row statistic per query)."""
+    if backend in ("flash", "fused"):
+        return False
+    if backend in ("unfused", "local"):
+        return dtype in _UNFUSED_DTYPES
+    # 'auto' keeps half precision on SDPA (the unfused path was measured faster in fp32).
+    return (
+        dtype in (torch.float32, torch.float64)
+        and device_type == "cpu"
+        and seq_length <= UNFUSED_AUTO_MAX_SEQ
+    )

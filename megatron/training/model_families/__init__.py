@@ -30,9 +30,10 @@ class ModelFamily:
     """(validated args, samples in the iteration) -> FLOPs of forward and backward."""
     count_parameters: Callable[[Any, Optional[int]], Any]
     """(validated args, padded vocab size or None) -> a ``theoretical_memory.ParameterCount``."""
-    activation_components: Callable[[Any, int, int, int], Dict[str, float]]
-    """(validated args, micro-batches, pipeline rank, layers on that rank) -> activation bytes
-    held at the peak, by component."""
+    activation_components: Callable[..., Dict[str, float]]
+    """(validated args, micro-batches, pipeline rank, layers on that rank, device_type=) ->
+    activation bytes held at the peak, by component (``device_type`` decides the attention path
+    of ``--attention-backend auto``)."""
     checkpoint_model_args: Tuple[str, ...]
     """Flags whose values a checkpoint must share with the run loading it (the model's shape)."""
     check_args: Callable[[Any], None] = lambda args: None

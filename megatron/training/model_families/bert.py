@@ -9,6 +9,7 @@ GPT's: the layers are the same and the heads' are small next to the logits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from megatron.training.flops import num_floating_point_operations as _gpt_flops
 from megatron.training.model_families import ModelFamily, refuse_other_models_flags
@@ -75,7 +76,8 @@ MODEL_FAMILY = ModelFamily(
     args_defaults={"tokenizer_type": "BertWordPieceLowerCase"},
     num_floating_point_operations=num_floating_point_operations,
     count_parameters=count_parameters,
-    activation_components=activation_components,
+    # Its attention takes a mask tensor (the padding mask), so SDPA runs and keeps no scores.
+    activation_components=partial(activation_components, explicit_mask=True),
     checkpoint_model_args=_GPT.checkpoint_model_args + ("bert_binary_head",),
     check_args=lambda args: refuse_other_models_flags(args, "bert"),
 )

@@ -11,6 +11,7 @@ the decoder's final norm and the output bias. Activations are GPT's estimate for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from megatron.training.model_families import ModelFamily, refuse_other_models_flags
 from megatron.training.model_families.gpt import MODEL_FAMILY as _GPT
@@ -111,7 +112,8 @@ MODEL_FAMILY = ModelFamily(
     args_defaults={"tokenizer_type": "BertWordPieceLowerCase"},
     num_floating_point_operations=num_floating_point_operations,
     count_parameters=count_parameters,
-    activation_components=activation_components,
+    # The encoder's attention takes a mask tensor (padding): SDPA runs, no scores are kept.
+    activation_components=partial(activation_components, explicit_mask=True),
     checkpoint_model_args=_GPT.checkpoint_model_args + ("decoder_num_layers",),
     check_args=check_args,
 )
