@@ -38,6 +38,7 @@ from .model_setup import (
     uses_torch_fsdp2,
 )
 from .moe_logging import collect_moe_losses, moe_loss_scalars, write_per_layer
+from .params_norm import params_l2_norm
 from .progress_log import log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
 from .rerun import build_rerun_state_machine, wrap_data_iterators
@@ -386,12 +387,13 @@ def _reduce_losses(losses_reduced, state):
     return result
 
 
-def _params_norm(model) -> float:
-    total = torch.zeros((), dtype=torch.float64)
-    for chunk in model:
-        for p in chunk.parameters():
-            total += p.detach().double().pow(2).sum().cpu()
-    return total.sqrt().item()
+def _params_norm_is_logged(args, iteration: int) -> bool:
+    """Whether training_log prints or writes this iteration's params norm, decided from the flags
+    (the same on every rank: the norm is a reduction over them, and a host synchronisation)."""
+    writes = bool(args.tensorboard_dir or getattr(args, "wandb_project", None))
+    return iteration % args.log_interval == 0 or (
+        writes and iteration % args.tensorboard_log_interval == 0
+    )
 
 
 def train(
@@ -498,7 +500,11 @@ def _train_loop(
         if skipped_iter:
             args.skipped_train_samples = getattr(args, "skipped_train_samples", 0) + batch_size
         loss_scale = optimizer.get_loss_scale().item()
-        params_norm = _params_norm(model) if args.log_params_norm else None
+        params_norm = None
+        if args.log_params_norm and _params_norm_is_logged(args, iteration):
+            params_norm = params_l2_norm(
+                model, optimizer, global_vars.get_parallel_state(), use_main_params=args.bf16
+            )
         learning_rate = optimizer.param_groups[0]["lr"]
         report_memory_flag = training_log(
             loss_dict,
