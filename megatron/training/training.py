@@ -356,7 +356,10 @@ class RerunExit(Exception):
 
 
 def _reduce_losses(losses_reduced, state):
-    """Per-token average over micro-batches and DP×CP for [sum, count] entries; mean otherwise."""
+    """Per-token average over micro-batches and DP×CP for [sum, count] entries; mean otherwise.
+
+    The values stay 0-d float32 tensors on the device: training_log moves them to the host only
+    when it prints or writes them (as Megatron's), not every iteration."""
     result = {}
     if not losses_reduced:
         return result
@@ -371,10 +374,10 @@ def _reduce_losses(losses_reduced, state):
                 dist.all_reduce(
                     total, group=state.get_data_parallel_group(with_context_parallel=True)
                 )
-            result[key] = (total[0] / total[1]).item()
+            result[key] = total[0] / total[1]
         else:
             stacked = (
-                torch.stack([torch.as_tensor(v).float().view(()) for v in values])
+                torch.stack([torch.as_tensor(v).detach().float().view(()) for v in values])
                 .mean()
                 .to(get_device())
             )
@@ -383,7 +386,7 @@ def _reduce_losses(losses_reduced, state):
                     stacked, group=state.get_data_parallel_group(with_context_parallel=True)
                 )
                 stacked = stacked / state.get_data_parallel_world_size(with_context_parallel=True)
-            result[key] = stacked.item()
+            result[key] = stacked
     return result
 
 
