@@ -77,13 +77,14 @@ def collect_moe_losses(model, state, num_microbatches: int) -> Dict[str, torch.T
     return {name: values[i] for i, name in enumerate(names)}
 
 
-def moe_loss_scalars(per_layer: Dict[str, torch.Tensor], config) -> Dict[str, float]:
-    """name -> mean over the MoE layers (the log line's values)."""
+def moe_loss_scalars(per_layer: Dict[str, torch.Tensor], config) -> Dict[str, torch.Tensor]:
+    """name -> mean over the MoE layers (the log line's values), a 0-d tensor on the device:
+    training_log reads it on the host only when it prints or writes it."""
     moe_layers = [i for i in range(config.num_layers) if is_moe_layer(config, i)]
     if not moe_layers or not per_layer:  # no balancing loss nor z-loss is tracked
         return {}
-    index = torch.tensor(moe_layers, device=next(iter(per_layer.values())).device)
-    return {name: v[index].mean().item() for name, v in per_layer.items()}
+    # Basic indexing: a tensor of indices would be a host-to-device copy, which waits.
+    return {name: torch.stack([v[i] for i in moe_layers]).mean() for name, v in per_layer.items()}
 
 
 def write_per_layer(writer, per_layer: Dict[str, torch.Tensor], config, iteration: int) -> None:

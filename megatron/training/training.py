@@ -39,6 +39,7 @@ from .model_setup import (
     uses_torch_fsdp2,
 )
 from .moe_logging import collect_moe_losses, moe_loss_scalars, write_per_layer
+from .params_norm import params_l2_norm
 from .progress_log import log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
 from .rerun import build_rerun_state_machine, wrap_data_iterators
@@ -386,7 +387,10 @@ class RerunExit(Exception):
 
 
 def _reduce_losses(losses_reduced, state):
-    """Per-token average over micro-batches and DP×CP for [sum, count] entries; mean otherwise."""
+    """Per-token average over micro-batches and DP×CP for [sum, count] entries; mean otherwise.
+
+    The values stay 0-d float32 tensors on the device: training_log moves them to the host only
+    when it prints or writes them (as Megatron's), not every iteration."""
     result = {}
     if not losses_reduced:
         return result
@@ -401,10 +405,10 @@ def _reduce_losses(losses_reduced, state):
                 dist.all_reduce(
                     total, group=state.get_data_parallel_group(with_context_parallel=True)
                 )
-            result[key] = (total[0] / total[1]).item()
+            result[key] = total[0] / total[1]
         else:
             stacked = (
-                torch.stack([torch.as_tensor(v).float().view(()) for v in values])
+                torch.stack([torch.as_tensor(v).detach().float().view(()) for v in values])
                 .mean()
                 .to(get_device())
             )
@@ -413,16 +417,17 @@ def _reduce_losses(losses_reduced, state):
                     stacked, group=state.get_data_parallel_group(with_context_parallel=True)
                 )
                 stacked = stacked / state.get_data_parallel_world_size(with_context_parallel=True)
-            result[key] = stacked.item()
+            result[key] = stacked
     return result
 
 
-def _params_norm(model) -> float:
-    total = torch.zeros((), dtype=torch.float64)
-    for chunk in model:
-        for p in chunk.parameters():
-            total += p.detach().double().pow(2).sum().cpu()
-    return total.sqrt().item()
+def _params_norm_is_logged(args, iteration: int) -> bool:
+    """Whether training_log prints or writes this iteration's params norm, decided from the flags
+    (the same on every rank: the norm is a reduction over them, and a host synchronisation)."""
+    writes = bool(args.tensorboard_dir or getattr(args, "wandb_project", None))
+    return iteration % args.log_interval == 0 or (
+        writes and iteration % args.tensorboard_log_interval == 0
+    )
 
 
 def train(
@@ -529,7 +534,11 @@ def _train_loop(
         if skipped_iter:
             args.skipped_train_samples = getattr(args, "skipped_train_samples", 0) + batch_size
         loss_scale = optimizer.get_loss_scale().item()
-        params_norm = _params_norm(model) if args.log_params_norm else None
+        params_norm = None
+        if args.log_params_norm and _params_norm_is_logged(args, iteration):
+            params_norm = params_l2_norm(
+                model, optimizer, global_vars.get_parallel_state(), use_main_params=args.bf16
+            )
         learning_rate = optimizer.param_groups[0]["lr"]
         report_memory_flag = training_log(
             loss_dict,

@@ -66,6 +66,15 @@ def _scalar(value) -> float:
     return value.item() if torch.is_tensor(value) else float(value)
 
 
+def _as_float64(value) -> torch.Tensor:
+    """A loss value as a 0-d float64 tensor, where it is: a device tensor stays on the device.
+    The sums over a log interval are then those of the Python floats they were summed as before,
+    without reading each value on the host (which waits for the device) every iteration."""
+    if torch.is_tensor(value):
+        return value.detach().reshape(()).double()
+    return torch.tensor(float(value), dtype=torch.float64)
+
+
 def training_log(
     loss_dict,
     total_loss_dict,
@@ -91,13 +100,16 @@ def training_log(
         0 if skipped_iter else 1
     )
     total_loss_dict[SKIPPED_KEY] = total_loss_dict.get(SKIPPED_KEY, 0) + skipped_iter
-    got_nan = False
-    for key, value in loss_dict.items():
-        value = _scalar(value)
-        if not skipped_iter:
+    values = {key: _as_float64(value) for key, value in loss_dict.items()}
+    if not skipped_iter:
+        for key, value in values.items():
             total_loss_dict[key] = total_loss_dict.get(key, 0.0) + value
-        got_nan = got_nan or math.isinf(value) or math.isnan(value)
-    total_loss_dict[NAN_KEY] = total_loss_dict.get(NAN_KEY, 0) + int(got_nan)
+    got_nan = 0
+    if values:  # counted on the device; read when the line is printed
+        device = next(iter(values.values())).device
+        flags = [~torch.isfinite(value).to(device) for value in values.values()]
+        got_nan = torch.stack(flags).any().int()
+    total_loss_dict[NAN_KEY] = total_loss_dict.get(NAN_KEY, 0) + got_nan
 
     batch_size = (
         args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
@@ -131,24 +143,26 @@ def training_log(
     ]
 
     if iteration % args.tensorboard_log_interval == 0:
-        scalars = {
-            "learning-rate": learning_rate,
-            "batch-size": batch_size,
-        }
-        for key, value in loss_dict.items():
-            scalars[key] = _scalar(value)
-        if getattr(args, "log_loss_scale_to_tensorboard", True):
-            scalars["loss-scale"] = loss_scale
-        if getattr(args, "log_world_size_to_tensorboard", False):
-            scalars["world-size"] = args.world_size
-        if grad_norm is not None:
-            scalars["grad-norm"] = grad_norm
-        if num_zeros_in_grad is not None:
-            scalars["num-zeros"] = num_zeros_in_grad
-        if params_norm is not None:
-            scalars["params-norm"] = params_norm
-        memory = memory_scalars(get_device()) if args.log_memory_to_tensorboard else {}
-        scalars.update(memory)
+        scalars, memory = {}, {}
+        if writer is not None or wandb_writer is not None:  # the values are read on the host
+            scalars = {
+                "learning-rate": learning_rate,
+                "batch-size": batch_size,
+            }
+            for key, value in loss_dict.items():
+                scalars[key] = _scalar(value)
+            if getattr(args, "log_loss_scale_to_tensorboard", True):
+                scalars["loss-scale"] = loss_scale
+            if getattr(args, "log_world_size_to_tensorboard", False):
+                scalars["world-size"] = args.world_size
+            if grad_norm is not None:
+                scalars["grad-norm"] = grad_norm
+            if num_zeros_in_grad is not None:
+                scalars["num-zeros"] = num_zeros_in_grad
+            if params_norm is not None:
+                scalars["params-norm"] = params_norm
+            memory = memory_scalars(get_device()) if args.log_memory_to_tensorboard else {}
+            scalars.update(memory)
         if writer is not None:
             for name, value in scalars.items():
                 writer.add_scalar(name, value, iteration)
@@ -178,7 +192,7 @@ def training_log(
     for key, value in total_loss_dict.items():
         if key in (ADVANCED_KEY, SKIPPED_KEY, NAN_KEY):
             continue
-        avg = value / float(advanced)
+        avg = _scalar(value) / float(advanced)
         if avg > 0.0:
             losses[key] = avg
     throughput = None
@@ -202,7 +216,7 @@ def training_log(
         num_zeros=num_zeros_in_grad,
         params_norm=params_norm,
         skipped_iters=total_loss_dict[SKIPPED_KEY],
-        nan_iters=total_loss_dict[NAN_KEY],
+        nan_iters=int(total_loss_dict[NAN_KEY]),
     )
     print_rank_last(line)
     if throughput is not None:

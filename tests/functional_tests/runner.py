@@ -25,8 +25,8 @@ LOG_LINE = re.compile(
     r"(?P<losses>(?: [a-z][a-z _-]*: \d\.\d{6}E[+-]\d{2} \|)*)"
     r" loss scale: (?P<loss_scale>\d+\.\d) \|"
     r"(?: grad norm: (?P<grad_norm>\d+\.\d{3}) \|)?"
-    r"(?: num zeros: \d+ \|)?"
-    r"(?: params norm: \d+\.\d{3} \|)?"
+    r"(?: num zeros: (?P<num_zeros>\d+) \|)?"
+    r"(?: params norm: (?P<params_norm>\d+\.\d{3}) \|)?"
     r" number of skipped iterations: +(?P<skipped>\d+) \|"
     r" number of nan iterations: +(?P<nan>\d+) \|$"
 )

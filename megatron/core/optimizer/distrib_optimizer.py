@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel import collectives
 
 from .clip_grads import param_is_counted_once, sum_of_powered_norms
 from .grad_scaler import MegatronGradScaler
-from .optimizer import _PARALLEL_ATTRS, MegatronOptimizer
+from .optimizer import _PARALLEL_ATTRS, MainParamCopy, MegatronOptimizer
 from .optimizer_config import OptimizerConfig
 
 _FILE_ERROR = "error"
@@ -200,6 +200,16 @@ class DistributedOptimizer(MegatronOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for main in self.main_params.values():
             main.grad = None
+
+    def main_param_copies(self) -> Dict[torch.Tensor, MainParamCopy]:
+        """Every half-precision param of the buffers: this rank's fp32 slice of it (if any),
+        sharded over the buffer's (expert-)data-parallel group."""
+        return {
+            param: MainParamCopy(self.main_params.get(param), buffer.dp_group)
+            for buffer in self.buffers
+            for param in buffer.param_index_map
+            if param.dtype in (torch.float16, torch.bfloat16)
+        }
 
     def _main_params_in_order(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
         return [

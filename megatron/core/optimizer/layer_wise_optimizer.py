@@ -21,7 +21,12 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core.tensor_parallel import collectives
 
 from .grad_scaler import ConstantGradScaler
-from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
+from .optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MainParamCopy,
+    MegatronOptimizer,
+)
 from .optimizer_config import OptimizerConfig
 
 
@@ -80,6 +85,17 @@ class LayerWiseDistributedOptimizer(MegatronOptimizer):
 
     def get_loss_scale(self) -> torch.Tensor:
         return self.mixed_precision.get_loss_scale()
+
+    def main_param_copies(self) -> Dict[torch.Tensor, MainParamCopy]:
+        """The masters of the half-precision params this DP rank owns; a param owned by another
+        DP rank has its master there (each param is whole on exactly one DP rank)."""
+        owned = self.mixed_precision.main_param_copies()
+        return {
+            p: MainParamCopy(owned[p].data if p in owned else None, self.data_parallel_group)
+            for params in self.params_by_owner
+            for p in params
+            if p.dtype in (torch.float16, torch.bfloat16)
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.mixed_precision.zero_grad(set_to_none)

@@ -11,6 +11,7 @@ Both return ``(update_successful, grad_norm, num_zeros_in_grad)`` from step().
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -37,6 +38,18 @@ _PARALLEL_ATTRS = (
     "shared",
     "allreduce",
 )
+
+
+@dataclass(frozen=True)
+class MainParamCopy:
+    """The fp32 main copy an optimizer keeps of a half-precision model param, on this rank.
+
+    ``shard_group`` None: ``data`` is the whole param. Otherwise ``data`` is this rank's part of
+    it (None: no part here) and the parts on the ranks of ``shard_group`` make up the param once.
+    """
+
+    data: Optional[torch.Tensor]
+    shard_group: Any = None
 
 
 def _is_expert(param: torch.Tensor) -> bool:
@@ -174,6 +187,11 @@ class MegatronOptimizer:
     # ------------------------------------------------------------------ interface
     def get_loss_scale(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def main_param_copies(self) -> Dict[torch.Tensor, MainParamCopy]:
+        """Model param -> the fp32 main copy this optimizer keeps of it (none: fp32 params are
+        their own main params). --log-params-norm reads them with --bf16, as Megatron does."""
+        return {}
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the loss scale before backward (keeps the loss's shape)."""
@@ -479,6 +497,13 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         for half_group, master_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for half_param, master in zip(half_group, master_group):
                 master.copy_(half_param)
+
+    def main_param_copies(self) -> Dict[torch.Tensor, MainParamCopy]:
+        return {
+            half: MainParamCopy(master)
+            for half_group, master_group in zip(self.float16_groups, self.fp32_from_float16_groups)
+            for half, master in zip(half_group, master_group)
+        }
 
     # ------------------------------------------------------------------ step
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:

@@ -61,6 +61,20 @@ def _finalize_grads(config, model_chunks, total_tokens: torch.Tensor) -> None:
         finalize(model_chunks, num_tokens=total_tokens if per_token else None)
 
 
+def _aux_loss_backward_scale(config, model, num_microbatches: int):
+    """The factor the routers' auxiliary losses take in backward: the one this micro-batch's
+    loss gets in forward_step (and the fp16 loss scale backward_step applies), as if added to
+    it. With fp16 a device tensor (in float64, the arithmetic of a Python float): reading the
+    loss scale on the host would wait for the device at every micro-batch."""
+    cp_size = getattr(config, "context_parallel_size", 1)
+    grad_scale = getattr(config, "grad_scale_func", None)
+    if grad_scale is None:
+        return cp_size / num_microbatches
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    return grad_scale(torch.ones(1, device=device)).double() * cp_size / num_microbatches
+
+
 def forward_step(
     forward_step_func,
     data_iterator,
@@ -93,14 +107,10 @@ def forward_step(
     if set_input_tensor:
         unwrap_model(model).set_input_tensor(input_tensor)
     if getattr(config, "num_moe_experts", None):
-        # The routers' auxiliary losses take the factor this micro-batch's loss gets below
-        # (and the fp16 loss scale backward_step applies), as if added to it.
-        grad_scale = getattr(config, "grad_scale_func", None)
-        loss_scale = float(grad_scale(torch.ones(1)).item()) if grad_scale is not None else 1.0
         # On the config of the chunk being run: under virtual stages each chunk has its own, and
         # the routers of chunk c read chunk c's.
         set_aux_loss_backward_scale(
-            get_model_config(model), loss_scale * cp_size / num_microbatches
+            get_model_config(model), _aux_loss_backward_scale(config, model, num_microbatches)
         )
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     num_tokens = torch.tensor(0, dtype=torch.int)

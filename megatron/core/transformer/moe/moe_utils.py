@@ -17,7 +17,7 @@ of the whole.
 """
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -169,10 +169,11 @@ def apply_capacity(
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):
     """Identity on ``output``; in backward the auxiliary loss receives the gradient ``scale``
-    (the factor the schedule applies to the main loss), so it is trained as if added to it."""
+    (the factor the schedule applies to the main loss: a float or a one-element tensor), so it
+    is trained as if added to it."""
 
     @staticmethod
-    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float):
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale):
         ctx.save_for_backward(aux_loss)
         ctx.scale = scale
         return output
@@ -180,15 +181,21 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+        scale = ctx.scale
+        if torch.is_tensor(scale):
+            grad = torch.ones_like(aux_loss) * scale.to(aux_loss.dtype).reshape(())
+        else:
+            grad = torch.full_like(aux_loss, scale)
+        return grad_output, grad, None
 
 
-def set_aux_loss_backward_scale(config, scale: float) -> None:
+def set_aux_loss_backward_scale(config, scale: Union[float, torch.Tensor]) -> None:
     """Record on the model's config the factor the schedule applies to this micro-batch's main
-    loss (1 / micro-batches, times the context-parallel size and the fp16 loss scale); the MoE
-    routers read it when they attach their losses."""
-    config.moe_aux_loss_backward_scale = float(scale)
+    loss (1 / micro-batches, times the context-parallel size and the fp16 loss scale: then a
+    device tensor, never read on the host); the MoE routers read it when they attach their
+    losses."""
+    config.moe_aux_loss_backward_scale = scale
 
 
-def aux_loss_backward_scale(config) -> float:
+def aux_loss_backward_scale(config) -> Union[float, torch.Tensor]:
     return getattr(config, "moe_aux_loss_backward_scale", 1.0)
