@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
 
+from megatron.core.device import compute_device
 from megatron.core.pipeline_parallel.layer_split import check_interleaved_microbatches
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, get_tensor_shape
 from megatron.core.transformer.moe.moe_utils import set_aux_loss_backward_scale
@@ -96,14 +97,18 @@ def forward_step(
         # The routers' auxiliary losses take the factor this micro-batch's loss gets below
         # (and the fp16 loss scale backward_step applies), as if added to it.
         grad_scale = getattr(config, "grad_scale_func", None)
-        loss_scale = float(grad_scale(torch.ones(1)).item()) if grad_scale is not None else 1.0
+        loss_scale = (
+            float(grad_scale(torch.ones(1, device=compute_device())).item())
+            if grad_scale is not None
+            else 1.0
+        )
         # On the config of the chunk being run: under virtual stages each chunk has its own, and
         # the routers of chunk c read chunk c's.
         set_aux_loss_backward_scale(
             get_model_config(model), loss_scale * cp_size / num_microbatches
         )
     output_tensor, loss_func = forward_step_func(data_iterator, model)
-    num_tokens = torch.tensor(0, dtype=torch.int)
+    num_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
     if not is_last_stage:
         if timer:
             timer.stop()
@@ -186,7 +191,7 @@ def forward_backward_no_pipelining(
     config = get_model_config(model)
     no_sync = getattr(model, "no_sync", nullcontext)
     forward_data_store: List[Any] = []
-    total_tokens = torch.tensor(0, dtype=torch.int)
+    total_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
     with no_sync():
         for _ in range(num_microbatches - 1):
             output, num_tokens = forward_step(
@@ -324,7 +329,7 @@ def _run_pipeline(
     input_tensors = [deque() for _ in range(num_chunks)]
     output_tensors = [deque() for _ in range(num_chunks)]
     forward_data_store: List[Any] = []
-    total_tokens = torch.tensor(0, dtype=torch.int)
+    total_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
     send_next = send_prev = None
 
     with ExitStack() as all_chunks:
