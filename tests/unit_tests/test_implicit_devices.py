@@ -25,8 +25,8 @@ rank and configuration). What cannot run this way, and why:
   backward functions; their factory calls still make meta tensors, which torch's own device
   checks reject except as 0-d operands;
 * W&B (it logs Python floats, and wandb starts a service of its own), the asynchronous
-  checkpoint writer (a thread; the synchronous torch_dist save runs) and FSDP2 (DTensor and the
-  device mesh are torch's code) are left out;
+  checkpoint writer (a thread; the synchronous torch_dist save and its resume run), FSDP2
+  (DTensor and the device mesh are torch's code) and the text-generation server are left out;
 * ``--check-weight-hash-across-dp-replicas-interval`` is left out of the expert-parallel run:
   it compares the experts over the dense data-parallel group, so it fails every EP run.
 """
@@ -204,6 +204,13 @@ RUNS = {
         "--exit-signal-handler --exit-duration-in-mins 1000 --save {run}/ckpt --save-interval 3 "
         "--ckpt-format torch_dist --log-progress " + WEIGHT_HASH_CHECK,
     ),
+    # Resumes the run above (model, distributed optimizer state, RNG states) for a 4th iteration.
+    "gpt-dp2-resume": (
+        "pretrain_gpt",
+        GPT.replace("--train-iters 3", "--train-iters 4") + "--use-distributed-optimizer --fp16 "
+        "--calculate-per-token-loss --ckpt-format torch_dist --load {tmp}/gpt-dp2-features/ckpt "
+        "--override-opt-param-scheduler " + WEIGHT_HASH_CHECK,
+    ),
     "gpt-tp2-sp": (
         "pretrain_gpt",
         GPT + "--tensor-model-parallel-size 2 --sequence-parallel --bf16 "
@@ -240,7 +247,7 @@ RUNS = {
 def _argv(name: str, corpus: str, tmp: Path) -> list:
     vocab = REPO / "tests" / "data" / "bert-vocab.txt"
     flags = (RUNS[name][1] + LOGGING).split()  # split first: paths may hold spaces
-    return [flag.format(corpus=corpus, vocab=vocab, run=tmp / name) for flag in flags]
+    return [flag.format(corpus=corpus, vocab=vocab, run=tmp / name, tmp=tmp) for flag in flags]
 
 
 def _pretrain(entry: str, argv: list) -> int:
@@ -328,8 +335,10 @@ def test_every_layout_and_training_feature_makes_no_tensor_on_an_implicit_device
     from tests.functional_tests.runner import read_tensorboard_scalars
 
     run_distributed(_train, 2, corpus, str(tmp_path), tuple(RUNS))
-    for name in RUNS:  # each run trained its 3 iterations and evaluated
+    for name in RUNS:  # each run trained its iterations and evaluated
         tb = tmp_path / name / "tb"
-        assert sorted(read_tensorboard_scalars(tb, "lm loss")) == [1, 2, 3], name
-        assert sorted(read_tensorboard_scalars(tb, "lm loss validation")) == [2, 3], name
+        trained = [4] if name == "gpt-dp2-resume" else [1, 2, 3]
+        assert sorted(read_tensorboard_scalars(tb, "lm loss")) == trained, name
+        evaluated = [4] if name == "gpt-dp2-resume" else [2, 3]
+        assert sorted(read_tensorboard_scalars(tb, "lm loss validation")) == evaluated, name
     assert (tmp_path / "gpt-dp2-features" / "ckpt" / "iter_0000003").is_dir()
