@@ -14,6 +14,7 @@ from megatron.core.datasets.bert_dataset import (
 )
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.utils import get_blend_and_blend_per_split
+from megatron.core.device import compute_device
 from megatron.core.enums import ModelType
 from megatron.core.models.bert import BertModel
 from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
@@ -23,7 +24,6 @@ from megatron.training.configs import core_transformer_config_from_args
 from megatron.training.model_families import get_model_family
 from megatron.training.rerun import check_loss
 from megatron.training.training import pretrain
-from megatron.training.utils import get_device
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
@@ -56,7 +56,7 @@ def get_batch(data_iterator):
     Labels are -1 where nothing is masked (Megatron's convention); they are set to 0 there so
     that every label is a vocabulary row; the loss mask removes those positions."""
     batch = next(data_iterator)
-    device = get_device()
+    device = compute_device()
     tokens = batch["text"].long().to(device)
     types = batch["types"].long().to(device)
     sentence_order = batch["is_random"].long().to(device)

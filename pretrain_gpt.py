@@ -8,6 +8,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_and_blend_per_split
+from megatron.core.device import compute_device
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -22,7 +23,6 @@ from megatron.training.flag_errors import UserInputError
 from megatron.training.model_families import get_model_family
 from megatron.training.rerun import check_loss
 from megatron.training.training import pretrain
-from megatron.training.utils import get_device
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None):
@@ -85,7 +85,7 @@ def get_batch(data_iterator):
     args = get_args()
     batch = next(data_iterator)
     _check_token_ids(batch, args)
-    device = get_device()
+    device = compute_device()
     tokens = batch["tokens"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
     loss_mask = batch["loss_mask"].to(device, non_blocking=True)

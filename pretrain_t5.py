@@ -14,13 +14,13 @@ from megatron.core.datasets.t5_dataset import (
     T5MaskedWordPieceDatasetConfig,
 )
 from megatron.core.datasets.utils import get_blend_and_blend_per_split
+from megatron.core.device import compute_device
 from megatron.core.enums import ModelType
 from megatron.core.models.T5 import T5Model
 from megatron.training import get_args, get_parallel_state, get_timers, get_tokenizer, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
 from megatron.training.model_families import get_model_family
 from megatron.training.training import pretrain
-from megatron.training.utils import get_device
 from pretrain_gpt import loss_func
 
 
@@ -57,7 +57,7 @@ def get_batch(data_iterator):
     after the decoder's end (Megatron's convention); they become 0 there, where the loss mask
     is 0, so that every label is a vocabulary row."""
     batch = next(data_iterator)
-    device = get_device()
+    device = compute_device()
     return (
         batch["text_enc"].long().to(device),
         batch["text_dec"].long().to(device),

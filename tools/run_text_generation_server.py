@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 import torch  # noqa: E402
 
+from megatron.core.device import compute_device  # noqa: E402
 from megatron.core.inference.model_forward import InferenceModelForward  # noqa: E402
 from megatron.inference.api_request import MAX_PROMPTS, RequestDefaults  # noqa: E402
 from megatron.inference.engine import TextGenerationEngine  # noqa: E402
@@ -25,7 +26,6 @@ from megatron.training import get_args, get_parallel_state, get_tokenizer  # noq
 from megatron.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
 from megatron.training.training import get_model, leave_process_group  # noqa: E402
-from megatron.training.utils import get_device  # noqa: E402
 from pretrain_gpt import model_provider  # noqa: E402
 
 
@@ -129,7 +129,7 @@ def _serve(args) -> None:
         tokenizer,
         max_sequence_length=min(args.max_position_embeddings, args.inference_max_seq_length),
         max_tokens=args.max_tokens_to_oom,
-        device=get_device(),
+        device=compute_device(),
         max_batch_size=args.inference_max_requests,
     )
     if args.rank != 0:

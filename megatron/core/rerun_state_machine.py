@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device, computes_on_cuda
 from megatron.core.rerun_data_iterator import RerunDataIterator
 from megatron.core.rerun_stats import QuickStats
 from megatron.core.utils import NonFiniteValueError
@@ -280,7 +281,9 @@ class RerunStateMachine:
 
     # ------------------------------------------------------------------ agreement across ranks
     def _reduce_any(self, values: List[bool]) -> Tuple[bool, ...]:
-        flags = torch.tensor([int(v) for v in values], dtype=torch.int32)
+        flags = torch.tensor(
+            [int(v) for v in values], dtype=torch.int32, device=collective_device(self.group)
+        )
         if dist.is_initialized():
             dist.all_reduce(flags, group=self.group)
         return tuple(bool(x > 0) for x in flags.tolist())
@@ -666,7 +669,7 @@ class RerunStateMachine:
             "random": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda": torch.cuda.get_rng_state_all() if computes_on_cuda() else None,
             "extra": self.save_extra_state() if self.save_extra_state else None,
         }
 

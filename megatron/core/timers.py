@@ -13,25 +13,14 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device, synchronize
+
 _LOG_OPTIONS = ("max", "minmax", "all")
 _MAX_LOG_LEVEL = 2
 
 
 def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _synchronize_device() -> None:
-    # Kernels run asynchronously on CUDA: wait for them so the timer measures the work.
-    # Only when CUDA has already been initialized, so CPU runs never touch it.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _collective_device() -> torch.device:
-    if _dist_ready() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class TimerBase:
@@ -95,7 +84,7 @@ class Timer(TimerBase):
         if self._started:
             raise RuntimeError(f"timer '{self.name}' has already been started")
         self._barrier(barrier)
-        _synchronize_device()
+        synchronize()  # kernels run asynchronously: time the work, not its launch
         self._start_time = time.perf_counter()
         self._started = True
 
@@ -103,7 +92,7 @@ class Timer(TimerBase):
         if not self._started:
             raise RuntimeError(f"timer '{self.name}' is not started")
         self._barrier(barrier)
-        _synchronize_device()
+        synchronize()  # kernels run asynchronously: time the work, not its launch
         interval = time.perf_counter() - self._start_time
         self._elapsed += interval
         self._active_time += interval
@@ -186,14 +175,14 @@ class Timers:
             dist.barrier()
         world_size = dist.get_world_size() if _dist_ready() else 1
         rank = dist.get_rank() if _dist_ready() else 0
-        local = torch.zeros(len(names), dtype=torch.float64)
-        for i, name in enumerate(names):
-            if name in self._timers:
-                local[i] = self._timers[name].elapsed(reset=reset) * 1000.0
+        millis = [
+            self._timers[name].elapsed(reset=reset) * 1000.0 if name in self._timers else 0.0
+            for name in names
+        ]
+        device = collective_device()
+        local = torch.tensor(millis, dtype=torch.float64, device=device)
         if world_size == 1:
-            return local.unsqueeze(0)
-        device = _collective_device()
-        local = local.to(device)
+            return local.unsqueeze(0).cpu()
         gathered = [torch.zeros_like(local) for _ in range(world_size)]
         dist.all_gather(gathered, local)
         result = torch.stack(gathered).cpu()

@@ -82,9 +82,8 @@ class TextGenerationEngine:
         params = request.params
         if params.random_seed is None:
             # One seed for every rank, so tensor-parallel ranks draw the same tokens.
-            params = dataclasses.replace(
-                params, random_seed=int(torch.randint(0, 2**62, (1,)).item())
-            )
+            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())  # host: a seed
+            params = dataclasses.replace(params, random_seed=seed)
         length = max(map(len, prompts)) + params.num_tokens_to_generate
         if length > self.max_sequence_length:
             raise RequestError(

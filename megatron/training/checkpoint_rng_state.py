@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import dist_checkpointing as dc
+from megatron.core.device import computes_on_cuda
 
 RNG_KEY = "rng_state"
 RERUN_KEY = "rerun_state_machine_state"
@@ -60,7 +61,7 @@ def megatron_rng_state(tracker) -> dict:
         "np_rng_state": np.random.get_state(),
         "torch_rng_state": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
+    if computes_on_cuda():
         states["cuda_rng_state"] = torch.cuda.get_rng_state()
     states["rng_tracker_states"] = tracker.get_states() if tracker is not None else {}
     return states

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device
 from megatron.core.dist_checkpointing.megatron_layout import with_extra_state, without_extra_state
 from megatron.core.dist_checkpointing.planner import megatron_state_globals
 from megatron.core.optimizer.param_order import (
@@ -62,7 +63,7 @@ from .checkpointing_dist import (
     maybe_finalize_async_save,
     save_checkpoint_dist,
 )
-from .utils import get_device, get_rank, print_rank_0
+from .utils import get_rank, print_rank_0
 
 SAVE_FORMATS = ("torch_dist", "torch")
 
@@ -75,7 +76,7 @@ def distrib_optim_path(model_path: str) -> str:
 def _check_distributed_optimizer_file(optimizer, path: str) -> None:
     """Fail on every rank together when a rank that reads ``path`` (DP rank 0; with experts also
     expert-DP rank 0) cannot see it (a collective over all ranks, which all load)."""
-    missing = torch.zeros(1, device=get_device())
+    missing = torch.zeros(1, device=collective_device())
     if optimizer.holds_any_state_root() and not os.path.isfile(path):
         missing.fill_(1.0)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import computes_on_cuda
+
 from .utils import get_rank, print_rank_0
 
 CHECKPOINT_VERSION = 3.0
@@ -219,13 +221,13 @@ def rng_state(tracker) -> dict:
         "random_rng_state": random.getstate(),
         "np_rng_state": {
             "name": np_state[0],
-            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),  # host: a checkpoint entry
             "pos": int(np_state[2]),
             "has_gauss": int(np_state[3]),
             "cached_gaussian": float(np_state[4]),
         },
         "torch_rng_state": torch.get_rng_state(),
-        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda_rng_state": torch.cuda.get_rng_state() if computes_on_cuda() else None,
         "rng_tracker_states": tracker.get_states() if tracker is not None else {},
     }
 
@@ -247,7 +249,7 @@ def set_rng_state(state: dict, tracker) -> None:
     else:
         np.random.set_state(np_state)
     torch.set_rng_state(state["torch_rng_state"])
-    if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
+    if computes_on_cuda() and state.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     if tracker is not None and state.get("rng_tracker_states"):
         tracker.set_states(state["rng_tracker_states"])

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from megatron.core import dist_checkpointing as dc
+from megatron.core.device import collective_device
 from megatron.core.dist_checkpointing import dp_reshardable as dpr
 from megatron.core.dist_checkpointing.async_save import AsyncSave
 from megatron.core.dist_checkpointing.megatron_layout import is_per_layer_layout
@@ -63,7 +64,7 @@ from .checkpointing_common import (
     set_rng_state,
     why_write_failed,
 )
-from .utils import get_device, get_rank, get_world_size, print_rank_0
+from .utils import get_rank, get_world_size, print_rank_0
 
 TMP_SUFFIX = ".tmp"
 
@@ -366,7 +367,9 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
         return True
     request: AsyncSave = pending["request"]
     if not blocking:
-        done = torch.tensor([1 if request.done() else 0], dtype=torch.int32, device=get_device())
+        done = torch.tensor(
+            [1 if request.done() else 0], dtype=torch.int32, device=collective_device()
+        )
         if dist.is_initialized():
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if not done.item():
@@ -376,7 +379,9 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
         request.wait()
     except BaseException as exc:  # report on every rank below, never hang the others
         error = exc
-    failed = torch.tensor([1 if error is not None else 0], dtype=torch.int32, device=get_device())
+    failed = torch.tensor(
+        [1 if error is not None else 0], dtype=torch.int32, device=collective_device()
+    )
     if dist.is_initialized():
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     _AsyncState.pending = None

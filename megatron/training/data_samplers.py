@@ -12,6 +12,8 @@ import signal
 
 import torch
 
+from megatron.core.device import computes_on_cuda
+
 
 class MegatronPretrainingSampler:
     def __init__(
@@ -89,17 +91,19 @@ class MegatronPretrainingRandomSampler:
         active_total = self.total_samples - self.last_batch_size
         epoch = self.consumed_samples // active_total
         current_epoch_samples = self.consumed_samples % active_total
-        generator = torch.Generator()
+        generator = torch.Generator(device="cpu")  # host: sample indices
         generator.manual_seed(epoch)  # Megatron seeds each epoch's permutation with the epoch
         if self.data_sharding:
             bucket_size = (self.total_samples // self.block) * self.micro_batch_size
             bucket_offset = current_epoch_samples // self.data_parallel_size
             start = self.data_parallel_rank * bucket_size
-            order = torch.randperm(bucket_size, generator=generator).tolist()
+            order = torch.randperm(
+                bucket_size, generator=generator, device=generator.device
+            ).tolist()
             indices = [start + x for x in order[bucket_offset:]]
         else:
             full = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
-            order = torch.randperm(full, generator=generator).tolist()
+            order = torch.randperm(full, generator=generator, device=generator.device).tolist()
             indices = order[self.data_parallel_rank :: self.data_parallel_size][
                 current_epoch_samples // self.data_parallel_size :
             ]
@@ -154,8 +158,8 @@ def build_pretraining_data_loader(
         dataset,
         batch_sampler=sampler,
         num_workers=args.num_workers,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=computes_on_cuda(),  # pinned batches copy to the GPU asynchronously
         persistent_workers=args.num_workers > 0,
         worker_init_fn=_leave_signals_to_the_trainer if args.num_workers > 0 else None,
-        generator=torch.Generator(),
+        generator=torch.Generator(device="cpu"),  # host: the loader's seeds
     )

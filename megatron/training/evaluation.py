@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
 from . import global_vars
 from .rerun import results_not_validated
 from .training_log import print_evaluation
-from .utils import get_device, pipeline_schedule_kwargs, print_rank_0
+from .utils import pipeline_schedule_kwargs, print_rank_0
 
 
 def evaluate(
@@ -31,6 +32,8 @@ def evaluate(
     eval_gbs = getattr(args, "eval_global_batch_size", None) or args.global_batch_size
     eval_mbs = getattr(args, "eval_micro_batch_size", None) or args.micro_batch_size
     num_microbatches = eval_gbs // (eval_mbs * args.data_parallel_size)
+    dp_cp_group = state.get_data_parallel_group(with_context_parallel=True)
+    device = collective_device(dp_cp_group)  # the totals are summed over DP x CP below
     with torch.no_grad(), results_not_validated():
         for step in range(eval_iters):
             if verbose:
@@ -48,7 +51,7 @@ def evaluate(
             if state.is_pipeline_last_stage():
                 for loss in losses:
                     for key, value in loss.items():
-                        value = value.detach().float().view(-1).to(get_device())
+                        value = value.detach().float().view(-1).to(device)
                         if value.numel() != 2:
                             value = torch.stack([value.sum(), torch.ones((), device=value.device)])
                         totals[key] = totals.get(key, torch.zeros(2, device=value.device)) + value
@@ -58,7 +61,7 @@ def evaluate(
     result = {}
     for key, total in totals.items():
         if dist.is_initialized():
-            dist.all_reduce(total, group=state.get_data_parallel_group(with_context_parallel=True))
+            dist.all_reduce(total, group=dp_cp_group)
         result[key] = (total[0] / total[1]).item()
     return result
 

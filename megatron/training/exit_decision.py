@@ -10,10 +10,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device
+
 from . import global_vars
 from .checkpointing import save_checkpoint
 from .progress_log import log_checkpoint_saved
-from .utils import get_device, print_datetime
+from .utils import print_datetime
 
 
 def save_if_not_saved(iteration, model, optimizer, opt_param_scheduler, flops, train_start_time):
@@ -49,7 +51,9 @@ def checkpoint_and_decide_exit(
     if args.save and args.save_interval and iteration % args.save_interval == 0:
         save()
     if args.exit_duration_in_mins:
-        elapsed = torch.tensor([(time.time() - train_start_time) / 60.0], device=get_device())
+        elapsed = torch.tensor(
+            [(time.time() - train_start_time) / 60.0], device=collective_device()
+        )
         if dist.is_initialized():
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if elapsed.item() > args.exit_duration_in_mins:

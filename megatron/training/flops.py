@@ -77,9 +77,12 @@ def peak_tflops_per_device() -> Optional[float]:
         return float(override)
     import torch
 
-    if not torch.cuda.is_available():
+    from megatron.core.device import compute_device
+
+    device = compute_device()
+    if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name().upper()
+    name = torch.cuda.get_device_name(device).upper()
     for key in sorted(_PEAK_BF16_TFLOPS, key=len, reverse=True):
         if key in name:
             return _PEAK_BF16_TFLOPS[key]

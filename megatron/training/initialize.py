@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device, compute_device, computes_on_cuda
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
 from megatron.core.parallel_state import initialize_model_parallel, live_gloo_worker_threads
 from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
@@ -22,7 +23,7 @@ from megatron.core.timers import Timers
 from . import collective_watch, global_vars, nccl_flight_recorder
 from .cpu_allocator import configure_cpu_allocator
 from .flag_errors import building
-from .utils import get_device, print_rank_0
+from .utils import print_rank_0
 
 
 def initialize_megatron(
@@ -56,9 +57,9 @@ def initialize_megatron(
     _apply_process_settings(args)
 
     _initialize_distributed(args)
-    configure_cpu_allocator(
-        get_device()
-    )  # heap reuse for large CPU tensors; MEGATRON_CPU_MALLOPT=0 skips
+    _note_cpu_memory_statistics(args)
+    # heap reuse for large CPU tensors; MEGATRON_CPU_MALLOPT=0 skips
+    configure_cpu_allocator(compute_device())
     state = initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -106,7 +107,11 @@ def _apply_process_settings(args):
         logging.getLogger().setLevel(args.logging_level)
     if getattr(args, "disable_bf16_reduced_precision_matmul", False):
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    if getattr(args, "log_memory_to_tensorboard", False) and not torch.cuda.is_available():
+
+
+def _note_cpu_memory_statistics(args):
+    """--log-memory-to-tensorboard without CUDA logs the process's memory instead: say so."""
+    if getattr(args, "log_memory_to_tensorboard", False) and not computes_on_cuda():
         from .memory_stats import CPU_NOTE
 
         print_rank_0(f" > {CPU_NOTE}")
@@ -157,7 +162,11 @@ def teardown_process_groups() -> int:
 
 
 def _initialize_distributed(args):
-    """Join the torchrun world: NCCL on GPUs, gloo on CPUs (chosen automatically without a GPU)."""
+    """Join the torchrun world: NCCL on GPUs, gloo on CPUs (chosen automatically without a GPU).
+
+    A process that has a GPU computes on it (``torch.cuda.set_device`` initialises CUDA, which
+    makes it megatron.core.device's compute device) whatever the backend.
+    """
     use_cuda = torch.cuda.is_available()
     backend = args.distributed_backend
     if backend == "nccl" and not use_cuda:
@@ -181,6 +190,9 @@ def _initialize_distributed(args):
         world_size=args.world_size,
         rank=args.rank,
         timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        # Binds NCCL to this GPU: its communicator forms now (an error shows at start-up),
+        # subgroups are split from it, and barriers know their device. gloo has no use for it.
+        device_id=compute_device() if backend == "nccl" else None,
     )
     if backend == "gloo":
         collective_watch.install(timedelta(minutes=args.distributed_timeout_minutes))
@@ -194,7 +206,7 @@ def _set_random_seed(args, state):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if torch.cuda.is_available():
+    if computes_on_cuda():
         torch.cuda.manual_seed(seed)
     tracker = RNGStatesTracker()
     model_parallel_manual_seed(
@@ -243,7 +255,9 @@ class DistributedSignalHandler:
         self._received = True
 
     def signals_received(self) -> bool:
-        flag = torch.tensor([1 if self._received else 0], dtype=torch.int32, device=get_device())
+        flag = torch.tensor(
+            [1 if self._received else 0], dtype=torch.int32, device=collective_device()
+        )
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())

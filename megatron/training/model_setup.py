@@ -10,6 +10,7 @@ from typing import Callable, List
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import compute_device
 from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
 from megatron.core.distributed.distributed_data_parallel import bucket_size_for_num_buckets
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -23,7 +24,6 @@ from megatron.core.utils import get_model_config
 from . import global_vars
 from .checkpointing import convert_checkpoint_and_exit, load_checkpoint
 from .configs import ddp_config_from_args, optimizer_config_from_args
-from .utils import get_device
 
 
 def get_model(
@@ -59,7 +59,7 @@ def get_model(
             flush=True,
         )
 
-    device = get_device()
+    device = compute_device()
     chunks = [chunk.to(device) for chunk in chunks]
     if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
         # The last stage's output weight starts as a copy of the first stage's word embedding.

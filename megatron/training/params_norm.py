@@ -19,11 +19,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.core.device import collective_device
 from megatron.core.optimizer.clip_grads import param_is_counted_once, sum_of_powered_norms
 from megatron.core.optimizer.optimizer import MainParamCopy
 from megatron.core.tensor_parallel import collectives as C
-
-from .utils import get_device
 
 
 class _Part:
@@ -64,7 +63,7 @@ def params_l2_norm(model, optimizer, state, use_main_params: bool) -> float:
             if data is not None:
                 part.tensors.append(data.detach())
 
-    device = get_device()
+    device = collective_device(state.get_model_parallel_group())
     sums = {}
     # A fixed order of collectives: every rank of a group takes the same steps.
     for expert in (False, True):

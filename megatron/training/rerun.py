@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import compute_device
 from megatron.core.rerun_state_machine import (
     RerunDataIterator,
     RerunDiagnostic,
@@ -39,9 +40,8 @@ def build_rerun_state_machine(args) -> RerunStateMachine:
     """The machine for this run (kept in the training globals for the loss functions)."""
     _show_machine_log_lines()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if torch.cuda.is_available():
-        device = torch.cuda.current_device()
-    else:  # on CPU a "device" is the process's slot on its node
+    device = compute_device().index
+    if device is None:  # on CPU a "device" is the process's slot on its node
         device = int(os.environ.get("LOCAL_RANK", "0"))
     tracker = global_vars.get_rng_tracker()
     machine = RerunStateMachine(

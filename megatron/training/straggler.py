@@ -6,7 +6,8 @@ fastest, in Megatron's report format (``MnRtt/Rnk``: the least step time and its
 with ``--straggler-minmax-count`` N > 1 also the N ranks of lowest and highest throughput.
 
 On CPU there is no device power, temperature, utilisation or clock to report, so the line
-carries the timing and throughput columns only.
+carries the timing and throughput columns only. On CUDA the forward steps are timed with CUDA
+events (the host returns before the kernels have run).
 """
 
 from __future__ import annotations
@@ -17,6 +18,44 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device, computes_on_cuda
+
+
+class _ForwardTimes:
+    """Seconds spent in the timed calls since the last :meth:`take`.
+
+    On CUDA the calls only queue kernels, so host clocks would time the launches: each call is
+    bracketed by CUDA events on the current stream instead, and their times are read when taken
+    (one wait for the last event then, none per call). On the CPU the work is done on return.
+    """
+
+    def __init__(self):
+        self._seconds = 0.0
+        self._events: List[Tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def time(self, call, *args, **kwargs):
+        if computes_on_cuda():
+            start, stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                stop.record()
+                self._events.append((start, stop))
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self._seconds += time.perf_counter() - started
+
+    def take(self) -> float:
+        seconds, self._seconds = self._seconds, 0.0
+        if self._events:
+            self._events[-1][1].synchronize()
+            seconds += sum(start.elapsed_time(stop) for start, stop in self._events) / 1e3
+            self._events = []
+        return seconds
+
 
 class StragglerDetector:
     """Per-rank forward time between two reports (every call of :meth:`report` is collective)."""
@@ -25,29 +64,25 @@ class StragglerDetector:
         if minmax_count < 1:
             raise ValueError(f"--straggler-minmax-count must be >= 1, got {minmax_count}")
         self.minmax_count = minmax_count
-        self._seconds = 0.0
+        self._times = _ForwardTimes()
 
     def timed(self, forward_step_func):
         """``forward_step_func`` that adds the time of each call to this rank's total."""
 
         def forward_step(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return forward_step_func(*args, **kwargs)
-            finally:
-                self._seconds += time.perf_counter() - started
+            return self._times.time(forward_step_func, *args, **kwargs)
 
         return forward_step
 
     def gather(self, iterations: int) -> List[float]:
         """Every rank's forward time per iteration (seconds) since the last report; resets."""
-        mean = self._seconds / max(iterations, 1)
-        self._seconds = 0.0
+        mean = self._times.take() / max(iterations, 1)
         if not dist.is_initialized():
             return [mean]
-        gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, torch.tensor([mean], dtype=torch.float64))
-        return [float(t.item()) for t in gathered]
+        local = torch.tensor([mean], dtype=torch.float64, device=collective_device())
+        gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        return torch.cat(gathered).tolist()
 
     def report(self, flops_per_step: float, iterations: int) -> str:
         """Collective; the report line on rank 0, '' elsewhere. ``flops_per_step``: the FLOPs of

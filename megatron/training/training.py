@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device, compute_device
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import NonFiniteValueError, get_model_config
@@ -45,7 +46,7 @@ from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
 from .rerun import build_rerun_state_machine, wrap_data_iterators
 from .straggler import StragglerDetector
 from .training_log import training_log
-from .utils import get_device, pipeline_schedule_kwargs, print_datetime, print_rank_0
+from .utils import pipeline_schedule_kwargs, print_datetime, print_rank_0
 
 # Megatron's megatron/training/training.py defines these; they live in their own modules here
 # (model_setup, data_iterators, evaluation, utils) and stay importable from this one.
@@ -166,7 +167,7 @@ def _pretrain(
     argv,
 ):
     global _TRAIN_START_TIME
-    start = torch.tensor([time.time()], dtype=torch.double)
+    start_time = time.time()
     initialize_megatron(
         extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv
     )
@@ -177,8 +178,9 @@ def _pretrain(
         sys.exit(2)  # every rank has the same flags: all leave here together
     args = global_vars.get_args()
     timers = global_vars.get_timers()
+    # The earliest start of any rank.
+    start = torch.tensor([start_time], dtype=torch.double, device=collective_device())
     if dist.is_initialized():
-        start = start.to(get_device())
         dist.all_reduce(start, op=dist.ReduceOp.MIN)
     _TRAIN_START_TIME = start.item()
     if args.save:
@@ -207,7 +209,7 @@ def _pretrain(
             args,
             num_microbatches=global_vars.get_num_microbatches(),
             family=global_vars.get_model_family(),
-            device_type=get_device().type,
+            device_type=compute_device().type,
         )
     config = get_model_config(model[0])
 
@@ -394,28 +396,22 @@ def _reduce_losses(losses_reduced, state):
     result = {}
     if not losses_reduced:
         return result
+    dp_cp_group = state.get_data_parallel_group(with_context_parallel=True)
+    device = collective_device(dp_cp_group)
     for key in losses_reduced[0]:
         values = [x[key] for x in losses_reduced]
         first = values[0]
         if torch.is_tensor(first) and first.numel() == 2:
-            total = (
-                torch.vstack([v.detach().float().view(2) for v in values]).sum(0).to(get_device())
-            )
+            total = torch.vstack([v.detach().float().view(2) for v in values]).sum(0).to(device)
             if dist.is_initialized():
-                dist.all_reduce(
-                    total, group=state.get_data_parallel_group(with_context_parallel=True)
-                )
+                dist.all_reduce(total, group=dp_cp_group)
             result[key] = total[0] / total[1]
         else:
-            stacked = (
-                torch.stack([torch.as_tensor(v).detach().float().view(()) for v in values])
-                .mean()
-                .to(get_device())
-            )
+            stacked = torch.stack(
+                [torch.as_tensor(v, device=device).detach().float().view(()) for v in values]
+            ).mean()
             if dist.is_initialized():
-                dist.all_reduce(
-                    stacked, group=state.get_data_parallel_group(with_context_parallel=True)
-                )
+                dist.all_reduce(stacked, group=dp_cp_group)
                 stacked = stacked / state.get_data_parallel_world_size(with_context_parallel=True)
             result[key] = stacked
     return result

@@ -8,10 +8,12 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron.core.device import compute_device, computes_on_cuda
+
 from . import global_vars
 from .flops import peak_tflops_per_device
 from .memory_stats import memory_scalars
-from .utils import get_device, print_rank_last
+from .utils import print_rank_last
 
 ADVANCED_KEY = "advanced iterations"
 SKIPPED_KEY = "skipped iterations"
@@ -161,7 +163,7 @@ def training_log(
                 scalars["num-zeros"] = num_zeros_in_grad
             if params_norm is not None:
                 scalars["params-norm"] = params_norm
-            memory = memory_scalars(get_device()) if args.log_memory_to_tensorboard else {}
+            memory = memory_scalars(compute_device()) if args.log_memory_to_tensorboard else {}
             scalars.update(memory)
         if writer is not None:
             for name, value in scalars.items():
@@ -231,7 +233,7 @@ def training_log(
         print_rank_last(extra)
     for key in list(total_loss_dict):
         total_loss_dict[key] = 0 if key in (ADVANCED_KEY, SKIPPED_KEY, NAN_KEY) else 0.0
-    if report_memory_flag and torch.cuda.is_available():
+    if report_memory_flag and computes_on_cuda():
         report_memory(f"(after {iteration} iterations)")
         report_memory_flag = False
     timers.log(timers_to_log, normalizer=args.log_interval)

@@ -33,15 +33,6 @@ def print_rank_last(message: str) -> None:
         print(message, flush=True)
 
 
-def get_device():
-    """The device this process computes on: its local GPU, or the CPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def print_datetime(message: str) -> None:
     """Megatron's ``[message] datetime: ...`` line on rank 0, once every rank got there."""
     from datetime import datetime

@@ -80,22 +80,24 @@ def get_ltor_masks_and_position_ids(
     """
     seq_length = data.numel()
     is_eod = data == eod_token
-    loss_mask = torch.ones(seq_length, dtype=torch.float)
+    loss_mask = torch.ones(seq_length, dtype=torch.float, device=data.device)
     if eod_mask_loss:
         loss_mask[is_eod] = 0.0
-    position_ids = torch.arange(seq_length, dtype=torch.long)
+    position_ids = torch.arange(seq_length, dtype=torch.long, device=data.device)
     segment = None
     if reset_position_ids or reset_attention_mask:
         # segment[t] = number of EODs strictly before t
         segment = torch.cumsum(is_eod.long(), 0) - is_eod.long()
     if reset_position_ids:
         eod_positions = torch.nonzero(is_eod, as_tuple=True)[0]
-        segment_starts = torch.cat([torch.zeros(1, dtype=torch.long), eod_positions + 1])
+        segment_starts = torch.cat(
+            [torch.zeros(1, dtype=torch.long, device=data.device), eod_positions + 1]
+        )
         starts = segment_starts[segment]
         position_ids = position_ids - starts
     attention_mask = None
     if create_attention_mask:
-        causal = torch.ones((seq_length, seq_length), dtype=torch.bool).tril_()
+        causal = torch.ones((seq_length, seq_length), dtype=torch.bool, device=data.device).tril_()
         if reset_attention_mask:
             causal &= segment.unsqueeze(1) == segment.unsqueeze(0)
         attention_mask = (~causal).unsqueeze(0)
@@ -174,7 +176,7 @@ class GPTDataset(MegatronDataset):
     def __getitem__(self, idx: Optional[int]) -> Dict[str, torch.Tensor]:
         """idx None yields a padding sample whose loss mask is all zero."""
         text, _ = self._query_document_sample_shuffle_indices(0 if idx is None else idx)
-        text = torch.from_numpy(text)
+        text = torch.from_numpy(text)  # host: a sample is collated on the host, then moved
         if self._extra:
             tokens = text[:-1].contiguous()
             labels = text[1:].contiguous()

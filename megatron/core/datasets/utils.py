@@ -182,10 +182,9 @@ def dist_all_ok(ok: bool) -> bool:
 
     if not (dist.is_available() and dist.is_initialized()):
         return ok
-    device = "cpu"
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    from megatron.core.device import collective_device
+
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 

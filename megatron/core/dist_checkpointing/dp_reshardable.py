@@ -281,7 +281,11 @@ class BucketStateLoad:
         for g, buffer in enumerate(self.buffers):
             for b, bucket in enumerate(buffer.buckets):
                 for name in self.names:
-                    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+                    flat = torch.zeros(
+                        bucket.numel_unpadded,
+                        dtype=torch.float32,
+                        device="cpu",  # host: staging for loaded values
+                    )
                     self._flats[(g, b, name)] = flat
                     entry = replicated(bucket_key(mp_index, g, buffer.dtypes, b, name), flat)
                     self.targets[entry.name] = entry
@@ -310,7 +314,11 @@ def bucket_state_entries(
     for g, buffer in enumerate(buffers):
         for b, bucket in enumerate(buffer.buckets):
             for name in names:
-                flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+                flat = torch.zeros(
+                    bucket.numel_unpadded,
+                    dtype=torch.float32,
+                    device="cpu",  # host: staging for the checkpoint
+                )
                 for slot in bucket.params:
                     value = by_param[(id(buffer.params[slot.name]), name)]
                     flat[slot.start : slot.end].copy_(value.reshape(-1))

@@ -123,7 +123,8 @@ def optimizer_common_state(optimizer) -> Dict[str, Any]:
     groups = _megatron_groups(optimizer.param_groups)
     step = max([_step_of_group(optimizer, g) for g in optimizer.param_groups] or [0])
     # megatron-core stores the step once for all parameters, and only once there is one.
-    inner = {"state": {"common_step": torch.tensor(float(step))} if step else {}}
+    common_step = torch.tensor(float(step), device="cpu")  # host: a checkpoint entry
+    inner = {"state": {"common_step": common_step} if step else {}}
     inner["param_groups"] = groups
     if hasattr(optimizer, "fp32_from_float16_groups"):
         return {"optimizer": inner, **scaler_state}

@@ -13,6 +13,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device
 from megatron.core.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron.core.utils import get_model_config, unwrap_model
 
@@ -112,21 +113,17 @@ def _reduce_across_model_parallel_groups(model_chunks, parallel_state, num_token
         if t:
             t.stop()
     if num_tokens is not None:
-        # The count may live on the CPU; the collectives need it where the gradients are.
-        device = next(model_chunks[0].parameters()).device
-        num_tokens = num_tokens.to(device, copy=True)
+        num_tokens = num_tokens.clone()  # the collectives below work in place
         if pp_size > 1:
-            last = dist.get_global_rank(
-                parallel_state.get_pipeline_model_parallel_group(), pp_size - 1
-            )
-            dist.broadcast(
-                num_tokens, src=last, group=parallel_state.get_pipeline_model_parallel_group()
-            )
+            pp_group = parallel_state.get_pipeline_model_parallel_group()
+            num_tokens = num_tokens.to(collective_device(pp_group))
+            last = dist.get_global_rank(pp_group, pp_size - 1)
+            dist.broadcast(num_tokens, src=last, group=pp_group)
         dp_cp = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         if dp_cp > 1:
-            dist.all_reduce(
-                num_tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
-            )
+            dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            num_tokens = num_tokens.to(collective_device(dp_cp_group))
+            dist.all_reduce(num_tokens, group=dp_cp_group)
         scale = dp_cp / max(1, int(num_tokens.item()))
         for chunk in model_chunks:
             chunk.scale_gradients(scale)

@@ -18,6 +18,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device
+
 __all__ = ["ReplicaMismatch", "check_param_hashes_across_dp_replicas", "param_digests"]
 
 _DIGEST_BYTES = 32
@@ -48,13 +50,6 @@ def param_digests(model_chunks: Sequence[torch.nn.Module]) -> List[Tuple[str, by
     return digests
 
 
-def _collective_device(group) -> torch.device:
-    """NCCL reduces CUDA tensors only; gloo CPU tensors."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _first_difference(names: Iterable[str], ours: torch.Tensor, theirs: torch.Tensor) -> str:
     for name, a, b in zip(names, ours, theirs):
         if not torch.equal(a, b):
@@ -75,7 +70,7 @@ def check_param_hashes_across_dp_replicas(
         return []
     digests = param_digests(model_chunks)
     names = [name for name, _ in digests]
-    device = _collective_device(dp_group)
+    device = collective_device(dp_group)
     local = torch.tensor(
         [list(digest) for _, digest in digests] or [[0] * _DIGEST_BYTES],
         dtype=torch.uint8,

@@ -33,7 +33,7 @@ class BiasGeLUTanhFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         x = input_ if bias is None else input_ + bias
-        two_c = torch.tensor(2.0 * _C, dtype=x.dtype)
+        two_c = torch.tensor(2.0 * _C, dtype=x.dtype, device=x.device)
         # s = sigmoid(2c (x + a x^3)) = sigmoid(x (2c + 2ca x^2)), computed in one new tensor.
         s = torch.addcmul(two_c, x, x, value=2.0 * _C * _A).mul_(x).sigmoid_()
         if not any(ctx.needs_input_grad):
@@ -45,7 +45,7 @@ class BiasGeLUTanhFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x, s = ctx.saved_tensors
-        two_c = torch.tensor(2.0 * _C, dtype=x.dtype)
+        two_c = torch.tensor(2.0 * _C, dtype=x.dtype, device=x.device)
         grad = torch.addcmul(two_c, x, x, value=6.0 * _C * _A).mul_(x)  # 2c (1 + 3a x^2) x
         grad.mul_(torch.addcmul(s, s, s, value=-1.0))  # * s (1 - s)
         grad.add_(s).mul_(grad_output)

@@ -66,7 +66,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             local_target,
             numer,
             sum_exp,
-            outside if outside is not None else torch.empty(0, dtype=torch.bool),
+            outside
+            if outside is not None
+            else torch.empty(0, dtype=torch.bool, device=loss.device),
         )
         ctx.tp_size = size
         return loss

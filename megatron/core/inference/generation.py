@@ -137,7 +137,7 @@ def generate(
     stop_token = special.eod if params.stop_token is None else params.stop_token
     seed = params.random_seed
     if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
+        seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())  # host: a seed, no data
     generator = torch.Generator(device=tokens.device)
     generator.manual_seed(seed)
 

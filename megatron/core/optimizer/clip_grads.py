@@ -12,6 +12,8 @@ from typing import Iterable, List, Union
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device
+
 
 def param_is_counted_once(param: torch.Tensor, tp_rank: int = 0) -> bool:
     """True if this rank owns `param` for norm/zero statistics.
@@ -23,16 +25,6 @@ def param_is_counted_once(param: torch.Tensor, tp_rank: int = 0) -> bool:
     if getattr(param, "shared", False):
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
-
-
-def _reduction_device(tensors: List[torch.Tensor], group) -> torch.device:
-    if tensors:
-        return tensors[0].device
-    # A rank can hold no counted grads; pick the device the backend can reduce on.
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_backend(group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> None:
@@ -64,7 +56,7 @@ def get_grad_norm_fp32(
         grads_for_norm = [grads_for_norm]
     grads = [g.detach() for g in grads_for_norm if g is not None]
     norm_type = float(norm_type)
-    device = _reduction_device(grads, model_parallel_group)
+    device = collective_device(model_parallel_group)
 
     if norm_type == math.inf:
         total = torch.zeros(1, dtype=torch.float64, device=device)
@@ -113,7 +105,7 @@ def count_zeros_fp32(
         for p in parameters
         if p.grad is not None and param_is_counted_once(p, tp_rank)
     ]
-    device = _reduction_device(grads, grad_stats_parallel_group)
+    device = collective_device(grad_stats_parallel_group)
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for g in grads:
         total += g.numel() - torch.count_nonzero(g).to(device)

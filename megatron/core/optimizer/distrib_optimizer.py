@@ -374,7 +374,10 @@ class DistributedOptimizer(MegatronOptimizer):
         self.num_inner_steps = int(saved[0].get("step", 0)) if saved else 0
         for main in self.main_params.values():
             if "step" in self.optimizer.state.get(main, {}):
-                self.optimizer.state[main]["step"] = torch.tensor(float(self.num_inner_steps))
+                self.optimizer.state[main]["step"] = torch.tensor(
+                    float(self.num_inner_steps),
+                    device="cpu",  # host: where torch.optim keeps it
+                )
         if "grad_scaler" in state_dict and self.grad_scaler is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
@@ -483,7 +486,11 @@ class DistributedOptimizer(MegatronOptimizer):
                         else:
                             st = self.optimizer.state.setdefault(main, {})
                             st[key] = values.clone().view_as(main)
-                            st.setdefault("step", torch.tensor(float(self.num_inner_steps)))
+                            step = torch.tensor(
+                                float(self.num_inner_steps),
+                                device="cpu",  # host: where torch.optim keeps it
+                            )
+                            st.setdefault("step", step)
         self._copy_main_params_to_model_params()
         self._gather_model_params(force_sync=True)
 
@@ -588,7 +595,11 @@ class DistributedOptimizer(MegatronOptimizer):
             for key, old_buckets in saved.items():
                 new_buckets = []
                 for bucket in buffer.buckets:
-                    flat = torch.zeros(bucket.numel_unpadded, dtype=torch.float32)
+                    flat = torch.zeros(
+                        bucket.numel_unpadded,
+                        dtype=torch.float32,
+                        device="cpu",  # host: staging for loaded values
+                    )
                     for param in bucket.params:
                         start = buffer.param_index_map[param][0] - bucket.offset
                         b, old_start = old_place[id(param)]

@@ -10,13 +10,17 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from megatron.core.device import compute_device
+
 
 class MegatronGradScaler:
     """Base class: holds the current scale and knows how to react to an overflow."""
 
     def __init__(self, initial_scale: float, device: Optional[torch.device | str] = None):
+        """``device``: where the loss it scales is (default: the compute device)."""
         if not initial_scale > 0.0:
             raise ValueError(f"loss scale must be positive, got {initial_scale}")
+        device = compute_device() if device is None else device
         self._scale = torch.tensor([float(initial_scale)], dtype=torch.float32, device=device)
 
     @property
@@ -72,6 +76,7 @@ class DynamicGradScaler(MegatronGradScaler):
         device: Optional[torch.device | str] = None,
     ):
         super().__init__(initial_scale, device=device)
+        device = self._scale.device
         if not min_scale > 0.0:
             raise ValueError(f"min loss scale (--min-loss-scale) must be positive, got {min_scale}")
         if min_scale > initial_scale:
@@ -125,7 +130,7 @@ class DynamicGradScaler(MegatronGradScaler):
         missing = {"scale", "growth_tracker", "hysteresis_tracker"} - set(state_dict)
         if missing:
             raise ValueError(f"grad scaler state dict lacks {sorted(missing)}")
-        scale = torch.as_tensor(state_dict["scale"], dtype=torch.float32).reshape(1)
-        self._scale = scale.to(self._scale.device).clone()
+        scale = torch.as_tensor(state_dict["scale"], dtype=torch.float32, device=self._scale.device)
+        self._scale = scale.reshape(1).clone()
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])

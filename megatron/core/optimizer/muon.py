@@ -320,7 +320,7 @@ class Muon(torch.optim.Optimizer):
         lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
         state = self.state[p]
         if "step" not in state:
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0, device="cpu")  # host: read by .item() each step
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1

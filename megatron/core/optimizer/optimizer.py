@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import compute_device
 from megatron.core.timers import DummyTimer
 
 from .clip_grads import (
@@ -99,7 +100,7 @@ class MegatronOptimizer:
         """This rank's expert-tensor-parallel rank (unsharded expert params count there once)."""
         self._dummy_timer = DummyTimer()
         params = self.get_parameters()
-        self._device = params[0].device if params else torch.device("cpu")
+        self._device = params[0].device if params else compute_device()
 
     # ------------------------------------------------------------------ helpers
     def _timer(self, name: str):

@@ -27,6 +27,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.core.device import collective_device
+
 _ACTIVATION_TAG = 0
 _GRADIENT_TAG = 1
 
@@ -65,7 +67,7 @@ class P2PCommunicator:
     """Sends/receives between this rank and its neighbours in ``pp_group``.
 
     ``config`` supplies the dtype, the device-independent shape rules and ``timers``; ``device``
-    is where received tensors are allocated (default: cuda when the group's backend is NCCL).
+    is where received tensors are allocated (default: the group's collective device).
     """
 
     def __init__(self, pp_group, config, device: Optional[torch.device] = None):
@@ -78,14 +80,7 @@ class P2PCommunicator:
             self.next_rank = dist.get_global_rank(pp_group, (self.rank + 1) % self.world_size)
         else:
             self.prev_rank = self.next_rank = None
-        if device is None:
-            backend = dist.get_backend(pp_group) if pp_group is not None else "gloo"
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if "nccl" in str(backend)
-                else torch.device("cpu")
-            )
-        self.device = device
+        self.device = device if device is not None else collective_device(pp_group)
         self.dtype = get_pipeline_dtype(config)
         self._pending_sends: List[Tuple[object, torch.Tensor]] = []
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
 
+from megatron.core.device import compute_device
 from megatron.core.pipeline_parallel.layer_split import check_interleaved_microbatches
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, get_tensor_shape
 from megatron.core.transformer.moe.moe_utils import set_aux_loss_backward_scale
@@ -70,9 +71,7 @@ def _aux_loss_backward_scale(config, model, num_microbatches: int):
     grad_scale = getattr(config, "grad_scale_func", None)
     if grad_scale is None:
         return cp_size / num_microbatches
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else None
-    return grad_scale(torch.ones(1, device=device)).double() * cp_size / num_microbatches
+    return grad_scale(torch.ones(1, device=compute_device())).double() * cp_size / num_microbatches
 
 
 def forward_step(
@@ -113,7 +112,7 @@ def forward_step(
             get_model_config(model), _aux_loss_backward_scale(config, model, num_microbatches)
         )
     output_tensor, loss_func = forward_step_func(data_iterator, model)
-    num_tokens = torch.tensor(0, dtype=torch.int)
+    num_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
     if not is_last_stage:
         if timer:
             timer.stop()
@@ -196,7 +195,7 @@ def forward_backward_no_pipelining(
     config = get_model_config(model)
     no_sync = getattr(model, "no_sync", nullcontext)
     forward_data_store: List[Any] = []
-    total_tokens = torch.tensor(0, dtype=torch.int)
+    total_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
     with no_sync():
         for _ in range(num_microbatches - 1):
             output, num_tokens = forward_step(
@@ -334,7 +333,7 @@ def _run_pipeline(
     input_tensors = [deque() for _ in range(num_chunks)]
     output_tensors = [deque() for _ in range(num_chunks)]
     forward_data_store: List[Any] = []
-    total_tokens = torch.tensor(0, dtype=torch.int)
+    total_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
     send_next = send_prev = None
 
     with ExitStack() as all_chunks:

@@ -8,6 +8,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from megatron.core.device import collective_device
 from megatron.core.tensor_parallel import collectives as C
 
 _DTYPES = [
@@ -33,11 +34,7 @@ def broadcast_data(
         return {k: (data or {}).get(k) for k in keys}
     src = C.group_rank(tp_group) == 0
     if device is None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.distributed.get_backend(tp_group) == "nccl"
-            else torch.device("cpu")
-        )
+        device = collective_device(tp_group)
     max_dims = 8
     # Per key: present flag, dtype code, ndim, shape (padded to max_dims).
     meta = torch.zeros(len(keys), 3 + max_dims, dtype=torch.int64, device=device)
@@ -51,7 +48,7 @@ def broadcast_data(
                     f"broadcast_data: cannot send '{key}' of dtype {t.dtype} and {t.dim()} dims"
                 )
             meta[i, 0], meta[i, 1], meta[i, 2] = 1, _DTYPES.index(t.dtype), t.dim()
-            meta[i, 3 : 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            meta[i, 3 : 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64, device=device)
     C.broadcast(meta, 0, tp_group)
     out = {}
     for i, key in enumerate(keys):

@@ -101,7 +101,11 @@ def new_partitioned_weight(
     weight = torch.empty(local_shape, dtype=config.params_dtype, device=device)
     if config.perform_initialization and device.type != "meta":
         master_dtype = torch.float64 if config.params_dtype == torch.float64 else torch.float32
-        master = torch.empty(tuple(full_shape), dtype=master_dtype)
+        master = torch.empty(
+            tuple(full_shape),
+            dtype=master_dtype,
+            device="cpu",  # host: drawn by the CPU generator
+        )
         with torch.no_grad():
             init_method(master)
             weight.copy_(shard_of(master, partition_dim, tp_rank, tp_size, stride))

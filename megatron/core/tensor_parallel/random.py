@@ -20,6 +20,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from megatron.core.device import compute_device
 from megatron.core.tensor_parallel import collectives
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
@@ -29,7 +30,7 @@ _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
 
 def _resolve_device(device: Union[str, torch.device, None]) -> torch.device:
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return compute_device()
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"RNGStatesTracker supports 'cpu' and 'cuda' devices, got {device}")
@@ -68,7 +69,7 @@ class RNGStatesTracker:
     """Named generator states for one device's default generator."""
 
     def __init__(self, device: Union[str, torch.device, None] = None):
-        """``device``: 'cpu', 'cuda' / 'cuda:N', or None for CUDA when available else CPU."""
+        """``device``: 'cpu', 'cuda' / 'cuda:N', or None for the compute device."""
         self.device = _resolve_device(device)
         self.reset()
 
@@ -107,7 +108,7 @@ class RNGStatesTracker:
             self.states_[name] = get_device_rng_state(self.device)
             set_device_rng_state(saved, self.device)
         else:
-            generator = torch.Generator()
+            generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
             self.states_[name] = generator.get_state()
 
@@ -347,7 +348,7 @@ def checkpoint(
     if not torch.is_grad_enabled():
         return function(*args)
     options = _CheckpointOptions(function, distribute_saved_activations, rng_tracker, tp_group)
-    anchor = torch.empty(0, requires_grad=True)
+    anchor = torch.empty(0, requires_grad=True, device=compute_device())
     return CheckpointFunction.apply(options, anchor, *args)
 
 
@@ -398,7 +399,7 @@ class CheckpointWithoutOutput:
         if not torch.is_grad_enabled():
             return function(*args)
         self.function = function
-        anchor = torch.empty(0, requires_grad=True)
+        anchor = torch.empty(0, requires_grad=True, device=compute_device())
         self.output = _OutputDiscardingFunction.apply(self, anchor, *args)
         return self.output
 

@@ -75,7 +75,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.dim = dim
         self.rotary_interleaved = rotary_interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
-        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        even = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu")  # host: fp64 angles
+        inv_freq = 1.0 / (rotary_base ** (even / dim))
         if rope_scaling:
             inv_freq = llama3_scale_inv_freq(inv_freq, factor=rope_scaling_factor)
         # A plain attribute, not a buffer: Megatron checkpoints hold no rotary entries.
@@ -83,7 +84,9 @@ class RotaryEmbedding(torch.nn.Module):
         self._cache = {}
 
     def _angles(self, seq_len: int, offset: int) -> torch.Tensor:
-        positions = torch.arange(offset, offset + seq_len, dtype=torch.float64)
+        positions = torch.arange(
+            offset, offset + seq_len, dtype=torch.float64, device=self.inv_freq.device
+        )
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         return torch.outer(positions, self.inv_freq)  # [s, dim/2]

@@ -48,7 +48,7 @@ class _Expert(torch.nn.Module):
 
 
 def _master(shape, config, init_method) -> torch.Tensor:
-    master = torch.empty(shape, dtype=torch.float32)
+    master = torch.empty(shape, dtype=torch.float32, device="cpu")  # host: CPU initialisation
     if config.perform_initialization:
         with torch.no_grad():
             init_method(master)
@@ -160,9 +160,12 @@ class SequentialMLP(torch.nn.Module):
 
 def _per_row(biases, counts) -> torch.Tensor:
     """Each expert's bias repeated for its rows."""
+    device = biases[0].device
     index = torch.repeat_interleave(
-        torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long)
-    ).to(biases[0].device)
+        torch.arange(len(counts), device=device),
+        torch.tensor(counts, dtype=torch.long, device=device),
+        output_size=sum(counts),
+    )
     return torch.stack(biases)[index]
 
 
@@ -185,10 +188,13 @@ def grouped_linear(tokens: torch.Tensor, weights: torch.Tensor, counts: List[int
     if longest == 0:
         return tokens.new_zeros((tokens.shape[0], out_features))
     padded = tokens.new_zeros((groups, longest, in_features))
-    rows = torch.cat([torch.arange(c) for c in counts]).to(tokens.device)
+    device, total = tokens.device, sum(counts)
+    sizes = torch.tensor(counts, dtype=torch.long, device=device)
     group_of = torch.repeat_interleave(
-        torch.arange(groups), torch.tensor(counts, dtype=torch.long)
-    ).to(tokens.device)
+        torch.arange(groups, device=device), sizes, output_size=total
+    )
+    # Row r of group g sits at position r within it: its index minus where the group starts.
+    rows = torch.arange(total, device=device) - (torch.cumsum(sizes, 0) - sizes)[group_of]
     padded = padded.index_put((group_of, rows), tokens)
     product = torch.bmm(padded, weights.transpose(1, 2))
     return product[group_of, rows]

@@ -6,7 +6,7 @@ from typing import Dict, List
 import torch
 
 from megatron.core.tensor_parallel import collectives as C
-from megatron.core.tensor_parallel.parameters import new_weight
+from megatron.core.tensor_parallel.parameters import new_weight, param_device
 from megatron.core.transformer.moe import moe_utils as U
 
 _DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
@@ -51,9 +51,13 @@ class TopKRouter(torch.nn.Module):
         self.types = _as_list(config.moe_router_load_balancing_type)
         self.coeffs = _as_list(config.moe_aux_loss_coeff)
         if config.moe_router_enable_expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(self.num_experts))
+            # Buffers are made where the parameters are and move with the model.
+            device = param_device(config)
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, device=device))
             self.register_buffer(
-                "local_tokens_per_expert", torch.zeros(self.num_experts), persistent=False
+                "local_tokens_per_expert",
+                torch.zeros(self.num_experts, device=device),
+                persistent=False,
             )
         else:
             self.expert_bias = None
@@ -62,7 +66,7 @@ class TopKRouter(torch.nn.Module):
             # far, and how many micro-batches that is.
             self.register_buffer(
                 "global_tokens_per_expert",
-                torch.zeros(self.num_experts, dtype=torch.float64),
+                torch.zeros(self.num_experts, dtype=torch.float64, device=param_device(config)),
                 persistent=False,
             )
             self.global_microbatches = 0

@@ -73,10 +73,12 @@ class MoEAlltoAllTokenDispatcher:
         send_rows, input_splits, send_counts = [], [], []
         for member in range(self.ep_size * self.etp_size):
             e = member // self.etp_size
-            send_rows.append(torch.arange(starts[e], starts[e] + per_ep[e]))
+            send_rows.append(
+                torch.arange(starts[e], starts[e] + per_ep[e], device=token_idx.device)
+            )
             input_splits.append(per_ep[e])
             send_counts.append(counts[e * n : (e + 1) * n])
-        order = torch.cat(send_rows).to(token_idx.device)
+        order = torch.cat(send_rows)
         # How many rows of each local expert every member sends here.
         count_matrix = torch.tensor(send_counts, dtype=torch.long, device=tokens.device)
         received = C.all_to_all_uneven(
@@ -102,10 +104,12 @@ class MoEAlltoAllTokenDispatcher:
         offsets = torch.cumsum(received.flatten(), 0) - received.flatten()
         offsets = offsets.view(members, experts)
         chunks = [
-            torch.arange(int(offsets[m, j]), int(offsets[m, j] + received[m, j]))
+            torch.arange(
+                int(offsets[m, j]), int(offsets[m, j] + received[m, j]), device=received.device
+            )
             for j in range(experts)
             for m in range(members)
         ]
         if not chunks:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.cat(chunks).to(received.device)
+            return torch.zeros(0, dtype=torch.long, device=received.device)
+        return torch.cat(chunks)
