@@ -74,7 +74,7 @@ def _as_float64(value) -> torch.Tensor:
     without reading each value on the host (which waits for the device) every iteration."""
     if torch.is_tensor(value):
         return value.detach().reshape(()).double()
-    return torch.tensor(float(value), dtype=torch.float64)
+    return torch.tensor(float(value), dtype=torch.float64, device="cpu")  # host: a Python number
 
 
 def training_log(
