@@ -27,6 +27,7 @@ modules of their own and are importable from here too, as in Megatron.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import math
 import os
@@ -435,7 +436,7 @@ class RerunStateMachine:
                 text = (
                     f"Rank {self.rank}, node {self.node}, device {self.device}, "
                     f"iteration {self.current_iteration}: "
-                    f"Unexpected result {_show(result)} (message='{message}')"
+                    f"Unexpected result {result} (message='{message}')"
                 )
                 if fatal:
                     raise NonFiniteValueError(text)
@@ -475,10 +476,11 @@ class RerunStateMachine:
                 self._log_validation_error_to_file(
                     RerunValidationStatus.INITIAL_RUN, result, message
                 )
+                caller = inspect.getframeinfo(inspect.currentframe().f_back)
                 logger.error(
-                    f"Unexpected result {_show(result)} on rank {self.rank} "
-                    f"at iteration #{self.current_iteration} "
-                    f"invocation #{call.sequence} (message='{message}')"
+                    f"Unexpected result {result} at {caller.filename} line {caller.lineno}, "
+                    f"invokation #{call.sequence} at iteration #{self.current_iteration} "
+                    f"(message='{message}')"
                 )
             return
         if call != self.failed_validation_call or self.state not in (
@@ -489,20 +491,19 @@ class RerunStateMachine:
         comparison = self.error_injector.maybe_miscompare(
             comparison_func, self.initial_result, result, self.state
         )
-        shown, initial = _show(result), _show(self.initial_result)
+        initial = self.initial_result
         if self.state == RerunState.RERUNNING_IN_PLACE:
             if comparison > tolerance:
                 if not fatal:
                     self.continue_requested = True
-                self._log_failure(
+                logger.warning(
                     "First rerun: unexpected result is not reproducible within the tolerance "
-                    f"({shown} != {initial})",
-                    fatal,
+                    f"({result} != {initial})"
                 )
                 self._log_validation_error_to_file(
                     RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, result, message
                 )
-                self._log_failure("Possible transient error!", fatal)
+                self._log_failure("Possible transient error!")
             else:
                 if fatal:
                     self.checkpoint_requested = True
@@ -513,11 +514,10 @@ class RerunStateMachine:
                 self._log_validation_error_to_file(
                     RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE, result, message
                 )
-                self._log_failure(
+                logger.warning(
                     "First rerun: unexpected result is reproducible within the tolerance "
-                    f"({shown} = {initial}). "
-                    "Need to rerun on a different GPU to verify correctness.",
-                    fatal,
+                    f"({result} = {initial}). "
+                    "Need to rerun on a different GPU to verify correctness"
                 )
             return
         # The second re-run, in the job restarted from the checkpoint.
@@ -533,9 +533,9 @@ class RerunStateMachine:
             )
             logger.warning(
                 "Second rerun: unexpected result is not reproducible on a different GPU, "
-                f"therefore was likely incorrect ({shown} != {initial})"
+                f"therefore was likely incorrect ({result} != {initial})"
             )
-            self._log_failure("Possible persistent error!", True)
+            self._log_failure("Possible persistent error!")
             if not fatal:
                 self.continue_requested = True
         else:
@@ -544,9 +544,9 @@ class RerunStateMachine:
             )
             logger.warning(
                 "Second rerun: unexpected result is reproducible on a different GPU, "
-                f"therefore it was likely correct ({shown} = {initial})"
+                f"therefore it was likely correct ({result} = {initial})"
             )
-            self._log_failure(f"Correct result (but possible Application error) ({message})", True)
+            self._log_failure(f"Correct result (but possible Application error) ({message})")
             if not fatal:
                 self.continue_requested = True
 
@@ -622,7 +622,7 @@ class RerunStateMachine:
                 "RerunStateMachine disabled via CLI, ignoring machine state saved in checkpoint"
             )
             return
-        self._log_rank_0("Getting RerunStateMachine state from checkpoint. Will rerun step.")
+        self._log_rank_0("Getting RerunStateMachine state from checkpoint, CLI rerun args ignored")
         self.mode = RerunMode(state["mode"])
         self.current_iteration = int(state["current_iteration"])
         self.state = RerunState(state["state"])
@@ -685,15 +685,8 @@ class RerunStateMachine:
         if saved["extra"] is not None and self.restore_extra_state:
             self.restore_extra_state(saved["extra"])
 
-    def _log_failure(self, message: str, fatal: bool) -> None:
-        text = (
-            f"Rank {self.rank}, node {self.node}, device {self.device}, "
-            f"iteration #{self.current_iteration}: {message}!"
-        )
-        if fatal:
-            logger.error(text)
-        else:
-            logger.warning(text)
+    def _log_failure(self, message: str) -> None:
+        logger.error(f"Rank {self.rank}, node {self.node}, device {self.device}: {message}!")
 
     def _maybe_report_stats(self) -> None:
         if self.current_iteration % self.REPORTING_INTERVAL_ITERATIONS != 0:
@@ -726,17 +719,10 @@ class RerunStateMachine:
                     f"ts={datetime.datetime.now()} node={self.node} device={self.device} "
                     f"jobID={os.getenv('SLURM_JOBID', 'N/A')} rank={self.rank} "
                     f"iteration={self.current_iteration} status={status.value} "
-                    f"result={_show(result)} message='{message}'\n"
+                    f"result={result} message='{message}'\n"
                 )
         except OSError as exc:
             logger.error(f"Could not log validation error! ({exc})")
-
-
-def _show(result: Any) -> str:
-    """A result as the log lines show it: a scalar tensor as its number."""
-    if torch.is_tensor(result) and result.numel() == 1:
-        return repr(float(result.detach()))
-    return str(result)
 
 
 def _as_float(value: Any) -> float:

@@ -461,7 +461,10 @@ def load_checkpoint_dist(
     load_rng = not finetune and not args.no_load_rng
     rng_entry = _rng_request(object_keys, state) if load_rng else None
     rerun_saved, rerun_entry = None, None
-    if not finetune:
+    if _job_sharding_changed(ckpt_args, args):
+        # Megatron-LM's rule and line: the machine's per-rank state belongs to the old layout.
+        print_rank_0("Job sharding has changed: Rerun state will be ignored")
+    elif not finetune:
         rerun_saved = checkpoint_rng_state.plain_rerun_common(common.get("rerun_state_machine"))
         rerun_saved, rerun_entry = _rerun_request(rerun_saved, object_keys)
     for entry in (rng_entry, rerun_entry):
@@ -552,6 +555,22 @@ def _set_rng(saved: list, state, args, directory: str) -> None:
             f"checkpoint {directory}: cannot restore the RNG state ({exc}); pass --no-load-rng "
             "to keep this run's seeds"
         ) from None
+
+
+def _job_sharding_changed(ckpt_args, args) -> bool:
+    """Whether the checkpoint was saved with another world size, TP/PP sizes or DP size
+    (Megatron-LM's test; sizes missing from the checkpoint's args count as 1 for TP/PP and as
+    unknown for the others)."""
+
+    def sizes(source, tp_pp_default):
+        return (
+            getattr(source, "world_size", 0),
+            getattr(source, "tensor_model_parallel_size", tp_pp_default),
+            getattr(source, "pipeline_model_parallel_size", tp_pp_default),
+            getattr(source, "data_parallel_size", 0),
+        )
+
+    return sizes(ckpt_args, 1) != sizes(args, 1)
 
 
 def _rerun_request(saved, object_keys):

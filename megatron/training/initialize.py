@@ -39,6 +39,7 @@ def initialize_megatron(
     """
     from .arguments import parse_and_validate_args, print_args
 
+    configure_logging()
     args = (
         parsed_args
         if parsed_args is not None
@@ -101,9 +102,26 @@ def initialize_megatron(
     return args
 
 
+def configure_logging() -> None:
+    """Megatron-LM's processes log through Python's ``logging`` with its default format on
+    stderr, ``LEVEL:logger.name:message`` (``WARNING:megatron.core.rerun_state_machine:Result
+    validation enabled``), from INFO up: the lines Megatron's own log checks, and its users'
+    monitoring, grep for. A process that configured logging itself (a handler on the root
+    logger) keeps its configuration."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.INFO)
+    level = os.environ.get("MEGATRON_LOGGING_LEVEL")
+    if level is not None:
+        if not level.strip().lstrip("-").isdigit():
+            print(f"error: MEGATRON_LOGGING_LEVEL={level!r} is not a number", file=sys.stderr)
+            sys.exit(2)
+        root.setLevel(int(level))
+
+
 def _apply_process_settings(args):
     """Flags that set process-wide library state."""
-    if getattr(args, "logging_level", None) is not None:
+    if getattr(args, "logging_level", None) is not None:  # over MEGATRON_LOGGING_LEVEL
         logging.getLogger().setLevel(args.logging_level)
     if getattr(args, "disable_bf16_reduced_precision_matmul", False):
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False

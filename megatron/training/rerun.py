@@ -10,9 +10,7 @@ pretrain scripts, and its state in checkpoints.
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 from contextlib import contextmanager
 from functools import partial
 from typing import Optional
@@ -26,11 +24,13 @@ from megatron.core.rerun_state_machine import (
     RerunDiagnostic,
     RerunErrorInjector,
     RerunMode,
+    RerunState,
     RerunStateMachine,
 )
 from megatron.core.utils import NonFiniteValueError
 
 from . import global_vars
+from .utils import print_rank_0
 
 SPIKY_LOSS_FACTOR = 10.0
 """``--check-for-spiky-loss``: a loss this many times the largest of the first 100 is a spike."""
@@ -38,7 +38,6 @@ SPIKY_LOSS_FACTOR = 10.0
 
 def build_rerun_state_machine(args) -> RerunStateMachine:
     """The machine for this run (kept in the training globals for the loss functions)."""
-    _show_machine_log_lines()
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = compute_device().index
     if device is None:  # on CPU a "device" is the process's slot on its node
@@ -61,18 +60,17 @@ def build_rerun_state_machine(args) -> RerunStateMachine:
     return machine
 
 
-def _show_machine_log_lines() -> None:
-    """The machine logs through ``logging`` as Megatron's does (warnings, errors, and the
-    report_stats summary at INFO): print them, message only, unless the user configured
-    logging."""
-    log = logging.getLogger("megatron.core.rerun_state_machine")
-    if log.handlers or logging.getLogger().handlers:
+def set_machine_iteration(machine: Optional[RerunStateMachine], iteration: int) -> None:
+    """Megatron's start of training: the machine counts iterations from the loaded one (its
+    first is ``iteration + 1``, the number the log line shows). A machine that a checkpoint
+    asks to re-run an iteration keeps that iteration's number: the re-run is that iteration
+    (Megatron would reset it to the checkpoint's, one less, and count one behind afterwards)."""
+    if machine is None or machine.current_iteration == iteration:
         return
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
+    if machine.state != RerunState.NOT_RUNNING_YET:
+        return
+    print_rank_0(f"Setting rerun_state_machine.current_iteration to {iteration}...")
+    machine.current_iteration = iteration
 
 
 def wrap_data_iterators(iterators, machine: RerunStateMachine):

@@ -43,7 +43,7 @@ from .moe_logging import collect_moe_losses, moe_loss_scalars, write_per_layer
 from .params_norm import params_l2_norm
 from .progress_log import log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
-from .rerun import build_rerun_state_machine, wrap_data_iterators
+from .rerun import build_rerun_state_machine, set_machine_iteration, wrap_data_iterators
 from .straggler import StragglerDetector
 from .training_log import training_log
 from .utils import pipeline_schedule_kwargs, print_datetime, print_rank_0
@@ -442,6 +442,7 @@ def train(
     for chunk in model:
         chunk.train()
     iteration = args.iteration
+    set_machine_iteration(global_vars.get_rerun_state_machine(), iteration)
     flops = args.num_floating_point_operations_so_far
     if args.distributed_timeout_seconds_after_init is not None and dist.is_initialized():
         # Set-up (dataset indices, checkpoint loads) may be slow; iterations are not.

@@ -175,9 +175,12 @@ def test_log_straggler_names_the_slow_rank(tmp_path):
     )
     assert len(reports) == 3, result.stdout[-3000:]  # one per --log-interval (1)
     for fast_ms, fast, slow_ms, slow, low, high in reports:
-        # 2 micro-batches per iteration, each forward 0.2 s slower on rank 1.
+        # 2 micro-batches per iteration, each forward sleeping 0.2 s on rank 1: the slow rank's
+        # time holds both sleeps (time.sleep never returns early), whatever the load. The gap
+        # to the fast rank has no such bound: a loaded machine once made the fast rank's time
+        # 93 ms and the slow one's 410 ms (a gap of 316 ms).
         assert (fast, slow, low, high) == ("0", "1", "1", "0"), reports
-        assert float(slow_ms) - float(fast_ms) >= 0.9 * 400, reports
+        assert float(slow_ms) >= 400, reports
     assert re.search(
         r"^\^\^\^\^ Bottom 2 Ranks with lowest  Etpt\(TF\): [\d.]+/1, [\d.]+/0$",
         result.stdout,

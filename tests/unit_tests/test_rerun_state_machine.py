@@ -56,8 +56,22 @@ def step(machine, iterator, compute, fatal=True, micro_batches=1):
     return seen, machine.should_checkpoint_and_exit()
 
 
+STEP_VALIDATES_AT = step.__code__.co_firstlineno + 7
+"""The line of step() that calls validate_result (the caller the log line names)."""
+
+
 def messages(caplog):
     return [r.getMessage() for r in caplog.records]
+
+
+def log_lines(caplog):
+    """The records as the training processes print them: logging's default format,
+    ``LEVEL:logger.name:message`` (Megatron-LM's checks grep for these lines)."""
+    formatter = logging.Formatter(logging.BASIC_FORMAT)
+    return [formatter.format(r) for r in caplog.records]
+
+
+MACHINE = "megatron.core.rerun_state_machine"
 
 
 @pytest.fixture(autouse=True)
@@ -114,15 +128,18 @@ def test_a_transient_fatal_fault_is_rerun_on_the_same_data_then_checkpoints_and_
     seen, decision = step(machine, iterator, lambda b: next(results), micro_batches=1)
     assert seen == [1, 1]  # re-run on the replayed micro-batch
     assert decision == (True, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
-    log = messages(caplog)
-    assert "Unexpected result nan on rank 0 at iteration #1 invocation #1 " in "\n".join(log)
-    assert "Need to rerun step to check reproducibility of initial result" in log
+    log = log_lines(caplog)
     assert (
-        "Rank 0, node node-a, device 0, iteration #1: First rerun: unexpected result is not "
-        "reproducible within the tolerance (1.0 != nan)!"
+        f"ERROR:{MACHINE}:Unexpected result nan at {__file__} line {STEP_VALIDATES_AT}, "
+        "invokation #1 at iteration #1 (message='found NaN in test')"
     ) in log
-    assert "Rank 0, node node-a, device 0, iteration #1: Possible transient error!!" in log
-    assert log[-1] == (
+    assert f"WARNING:{MACHINE}:Need to rerun step to check reproducibility of initial result" in log
+    assert (
+        f"WARNING:{MACHINE}:First rerun: unexpected result is not reproducible within the "
+        "tolerance (1.0 != nan)"
+    ) in log
+    assert f"ERROR:{MACHINE}:Rank 0, node node-a, device 0: Possible transient error!!" in log
+    assert messages(caplog)[-1] == (
         "Exiting now. A checkpoint at the last iteration is being saved if further examination "
         "is needed"
     )
@@ -211,33 +228,44 @@ def test_injected_transient_error_on_a_non_fatal_check_continues(caplog):
             [expected, expected],
             (False, False, 0),
         )
-    assert messages(caplog).count("Injecting error type Transient error") == 3
+    log = log_lines(caplog)
+    assert log.count(f"WARNING:{MACHINE}:Injecting error type Transient error") == 3
     assert (
-        messages(caplog).count(
-            "Rank 0, node node-a, device 0, iteration #3: First rerun: unexpected result is not "
-            "reproducible within the tolerance (3.0 != 3.0)!"
-        )
-        == 1
+        f"WARNING:{MACHINE}:First rerun: unexpected result is not reproducible within the "
+        "tolerance (3.0 != 3.0)"
+    ) in log
+    # Megatron logs the diagnostic as an error whether or not the check is fatal.
+    assert (
+        log.count(f"ERROR:{MACHINE}:Rank 0, node node-a, device 0: Possible transient error!!") == 3
     )
 
 
 def test_injected_transient_error_on_a_fatal_check_exits_17(caplog):
     decision, _ = _injected_first_job("transient_error", caplog)
     assert decision == (True, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
-    assert "Rank 0, node node-a, device 0, iteration #1: Possible transient error!!" in messages(
-        caplog
+    assert f"ERROR:{MACHINE}:Rank 0, node node-a, device 0: Possible transient error!!" in (
+        log_lines(caplog)
     )
 
 
 def test_injected_persistent_error_exits_16_then_17_on_another_device(caplog):
     decision, state = _injected_first_job("persistent_error", caplog)
     assert decision == (True, True, EXIT_CODE_RESUME_TO_DISAMBIGUATE)
-    assert "Injecting error type Persistent error" in messages(caplog)
+    first_job = log_lines(caplog)
+    for line in (  # the lines Megatron-LM's gpt3_mcore_reruns_persistent_1 test greps for
+        "Result validation enabled",
+        "Injecting error type Persistent error",
+        "First rerun: unexpected result is reproducible within the tolerance (1.0 = 1.0). "
+        "Need to rerun on a different GPU to verify correctness",
+        "Saving a checkpoint and exiting now. Please resume the job from the checkpoint to "
+        "rerun the last iteration and establish a diagnostic",
+    ):
+        assert f"WARNING:{MACHINE}:{line}" in first_job
     seen, decision = _restarted_job(state, device=1)
     assert seen == [1]
     assert decision == (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
     log = messages(caplog)
-    assert "Getting RerunStateMachine state from checkpoint. Will rerun step." in log
+    assert "Getting RerunStateMachine state from checkpoint, CLI rerun args ignored" in log
     assert any(
         m.startswith(
             "Second rerun: unexpected result is not reproducible on a different GPU, "
@@ -245,7 +273,9 @@ def test_injected_persistent_error_exits_16_then_17_on_another_device(caplog):
         )
         for m in log
     )
-    assert "Rank 0, node node-a, device 1, iteration #1: Possible persistent error!!" in log
+    assert f"ERROR:{MACHINE}:Rank 0, node node-a, device 1: Possible persistent error!!" in (
+        log_lines(caplog)
+    )
     assert log[-1] == (
         "Exiting now. A checkpoint at the last iteration already exists if further "
         "examination is needed"
@@ -258,9 +288,9 @@ def test_injected_correct_result_is_confirmed_on_another_device(caplog):
     _, decision = _restarted_job(state, device=1)
     assert decision == (False, True, EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
     assert (
-        "Rank 0, node node-a, device 1, iteration #1: Correct result (but possible Application "
-        "error) (found NaN in test)!"
-    ) in messages(caplog)
+        f"ERROR:{MACHINE}:Rank 0, node node-a, device 1: Correct result (but possible "
+        "Application error) (found NaN in test)!"
+    ) in log_lines(caplog)
 
 
 def test_a_restart_on_the_same_device_asks_to_resume_again(caplog):
@@ -480,3 +510,42 @@ def test_evaluation_runs_with_the_machine_disabled(caplog):
         assert machine.mode == RerunMode.VALIDATE_RESULTS
     finally:
         global_vars.set_rerun_state_machine(None)
+
+
+# ------------------------------------------------------------------ where the lines go
+def test_training_processes_print_logger_lines_in_loggings_default_format(monkeypatch, capsys):
+    """A training process (no logging configured) prints every logger line from INFO up on
+    stderr as ``LEVEL:logger.name:message``, the lines Megatron-LM's checks grep for;
+    MEGATRON_LOGGING_LEVEL sets the level, and a malformed one is refused with one line."""
+    from megatron.training.initialize import configure_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()  # as in a fresh process (pytest adds its own); restored below
+    monkeypatch.delenv("MEGATRON_LOGGING_LEVEL", raising=False)
+    try:
+        configure_logging()
+        machine = logging.getLogger(MACHINE)
+        machine.warning("Result validation enabled")
+        logging.getLogger("megatron.core.num_microbatches_calculator").info("constant 4")
+        logging.getLogger("megatron.core.datasets").debug("not shown")
+        assert capsys.readouterr().err.splitlines() == [
+            f"WARNING:{MACHINE}:Result validation enabled",
+            "INFO:megatron.core.num_microbatches_calculator:constant 4",
+        ]
+        monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", str(logging.WARNING))
+        configure_logging()  # the handler is kept, the level is the environment's
+        logging.getLogger("megatron.core.num_microbatches_calculator").info("not shown")
+        machine.error("Rank 0, node n, device 0: Possible transient error!")
+        assert capsys.readouterr().err.splitlines() == [
+            f"ERROR:{MACHINE}:Rank 0, node n, device 0: Possible transient error!"
+        ]
+        monkeypatch.setenv("MEGATRON_LOGGING_LEVEL", "warning")
+        with pytest.raises(SystemExit, match="^2$"):
+            configure_logging()
+        assert (
+            capsys.readouterr().err == "error: MEGATRON_LOGGING_LEVEL='warning' is not a number\n"
+        )
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)

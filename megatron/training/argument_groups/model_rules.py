@@ -181,8 +181,6 @@ def validate_model_shape(args):
             f"--moe-router-topk "
             f"({args.moe_router_topk}) must be in [1, --num-experts ({args.num_experts})]",
         )
-        if args.moe_grouped_gemm:
-            check(args.bf16, "--moe-grouped-gemm needs --bf16")
     for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
         value = getattr(args, dest)
         if isinstance(value, list) and len(value) == 1:

@@ -1,6 +1,8 @@
 """Cross-flag rules of the mixture-of-experts flags (Megatron's, plus what this code base does
 not build). The parallel sizes are checked in parallel_rules.validate_parallel_sizes."""
 
+import torch
+
 from .validation import check
 
 
@@ -9,6 +11,7 @@ def _as_list(value):
 
 
 def validate_moe(args):
+    _validate_grouped_gemm(args)
     if args.num_experts is None:
         return
     tp = args.tensor_model_parallel_size
@@ -53,3 +56,20 @@ def validate_moe(args):
     if args.moe_token_dispatcher_type == "flex":
         # DeepEP is not available: the same exchange as alltoall (the start-up note says so).
         args.moe_token_dispatcher_type = "alltoall"
+
+
+GROUPED_GEMM_MIN_CAPABILITY = (8, 0)
+
+
+def _validate_grouped_gemm(args):
+    """Megatron-LM's rule for ``--moe-grouped-gemm``: a GPU of compute capability 8.0 or higher
+    (its grouped GEMM kernels need it), in any precision. Without CUDA there is no capability
+    to ask for: the grouped experts here are plain PyTorch (a padded ``bmm``) and run anywhere."""
+    if not args.moe_grouped_gemm or not torch.cuda.is_available():
+        return
+    capability = tuple(torch.cuda.get_device_capability())
+    check(
+        capability >= GROUPED_GEMM_MIN_CAPABILITY,
+        "--moe-grouped-gemm needs a GPU of compute capability 8.0 or higher, this one has "
+        f"{capability[0]}.{capability[1]}",
+    )

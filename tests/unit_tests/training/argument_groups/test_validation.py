@@ -258,11 +258,6 @@ CASES = [
         ["--num-experts", 2, "--moe-router-topk", 3],
         ["--moe-router-topk (3)", "--num-experts (2)"],
     ),
-    case(
-        "grouped_gemm_needs_bf16",
-        ["--num-experts", 2, "--moe-grouped-gemm"],
-        ["--moe-grouped-gemm needs --bf16"],
-    ),
     # ------------------------------------------------------------ batch sizes
     case(
         "micro_batch_required",
