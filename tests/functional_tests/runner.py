@@ -7,9 +7,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.harness import REPO
+from tests.harness.argv import TINY_RUN, megatron_argv
 
 # Megatron's per-iteration log line (printed every --log-interval iterations), written from
 # Megatron's format (not from our code).
@@ -31,49 +31,8 @@ LOG_LINE = re.compile(
     r" number of nan iterations: +(?P<nan>\d+) \|$"
 )
 
-TINY_MODEL = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--lr",
-    "5e-3",
-    "--min-lr",
-    "5e-4",
-    "--lr-decay-style",
-    "cosine",
-    "--lr-warmup-iters",
-    "2",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--ckpt-format",
-    "torch",
-    "--hidden-dropout",
-    "0.1",
-    "--attention-dropout",
-    "0.1",
-    "--seed",
-    "1234",
-]
+# A short training run (the flags are in tests/harness/argv.py); each test adds --train-iters.
+TINY_MODEL = megatron_argv(base=TINY_RUN)
 
 
 def env_for_tests():

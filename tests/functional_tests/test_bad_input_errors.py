@@ -6,6 +6,7 @@ import pytest
 
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from tests.functional_tests.runner import TINY_MODEL, run_pretrain
+from tests.harness.argv import TINY_RUN, megatron_argv
 
 
 def _error_line(result):
@@ -30,14 +31,21 @@ def _write_dataset(prefix, largest_id, documents=64, length=40):
 
 
 def _on_real_data(prefix):
-    args = list(TINY_MODEL)
-    del args[args.index("--mock-data")]
-    return args + ["--data-path", str(prefix), "--split", "100,0,0", "--train-iters", "12"]
+    """A short run on the documents at ``prefix`` with the NullTokenizer's 500 ids."""
+    return megatron_argv(
+        base=TINY_RUN,
+        mock_data=None,
+        vocab_size=500,
+        data_path=prefix,
+        split="100,0,0",
+        train_iters=12,
+    )
 
 
 @pytest.mark.parametrize("nproc, layout", [(None, []), (2, ["--tensor-model-parallel-size", "2"])])
 def test_data_tokenized_with_a_larger_vocabulary(tmp_path, nproc, layout):
-    # Before: an IndexError 21 frames deep at one process, silent training on masked ids at TP=2.
+    # Checked before training: unchecked, one process fails with an IndexError 21 frames deep
+    # and TP=2 trains silently on the masked ids.
     prefix = tmp_path / "big_vocab_text_document"
     _write_dataset(prefix, largest_id=5000)
     result = run_pretrain(_on_real_data(prefix) + layout, nproc=nproc, timeout=120)
@@ -47,8 +55,9 @@ def test_data_tokenized_with_a_larger_vocabulary(tmp_path, nproc, layout):
 
 
 def test_unwritable_save_directory_is_found_before_training(tmp_path):
-    # Before: found only at the first save, after the compute was spent. (Tests run as root
-    # here, so a chmod would not stop a write: a path under a regular file cannot be created.)
+    # Checked before training, or it would be found at the first save, after the compute was
+    # spent. (Tests run as root here, so a chmod would not stop a write: a path under a regular
+    # file cannot be created.)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     save = blocker / "ckpt"

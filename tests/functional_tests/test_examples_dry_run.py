@@ -7,12 +7,12 @@ import io
 import os
 import re
 import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.harness import REPO
+from tests.harness.argv import megatron_argv
 
 # Variables the scripts read; cleared so the caller's environment cannot change the layouts.
 SCRIPT_ENV = (
@@ -294,14 +294,24 @@ def test_dry_run_rejects_bad_layouts_with_the_parser_message(tmp_path):
 
 
 def test_dry_run_refuses_query_groups_split_across_tp_ranks(capsys):
-    """A layout that validate_args once let through (and the dry run printed OK for) while
-    every rank of the real run then died building the model."""
+    """Query groups split across TP ranks pass every other check, while every rank of a real
+    run would die building the model: validate_args refuses them, so the dry run must not
+    print OK."""
     from megatron.training.dry_run import main
 
-    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
-    flags += ["--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1"]
-    flags += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
-    flags += ["--train-iters", "1", "--group-query-attention", "--num-query-groups", "1"]
+    flags = megatron_argv(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=16,
+        max_position_embeddings=16,
+        micro_batch_size=1,
+        vocab_size=100,
+        train_iters=1,
+        lr=None,
+        group_query_attention=True,
+        num_query_groups=1,
+    )
     code = main(["--dry-run-world-size", "2", "--tensor-model-parallel-size", "2"] + flags)
     captured = capsys.readouterr()
     assert code == 2 and "dry run OK" not in captured.out
@@ -350,29 +360,17 @@ def test_parameter_formula_matches_the_built_model(flags):
     from megatron.training.tokenizer import build_tokenizer
 
     args = _args(
-        [
-            "--num-layers",
-            "2",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--seq-length",
-            "16",
-            "--max-position-embeddings",
-            "24",
-            "--micro-batch-size",
-            "1",
-            "--mock-data",
-            "--tokenizer-type",
-            "NullTokenizer",
-            "--vocab-size",
-            "100",
-            "--train-iters",
-            "1",
-            "--lr",
-            "1e-3",
-        ]
+        megatron_argv(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            seq_length=16,
+            max_position_embeddings=24,
+            micro_batch_size=1,
+            vocab_size=100,
+            train_iters=1,
+            lr=1e-3,
+        )
         + flags
     )
     build_tokenizer(args)
@@ -398,33 +396,20 @@ def test_own_world_size_flag_is_stripped_before_megatron_parsing(capsys):
     )
     assert split_own_flags(["--dry-run-world-size=16"]) == (16, [])
     code = main(
-        [
-            "--dry-run-world-size",
-            "4",
-            "--num-layers",
-            "2",
-            "--hidden-size",
-            "32",
-            "--num-attention-heads",
-            "4",
-            "--seq-length",
-            "16",
-            "--max-position-embeddings",
-            "16",
-            "--micro-batch-size",
-            "2",
-            "--global-batch-size",
-            "16",
-            "--mock-data",
-            "--tokenizer-type",
-            "NullTokenizer",
-            "--vocab-size",
-            "100",
-            "--train-iters",
-            "1",
-            "--tensor-model-parallel-size",
-            "2",
-        ]
+        ["--dry-run-world-size", "4"]
+        + megatron_argv(
+            num_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            seq_length=16,
+            max_position_embeddings=16,
+            micro_batch_size=2,
+            global_batch_size=16,
+            vocab_size=100,
+            train_iters=1,
+            lr=None,
+            tensor_model_parallel_size=2,
+        )
     )
     layout = _layout(capsys.readouterr().out)
     assert code == 0

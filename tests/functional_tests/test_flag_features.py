@@ -19,6 +19,7 @@ import pytest
 
 from megatron.training import global_vars
 from tests.functional_tests.runner import REPO, TINY_MODEL, read_tensorboard_scalars
+from tests.harness.argv import TINY_RUN, megatron_argv
 
 sys.path.insert(0, str(REPO))
 import pretrain_gpt  # noqa: E402
@@ -224,11 +225,11 @@ def test_integrity_manifest_missing_file_and_missing_manifest(tmp_path):
 
 
 def test_a_data_flag_that_cannot_be_built_is_one_error_line(tmp_path, capsys):
-    argv = [a for a in TINY_MODEL if a != "--mock-data"]
     missing = str(tmp_path / "no-such-args.txt")
-    code, _, err = _pretrain(
-        argv + ["--data-args-path", missing, "--split", "1,0,0", "--train-iters", "4"], capsys
+    argv = megatron_argv(
+        base=TINY_RUN, mock_data=None, data_args_path=missing, split="1,0,0", train_iters=4
     )
+    code, _, err = _pretrain(argv, capsys)
     assert code == 1 and "Traceback" not in err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err

@@ -24,6 +24,7 @@ import torch
 import transformers
 
 from tests.functional_tests.runner import REPO, env_for_tests, run_pretrain
+from tests.harness.argv import megatron_argv
 
 sys.path.insert(0, str(REPO / "tools" / "checkpoint"))
 import convert  # noqa: E402
@@ -309,12 +310,21 @@ def test_server_moe_torch_dist_ep2_equals_one_process(tmp_path):
     """One iteration of pretrain_gpt.py (one process) saves the model in torch_dist; the
     one-process server and the EP=2 server (two experts per rank) read it and must agree."""
     save = tmp_path / "moe"
-    result = run_pretrain(
-        MOE_MODEL_FLAGS
-        + ["--mock-data", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-4"]
-        + ["--eval-iters", "0", "--num-workers", "0", "--seed", "1234"]
-        + ["--save", str(save), "--save-interval", "1"]
+    # Mock data with the model's own tokenizer (not MOCK_DATA's NullTokenizer): the server
+    # tokenizes the prompts with it.
+    training = megatron_argv(
+        base=None,
+        mock_data=True,
+        global_batch_size=1,
+        train_iters=1,
+        lr=1e-4,
+        eval_iters=0,
+        num_workers=0,
+        seed=1234,
+        save=save,
+        save_interval=1,
     )
+    result = run_pretrain(MOE_MODEL_FLAGS + training)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (save / "iter_0000001" / ".metadata").is_file()  # torch.distributed.checkpoint's
     answers = []

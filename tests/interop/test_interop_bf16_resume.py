@@ -39,18 +39,11 @@ import torch
 from megatron.core import dist_checkpointing as dc
 from tests.interop.test_megatron_core_optimizer_interop import (
     LAST,
-    MCORE_PYTHON,
     RTOL,
     SAVED_AT,
     _mcore_train,
     _Ours,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron_core_python():
-    if not MCORE_PYTHON:
-        pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
 
 
 def _all_tensors(directory):

@@ -16,24 +16,17 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
 from megatron.core import dist_checkpointing as dc
+from tests.harness import REPO
 from tests.interop.test_model_families_layout import _config, _described
 from tests.unit_tests.dist_utils import run_distributed
 
-REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON")
 RTOL = 1e-5
 LAYERS, VOCAB, SEQ = 2, 64, 16  # the rest as in test_model_families_layout._config
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron_core_python():
-    if not MCORE_PYTHON:
-        pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
 
 
 def _mcore_tp2(action, directory, out, *extra):

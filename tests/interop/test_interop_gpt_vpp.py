@@ -11,26 +11,18 @@ Run by ``make interop`` (needs $MCORE_PYTHON), not by ``make test``.
 import json
 import os
 import subprocess
-from pathlib import Path
 
-import pytest
 import torch
 
 from megatron.core import dist_checkpointing as dc
+from tests.harness import REPO
 from tests.interop.test_megatron_core_interop import HIDDEN, LAYERS, SEQ, VOCAB, _batch, _our_model
 from tests.unit_tests.dist_utils import run_distributed
 
-REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON")
 RTOL = 1e-5
 PP, VPP = 2, 2
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron_core_python():
-    if not MCORE_PYTHON:
-        pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
 
 
 def _load_strictly(chunks, directory):

@@ -34,20 +34,13 @@ from megatron.core.dist_checkpointing.megatron_layout import (
     without_extra_state,
 )
 from tests.functional_tests.runner import TINY_MODEL, run_pretrain
+from tests.harness import REPO
+from tests.harness.argv import TINY_RUN, megatron_argv
 from tests.unit_tests.dist_utils import run_distributed
 
-REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON")
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron_core_python():
-    # Not part of `make test` (pyproject.toml keeps pytest out of tests/interop); run by name,
-    # this file fails rather than skips without megatron-core.
-    if not MCORE_PYTHON:
-        pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
 
 
 # The model both sides build: megatron-core's defaults for the rest (LayerNorm, GeLU, biases,
@@ -168,12 +161,21 @@ def test_megatron_core_checkpoint_loads_here_at_tp2_and_pp2(tmp_path):
 
     # Through pretrain_gpt.py: the checkpoint holds no optimizer state, which one clear line
     # says; with --no-load-optim the model loads and training goes on from its iteration.
-    flags = ["--num-layers", LAYERS, "--hidden-size", HIDDEN, "--num-attention-heads", HEADS]
-    flags += ["--seq-length", SEQ, "--max-position-embeddings", SEQ, "--vocab-size", VOCAB - 1]
-    flags += ["--make-vocab-size-divisible-by", "1", "--untie-embeddings-and-output-weights"]
-    flags += ["--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
-    flags += ["--tokenizer-type", "NullTokenizer", "--log-interval", "1", "--load", saved]
-    flags = [str(f) for f in flags]
+    flags = megatron_argv(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        seq_length=SEQ,
+        max_position_embeddings=SEQ,
+        vocab_size=VOCAB - 1,
+        make_vocab_size_divisible_by=1,
+        untie_embeddings_and_output_weights=True,
+        micro_batch_size=2,
+        train_iters=2,
+        lr=1e-3,
+        log_interval=1,
+        load=saved,
+    )
     refused = run_pretrain(flags)
     assert refused.returncode == 1, refused.stdout[-2000:] + refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
@@ -214,9 +216,7 @@ def test_checkpoint_written_here_at_tp2_pp2_distopt_loads_in_megatron_core(tmp_p
     from megatron.core.parallel_state import initialize_model_parallel
 
     save = tmp_path / "ours"
-    args = list(TINY_MODEL)
-    args[args.index("--num-layers") + 1] = str(LAYERS)
-    del args[args.index("--ckpt-format") : args.index("--ckpt-format") + 2]  # torch_dist
+    args = megatron_argv(base=TINY_RUN, num_layers=LAYERS, ckpt_format=None)  # torch_dist
     layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
     result = run_pretrain(
         args

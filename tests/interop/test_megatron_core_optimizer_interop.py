@@ -40,9 +40,10 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing
 from tests.functional_tests.runner import run_pretrain
+from tests.harness import REPO
+from tests.harness.argv import megatron_argv
 from tests.unit_tests.checkpoint_utils import checkpoint_args, set_training_globals
 
-REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON")
 RTOL = 1e-5
@@ -51,12 +52,6 @@ RTOL = 1e-5
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 32, 4, 64, 16
 LR, WEIGHT_DECAY, BATCH_SEED = 1e-3, 0.1, 7
 SAVED_AT, LAST = 2, 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron_core_python():
-    if not MCORE_PYTHON:
-        pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
 
 
 def _mcore_train(out, *extra, processes=1):
@@ -251,14 +246,25 @@ def test_megatron_core_training_resumes_here_with_its_optimizer_state(
     if sharding == "none" and fmt == "torch_dist":
         # Through pretrain_gpt.py: its loader takes model, optimizer, scheduler and iteration
         # from megatron-core's checkpoint (no --no-load-optim) and trains on from iteration 3.
-        flags = ["--num-layers", LAYERS, "--hidden-size", HIDDEN, "--num-attention-heads", HEADS]
-        flags += ["--seq-length", SEQ, "--max-position-embeddings", SEQ, "--vocab-size", VOCAB - 1]
-        flags += ["--make-vocab-size-divisible-by", 1, "--untie-embeddings-and-output-weights"]
-        flags += ["--micro-batch-size", 2, "--train-iters", SAVED_AT + 1, "--mock-data"]
-        flags += ["--lr", LR, "--lr-decay-style", "constant", "--weight-decay", WEIGHT_DECAY]
-        flags += ["--use-checkpoint-opt_param-scheduler", "--tokenizer-type", "NullTokenizer"]
-        flags += ["--log-interval", 1, "--load", saved]
-        resumed = run_pretrain([str(f) for f in flags])
+        flags = megatron_argv(
+            "--use-checkpoint-opt_param-scheduler",
+            num_layers=LAYERS,
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            seq_length=SEQ,
+            max_position_embeddings=SEQ,
+            vocab_size=VOCAB - 1,
+            make_vocab_size_divisible_by=1,
+            untie_embeddings_and_output_weights=True,
+            micro_batch_size=2,
+            train_iters=SAVED_AT + 1,
+            lr=LR,
+            lr_decay_style="constant",
+            weight_decay=WEIGHT_DECAY,
+            log_interval=1,
+            load=saved,
+        )
+        resumed = run_pretrain(flags)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
         assert f"successfully loaded checkpoint from {saved}" in resumed.stdout
         assert "iteration        3/       3" in resumed.stdout

@@ -23,24 +23,17 @@ import types
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from megatron.core import dist_checkpointing as dc
+from tests.harness import REPO
 from tests.unit_tests.dist_utils import run_distributed
 
 # The driver's fields of a rerun machine: its attributes are the same on both sides.
 from tools.interop.mcore_gpt import machine_fields
 
-REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron_core_python():
-    if not MCORE_PYTHON:
-        pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
 
 
 def _mcore(action, directory, out, *extra):

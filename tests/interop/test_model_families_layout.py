@@ -18,13 +18,12 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 import torch
 
 from megatron.core import dist_checkpointing as dc
+from tests.harness import REPO
 from tests.unit_tests.dist_utils import run_distributed
 
-REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tools" / "interop" / "mcore_gpt.py"
 MCORE_PYTHON = os.environ.get("MCORE_PYTHON")
 RTOL = 1e-5
@@ -34,12 +33,6 @@ EXPERTS, MOE_FFN, SHARED_FFN = 4, 24, 16
 MOE_FLAGS = ["--num-experts", EXPERTS, "--moe-ffn-hidden-size", MOE_FFN]
 MOE_FLAGS += ["--moe-shared-expert-intermediate-size", SHARED_FFN, "--disable-bias-linear"]
 MOE_FLAGS += ["--moe-shared-expert-gate", "--moe-router-enable-expert-bias"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _megatron_core_python():
-    if not MCORE_PYTHON:
-        pytest.fail("set MCORE_PYTHON to a Python that has megatron-core (make interop does)")
 
 
 def _mcore(action, directory, out, *extra):

@@ -30,6 +30,7 @@ from megatron.core.distributed import (
     TorchFullyShardedDataParallel,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from tests.harness.argv import megatron_argv
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config, validated_args
 
@@ -192,29 +193,7 @@ def test_fsdp2_needs_torch_distributed_and_refuses_the_distributed_optimizer():
 
 
 # ------------------------------------------------------------------ flags
-_ARGV = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--max-position-embeddings",
-    "128",
-    "--seq-length",
-    "128",
-    "--micro-batch-size",
-    "2",
-    "--train-iters",
-    "10",
-    "--lr",
-    "1e-3",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "128",
-]
+_ARGV = megatron_argv(num_layers=2, max_position_embeddings=128)
 _FSDP2 = [
     "--use-torch-fsdp2",
     "--no-gradient-accumulation-fusion",

@@ -18,13 +18,7 @@ from tests.unit_tests.tiny_configs import tiny_transformer_config as make_config
 VOCAB, SEQ = TINY_VOCAB, TINY_SEQ
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to contention from other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def batch(b=2, s=SEQ, seed=1):

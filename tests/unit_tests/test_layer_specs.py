@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+from tests.harness.argv import megatron_argv
 
 
 def cfg(**kw):
@@ -267,12 +268,16 @@ def test_padding_masked_self_attention_layer_is_bidirectional_and_ignores_paddin
 
 
 # ----------------------------------------------------------------------------- --spec
-TINY_FLAGS = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
-    "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "60",
-]  # fmt: skip
+TINY_FLAGS = megatron_argv(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    seq_length=16,
+    max_position_embeddings=16,
+    micro_batch_size=1,
+    train_iters=1,
+    vocab_size=60,
+)
 
 
 def _validated(*flags):

@@ -8,13 +8,13 @@ from our code."""
 import sys
 
 import numpy as np
-import pytest
 
 from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
 from megatron.training import global_vars
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.tokenizer import build_tokenizer
-from tests.functional_tests.runner import REPO
+from tests.harness import REPO
+from tests.harness.argv import megatron_argv
 
 sys.path.insert(0, str(REPO))
 import pretrain_gpt  # noqa: E402
@@ -32,21 +32,15 @@ def _document_ranges(weights, documents):
     ]
 
 
-@pytest.fixture
-def mock_run_globals(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
-    yield
-    global_vars.reset_globals()
-
-
-def test_mock_train_split_is_the_even_split(mock_run_globals):
-    argv = [
-        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
-        "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
-        "NullTokenizer", "--vocab-size", "500", "--split", "99,1,0",
-    ]  # fmt: skip
+def test_mock_train_split_is_the_even_split(single_process_env, fresh_globals):
+    argv = megatron_argv(
+        num_layers=2,
+        seq_length=64,
+        max_position_embeddings=64,
+        train_iters=2,
+        vocab_size=500,
+        split="99,1,0",
+    )
     args = validate_args(parse_args(argv=argv))
     global_vars.set_args(args)
     global_vars.set_tokenizer(build_tokenizer(args))

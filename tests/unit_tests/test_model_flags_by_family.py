@@ -4,13 +4,13 @@ parallelism as Megatron does; checked through the dry run (the same check pretra
 import pytest
 
 from megatron.training.dry_run import main
+from tests.harness.argv import MOCK_DATA, megatron_argv
 
 SHAPE = [
     "--hidden-size", "64", "--num-attention-heads", "4", "--max-position-embeddings", "64",
     "--micro-batch-size", "2", "--train-iters", "3",
 ]  # fmt: skip
-GPT = ["--num-layers", "2", "--seq-length", "64", "--mock-data", "--tokenizer-type"]
-GPT += ["NullTokenizer", "--vocab-size", "100"]
+GPT = megatron_argv(base=MOCK_DATA, num_layers=2, seq_length=64, vocab_size=100)
 BERT = ["--dry-run-model", "bert", "--num-layers", "2", "--seq-length", "64"]
 BERT += ["--vocab-file", "tests/data/bert-vocab.txt"]
 T5 = ["--dry-run-model", "t5", "--encoder-num-layers", "2", "--decoder-num-layers", "2"]

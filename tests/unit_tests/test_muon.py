@@ -34,6 +34,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel.layers import full_from_shards, shard_of
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.harness.argv import megatron_argv
 from tests.unit_tests.dist_utils import run_distributed
 
 VOCAB, SEQ, BATCH, HEADS, GROUPS, KV = 64, 16, 4, 4, 2, 8
@@ -384,11 +385,17 @@ def test_layer_wise_distributed_optimizer_matches_one_process():
 
 
 # ------------------------------------------------------------------------------ start-up rules
-COMMAND_LINE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 16 "
-    "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 128 --optimizer muon"
-).split()
+COMMAND_LINE = megatron_argv(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=16,
+    seq_length=16,
+    micro_batch_size=1,
+    train_iters=1,
+    vocab_size=128,
+    optimizer="muon",
+)
 
 
 def _validated(*flags):
@@ -397,11 +404,9 @@ def _validated(*flags):
     return validate_args(parse_args(argv=COMMAND_LINE + [str(f) for f in flags]))
 
 
-def test_muon_start_up_rules(monkeypatch, capsys):
+def test_muon_start_up_rules(single_process_env, capsys):
     from megatron.training.arguments import ArgumentValidationError
 
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
     args = _validated("--use-distributed-optimizer")
     assert args.use_layer_wise_distributed_optimizer and not args.use_distributed_optimizer
     assert "the layer-wise distributed optimizer" in capsys.readouterr().out

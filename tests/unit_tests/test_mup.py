@@ -22,6 +22,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
+from tests.harness.argv import megatron_argv
 
 HIDDEN, BASE, LAYERS, VOCAB, SEQ = 64, 16, 2, 512, 16
 
@@ -47,11 +48,16 @@ def test_mup_derives_width_attention_scale_and_output_multiplier():
         config(mup_base_hidden_size=BASE)
 
 
-COMMAND_LINE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 16 "
-    "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 128"
-).split()
+COMMAND_LINE = megatron_argv(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=16,
+    seq_length=16,
+    micro_batch_size=1,
+    train_iters=1,
+    vocab_size=128,
+)
 
 
 def start_up_error(*flags):
@@ -60,9 +66,7 @@ def start_up_error(*flags):
     return str(info.value)
 
 
-def test_mup_flags_are_checked_at_start_up(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
+def test_mup_flags_are_checked_at_start_up(single_process_env):
     message = start_up_error("--mup-output-mult", 0.5)
     assert message == "--mup-output-mult only take effect with --use-mup"
     message = start_up_error("--use-mup", "--mup-base-hidden-size", 16, "--mup-width-mult", 3)

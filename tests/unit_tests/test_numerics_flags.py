@@ -27,20 +27,25 @@ from megatron.core.tensor_parallel.layers import shard_of
 from megatron.core.transformer.mlp import MLP
 from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
 from megatron.training.configs import core_transformer_config_from_args
+from tests.harness.argv import megatron_argv
 from tests.unit_tests.dist_utils import run_distributed
 
-COMMAND_LINE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --max-position-embeddings 16 "
-    "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data "
-    "--tokenizer-type NullTokenizer --vocab-size 128 --hidden-dropout 0 --attention-dropout 0"
-).split()
+COMMAND_LINE = megatron_argv(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=16,
+    seq_length=16,
+    micro_batch_size=1,
+    train_iters=1,
+    vocab_size=128,
+    hidden_dropout=0,
+    attention_dropout=0,
+)
 VOCAB, SEQ = 256, 16
 
 
-@pytest.fixture(autouse=True)
-def single_process_env(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("RANK", "0")
+pytestmark = pytest.mark.usefixtures("single_process_env")
 
 
 def args_of(*flags):

@@ -25,6 +25,7 @@ import torch
 
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.harness.argv import megatron_argv
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config
 
@@ -47,12 +48,7 @@ FULL_BLOCK_ALL = dict(
 FULL_BLOCK_0 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def build(recompute, dropout=0.1, **model_kwargs):
@@ -341,29 +337,7 @@ def test_distribute_saved_activations_needs_full_recompute():
 
 
 # ------------------------------------------------------------------ flags
-_ARGV = [
-    "--num-layers",
-    "4",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--max-position-embeddings",
-    "128",
-    "--seq-length",
-    "128",
-    "--micro-batch-size",
-    "2",
-    "--train-iters",
-    "10",
-    "--lr",
-    "1e-3",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "128",
-]
+_ARGV = megatron_argv(max_position_embeddings=128)
 
 
 def _validate(monkeypatch, *extra, world_size=2):
@@ -386,7 +360,8 @@ def test_recompute_flags_with_tensor_parallel_dropout(monkeypatch):
         1,
     ]
     tp2 = ["--tensor-model-parallel-size", 2, "--attention-dropout", 0.1, "--hidden-dropout", 0.1]
-    # Accepted now that recomputation replays the tracker streams.
+    # Accepted: recomputation replays the RNG tracker's streams, so the recomputed dropout
+    # masks are the forward's.
     assert (
         _validate(
             monkeypatch, *tp2, "--sequence-parallel", "--recompute-activations"

@@ -21,7 +21,6 @@ import io
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,42 +34,28 @@ from megatron.training.theoretical_memory import (
     layer_activation_bytes,
     microbatches_in_flight,
 )
+from tests.harness import REPO
+from tests.harness.argv import megatron_argv
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.tiny_configs import validated_args
 
-REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import report_theoretical_memory as tool  # noqa: E402
 
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "16",
-    "--max-position-embeddings",
-    "16",
-    "--micro-batch-size",
-    "2",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "200",
-    "--make-vocab-size-divisible-by",
-    "8",
-    "--train-iters",
-    "1",
-    "--lr",
-    "1e-3",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-]
+TINY = megatron_argv(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=16,
+    max_position_embeddings=16,
+    micro_batch_size=2,
+    vocab_size=200,
+    make_vocab_size_divisible_by=8,
+    train_iters=1,
+    lr=1e-3,
+    attention_dropout=0,
+    hidden_dropout=0,
+)
 LLAMA = [
     "--swiglu",
     "--normalization",
@@ -87,12 +72,7 @@ LLAMA = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def make_args(argv, world_size=1):
@@ -372,36 +352,22 @@ def test_sgd_without_momentum_keeps_no_state():
 
 # ----------------------------------------------------------------------------- activations
 def _gpt_argv():
-    # Dropout off only because validation refuses recompute with TP and dropout today; the
-    # formula counts the dropout masks regardless, as Megatron's does.
-    return [
-        "--num-layers",
-        "8",
-        "--hidden-size",
-        "256",
-        "--num-attention-heads",
-        "8",
-        "--seq-length",
-        "512",
-        "--max-position-embeddings",
-        "512",
-        "--micro-batch-size",
-        "2",
-        "--mock-data",
-        "--tokenizer-type",
-        "NullTokenizer",
-        "--vocab-size",
-        "1000",
-        "--train-iters",
-        "1",
-        "--lr",
-        "1e-3",
-        "--bf16",
-        "--attention-dropout",
-        "0",
-        "--hidden-dropout",
-        "0",
-    ]
+    # Dropout 0 changes none of these numbers: the formula counts the dropout masks whatever
+    # the rate, as Megatron's formula does.
+    return megatron_argv(
+        num_layers=8,
+        hidden_size=256,
+        num_attention_heads=8,
+        seq_length=512,
+        max_position_embeddings=512,
+        micro_batch_size=2,
+        vocab_size=1000,
+        train_iters=1,
+        lr=1e-3,
+        bf16=True,
+        attention_dropout=0,
+        hidden_dropout=0,
+    )
 
 
 def _gpt(extra=(), world_size=1):
@@ -645,53 +611,34 @@ def test_summary_line_is_megatrons():
 
 
 # ----------------------------------------------------------------------------- the tool
-LLAMA3_8B = [
-    "--num-layers",
-    "32",
-    "--hidden-size",
-    "4096",
-    "--ffn-hidden-size",
-    "14336",
-    "--num-attention-heads",
-    "32",
-    "--group-query-attention",
-    "--num-query-groups",
-    "8",
-    "--seq-length",
-    "8192",
-    "--max-position-embeddings",
-    "8192",
-    "--position-embedding-type",
-    "rope",
-    "--rotary-base",
-    "500000",
-    "--normalization",
-    "RMSNorm",
-    "--swiglu",
-    "--untie-embeddings-and-output-weights",
-    "--disable-bias-linear",
-    "--attention-dropout",
-    "0.0",
-    "--hidden-dropout",
-    "0.0",
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "128",
-    "--train-iters",
-    "10",
-    "--lr",
-    "3e-4",
-    "--bf16",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "128256",
+# The layout comes last, as extra: a test drops it with LLAMA3_8B[:-3].
+LLAMA3_8B = megatron_argv(
     "--tensor-model-parallel-size",
     "2",
     "--sequence-parallel",
-]
+    num_layers=32,
+    hidden_size=4096,
+    ffn_hidden_size=14336,
+    num_attention_heads=32,
+    group_query_attention=True,
+    num_query_groups=8,
+    seq_length=8192,
+    max_position_embeddings=8192,
+    position_embedding_type="rope",
+    rotary_base=500000,
+    normalization="RMSNorm",
+    swiglu=True,
+    untie_embeddings_and_output_weights=True,
+    disable_bias_linear=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    micro_batch_size=1,
+    global_batch_size=128,
+    train_iters=10,
+    lr=3e-4,
+    bf16=True,
+    vocab_size=128256,
+)
 SUMMARY = re.compile(
     r"^Theoretical memory footprints: weight and optimizer=([\d.]+) MB, "
     r"activation=([\d.]+) MB, total=([\d.]+) MB$",

@@ -17,14 +17,7 @@ from megatron.core.transformer.rotary_pos_embedding import (
 from megatron.core.transformer.transformer_block import TransformerBlock
 from tests.unit_tests.tiny_configs import tiny_transformer_config
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is faster and immune to contention from other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def cfg(**overrides):

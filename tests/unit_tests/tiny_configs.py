@@ -1,26 +1,13 @@
-"""Tiny configurations shared by the tests: command lines and Megatron argument namespaces,
-TransformerConfigs and GPT models small enough for a CPU test.
+"""Tiny configurations shared by the tests: Megatron argument namespaces, TransformerConfigs
+and GPT models small enough for a CPU test (their command lines come from tests/harness/argv.py).
 
-One module, so that a flag made required or a config field renamed is fixed in one place.
-Each builder takes overrides; a test states the values it relies on, not the defaults here.
+One module, so that a config field renamed is fixed in one place. Each builder takes
+overrides; a test states the values it relies on, not the defaults here.
 """
 
 import torch
 
-# A small model that passes every rule of validate_args and uses no unimplemented feature.
-TINY_FLAGS = {
-    "--num-layers": "4",
-    "--hidden-size": "64",
-    "--num-attention-heads": "4",
-    "--max-position-embeddings": "256",
-    "--seq-length": "128",
-    "--micro-batch-size": "2",
-    "--train-iters": "10",
-    "--lr": "1e-3",
-    "--mock-data": None,
-    "--tokenizer-type": "NullTokenizer",
-    "--vocab-size": "128",
-}
+from tests.harness.argv import megatron_argv
 
 # Vocabulary and sequence length of tiny_gpt_model.
 TINY_VOCAB = 61
@@ -28,12 +15,9 @@ TINY_SEQ = 12
 
 
 def tiny_argv(*extra, drop=()):
-    """TINY_FLAGS as a command line, without the flags in ``drop``, then ``extra``."""
-    argv = []
-    for flag, value in TINY_FLAGS.items():
-        if flag not in drop:
-            argv += [flag] if value is None else [flag, value]
-    return argv + [str(a) for a in extra]
+    """tests/harness/argv.TINY as a command line, without the flags in ``drop`` (their
+    spellings, ``"--mock-data"``), then ``extra``."""
+    return megatron_argv(*extra, **{flag[2:].replace("-", "_"): None for flag in drop})
 
 
 def validated_args(argv, world_size=1, rank=0, defaults=None):
