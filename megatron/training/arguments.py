@@ -1,10 +1,9 @@
 """Megatron-LM command-line arguments: parse_args, validate_args, print_args.
 
-The flags live in megatron/training/argument_groups/ (one `_add_<x>_args` per argparse
-group, registered below); the cross-flag rules of `validate_args` live in
-argument_groups/*_rules.py (their shared helpers in validation.py); what this code base does
-with each flag (honoured, no effect here, refused) is the table of flag_policy_table.py,
-applied by flag_policy.py.
+Each flag is one field of a flag group in megatron/training/flags/ (its spelling, default, help
+and where it is honoured); the flags this code base refuses or ignores are the rows of
+flags/policy.py, applied by flag_policy.py; the cross-flag rules of `validate_args` live in
+argument_groups/*_rules.py (their shared helpers in validation.py).
 """
 
 import argparse
@@ -22,9 +21,9 @@ from megatron.training.argument_groups import (
     training_rules,
 )
 from megatron.training.argument_groups import validation as rules
-from megatron.training.argument_groups.all_groups import add_argument_groups
-from megatron.training.argument_groups.data import REMOVED_TOKENIZER_TYPES, add_tokenizer_args
 from megatron.training.argument_groups.validation import ArgumentValidationError
+from megatron.training.flags import add_megatron_flags
+from megatron.training.flags.data import REMOVED_TOKENIZER_TYPES, add_tokenizer_args
 
 __all__ = [
     "ArgumentValidationError",
@@ -43,7 +42,7 @@ __all__ = [
 def add_megatron_arguments(parser):
     """Add every Megatron argument group to `parser`; returns it. The help text of each refused
     or no-effect flag names its class (flag_policy)."""
-    parser = add_argument_groups(parser)
+    parser = add_megatron_flags(parser)
     flag_policy.annotate_help(parser)
     return parser
 

@@ -22,7 +22,7 @@ from megatron.training.arguments import (
     validate_args,
 )
 from megatron.training.flag_policy import HONOURED, NO_EFFECT, REFUSED
-from megatron.training.flag_policy_table import POLICY
+from megatron.training.flags import POLICY
 
 BASE = [
     "--num-layers",

@@ -1,18 +1,13 @@
-"""Small helpers that keep the flag tables short: one call per flag.
-
-`ArgGroup` wraps an argparse argument group. Each method adds one flag with Megatron's
-spelling; the flag's dest is argparse's usual one (dashes become underscores) unless
-given. `removed()` registers a flag that Megatron dropped, so that an old launch script
-fails with a hint instead of a bare "unrecognized arguments".
-"""
+"""The argparse value types and actions of Megatron's flags that are not plain int/float/str:
+layer patterns, tuples, enum members, and the action of a flag Megatron removed. Nothing here
+imports torch."""
 
 import argparse
-import builtins
 import re
 
 __all__ = [
-    "ArgGroup",
     "RemovedFlagAction",
+    "_parse_cuda_graph_modules_arg",
     "enum_type",
     "la_freq_type",
     "layer_pattern_type",
@@ -43,66 +38,6 @@ class RemovedFlagAction(argparse.Action):
         parser.error(f"{option_string} is no longer supported: {self.hint}")
 
 
-class ArgGroup:
-    """An argparse group with compact adders: `g.int('--seed', 1234, 'help')`."""
-
-    def __init__(self, parser, title):
-        self.parser = parser
-        self.group = parser.add_argument_group(title=title)
-
-    def _add(self, flags, **kwargs):
-        flags = (flags,) if isinstance(flags, builtins.str) else tuple(flags)
-        # '%' would be read by argparse as a format directive in help strings.
-        kwargs["help"] = kwargs.get("help", "").replace("%", "%%")
-        return self.group.add_argument(*flags, **kwargs)
-
-    def int(self, flags, default, help, **kwargs):
-        return self._add(flags, type=builtins.int, default=default, help=help, **kwargs)
-
-    def float(self, flags, default, help, **kwargs):
-        return self._add(flags, type=builtins.float, default=default, help=help, **kwargs)
-
-    def str(self, flags, default, help, **kwargs):
-        return self._add(flags, type=builtins.str, default=default, help=help, **kwargs)
-
-    def true(self, flags, help, **kwargs):
-        """A store_true switch (default False unless `default=` is given)."""
-        return self._add(flags, action="store_true", help=help, **kwargs)
-
-    def false(self, flags, dest, help, **kwargs):
-        """A `--no-x` / `--disable-x` switch: dest defaults to True, the flag stores False."""
-        return self._add(flags, action="store_false", dest=dest, help=help, **kwargs)
-
-    def no(self, name, help, **kwargs):
-        """Megatron's switch for a setting that is on by default: `--no-<name>` and
-        `--disable-<name>` both store False into `<name>` (dashes become underscores)."""
-        dest = name.replace("-", "_")
-        return self.false((f"--no-{name}", f"--disable-{name}"), dest, help, **kwargs)
-
-    def both(self, flag, default, help, **kwargs):
-        """`--x` / `--no-x` (argparse.BooleanOptionalAction)."""
-        return self._add(
-            flag, action=argparse.BooleanOptionalAction, default=default, help=help, **kwargs
-        )
-
-    def list(self, flags, default, help, type=builtins.str, nargs="+", **kwargs):
-        return self._add(flags, type=type, nargs=nargs, default=default, help=help, **kwargs)
-
-    def alias(self, flag, dest, type=None):
-        """A hidden older spelling that writes into an existing flag's dest (it has no default
-        of its own, so the main flag's default stands)."""
-        return self.group.add_argument(
-            flag, dest=dest, type=type, default=argparse.SUPPRESS, help=argparse.SUPPRESS
-        )
-
-    def removed(self, flags, hint):
-        return self.group.add_argument(
-            *((flags,) if isinstance(flags, builtins.str) else flags),
-            action=RemovedFlagAction,
-            hint=hint,
-        )
-
-
 # Only digits, list/tuple brackets, commas, '+' and '*' (no '**'): enough for
 # "([1]*3+[0])*2" and nothing that can name or call anything, so evaluating it cannot run
 # user code.
@@ -114,12 +49,12 @@ def layer_pattern_type(value):
 
     "4" -> 4; "([1]*3+[0])*2" -> [1, 1, 1, 0, 1, 1, 1, 0].
     """
-    if value is None or isinstance(value, builtins.int):
+    if value is None or isinstance(value, int):
         return value
-    text = builtins.str(value).strip()
+    text = str(value).strip()
     if "[" not in text:
         try:
-            return builtins.int(text)
+            return int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected an integer or a list pattern, got {value!r}"
@@ -133,7 +68,7 @@ def layer_pattern_type(value):
         result = eval(text, {"__builtins__": {}}, {})  # noqa: S307 (charset checked above)
     except Exception as exc:  # SyntaxError, TypeError, ...
         raise argparse.ArgumentTypeError(f"invalid layer pattern {value!r}: {exc}")
-    if not (isinstance(result, builtins.list) and all(isinstance(x, builtins.int) for x in result)):
+    if not (isinstance(result, list) and all(isinstance(x, int) for x in result)):
         raise argparse.ArgumentTypeError(f"layer pattern {value!r} must evaluate to a list of ints")
     return result
 
@@ -160,7 +95,7 @@ def tuple_type(value):
     if value is None or isinstance(value, tuple):
         return value
     try:
-        return tuple(builtins.int(part) for part in builtins.str(value).strip("()").split(","))
+        return tuple(int(part) for part in str(value).strip("()").split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected integers separated by commas, such as 128,0 (got {value!r})"
@@ -183,3 +118,9 @@ def enum_type(enum_class):
             ) from None
 
     return enum_type_handler
+
+
+def _parse_cuda_graph_modules_arg(value):
+    """One module name of `--cuda-graph-modules` / `--cuda-graph-scope` (Megatron's parser
+    name); the names are checked where CUDA graphs are built."""
+    return str(value)

@@ -1,14 +1,19 @@
-"""The policy table: for every dest of Megatron's parser, whether this code base honours it,
-accepts it with no effect (speed only), or refuses it; see flag_policy.py for the classes.
+"""The flags this code base does not honour: one row per dest, with its class and reason; see
+megatron/training/flag_policy.py for the classes and what each does at start-up.
+
+Every other flag is honoured, and its field (megatron/training/flags/*.py) says where
+(``honoured_at``); ``policy_of`` joins the two into the policy of every dest.
 
 Rows are grouped by family and share their reason (the dests of a family are listed in a
 whitespace-separated block). A row with ``given=`` applies to some values only (the other values
-are honoured). A feature's own issue moves its rows to HONOURED.
+are honoured). A feature's own issue deletes its rows and gives its fields an ``honoured_at``.
+The order of the rows is the order in which a refusal or the start-up note lists the flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
@@ -47,19 +52,16 @@ class Rule:
             raise ValueError(f"{self.dest}: a policy rule needs its reason")
 
 
-POLICY: Dict[str, Rule] = {}
+ROWS: Dict[str, Rule] = {}
+"""dest -> its NO_EFFECT or REFUSED rule, in table order."""
 
 
 def _rows(kind, reason, *names, given=None):
     # Each argument holds one dest or several, separated by whitespace.
     for dest in (dest for group in names for dest in group.split()):
-        if dest in POLICY:
+        if dest in ROWS:
             raise ValueError(f"{dest} has two rows in the flag policy table")
-        POLICY[dest] = Rule(dest, kind, reason, given)
-
-
-def honoured(reason, *dests):
-    _rows(HONOURED, reason, *dests)
+        ROWS[dest] = Rule(dest, kind, reason, given)
 
 
 def no_effect(reason, *dests, given=None):
@@ -71,231 +73,6 @@ def refused(reason, *dests, given=None):
 
 
 _NYI = "not implemented yet"
-
-# ----------------------------------------------------------------------------- honoured
-honoured(
-    "model shape",
-    """
-    num_layers encoder_num_layers hidden_size ffn_hidden_size num_attention_heads kv_channels
-    group_query_attention num_query_groups max_position_embeddings make_vocab_size_divisible_by
-    untie_embeddings_and_output_weights
-    """,
-)
-honoured(
-    "layer options of the GPT layer",
-    """
-    attention_backend use_flash_attn normalization layernorm_epsilon
-    layernorm_zero_centered_gamma apply_residual_connection_post_layernorm squared_relu swiglu
-    qk_layernorm add_bias_linear add_qkv_bias hidden_dropout attention_dropout bias_gelu_fusion
-    bias_swiglu_fusion cross_entropy_loss_fusion calculate_per_token_loss
-    """,
-)
-honoured(
-    "position embeddings (learned, RoPE, none)",
-    """
-    use_rotary_position_embeddings rotary_base rotary_percent rotary_interleaved
-    use_rope_scaling rope_scaling_factor add_position_embedding
-    """,
-)
-honoured(
-    "model numerics (part B of issue 15)",
-    """
-    attention_softmax_in_fp32 apply_query_key_layer_scaling init_method_xavier_uniform
-    embedding_init_method_std fp32_residual_connection openai_gelu fp16_lm_cross_entropy use_mup
-    mup_width_mult mup_base_hidden_size mup_embedding_mult mup_output_mult mup_base_head_dim
-    mup_attn_scale_power muon_momentum muon_split_qkv muon_nesterov muon_scale_mode
-    muon_fp32_matmul_prec muon_coefficient_type muon_num_ns_steps muon_tp_mode
-    muon_extra_scale_factor muon_scalar_optimizer
-    """,
-)
-honoured(
-    "optimizer and regularization",
-    """
-    weight_decay start_weight_decay end_weight_decay weight_decay_incr_style clip_grad
-    adam_beta1 adam_beta2 adam_eps sgd_momentum lion_beta1 lion_beta2
-    """,
-)
-honoured(
-    "initialization and seeds",
-    """
-    seed data_parallel_random_init init_method_std use_cpu_initialization perform_initialization
-    """,
-)
-honoured(
-    "learning-rate and weight-decay schedule",
-    """
-    lr lr_decay_style lr_wsd_decay_style lr_decay_iters lr_decay_samples lr_wsd_decay_iters
-    lr_wsd_decay_samples lr_warmup_fraction lr_warmup_iters lr_warmup_samples lr_warmup_init
-    min_lr override_opt_param_scheduler use_checkpoint_opt_param_scheduler decoupled_lr
-    decoupled_min_lr
-    """,
-)
-honoured(
-    "batch sizes and the length of training",
-    """
-    micro_batch_size global_batch_size rampup_batch_size decrease_batch_size_if_needed
-    train_iters train_samples exit_interval exit_duration_in_mins exit_signal_handler
-    exit_signal skip_train eval_iters eval_interval eval_global_batch_size eval_micro_batch_size
-    manual_gc manual_gc_interval manual_gc_eval
-    """,
-)
-honoured(
-    "the training loop already handles --exit-signal in the training loop only",
-    "exit_signal_handler_for_training",
-)
-honoured(
-    "removed from Megatron: ends with its hint, as in Megatron",
-    """
-    batch_size checkpoint_activations warmup model_parallel_size
-    """,
-)
-honoured(
-    "deprecated in Megatron, where it has no effect either",
-    """
-    deprecated_use_mcore_models use_dist_ckpt_deprecated dist_ckpt_format_deprecated
-    ckpt_fully_parallel_save_deprecated disable_msc_deprecated
-    """,
-)
-honoured(
-    "activation recomputation",
-    """
-    recompute_activations recompute_granularity recompute_method recompute_num_layers
-    distribute_saved_activations
-    """,
-)
-honoured(
-    "checks of the loss and gradients, and of data-parallel replicas",
-    """
-    check_for_nan_in_loss_and_grad check_weight_hash_across_dp_replicas_interval
-    deterministic_mode
-    """,
-)
-honoured(
-    "the rerun state machine: an iteration whose loss or gradients look wrong is run again on "
-    "the same data; a transient fault is logged, a reproduced one checkpoints and exits with "
-    "Megatron's codes (16: resume elsewhere, 17: validation failed)",
-    """
-    rerun_mode error_injection_rate error_injection_type result_rejected_tracker_filename
-    check_for_spiky_loss check_for_large_grads
-    """,
-)
-honoured(
-    "mixed precision and loss scaling",
-    """
-    fp16 bf16 grad_reduce_in_bf16 loss_scale initial_loss_scale min_loss_scale loss_scale_window
-    hysteresis accumulate_allreduce_grads_in_fp32 disable_bf16_reduced_precision_matmul
-    """,
-)
-honoured(
-    "parallel layout (TP, SP, PP with virtual stages, CP, DP)",
-    """
-    tensor_model_parallel_size pipeline_model_parallel_size sequence_parallel
-    context_parallel_size decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
-    num_layers_per_virtual_pipeline_stage num_virtual_stages_per_pipeline_rank
-    microbatch_group_size_per_vp_stage account_for_embedding_in_pipeline_split
-    account_for_loss_in_pipeline_split use_tp_pp_dp_mapping local_rank distributed_backend
-    """,
-)
-honoured(
-    "per-rank forward times gathered every --log-interval; rank 0 names the slowest and fastest "
-    "ranks (Megatron's MnRtt/MxRtt/MnEtpt/MxEtpt columns; no device power/clock on CPU)",
-    "log_straggler straggler_minmax_count",
-)
-honoured(
-    "a collective that does not complete within the timeout ends the run: on gloo with a line "
-    "naming it, its group and the ranks that did not arrive (and a dump of the last "
-    "collectives); on NCCL through PyTorch's watchdog and flight recorder",
-    "distributed_timeout_minutes distributed_timeout_seconds_after_init",
-)
-honoured(
-    "NCCL's flight recorder: the TORCH_* variables PyTorch reads, set before init_process_group "
-    "where the environment does not set them (a gloo run notes that they do not apply)",
-    """
-    flight_recorder_dump_path flight_recorder_trace_buffer_size flight_recorder_dump_on_timeout
-    flight_recorder_include_stack_trace flight_recorder_include_only_active
-    flight_recorder_extra_dump_on_exec
-    """,
-)
-honoured(
-    "this code base creates no gloo copies of its process groups",
-    "use_gloo_process_groups",
-)
-honoured(
-    "data-parallel gradients, distributed optimizer and FSDP",
-    """
-    overlap_grad_reduce overlap_param_gather ddp_num_buckets ddp_bucket_size
-    ddp_average_in_collective use_distributed_optimizer use_megatron_fsdp
-    data_parallel_sharding_strategy use_torch_fsdp2 torch_fsdp2_reshard_after_forward
-    """,
-)
-honoured(
-    "checkpoints in the torch and torch_dist formats",
-    """
-    save save_interval save_retain_interval no_save_optim no_save_rng load no_load_optim
-    no_load_rng finetune pretrained_checkpoint ckpt_step use_checkpoint_args
-    use_mp_args_from_checkpoint_args exit_on_missing_checkpoint auto_detect_ckpt_format
-    ckpt_convert_format ckpt_convert_save ckpt_fully_parallel_save dist_ckpt_strictness
-    verify_integrity
-    """,
-)
-honoured(
-    "with the distributed optimizer the torch_dist optimizer state is megatron-core's "
-    "dp_reshardable type (Megatron-LM's default; reshards over DP only) unless this flag asks "
-    "for fully_reshardable (reshards across every parallel dimension); models whose "
-    "megatron-core buffer layout is not reproduced here (MoE, BERT, T5) write fully_reshardable "
-    "and say so; the type is in content_metadata",
-    "dist_ckpt_optim_fully_reshardable",
-)
-honoured(
-    "this code base never takes the tokenizer model path or tokenizer files from a checkpoint",
-    "use_tokenizer_model_from_checkpoint_args",
-    "save_tokenizer_assets",
-)
-honoured(
-    "the _extra_state objects written here are empty (no fp8 metadata): there is none to drop",
-    "ckpt_drop_redundant_extra_state",
-)
-honoured(
-    "data, datasets and the data loader",
-    """
-    data_path split train_data_path valid_data_path test_data_path data_args_path
-    per_split_data_args_path data_cache_path mmap_bin_files mock_data seq_length
-    encoder_seq_length num_workers reset_position_ids reset_attention_mask eod_mask_loss
-    num_dataset_builder_threads mid_level_dataset_surplus data_sharding
-    """,
-)
-honoured(
-    "BERT and T5 (pretrain_bert.py, pretrain_t5.py): binary head, masking, short samples, "
-    "decoder depth and length",
-    "bert_binary_head mask_prob short_seq_prob decoder_num_layers decoder_seq_length",
-)
-honoured(
-    "the causal mask is implicit here; masks are built only for --reset-attention-mask",
-    "create_attention_mask_in_dataloader",
-)
-honoured(
-    "tokenizers",
-    """
-    vocab_size padded_vocab_size pad_vocab_size vocab_file merge_file vocab_extra_ids
-    tokenizer_model tokenizer_hf_no_use_fast tokenizer_hf_no_include_special_tokens
-    trust_remote_code null_tokenizer_eod_id null_tokenizer_pad_id
-    """,
-)
-honoured(
-    "logging, timers, TensorBoard and W&B",
-    """
-    log_interval log_params_norm log_num_zeros_in_grad log_throughput log_progress
-    timing_log_level barrier_with_L1_time timing_log_option tensorboard_dir
-    tensorboard_log_interval tensorboard_queue_size log_timers_to_tensorboard
-    log_loss_scale_to_tensorboard log_validation_ppl_to_tensorboard log_memory_to_tensorboard
-    log_world_size_to_tensorboard wandb_project wandb_entity wandb_exp_name wandb_save_dir
-    logging_level
-    """,
-)
-honoured(
-    "this code base never reports to NVIDIA's one logger",
-    "enable_one_logger",
-)
 
 # --------------------------------------------------------------- no effect here, speed only
 _TE = "Transformer Engine is not used; the local PyTorch implementation computes the same layers"
@@ -421,18 +198,6 @@ _FT = f"fault tolerance (in-process restart, fault injection, autoresume) is {_N
 _RL = f"reinforcement learning and distillation are {_NYI}"
 _PROFILER = f"the PyTorch profiler and CUDA memory-history dumps are {_NYI}"
 
-honoured(
-    "mixture of experts (megatron/core/transformer/moe)",
-    """
-    num_experts expert_model_parallel_size expert_tensor_parallel_size moe_layer_freq
-    moe_ffn_hidden_size moe_shared_expert_intermediate_size moe_shared_expert_gate
-    moe_grouped_gemm moe_layer_recompute moe_per_layer_logging moe_router_dtype moe_router_topk
-    moe_router_pre_softmax moe_router_num_groups moe_router_group_topk
-    moe_router_topk_scaling_factor moe_router_enable_expert_bias moe_router_bias_update_rate
-    moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps moe_expert_capacity_factor
-    moe_pad_expert_input_to_capacity moe_token_drop_policy moe_router_score_function
-    """,
-)
 refused(
     f"{_MOE.replace('mixture of experts', 'this load-balancing type')}",
     "moe_router_load_balancing_type",
@@ -702,7 +467,6 @@ refused(
     run_workload_inspector_server
     """,
 )
-honoured("layers built from a layer spec of your own (--spec <module> <name>)", "spec")
 refused(
     "YAML configurations and experimental features are " + _NYI,
     """
@@ -757,11 +521,6 @@ refused(
     mlp_chunks_for_prefill inference_rng_tracker
     """,
 )
-honoured(
-    "the text generation server's limits (tools/run_text_generation_server.py): prompts "
-    "generated together, tokens per sequence, prompts x tokens per request",
-    "inference_max_requests inference_max_seq_length max_tokens_to_oom",
-)
 no_effect(
     "splits large inference batches into micro-batches for pipelining; generation here runs "
     "each batch whole, with the same tokens",
@@ -793,3 +552,26 @@ refused(
     logits_load_kd_loss_alpha logits_load_ignore_errors dump_param_to_param_group_map
     """,
 )
+
+
+def policy_of(groups) -> Dict[str, Rule]:
+    """dest -> Rule for every flag of ``groups``: the rows above, then HONOURED for every other
+    dest, whose reason is where its field says it is honoured. Fails on a row without a flag and
+    on an honoured flag that does not say where."""
+    honoured: Dict[str, Rule] = {}
+    for group in groups:
+        for field in dataclasses.fields(group):
+            if field.name in ROWS:
+                continue
+            where = field.metadata["flag"].honoured_at
+            if not where:
+                raise ValueError(
+                    f"{group.__name__}.{field.name}: an honoured flag says where (honoured_at=); "
+                    "otherwise it needs a row in flags/policy.py"
+                )
+            honoured[field.name] = Rule(field.name, HONOURED, where)
+    dests = set(honoured) | {f.name for g in groups for f in dataclasses.fields(g)}
+    stale = sorted(set(ROWS) - dests)
+    if stale:
+        raise ValueError(f"policy rows without a flag: {', '.join(stale)}")
+    return {**ROWS, **honoured}
