@@ -2,8 +2,8 @@
 
 Each flag is one field of a flag group in megatron/training/flags/ (its spelling, default, help
 and where it is honoured); the flags this code base refuses or ignores are the rows of
-flags/policy.py, applied by flag_policy.py; the cross-flag rules of `validate_args` live in
-argument_groups/*_rules.py (their shared helpers in validation.py).
+flags/policy.py, applied by flag_policy.py; the cross-flag rules of `validate_args` are one
+ordered pass, flags.rules.RULES.
 """
 
 import argparse
@@ -11,19 +11,11 @@ import os
 import sys
 
 from megatron.training import flag_policy
-from megatron.training.argument_groups import (
-    io_rules,
-    model_rules,
-    moe_rules,
-    numerics_rules,
-    parallel_rules,
-    rerun_rules,
-    training_rules,
-)
-from megatron.training.argument_groups import validation as rules
-from megatron.training.argument_groups.validation import ArgumentValidationError
+from megatron.training.flag_errors import ArgumentValidationError
 from megatron.training.flags import add_megatron_flags
 from megatron.training.flags.data import REMOVED_TOKENIZER_TYPES, add_tokenizer_args
+from megatron.training.flags.rules import run_rules
+from megatron.training.flags.rules.base import warn
 
 __all__ = [
     "ArgumentValidationError",
@@ -118,7 +110,7 @@ def parse_and_validate_args(
 
 
 # --------------------------------------------------------------------------------------
-# Validation (the rules themselves are in argument_groups/*_rules.py)
+# Validation (the rules themselves are in flags/rules/, run in the order of flags.rules.RULES)
 # --------------------------------------------------------------------------------------
 def validate_args(args, defaults=None):
     """Apply `defaults` (only where the arg is None), check every cross-flag rule, fill in
@@ -129,23 +121,7 @@ def validate_args(args, defaults=None):
     _apply_defaults(args, defaults or {})
     # The policy judges what the user gave, before the rules derive other values from it.
     given = argparse.Namespace(**vars(args))
-    model_rules.translate_deprecated(args)
-    parallel_rules.validate_parallel_sizes(args)
-    model_rules.validate_model_shape(args)
-    moe_rules.validate_moe(args)
-    training_rules.validate_batch_size(args)
-    parallel_rules.validate_pipeline(args)
-    numerics_rules.validate_optimizer(args)
-    numerics_rules.validate_numerics(args)
-    parallel_rules.validate_data_parallel_strategy(args)
-    training_rules.validate_precision(args)
-    io_rules.validate_checkpointing(args)
-    training_rules.validate_schedule(args)
-    training_rules.validate_recompute(args)
-    io_rules.validate_data(args)
-    io_rules.validate_logging(args)
-    model_rules.validate_misc(args)
-    rerun_rules.validate_rerun(args)
+    run_rules(args)
     refusal = flag_policy.refusal(given)
     if refusal is not None:
         raise ArgumentValidationError(refusal)
@@ -163,4 +139,4 @@ def _apply_defaults(args, defaults):
         if current is None:
             setattr(args, key, value)
         elif current != value:
-            rules.warn(args, f"overriding default arguments for {key}:{value} with {key}:{current}")
+            warn(args, f"overriding default arguments for {key}:{value} with {key}:{current}")

@@ -1,5 +1,5 @@
-"""Every rule of validate_args in megatron/training/argument_groups/ (model_rules, parallel_rules,
-training_rules, io_rules): for each rule a command line that breaks it, and the words its
+"""Every rule of validate_args in megatron/training/flags/rules/ (the steps of the pass but moe,
+numerics and rerun): for each rule a command line that breaks it, and the words its
 message must contain (the flags at fault and their values, in order).
 test_every_rule_has_a_case reads the rule modules and fails when a rule has no case below, so a
 new rule arrives with its test."""
@@ -9,10 +9,24 @@ import re
 
 import pytest
 
-from megatron.training.argument_groups import io_rules, model_rules, parallel_rules, training_rules
 from megatron.training.arguments import ArgumentValidationError
+from megatron.training.flags.rules import (
+    batch,
+    checkpoint,
+    data,
+    deprecated,
+    dp_strategy,
+    layer,
+    monitoring,
+    parallel,
+    pipeline,
+    precision,
+    recompute,
+    schedule,
+    shape,
+)
 from tests.unit_tests.tiny_configs import tiny_args
-from tests.unit_tests.training.argument_groups.rule_coverage import fired_rule_sites, rule_sites
+from tests.unit_tests.training.flags.rule_coverage import fired_rule_sites, rule_sites
 
 FSDP2 = ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
 FSDP2 += ["--untie-embeddings-and-output-weights"]
@@ -951,8 +965,23 @@ def test_tiny_command_line_passes_every_rule():
     assert (args.num_layers, args.hidden_size, args.world_size) == (4, 64, 1)
 
 
-# The modules validation.py's rules were split into (moe_rules and rerun_rules have their own).
-RULE_MODULES = (model_rules, parallel_rules, training_rules, io_rules)
+# The modules of the pass whose rules these cases break (moe, numerics and rerun are tested on
+# their own).
+RULE_MODULES = (
+    deprecated,
+    parallel,
+    shape,
+    batch,
+    pipeline,
+    dp_strategy,
+    precision,
+    checkpoint,
+    schedule,
+    recompute,
+    data,
+    monitoring,
+    layer,
+)
 
 
 def test_every_rule_has_a_case(monkeypatch):

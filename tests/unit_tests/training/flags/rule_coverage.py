@@ -1,4 +1,4 @@
-"""Which rules of the validate_args rule modules (megatron/training/argument_groups/*_rules.py)
+"""Which rules of the validate_args rule modules (megatron/training/flags/rules/)
 the tests break: the tests of each module assert that every check(...)/fail(...) call in it
 is reached by one of their cases, so a new rule arrives with its test."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.argument_groups.validation import ArgumentValidationError
+from megatron.training.flag_errors import ArgumentValidationError
 
 _HELPERS = ("check", "fail")
 

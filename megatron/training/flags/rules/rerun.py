@@ -1,7 +1,6 @@
-"""Cross-flag rules of the rerun state machine (``--rerun-mode``, ``--error-injection-*``,
-``--check-for-large-grads``). Called by validate_args (megatron/training/arguments.py)."""
+"""Step 18: the rerun state machine (--rerun-mode, --error-injection-*, --check-for-large-grads)."""
 
-from .validation import check
+from .base import check
 
 
 def validate_rerun(args):

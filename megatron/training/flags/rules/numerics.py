@@ -1,12 +1,10 @@
-"""Cross-flag rules of the numerics flags: Muon and its distributed optimizer, muP, activations.
-
-Called by validate_args (megatron/training/arguments.py) before the data-parallel rules, since
-Muon turns --use-distributed-optimizer into its layer-wise distributed optimizer.
-"""
+"""Steps 8 and 9: the optimizer (Muon and its distributed optimizer), then muP and the MLP
+activations. Before the data-parallel strategy (step 10), since Muon turns
+--use-distributed-optimizer into its layer-wise distributed optimizer."""
 
 import math
 
-from .validation import check, fail, info, warn
+from .base import check, fail, info, warn
 
 
 def validate_optimizer(args):

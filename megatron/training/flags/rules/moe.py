@@ -1,9 +1,7 @@
-"""Cross-flag rules of the mixture-of-experts flags (Megatron's, plus what this code base does
-not build). The parallel sizes are checked in parallel_rules.validate_parallel_sizes."""
+"""Step 5: the mixture-of-experts flags beyond the layer's shape (Megatron's rules, plus what
+this code base does not build). The expert-parallel sizes are step 2's."""
 
-import torch
-
-from .validation import check
+from .base import check
 
 
 def _as_list(value):
@@ -20,13 +18,7 @@ def validate_moe(args):
         f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
         "(the MoE layer's token exchange assumes every tensor-parallel rank holds other tokens)",
     )
-    if args.moe_ffn_hidden_size is None:
-        args.moe_ffn_hidden_size = args.ffn_hidden_size
-    check(
-        1 <= args.moe_router_topk <= args.num_experts,
-        f"--moe-router-topk ({args.moe_router_topk}) must be in [1, --num-experts "
-        f"{args.num_experts}]",
-    )
+    # (--moe-ffn-hidden-size's default and --moe-router-topk's range are the shape's, step 4.)
     types = _as_list(args.moe_router_load_balancing_type)
     coeffs = _as_list(args.moe_aux_loss_coeff)
     check(
@@ -34,9 +26,6 @@ def validate_moe(args):
         f"--moe-aux-loss-coeff takes one value per --moe-router-load-balancing-type "
         f"({len(types)}), got {len(coeffs)}",
     )
-    if len(types) == 1:
-        args.moe_router_load_balancing_type = types[0]
-        args.moe_aux_loss_coeff = coeffs[0]
     freq = args.moe_layer_freq
     if isinstance(freq, list):
         check(
@@ -65,6 +54,8 @@ def _validate_grouped_gemm(args):
     """Megatron-LM's rule for ``--moe-grouped-gemm``: a GPU of compute capability 8.0 or higher
     (its grouped GEMM kernels need it), in any precision. Without CUDA there is no capability
     to ask for: the grouped experts here are plain PyTorch (a padded ``bmm``) and run anywhere."""
+    import torch  # here so that importing the rules stays torch-free
+
     if not args.moe_grouped_gemm or not torch.cuda.is_available():
         return
     capability = tuple(torch.cuda.get_device_capability())

@@ -1,4 +1,4 @@
-"""Every rule of argument_groups/rerun_rules.py has a command line that breaks it (the words of
+"""Every rule of flags/rules/rerun.py has a command line that breaks it (the words of
 its message in order), and the module has no rule without one."""
 
 import functools
@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from megatron.training.argument_groups import rerun_rules
 from megatron.training.arguments import ArgumentValidationError
+from megatron.training.flags.rules import rerun as rerun_rules
 from tests.unit_tests.tiny_configs import tiny_args
-from tests.unit_tests.training.argument_groups.rule_coverage import fired_rule_sites, rule_sites
+from tests.unit_tests.training.flags.rule_coverage import fired_rule_sites, rule_sites
 
 RULES = (rerun_rules,)
 

@@ -1,66 +1,7 @@
-"""Cross-flag rules of the model flags: deprecated spellings, the model's shape (layers,
-heads, sequence length, position embeddings, --spec) and how a layer computes
-(--deterministic-mode, --cp-comm-type). Called by validate_args
-(megatron/training/arguments.py)."""
+"""Steps 3 and 4: the model's shape (layers, heads, sequence length, position embeddings,
+--spec), then the shape of its MoE layers."""
 
-from .validation import check, fail, flag_name, warn
-
-# Flags Megatron still parses but refuses (its validate_args asserts they are unset).
-_REMOVED_BUT_PARSED = (
-    ("batch_size", "--batch-size", "use --micro-batch-size (and --global-batch-size)"),
-    (
-        "checkpoint_activations",
-        "--checkpoint-activations",
-        "use --recompute-activations, or for more control "
-        "--recompute-granularity and --recompute-method",
-    ),
-    ("warmup", "--warmup", "use --lr-warmup-fraction, --lr-warmup-iters or --lr-warmup-samples"),
-    ("model_parallel_size", "--model-parallel-size", "use --tensor-model-parallel-size"),
-)
-_CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
-
-
-def translate_deprecated(args):
-    for dest, flag, hint in _REMOVED_BUT_PARSED:
-        check(not getattr(args, dest, None), f"{flag} is no longer supported: {hint}")
-    if args.use_rotary_position_embeddings:
-        args.position_embedding_type = "rope"
-    from megatron.core.transformer.enums import AttnBackend
-
-    if args.use_flash_attn and args.attention_backend in (AttnBackend.auto, "auto"):
-        # The older spelling of "run the flash kernel": keep 'auto' from picking the unfused path.
-        args.attention_backend = AttnBackend.flash
-    if not args.add_position_embedding and args.position_embedding_type == "learned_absolute":
-        warn(args, "--no-position-embedding is deprecated; using --position-embedding-type none")
-        args.position_embedding_type = "none"
-    for old, impl in (
-        ("enable_cuda_graph", "local"),
-        ("external_cuda_graph", "transformer_engine"),
-    ):
-        if getattr(args, old):
-            check(
-                args.cuda_graph_impl == "none",
-                f"{flag_name(old)} is deprecated and cannot be "
-                f"combined with --cuda-graph-impl {args.cuda_graph_impl}",
-            )
-            warn(args, f"{flag_name(old)} is deprecated; using --cuda-graph-impl {impl}")
-            args.cuda_graph_impl = impl
-    # Megatron drops the alias once applied (pop: validate_args may run twice on one args).
-    if vars(args).pop("recompute_activations", False):
-        args.recompute_granularity = "selective"
-    for dest, flag in (
-        ("use_dist_ckpt_deprecated", "--use-dist-ckpt"),
-        ("dist_ckpt_format_deprecated", "--dist-ckpt-format"),
-        ("ckpt_fully_parallel_save_deprecated", "--ckpt-fully-parallel-save"),
-    ):
-        if getattr(args, dest):
-            warn(
-                args,
-                f"{flag} is deprecated and has no effect; see --ckpt-format and "
-                "--no-ckpt-fully-parallel-save",
-            )
-    if args.num_experts == 0:
-        args.num_experts = None
+from .base import check, fail, flag_name
 
 
 def validate_model_shape(args):
@@ -172,19 +113,6 @@ def validate_model_shape(args):
         )
 
     _validate_spec(args)
-    if args.num_experts is not None:
-        check(args.spec is None, "--num-experts cannot be combined with --spec")
-        if args.moe_ffn_hidden_size is None:
-            args.moe_ffn_hidden_size = args.ffn_hidden_size
-        check(
-            0 < args.moe_router_topk <= args.num_experts,
-            f"--moe-router-topk "
-            f"({args.moe_router_topk}) must be in [1, --num-experts ({args.num_experts})]",
-        )
-    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
-        value = getattr(args, dest)
-        if isinstance(value, list) and len(value) == 1:
-            setattr(args, dest, value[0])
 
 
 def _validate_spec(args):
@@ -206,26 +134,20 @@ def _validate_spec(args):
         fail(f"--spec {' '.join(args.spec)}: {exc}")
 
 
-def validate_misc(args):
-    if args.deterministic_mode:
+def validate_moe_shape(args):
+    """The MoE layer routes each token to --moe-router-topk of --num-experts experts of
+    --moe-ffn-hidden-size (default: --ffn-hidden-size); a single load-balancing type and
+    coefficient given as a list become scalars, as Megatron's are."""
+    if args.num_experts is not None:
+        check(args.spec is None, "--num-experts cannot be combined with --spec")
+        if args.moe_ffn_hidden_size is None:
+            args.moe_ffn_hidden_size = args.ffn_hidden_size
         check(
-            not args.use_flash_attn, "--deterministic-mode cannot be combined with --use-flash-attn"
+            0 < args.moe_router_topk <= args.num_experts,
+            f"--moe-router-topk "
+            f"({args.moe_router_topk}) must be in [1, --num-experts ({args.num_experts})]",
         )
-        check(
-            not args.cross_entropy_loss_fusion,
-            "--deterministic-mode cannot be combined with --cross-entropy-loss-fusion",
-        )
-        import torch
-
-        torch.use_deterministic_algorithms(True)
-    for value in args.cp_comm_type:
-        check(
-            value in _CP_COMM_TYPES,
-            f"--cp-comm-type: unknown value {value!r} (choose from {', '.join(_CP_COMM_TYPES)})",
-        )
-    if len(args.cp_comm_type) != 1:
-        check(
-            len(args.cp_comm_type) == args.num_layers,
-            f"--cp-comm-type takes one value or "
-            f"one per layer ({args.num_layers}), got {len(args.cp_comm_type)}",
-        )
+    for dest in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, dest)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, dest, value[0])
