@@ -1,8 +1,8 @@
 """Step 17: how a layer computes: --deterministic-mode and --cp-comm-type."""
 
-from .base import check
+from megatron.core.transformer.config_rules import CP_COMM_TYPES, cp_comm_types_fit
 
-_CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+from .base import check
 
 
 def validate_layer(args):
@@ -19,12 +19,11 @@ def validate_layer(args):
         torch.use_deterministic_algorithms(True)
     for value in args.cp_comm_type:
         check(
-            value in _CP_COMM_TYPES,
-            f"--cp-comm-type: unknown value {value!r} (choose from {', '.join(_CP_COMM_TYPES)})",
+            value in CP_COMM_TYPES,
+            f"--cp-comm-type: unknown value {value!r} (choose from {', '.join(CP_COMM_TYPES)})",
         )
-    if len(args.cp_comm_type) != 1:
-        check(
-            len(args.cp_comm_type) == args.num_layers,
-            f"--cp-comm-type takes one value or "
-            f"one per layer ({args.num_layers}), got {len(args.cp_comm_type)}",
-        )
+    check(
+        cp_comm_types_fit(len(args.cp_comm_type), args.num_layers),
+        f"--cp-comm-type takes one value or "
+        f"one per layer ({args.num_layers}), got {len(args.cp_comm_type)}",
+    )

@@ -1,6 +1,13 @@
 """Step 5: the mixture-of-experts flags beyond the layer's shape (Megatron's rules, plus what
 this code base does not build). The expert-parallel sizes are step 2's."""
 
+from megatron.core.transformer.config_rules import (
+    aux_loss_coeffs_match_types,
+    capacity_padding_has_capacity,
+    moe_layer_pattern_covers_layers,
+    moe_tokens_split_over_tp,
+)
+
 from .base import check
 
 
@@ -14,7 +21,7 @@ def validate_moe(args):
         return
     tp = args.tensor_model_parallel_size
     check(
-        tp == 1 or args.sequence_parallel,
+        moe_tokens_split_over_tp(tp, args.sequence_parallel),
         f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
         "(the MoE layer's token exchange assumes every tensor-parallel rank holds other tokens)",
     )
@@ -22,14 +29,14 @@ def validate_moe(args):
     types = _as_list(args.moe_router_load_balancing_type)
     coeffs = _as_list(args.moe_aux_loss_coeff)
     check(
-        len(coeffs) == len(types),
+        aux_loss_coeffs_match_types(types, coeffs),
         f"--moe-aux-loss-coeff takes one value per --moe-router-load-balancing-type "
         f"({len(types)}), got {len(coeffs)}",
     )
     freq = args.moe_layer_freq
     if isinstance(freq, list):
         check(
-            len(freq) == args.num_layers,
+            moe_layer_pattern_covers_layers(freq, args.num_layers),
             f"--moe-layer-freq lists {len(freq)} layers, --num-layers is {args.num_layers}",
         )
     losses = any(c for c in coeffs) or bool(args.moe_z_loss_coeff)
@@ -39,7 +46,9 @@ def validate_moe(args):
         "--moe-z-loss-coeff) is not supported yet",
     )
     check(
-        not (args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None),
+        capacity_padding_has_capacity(
+            args.moe_pad_expert_input_to_capacity, args.moe_expert_capacity_factor
+        ),
         "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor",
     )
     if args.moe_token_dispatcher_type == "flex":

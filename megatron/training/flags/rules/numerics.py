@@ -2,7 +2,7 @@
 activations. Before the data-parallel strategy (step 10), since Muon turns
 --use-distributed-optimizer into its layer-wise distributed optimizer."""
 
-import math
+from megatron.core.transformer.config_rules import mup_settings_given, mup_width_mult_matches
 
 from .base import check, fail, info, warn
 
@@ -61,19 +61,9 @@ def validate_optimizer(args):
         )
 
 
-_MUP_FLAGS = (
-    ("mup_width_mult", 1.0),
-    ("mup_base_hidden_size", None),
-    ("mup_embedding_mult", 1.0),
-    ("mup_output_mult", 1.0),
-    ("mup_base_head_dim", None),
-    ("mup_attn_scale_power", 1.0),
-)
-
-
 def validate_numerics(args):
     """muP and the MLP activation flags."""
-    given = [dest for dest, default in _MUP_FLAGS if getattr(args, dest) != default]
+    given = mup_settings_given(args)
     if not args.use_mup:
         check(
             not given,
@@ -85,7 +75,7 @@ def validate_numerics(args):
         check(base is None or base > 0, f"--mup-base-hidden-size must be > 0 (got {base})")
         derived = args.hidden_size / (base or args.hidden_size)
         check(
-            args.mup_width_mult == 1.0 or math.isclose(args.mup_width_mult, derived),
+            mup_width_mult_matches(args.mup_width_mult, args.hidden_size, base),
             f"--mup-width-mult {args.mup_width_mult} does not match --hidden-size "
             f"{args.hidden_size} / --mup-base-hidden-size {base} = {derived:g}",
         )

@@ -2,6 +2,11 @@
 
 import math
 
+from megatron.core.transformer.config_rules import (
+    expert_parallelism_has_experts,
+    experts_split_over_ep,
+)
+
 from .base import check, flag_name, info
 
 
@@ -54,12 +59,13 @@ def validate_parallel_sizes(args):
     check(etp >= 1, f"--expert-tensor-parallel-size must be >= 1 (got {etp})")
     if ep > 1:
         check(
-            args.num_experts is not None, f"--expert-model-parallel-size {ep} needs --num-experts"
+            expert_parallelism_has_experts(args.num_experts, ep),
+            f"--expert-model-parallel-size {ep} needs --num-experts",
         )
         check(not args.fp16, f"--expert-model-parallel-size {ep} does not support --fp16")
     if args.num_experts is not None:
         check(
-            args.num_experts % ep == 0,
+            experts_split_over_ep(args.num_experts, ep),
             f"--num-experts ({args.num_experts}) is not divisible "
             f"by --expert-model-parallel-size ({ep})",
         )

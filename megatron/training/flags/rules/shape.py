@@ -1,6 +1,14 @@
 """Steps 3 and 4: the model's shape (layers, heads, sequence length, position embeddings,
 --spec), then the shape of its MoE layers."""
 
+from megatron.core.transformer.config_rules import (
+    heads_split_into_query_groups,
+    heads_split_over_tp,
+    hidden_splits_into_heads,
+    query_groups_split_over_tp,
+    router_topk_in_range,
+)
+
 from .base import check, fail, flag_name
 
 
@@ -25,26 +33,26 @@ def validate_model_shape(args):
         args.ffn_hidden_size = int((4 * hidden * 2 / 3) / 64) * 64 if args.swiglu else 4 * hidden
     if args.kv_channels is None:
         check(
-            hidden % heads == 0,
+            hidden_splits_into_heads(hidden, heads),
             f"--hidden-size ({hidden}) is not divisible by "
             f"--num-attention-heads ({heads}); pass --kv-channels to set the head size",
         )
         args.kv_channels = hidden // heads
     check(
-        heads % tp == 0,
+        heads_split_over_tp(heads, tp),
         f"--num-attention-heads ({heads}) is not divisible by --tensor-model-parallel-size ({tp})",
     )
     if args.group_query_attention:
         groups = args.num_query_groups
         check(groups is not None and groups > 0, f"--num-query-groups must be > 0 (got {groups})")
         check(
-            heads % groups == 0,
+            heads_split_into_query_groups(heads, groups),
             f"--num-attention-heads ({heads}) is not divisible by --num-query-groups ({groups})",
         )
         # Megatron's rule (TransformerConfig): every TP rank holds whole key/value groups. A
         # divisor of TP would need the groups replicated across ranks, which no layer builds.
         check(
-            groups % tp == 0,
+            query_groups_split_over_tp(groups, tp),
             f"--num-query-groups ({groups}) must be a multiple of "
             f"--tensor-model-parallel-size ({tp})",
         )
@@ -143,7 +151,7 @@ def validate_moe_shape(args):
         if args.moe_ffn_hidden_size is None:
             args.moe_ffn_hidden_size = args.ffn_hidden_size
         check(
-            0 < args.moe_router_topk <= args.num_experts,
+            router_topk_in_range(args.moe_router_topk, args.num_experts),
             f"--moe-router-topk "
             f"({args.moe_router_topk}) must be in [1, --num-experts ({args.num_experts})]",
         )
