@@ -556,11 +556,18 @@ refused(
 
 def policy_of(groups) -> Dict[str, Rule]:
     """dest -> Rule for every flag of ``groups``: the rows above, then HONOURED for every other
-    dest, whose reason is where its field says it is honoured. Fails on a row without a flag and
-    on an honoured flag that does not say where."""
+    dest, whose reason is where its field says it is honoured. Fails on a dest declared twice, a
+    row without a flag and an honoured flag that does not say where."""
     honoured: Dict[str, Rule] = {}
+    declared: Dict[str, str] = {}
     for group in groups:
         for field in dataclasses.fields(group):
+            if field.name in declared:
+                raise ValueError(
+                    f"{field.name} is declared twice: in {declared[field.name]} and "
+                    f"{group.__name__}"
+                )
+            declared[field.name] = group.__name__
             if field.name in ROWS:
                 continue
             where = field.metadata["flag"].honoured_at
@@ -570,8 +577,7 @@ def policy_of(groups) -> Dict[str, Rule]:
                     "otherwise it needs a row in flags/policy.py"
                 )
             honoured[field.name] = Rule(field.name, HONOURED, where)
-    dests = set(honoured) | {f.name for g in groups for f in dataclasses.fields(g)}
-    stale = sorted(set(ROWS) - dests)
+    stale = sorted(set(ROWS) - set(declared))
     if stale:
         raise ValueError(f"policy rows without a flag: {', '.join(stale)}")
     return {**ROWS, **honoured}
