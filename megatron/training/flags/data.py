@@ -173,7 +173,7 @@ class TokenizerFlags:
     vocab_size: Optional[int] = flag(
         None,
         "Vocabulary size before padding (NullTokenizer).",
-        honoured_at="tokenizer.build_tokenizer; models.common.language_module.LanguageModule",
+        honoured_at="tokenizer.build_tokenizer; core.models.common.language_module.LanguageModule",
     )
     padded_vocab_size: Optional[int] = flag(
         None,

@@ -66,7 +66,7 @@ class DistributedFlags:
         options="--microbatch-group-size-per-virtual-pipeline-stage",
         honoured_at="TransformerConfig.microbatch_group_size_per_vp_stage; "
         "model_setup.setup_model_and_optimizer; "
-        "pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
+        "core.pipeline_parallel.schedules.forward_backward_pipelining_with_interleaving",
     )
     overlap_p2p_comm: bool = off_switch(
         "Do not overlap pipeline communication with compute.",
@@ -222,7 +222,7 @@ class DistributedFlags:
         1,
         "Degree of context parallelism.",
         honoured_at="TransformerConfig.context_parallel_size; initialize.initialize_megatron; "
-        "pipeline_parallel.p2p_communication.get_tensor_shape",
+        "core.pipeline_parallel.p2p_communication.get_tensor_shape",
     )
     cp_comm_type: List[str] = flag(
         ["p2p"],
@@ -230,7 +230,7 @@ class DistributedFlags:
         "layer).",
         nargs="+",
         honoured_at="TransformerConfig.cp_comm_type; "
-        "transformer.dot_product_attention.DotProductAttention",
+        "core.transformer.dot_product_attention.DotProductAttention",
     )
     max_seqlen_per_dp_cp_rank: Optional[int] = flag(
         None, "Largest sequence length one DP x CP rank holds (hybrid context parallelism)."

@@ -19,7 +19,7 @@ from typing import Dict, List, Set
 
 from megatron.training.flags import GROUPS, POLICY
 from megatron.training.flags.policy import HONOURED, NO_EFFECT, REFUSED
-from megatron.training.flags.spec import FromEnv, options_of
+from megatron.training.flags.spec import TOGGLE, FromEnv, options_of
 
 DOCUMENT = Path(__file__).resolve().parents[3] / "docs" / "FLAGS.md"
 _CLASS = {HONOURED: "honoured", NO_EFFECT: "no effect here", REFUSED: "refused"}
@@ -118,10 +118,10 @@ def _default(field: dataclasses.Field) -> str:
     return f"`{value!r}`"
 
 
-def _spellings(group, field: dataclasses.Field) -> str:
+def _spellings(field: dataclasses.Field) -> str:
     spec = field.metadata["flag"]
-    options = list(options_of(group, field))
-    if spec.kind == "--x/--no-x":
+    options = list(options_of(field))
+    if spec.kind == TOGGLE:
         options = [f"{o} / --no-{o[2:]}" for o in options]
     if spec.negation is not None:
         options.append(spec.negation[0])
@@ -177,7 +177,7 @@ def render() -> str:
             kind, where = _class_and_where(field)
             steps = ", ".join(reads.get(field.name, [])) or "—"
             lines.append(
-                f"| {_cell(_spellings(group, field))} | {_cell(_default(field))} | {kind} "
+                f"| {_cell(_spellings(field))} | {_cell(_default(field))} | {kind} "
                 f"| {_cell(where)} | {_cell(steps)} |"
             )
         for spellings, hint in group.REMOVED.items():

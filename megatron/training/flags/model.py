@@ -16,7 +16,7 @@ class NetworkSizeFlags:
     num_layers: Optional[int] = flag(
         None,
         "Number of transformer layers.",
-        honoured_at="TransformerConfig.num_layers; model_families.t5._decoder_layers",
+        honoured_at="TransformerConfig.num_layers (T5: the encoder's)",
     )
     encoder_num_layers: Optional[int] = flag(
         None,
@@ -62,7 +62,7 @@ class NetworkSizeFlags:
     kv_channels: Optional[int] = flag(
         None,
         "Per-head projection size. Default: hidden-size // num-attention-heads.",
-        honoured_at="TransformerConfig.kv_channels; optimizer.__init__._qkv_split",
+        honoured_at="TransformerConfig.kv_channels; core.optimizer._qkv_split (Muon)",
     )
     group_query_attention: bool = switch(
         "Use grouped-query attention (see --num-query-groups).",
@@ -71,7 +71,7 @@ class NetworkSizeFlags:
     num_query_groups: int = flag(
         1,
         "Number of key/value head groups; only read with --group-query-attention.",
-        honoured_at="TransformerConfig.num_query_groups; optimizer.__init__._qkv_split",
+        honoured_at="TransformerConfig.num_query_groups; core.optimizer._qkv_split (Muon)",
     )
     window_size: Optional[Tuple[int, int]] = flag(
         None, 'Sliding-window attention (left, right), e.g. "(128, 0)".', type=tuple_type
@@ -159,7 +159,7 @@ class NetworkSizeFlags:
         128,
         "Pad the vocabulary so that its size is divisible by this value times the "
         "tensor-parallel size.",
-        honoured_at="tokenizer._vocab_size_with_padding; tools.preprocess_data.get_args",
+        honoured_at="tokenizer._vocab_size_with_padding",
     )
     normalization: str = flag(
         "LayerNorm",

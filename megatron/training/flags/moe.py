@@ -24,7 +24,7 @@ class MoEFlags:
     num_experts: Optional[int] = flag(
         None,
         "Number of experts per MoE layer (None or 0: dense model).",
-        honoured_at="TransformerConfig.num_moe_experts; checkpointing._is_torch_format_writer",
+        honoured_at="TransformerConfig.num_moe_experts",
     )
     moe_layer_freq: Union[int, List[int]] = flag(
         1,

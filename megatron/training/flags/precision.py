@@ -43,7 +43,7 @@ class MixedPrecisionFlags:
     fp32_residual_connection: bool = switch(
         "Keep the residual stream in fp32.",
         honoured_at="TransformerConfig.fp32_residual_connection; "
-        "pipeline_parallel.p2p_communication.get_pipeline_dtype; "
+        "core.pipeline_parallel.p2p_communication.get_pipeline_dtype; "
         "tools.run_text_generation_server._serve",
     )
     apply_query_key_layer_scaling: bool = switch(
@@ -61,7 +61,7 @@ class MixedPrecisionFlags:
     fp16_lm_cross_entropy: bool = switch(
         "Compute the LM cross entropy in fp16.",
         honoured_at="pretrain_{bert,gpt,t5}.model_provider; "
-        "models.common.language_module.LanguageModule",
+        "core.models.common.language_module.LanguageModule",
     )
     logit_dtype: Optional[str] = flag(
         None,

@@ -30,9 +30,9 @@ __all__ = [
     "add_group",
     "add_groups",
     "flag",
-    "flag_fields",
     "flag_group",
     "off_switch",
+    "options_of",
     "switch",
     "toggle",
 ]
@@ -70,8 +70,10 @@ class FlagSpec:
     negation: Optional[Tuple[str, str]] = None
     """(spelling, help) of a store_false flag sharing a SWITCH's dest."""
     honoured_at: Optional[str] = None
-    """Where the value takes effect (a config field, module.function); refused and no-effect
-    flags have a row in flags/policy.py instead."""
+    """Where the value takes effect: a config field (``TransformerConfig.x``) or the functions
+    that read it (``module.function``, relative to megatron/training/; ``core.`` for
+    megatron/core/, ``pretrain_gpt``, ``tools.``). Refused and no-effect flags have a row in
+    flags/policy.py instead."""
 
 
 class FromEnv:
@@ -216,10 +218,6 @@ def _argparse_kwargs(field: dataclasses.Field, annotation, default) -> Dict[str,
     return kwargs
 
 
-def flag_fields(group) -> Tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(group)
-
-
 def flag_group(title: str, *, removed: Optional[Dict[Union[str, Tuple[str, ...]], str]] = None):
     """Make ``cls`` a flag group: a dataclass whose fields are the flags of the argparse group
     ``title``, in order. ``removed`` maps the spellings of flags Megatron dropped to a hint: an
@@ -280,14 +278,6 @@ def add_groups(parser: argparse.ArgumentParser, groups) -> argparse.ArgumentPars
     return parser
 
 
-def options_of(group, field: dataclasses.Field) -> Tuple[str, ...]:
+def options_of(field: dataclasses.Field) -> Tuple[str, ...]:
     """The spellings of a field's flag (its negation and hidden aliases aside)."""
     return _options(field.name, field.metadata["flag"])
-
-
-def describe_default(field: dataclasses.Field) -> str:
-    """The default as the document shows it (an environment default names its variable)."""
-    if isinstance(field.default_factory, FromEnv):
-        return repr(field.default_factory)
-    value = _default(field)
-    return repr(getattr(value, "name", value)) if hasattr(value, "name") else repr(value)

@@ -309,8 +309,8 @@ class TrainingFlags:
     sequence_parallel: bool = switch(
         "Sequence parallelism in the tensor-parallel regions.",
         honoured_at="TransformerConfig.sequence_parallel; "
-        "pipeline_parallel.p2p_communication.get_tensor_shape; "
-        "tensor_parallel.grads.allreduce_sequence_parallel_grads",
+        "core.pipeline_parallel.p2p_communication.get_tensor_shape; "
+        "core.tensor_parallel.grads.allreduce_sequence_parallel_grads",
     )
     gradient_accumulation_fusion: bool = off_switch(
         "Disable fusing weight-gradient accumulation into the GEMM.",
