@@ -81,6 +81,14 @@ def test_the_rule_steps_that_read_a_flag_are_found_in_their_source():
     assert "seed" not in reads
 
 
+def test_the_rule_pass_visits_each_module_once():
+    from megatron.training.flags.rules import RULES
+
+    modules = [step.__module__ for step in RULES]
+    runs = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
+    assert len(RULES) > 15 and len(runs) == len(set(runs)), runs
+
+
 def test_the_flags_import_without_torch():
     code = (
         "import sys\n"
