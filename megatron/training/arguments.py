@@ -1,10 +1,9 @@
 """Megatron-LM command-line arguments: parse_args, validate_args, print_args.
 
-The flags live in megatron/training/argument_groups/ (one `_add_<x>_args` per argparse
-group, registered below); the cross-flag rules of `validate_args` live in
-argument_groups/*_rules.py (their shared helpers in validation.py); what this code base does
-with each flag (honoured, no effect here, refused) is the table of flag_policy_table.py,
-applied by flag_policy.py.
+Each flag is one field of a flag group in megatron/training/flags/ (its spelling, default, help
+and where it is honoured); the flags this code base refuses or ignores are the rows of
+flags/policy.py, applied by flag_policy.py; the cross-flag rules of `validate_args` are one
+ordered pass, flags.rules.RULES.
 """
 
 import argparse
@@ -12,19 +11,11 @@ import os
 import sys
 
 from megatron.training import flag_policy
-from megatron.training.argument_groups import (
-    io_rules,
-    model_rules,
-    moe_rules,
-    numerics_rules,
-    parallel_rules,
-    rerun_rules,
-    training_rules,
-)
-from megatron.training.argument_groups import validation as rules
-from megatron.training.argument_groups.all_groups import add_argument_groups
-from megatron.training.argument_groups.data import REMOVED_TOKENIZER_TYPES, add_tokenizer_args
-from megatron.training.argument_groups.validation import ArgumentValidationError
+from megatron.training.flag_errors import ArgumentValidationError
+from megatron.training.flags import add_megatron_flags
+from megatron.training.flags.data import REMOVED_TOKENIZER_TYPES, add_tokenizer_args
+from megatron.training.flags.rules import run_rules
+from megatron.training.flags.rules.base import warn
 
 __all__ = [
     "ArgumentValidationError",
@@ -43,7 +34,7 @@ __all__ = [
 def add_megatron_arguments(parser):
     """Add every Megatron argument group to `parser`; returns it. The help text of each refused
     or no-effect flag names its class (flag_policy)."""
-    parser = add_argument_groups(parser)
+    parser = add_megatron_flags(parser)
     flag_policy.annotate_help(parser)
     return parser
 
@@ -119,7 +110,7 @@ def parse_and_validate_args(
 
 
 # --------------------------------------------------------------------------------------
-# Validation (the rules themselves are in argument_groups/*_rules.py)
+# Validation (the rules themselves are in flags/rules/, run in the order of flags.rules.RULES)
 # --------------------------------------------------------------------------------------
 def validate_args(args, defaults=None):
     """Apply `defaults` (only where the arg is None), check every cross-flag rule, fill in
@@ -130,23 +121,7 @@ def validate_args(args, defaults=None):
     _apply_defaults(args, defaults or {})
     # The policy judges what the user gave, before the rules derive other values from it.
     given = argparse.Namespace(**vars(args))
-    model_rules.translate_deprecated(args)
-    parallel_rules.validate_parallel_sizes(args)
-    model_rules.validate_model_shape(args)
-    moe_rules.validate_moe(args)
-    training_rules.validate_batch_size(args)
-    parallel_rules.validate_pipeline(args)
-    numerics_rules.validate_optimizer(args)
-    numerics_rules.validate_numerics(args)
-    parallel_rules.validate_data_parallel_strategy(args)
-    training_rules.validate_precision(args)
-    io_rules.validate_checkpointing(args)
-    training_rules.validate_schedule(args)
-    training_rules.validate_recompute(args)
-    io_rules.validate_data(args)
-    io_rules.validate_logging(args)
-    model_rules.validate_misc(args)
-    rerun_rules.validate_rerun(args)
+    run_rules(args)
     refusal = flag_policy.refusal(given)
     if refusal is not None:
         raise ArgumentValidationError(refusal)
@@ -164,4 +139,4 @@ def _apply_defaults(args, defaults):
         if current is None:
             setattr(args, key, value)
         elif current != value:
-            rules.warn(args, f"overriding default arguments for {key}:{value} with {key}:{current}")
+            warn(args, f"overriding default arguments for {key}:{value} with {key}:{current}")

@@ -1,6 +1,8 @@
-"""A ValueError or AssertionError raised while the model or the data is built from the flags
-is the user's input at fault (a shape that does not divide, a data path, a split ...): it ends
-the run with one ``error:`` line that names the flags involved, not with a traceback."""
+"""The errors of bad flags: a flag value or combination that validation refuses
+(ArgumentValidationError), and a ValueError or AssertionError raised while the model or the data
+is built from the flags: the user's input at fault (a shape that does not divide, a data path, a
+split ...). Each ends the run with one ``error:`` line that names the flags involved, not with a
+traceback."""
 
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ import traceback
 from contextlib import contextmanager
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class ArgumentValidationError(ValueError):
+    """A flag value, or a combination of flags, that cannot work. The message names them."""
 
 
 class BuildFromFlagsError(RuntimeError):

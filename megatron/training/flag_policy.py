@@ -1,6 +1,7 @@
 """What this code base does with each of Megatron's flags, and the start-up checks that say so.
 
-Every flag of the parser is in exactly one class (the table is flag_policy_table.py):
+Every flag of the parser is in exactly one class (the refused and no-effect rows are
+megatron/training/flags/policy.py; every other flag is honoured where its field says):
 
 * HONOURED: it does here what it does in Megatron;
 * NO_EFFECT ("no effect here, speed only"): it only selects a faster kernel or communication path
@@ -22,8 +23,8 @@ import argparse
 import functools
 from typing import Dict, List, Optional, Tuple
 
-from megatron.training.argument_groups.all_groups import add_argument_groups
-from megatron.training.flag_policy_table import HONOURED, NO_EFFECT, POLICY, REFUSED, Rule
+from megatron.training.flags import POLICY, add_megatron_flags
+from megatron.training.flags.policy import HONOURED, NO_EFFECT, REFUSED, Rule
 
 
 def flag_of(action: argparse.Action) -> str:
@@ -34,7 +35,7 @@ def flag_of(action: argparse.Action) -> str:
 @functools.lru_cache(maxsize=1)
 def megatron_actions() -> Dict[str, argparse.Action]:
     """dest -> the action of Megatron's parser (built once; no env-dependent use here)."""
-    parser = add_argument_groups(argparse.ArgumentParser(allow_abbrev=False))
+    parser = add_megatron_flags(argparse.ArgumentParser(allow_abbrev=False))
     actions: Dict[str, argparse.Action] = {}
     for action in parser._actions:
         if action.option_strings and action.help != argparse.SUPPRESS and action.dest != "help":

@@ -21,7 +21,6 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import NonFiniteValueError, get_model_config
 
 from . import global_vars
-from .argument_groups.validation import ArgumentValidationError
 from .checkpointing import CheckpointError, maybe_finalize_async_save, save_checkpoint
 from .checkpointing_common import check_save_dir_writable
 from .checkpointing_dist import abandon_async_save, release_async_save_group
@@ -30,7 +29,7 @@ from .data_iterators import build_train_valid_test_data_iterators, get_train_val
 from .evaluation import evaluate, evaluate_and_print_results
 from .exit_decision import checkpoint_and_decide_exit, save_if_not_saved
 from .failed_run import enable_fault_handler, end_failed_run, watch_for_interrupt
-from .flag_errors import BuildFromFlagsError, UserInputError, building
+from .flag_errors import ArgumentValidationError, BuildFromFlagsError, UserInputError, building
 from .initialize import initialize_megatron, teardown_process_groups
 from .model_families import get_model_family
 from .model_setup import (

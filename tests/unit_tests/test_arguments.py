@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from megatron.core.transformer.enums import AttnBackend
-from megatron.training import flag_policy_table
-from megatron.training.argument_groups.builder import layer_pattern_type
+from megatron.training import flags as flag_policy_table
 from megatron.training.arguments import (
     ArgumentValidationError,
     add_tokenizer_args,
@@ -24,6 +23,7 @@ from megatron.training.arguments import (
     print_args,
     validate_args,
 )
+from megatron.training.flags.types import layer_pattern_type
 from tests.unit_tests.tiny_configs import tiny_argv
 
 # A small model that passes every rule and uses no unimplemented feature: tiny_argv().

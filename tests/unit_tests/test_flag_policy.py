@@ -1,4 +1,4 @@
-"""The flag policy table (megatron/training/flag_policy_table.py): every flag of the parser is
+"""The flag policy table (megatron/training/flags/policy.py): every flag of the parser is
 honoured, has no effect here (speed only) or is refused, and each class behaves as promised.
 
 * refused: validation ends with one line naming the flag and why (every refused row is tried);
@@ -22,7 +22,7 @@ from megatron.training.arguments import (
     validate_args,
 )
 from megatron.training.flag_policy import HONOURED, NO_EFFECT, REFUSED
-from megatron.training.flag_policy_table import POLICY
+from megatron.training.flags import POLICY
 
 BASE = [
     "--num-layers",

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from megatron.core.transformer.enums import AttnBackend
-from megatron.training.argument_groups.builder import RemovedFlagAction
 from megatron.training.arguments import add_megatron_arguments, parse_args
+from megatron.training.flags.types import RemovedFlagAction
 
 FLAGS_FILE = Path(__file__).resolve().parents[1] / "data" / "megatron_head_flags.jsonl"
 ROWS = [json.loads(line) for line in FLAGS_FILE.read_text().splitlines() if line.strip()]

@@ -321,7 +321,7 @@ def test_moe_config_errors_name_the_flags():
 
 
 def test_moe_flag_rules_name_the_flags():
-    from megatron.training.argument_groups.validation import ArgumentValidationError
+    from megatron.training.flag_errors import ArgumentValidationError
     from tests.unit_tests.tiny_configs import tiny_args
 
     cases = [

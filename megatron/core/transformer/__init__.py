@@ -1,6 +1,6 @@
 """Transformer building blocks. ``TransformerConfig`` is imported on first use, so that the
 torch-free modules of this package (``enums``) can be imported without torch: the flag
-definitions of megatron/training/argument_groups name ``AttnBackend``."""
+definitions of megatron/training/flags name ``AttnBackend``."""
 
 __all__ = ["TransformerConfig"]
 

@@ -13,6 +13,16 @@ from typing import Callable, List, Optional, Union
 import torch.nn.functional as F
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.config_rules import (
+    CP_COMM_TYPES,
+    cp_comm_types_fit,
+    heads_split_into_query_groups,
+    heads_split_over_tp,
+    hidden_splits_into_heads,
+    mup_settings_given,
+    mup_width_mult_matches,
+    query_groups_split_over_tp,
+)
 from megatron.core.transformer.moe.moe_config import MoEConfig, validate_moe_config
 from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
 
@@ -271,7 +281,7 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
             if not isinstance(value, int) or value <= 0:
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{name} must be a positive integer ({flag}), got {value!r}")
-        if self.num_attention_heads % self.tensor_model_parallel_size != 0:
+        if not heads_split_over_tp(self.num_attention_heads, self.tensor_model_parallel_size):
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}, --num-attention-heads) "
                 "must be a multiple of "
@@ -280,12 +290,12 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
             )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups != 0:
+        if not heads_split_into_query_groups(self.num_attention_heads, self.num_query_groups):
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_query_groups ({self.num_query_groups}) (--num-query-groups)"
             )
-        if self.num_query_groups % self.tensor_model_parallel_size != 0:
+        if not query_groups_split_over_tp(self.num_query_groups, self.tensor_model_parallel_size):
             raise ValueError(
                 f"num_query_groups ({self.num_query_groups}, --num-query-groups) "
                 "must be a multiple of "
@@ -316,18 +326,20 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
                 if isinstance(self.cp_comm_type, str)
                 else list(self.cp_comm_type)
             )
-            unknown = [t for t in types if t not in ("p2p", "a2a", "allgather", "a2a+p2p")]
+            unknown = [t for t in types if t not in CP_COMM_TYPES]
             if unknown:
                 raise ValueError(
                     f"cp_comm_type {unknown} unknown (--cp-comm-type: p2p, a2a, allgather, a2a+p2p)"
                 )
-            if not isinstance(self.cp_comm_type, str) and len(types) not in (1, self.num_layers):
+            if not isinstance(self.cp_comm_type, str) and not cp_comm_types_fit(
+                len(types), self.num_layers
+            ):
                 raise ValueError(
                     f"cp_comm_type takes one value or one per layer ({self.num_layers}), "
                     f"got {len(types)} (--cp-comm-type)"
                 )
         if self.kv_channels is None:
-            if self.hidden_size % self.num_attention_heads != 0:
+            if not hidden_splits_into_heads(self.hidden_size, self.num_attention_heads):
                 raise ValueError(
                     f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                     f"({self.num_attention_heads}) unless kv_channels (--kv-channels) is given"
@@ -366,18 +378,7 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
     def _apply_mup(self):
         """Derive the muP width multiplier, attention scale and output multiplier (Megatron)."""
         if not self.use_mup:
-            given = [
-                flag
-                for flag, value, default in (
-                    ("--mup-width-mult", self.mup_width_mult, 1.0),
-                    ("--mup-base-hidden-size", self.mup_base_hidden_size, None),
-                    ("--mup-embedding-mult", self.mup_embedding_mult, 1.0),
-                    ("--mup-output-mult", self.mup_output_mult, 1.0),
-                    ("--mup-base-head-dim", self.mup_base_head_dim, None),
-                    ("--mup-attn-scale-power", self.mup_attn_scale_power, 1.0),
-                )
-                if value != default
-            ]
+            given = ["--" + name.replace("_", "-") for name in mup_settings_given(self)]
             if given:
                 raise ValueError(f"{', '.join(given)} only take effect with --use-mup")
             return
@@ -388,7 +389,9 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
                 f"--mup-base-hidden-size must be positive, got {self.mup_base_hidden_size}"
             )
         width_mult = self.hidden_size / self.mup_base_hidden_size
-        if self.mup_width_mult != 1.0 and not math.isclose(self.mup_width_mult, width_mult):
+        if not mup_width_mult_matches(
+            self.mup_width_mult, self.hidden_size, self.mup_base_hidden_size
+        ):
             raise ValueError(
                 f"--mup-width-mult {self.mup_width_mult} does not match --hidden-size "
                 f"{self.hidden_size} / --mup-base-hidden-size {self.mup_base_hidden_size} = "

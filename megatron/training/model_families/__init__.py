@@ -54,7 +54,7 @@ MODEL_SPECIFIC_FLAGS = {
 def refuse_other_models_flags(args, family_name: str) -> None:
     """ArgumentValidationError for the first flag of MODEL_SPECIFIC_FLAGS given (away from
     Megatron's default) that the ``family_name`` model does not read."""
-    from megatron.training.argument_groups.validation import ArgumentValidationError
+    from megatron.training.flag_errors import ArgumentValidationError
     from megatron.training.flag_policy import megatron_actions
 
     actions = megatron_actions()

@@ -98,7 +98,7 @@ def count_parameters(args, padded_vocab_size) -> T5ParameterCount:
 
 def check_args(args) -> None:
     """Megatron's refusal of pipeline parallelism; the decoder length is required."""
-    from megatron.training.argument_groups.validation import ArgumentValidationError
+    from megatron.training.flag_errors import ArgumentValidationError
 
     refuse_other_models_flags(args, "t5")
     if args.pipeline_model_parallel_size > 1:

@@ -7,6 +7,16 @@ inherits these fields and calls :func:`validate_moe_config` from its ``__post_in
 from dataclasses import dataclass
 from typing import List, Optional, Union
 
+from megatron.core.transformer.config_rules import (
+    aux_loss_coeffs_match_types,
+    capacity_padding_has_capacity,
+    expert_parallelism_has_experts,
+    experts_split_over_ep,
+    moe_layer_pattern_covers_layers,
+    moe_tokens_split_over_tp,
+    router_topk_in_range,
+)
+
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 DISPATCHERS = ("allgather", "alltoall", "flex")
@@ -115,22 +125,23 @@ def _as_list(value):
 
 def validate_moe_config(config) -> None:
     """Cross-field rules of the MoE fields (ValueError naming the flags)."""
+    if not expert_parallelism_has_experts(
+        config.num_moe_experts, config.expert_model_parallel_size
+    ):
+        raise ValueError(
+            f"--expert-model-parallel-size {config.expert_model_parallel_size} needs --num-experts"
+        )
     if config.num_moe_experts is None:
-        if config.expert_model_parallel_size != 1:
-            raise ValueError(
-                "--expert-model-parallel-size "
-                f"{config.expert_model_parallel_size} needs --num-experts"
-            )
         return
     experts = config.num_moe_experts
     if experts <= 0:
         raise ValueError(f"--num-experts must be positive, got {experts}")
-    if experts % config.expert_model_parallel_size != 0:
+    if not experts_split_over_ep(experts, config.expert_model_parallel_size):
         raise ValueError(
             f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size "
             f"({config.expert_model_parallel_size})"
         )
-    if not 1 <= config.moe_router_topk <= experts:
+    if not router_topk_in_range(config.moe_router_topk, experts):
         raise ValueError(
             f"--moe-router-topk ({config.moe_router_topk}) must be in [1, --num-experts={experts}]"
         )
@@ -161,15 +172,16 @@ def validate_moe_config(config) -> None:
             f"choose from {LOAD_BALANCING_TYPES}"
         )
     coeffs = _as_list(config.moe_aux_loss_coeff)
-    if len(types) > 1 and len(coeffs) != len(types):
-        raise ValueError(
-            f"--moe-aux-loss-coeff takes one value per --moe-router-load-balancing-type "
-            f"({len(types)}), got {len(coeffs)}"
-        )
-    if len(types) == 1 and len(coeffs) != 1:
-        raise ValueError(
-            f"--moe-aux-loss-coeff has {len(coeffs)} values for one load-balancing type"
-        )
+    if not aux_loss_coeffs_match_types(types, coeffs):
+        if len(types) > 1:
+            raise ValueError(
+                f"--moe-aux-loss-coeff takes one value per --moe-router-load-balancing-type "
+                f"({len(types)}), got {len(coeffs)}"
+            )
+        if len(types) == 1:
+            raise ValueError(
+                f"--moe-aux-loss-coeff has {len(coeffs)} values for one load-balancing type"
+            )
     if "sinkhorn" in types and config.moe_router_score_function != "softmax":
         raise ValueError("--moe-router-load-balancing-type sinkhorn needs the softmax score")
     groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
@@ -187,25 +199,26 @@ def validate_moe_config(config) -> None:
                 f"--moe-router-topk ({config.moe_router_topk}) exceeds the experts of "
                 f"--moe-router-group-topk ({group_topk}) groups"
             )
-    if config.moe_expert_capacity_factor is not None:
-        if config.moe_expert_capacity_factor <= 0:
-            raise ValueError(
-                "--moe-expert-capacity-factor must be positive, got "
-                f"{config.moe_expert_capacity_factor}"
-            )
-    elif config.moe_pad_expert_input_to_capacity:
+    if config.moe_expert_capacity_factor is not None and config.moe_expert_capacity_factor <= 0:
+        raise ValueError(
+            "--moe-expert-capacity-factor must be positive, got "
+            f"{config.moe_expert_capacity_factor}"
+        )
+    if not capacity_padding_has_capacity(
+        config.moe_pad_expert_input_to_capacity, config.moe_expert_capacity_factor
+    ):
         raise ValueError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     if config.moe_shared_expert_gate and config.moe_shared_expert_intermediate_size is None:
         raise ValueError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
     if config.moe_shared_expert_overlap and config.moe_shared_expert_intermediate_size is None:
         raise ValueError("--moe-shared-expert-overlap needs --moe-shared-expert-intermediate-size")
-    if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
-        # Megatron refuses it too: the MoE layer's token exchange assumes every rank of the
-        # tensor-parallel group holds different tokens.
+    if not moe_tokens_split_over_tp(config.tensor_model_parallel_size, config.sequence_parallel):
         raise ValueError("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel")
     freq = config.moe_layer_freq
     if isinstance(freq, (list, tuple)):
-        if len(freq) != config.num_layers or any(v not in (0, 1) for v in freq):
+        if not moe_layer_pattern_covers_layers(freq, config.num_layers) or any(
+            v not in (0, 1) for v in freq
+        ):
             raise ValueError(
                 f"--moe-layer-freq list must hold one 0/1 per layer ({config.num_layers}), "
                 f"got {list(freq)}"

@@ -1,0 +1,160 @@
+"""Step 10: the data-parallel strategy: DDP buckets, the distributed optimizer, FSDP2 and
+Megatron-FSDP, and sequence parallelism without TP."""
+
+import os
+
+from .base import check, info, warn
+
+
+def validate_data_parallel_strategy(args):
+    check(
+        args.ddp_num_buckets is None or args.ddp_bucket_size is None,
+        f"--ddp-num-buckets {args.ddp_num_buckets} and --ddp-bucket-size {args.ddp_bucket_size} "
+        "are mutually exclusive",
+    )
+    if args.ddp_num_buckets is not None:
+        check(
+            args.ddp_num_buckets > 0,
+            f"--ddp-num-buckets must be positive, got {args.ddp_num_buckets}",
+        )
+    if args.overlap_param_gather:
+        check(
+            args.use_distributed_optimizer or args.use_megatron_fsdp,
+            "--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp)",
+        )
+        check(args.overlap_grad_reduce, "--overlap-param-gather needs --overlap-grad-reduce")
+    if args.overlap_param_gather_with_optimizer_step:
+        check(
+            args.use_distributed_optimizer,
+            "--overlap-param-gather-with-optimizer-step needs --use-distributed-optimizer",
+        )
+        check(
+            args.overlap_param_gather,
+            "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather",
+        )
+        check(
+            args.virtual_pipeline_model_parallel_size is not None,
+            "--overlap-param-gather-with-optimizer-step needs virtual pipeline stages",
+        )
+    check(
+        not (args.use_torch_fsdp2 and args.use_megatron_fsdp),
+        "--use-torch-fsdp2 and --use-megatron-fsdp are mutually exclusive",
+    )
+    one_connection = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    strategy = args.data_parallel_sharding_strategy
+    if args.use_torch_fsdp2:
+        _validate_fsdp2(args, "--use-torch-fsdp2", one_connection)
+        check(
+            not args.use_distributed_optimizer,
+            "--use-torch-fsdp2 does not support --use-distributed-optimizer",
+        )
+        check(
+            args.ckpt_format in ("torch_dist", "torch_dcp"),
+            "--use-torch-fsdp2 does not "
+            f"support --ckpt-format {args.ckpt_format} (use torch_dist or torch_dcp)",
+        )
+        check(
+            strategy == "optim_grads_params",
+            f"--data-parallel-sharding-strategy {strategy} "
+            "cannot be used with --use-torch-fsdp2 (FSDP2 shards optimizer state, gradients "
+            "and params: optim_grads_params)",
+        )
+    elif args.use_megatron_fsdp:
+        check(
+            args.ckpt_format == "fsdp_dtensor",
+            f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got {args.ckpt_format})",
+        )
+        check(
+            not one_connection, "--use-megatron-fsdp does not support CUDA_DEVICE_MAX_CONNECTIONS=1"
+        )
+        # Megatron-FSDP is mapped onto this code base's machinery (README "Memory options"):
+        # no_shard = plain DDP, optim/optim_grads = the distributed optimizer (its gradients are
+        # reduce-scattered, so both are ZeRO-2 here), optim_grads_params = FSDP2. The strategy
+        # decides the optimizer; --use-distributed-optimizer (which Megatron's guide passes
+        # along) is implied by it.
+        if strategy == "optim_grads_params":
+            _validate_fsdp2(
+                args,
+                f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}",
+                one_connection,
+            )
+        check(
+            not (args.save or args.load or args.pretrained_checkpoint),
+            "--use-megatron-fsdp "
+            "cannot save or load checkpoints yet (--ckpt-format fsdp_dtensor is not implemented)",
+        )
+        args.use_distributed_optimizer = strategy in ("optim", "optim_grads")
+        check(
+            strategy != "no_shard" or not args.overlap_param_gather,
+            "--overlap-param-gather "
+            "has nothing to gather with --use-megatron-fsdp --data-parallel-sharding-strategy "
+            "no_shard",
+        )
+        info(
+            args,
+            f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}: running as "
+            + {
+                "no_shard": "plain data-parallel DDP",
+                "optim": "the distributed optimizer",
+                "optim_grads": "the distributed optimizer",
+                "optim_grads_params": "torch FSDP2 (fully_shard)",
+            }[strategy],
+        )
+    else:
+        check(
+            strategy == "optim_grads_params",
+            f"--data-parallel-sharding-strategy {strategy} "
+            "needs --use-megatron-fsdp (for ZeRO-1/2 alone use --use-distributed-optimizer, "
+            "for ZeRO-3 --use-torch-fsdp2)",
+        )
+    if args.optimizer == "muon":
+        for ok, why in (
+            (not args.use_torch_fsdp2, "--use-torch-fsdp2"),
+            (not args.use_megatron_fsdp, "--use-megatron-fsdp"),
+        ):
+            check(ok, f"--optimizer muon does not support {why}")
+    if args.optimizer_cpu_offload:
+        check(
+            args.use_precision_aware_optimizer,
+            "--optimizer-cpu-offload needs --use-precision-aware-optimizer",
+        )
+    if args.fp8_param_gather:
+        check(
+            args.use_distributed_optimizer or args.use_torch_fsdp2 or args.use_megatron_fsdp,
+            "--fp8-param-gather needs --use-distributed-optimizer or FSDP",
+        )
+
+    if args.tensor_model_parallel_size == 1 and args.sequence_parallel:
+        # Megatron turns it off rather than failing: SP without TP would only change numerics.
+        warn(args, "disabling --sequence-parallel because --tensor-model-parallel-size is 1")
+        args.sequence_parallel = False
+    if args.tp_comm_overlap:
+        check(
+            args.sequence_parallel,
+            "--tp-comm-overlap needs --sequence-parallel (and --tensor-model-parallel-size > 1)",
+        )
+
+
+def _validate_fsdp2(args, what, one_connection):
+    """The limits Megatron puts on its FSDP paths, for --use-torch-fsdp2 and for
+    --use-megatron-fsdp with optim_grads_params (which runs on FSDP2 here)."""
+    for ok, why in (
+        (args.pipeline_model_parallel_size == 1, "pipeline parallelism"),
+        (args.expert_model_parallel_size == 1, "expert parallelism"),
+        (
+            not args.gradient_accumulation_fusion,
+            "gradient accumulation fusion (pass --no-gradient-accumulation-fusion)",
+        ),
+        (
+            args.untie_embeddings_and_output_weights,
+            "tied embeddings (pass --untie-embeddings-and-output-weights)",
+        ),
+        (not args.fp16, "--fp16"),
+        (not one_connection, "CUDA_DEVICE_MAX_CONNECTIONS=1"),
+        (
+            not (args.save or args.load or args.pretrained_checkpoint),
+            "saving or loading checkpoints yet (--save/--load/--pretrained-checkpoint)",
+        ),
+        (not args.log_params_norm, "--log-params-norm yet"),
+    ):
+        check(ok, f"{what} does not support {why}")
