@@ -22,9 +22,6 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core.dist_checkpointing import is_distributed_checkpoint
-from megatron.core.dist_checkpointing.planner import megatron_state_globals
-
 from .errors import CheckpointError, ConversionError
 
 CHECKPOINT_VERSION = 3.0
@@ -116,6 +113,9 @@ def find_iteration_dir(load_dir: str) -> Tuple[str, Optional[int], bool]:
 def detect_format(directory: str) -> Optional[str]:
     """``torch_dist`` (a complete metadata.json), ``torch`` (mp_rank_* entries), or None
     (Megatron's rule)."""
+    # Imported here, as below: the converter plugins that only name files load no DCP code.
+    from megatron.core.dist_checkpointing import is_distributed_checkpoint
+
     if not os.path.isdir(directory):
         return None
     if is_distributed_checkpoint(directory):
@@ -158,6 +158,8 @@ def format_to_load(args, directory: str) -> str:
 
 def load_torch_file(path: str) -> dict:
     """One torch-format checkpoint file, read with ``weights_only=True``."""
+    from megatron.core.dist_checkpointing.planner import megatron_state_globals
+
     if not os.path.isfile(path):
         raise CheckpointError(
             f"checkpoint file {path} does not exist (the tracker points at an incomplete "

@@ -11,8 +11,6 @@ import os
 
 import torch
 
-from megatron.core.dist_checkpointing import CheckpointingError, load_common
-
 from .errors import CheckpointError
 from .layout import (
     checkpoint_dir,
@@ -136,6 +134,8 @@ def read_checkpoint_args(load_dir: str, ckpt_step=None):
     directory = checkpoint_dir(load_dir, iteration, release)
     fmt = detect_format(directory)
     if fmt == "torch_dist":
+        from megatron.core.dist_checkpointing import CheckpointingError, load_common
+
         try:
             return load_common(directory, safe_globals=[argparse.Namespace]).get("args")
         except CheckpointingError as exc:
