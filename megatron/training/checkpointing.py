@@ -3,8 +3,9 @@
 ``--ckpt-format torch_dist`` (the default) is handled by :mod:`.checkpointing_dist`; this module
 dispatches to it, detects the format of a checkpoint being loaded (``--auto-detect-ckpt-format``),
 converts between formats (``--ckpt-convert-format``) and reads model flags back from a checkpoint
-(``--use-checkpoint-args``). What both formats share (names, tracker, saved args and RNG states,
-``--save-retain-interval``) is in :mod:`.checkpointing_common`.
+(``--use-checkpoint-args``). The format layer both formats and the offline converters share
+(names, tracker, format detection, saved args, ``--save-retain-interval``) is the package
+:mod:`megatron.checkpointing`; the RNG states and log lines are in :mod:`.checkpointing_common`.
 
 torch-format layout: ``<save>/iter_0000100/mp_rank_00/model_optim_rng.pt`` (``mp_rank_TT_PPP``
 with pipeline parallelism) and ``<save>/latest_checkpointed_iteration.txt``. Each file is
@@ -19,7 +20,6 @@ numpy's RNG state is stored as tensors and plain values.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Optional
@@ -27,9 +27,28 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.layout import (
+    CHECKPOINT_VERSION,
+    checkpoint_dir,
+    checkpoint_name,
+    commit_tracker,
+    detect_format,
+    format_to_load,
+    load_torch_file,
+    read_tracker,
+    remove_partial,
+    remove_unretained,
+    tracker_path,
+    why_write_failed,
+)
+from megatron.checkpointing.saved_args import (
+    check_model_args,
+    checkpoint_args,
+    load_args_from_checkpoint,  # noqa: F401  (Megatron's import path: arguments.py uses it)
+)
 from megatron.core.device import collective_device
 from megatron.core.dist_checkpointing.megatron_layout import with_extra_state, without_extra_state
-from megatron.core.dist_checkpointing.planner import megatron_state_globals
 from megatron.core.optimizer.param_order import (
     PARAM_ORDER,
     PARAM_ORDER_KEY,
@@ -40,23 +59,11 @@ from megatron.core.utils import unwrap_model
 from . import global_vars
 from .checkpoint_integrity import integrity_digests, seal, verify_checkpoint
 from .checkpointing_common import (
-    CHECKPOINT_VERSION,
-    CheckpointError,
     barrier,
-    check_model_args,
-    checkpoint_args,
-    checkpoint_dir,
-    checkpoint_name,
-    commit_tracker,
     print_loaded_checkpoint,
     print_saved_checkpoint,
-    read_tracker,
-    remove_partial,
-    remove_unretained,
     rng_state,
     set_rng_state,
-    tracker_path,
-    why_write_failed,
 )
 from .checkpointing_dist import (
     load_checkpoint_dist,
@@ -66,6 +73,7 @@ from .checkpointing_dist import (
 from .utils import get_rank, print_rank_0
 
 SAVE_FORMATS = ("torch_dist", "torch")
+detect_checkpoint_format = detect_format  # the name it has here (tests call it so)
 
 
 def distrib_optim_path(model_path: str) -> str:
@@ -243,70 +251,6 @@ def save_checkpoint(
     remove_unretained(args, save_dir, iteration)
 
 
-def detect_checkpoint_format(directory: str):
-    """``torch_dist`` (metadata.json), ``torch`` (mp_rank_* entries), or None (Megatron's rule)."""
-    from megatron.core.dist_checkpointing import is_distributed_checkpoint
-
-    if not os.path.isdir(directory):
-        return None
-    if is_distributed_checkpoint(directory):
-        return "torch_dist"
-    if any(name.startswith("mp_rank_0") for name in os.listdir(directory)):
-        return "torch"
-    return None
-
-
-def format_to_load(args, directory: str) -> str:
-    """The format to read ``directory`` in: --ckpt-format, or what the directory holds with
-    --auto-detect-ckpt-format (and when converting); a clear error otherwise."""
-    found = detect_checkpoint_format(directory)
-    if found is None:
-        if not os.path.isdir(directory):
-            raise CheckpointError(
-                f"checkpoint directory {directory} does not exist (the tracker points at a "
-                "deleted checkpoint, or --ckpt-step names an iteration that was not saved)"
-            )
-        if os.path.isfile(os.path.join(directory, ".metadata")):
-            raise CheckpointError(
-                f"{directory} has no metadata.json: its torch_dist save did not finish"
-            )
-        raise CheckpointError(
-            f"{directory} holds neither a torch_dist (metadata.json) nor a torch-format "
-            "(mp_rank_*) checkpoint"
-        )
-    wanted = args.ckpt_format
-    if (
-        found == wanted
-        or getattr(args, "auto_detect_ckpt_format", False)
-        or getattr(args, "ckpt_convert_format", None) is not None
-    ):
-        return found
-    raise CheckpointError(
-        f"{directory} is a {found}-format checkpoint but --ckpt-format is {wanted}: pass "
-        f"--ckpt-format {found} or --auto-detect-ckpt-format"
-    )
-
-
-def _load_file(path: str) -> dict:
-    if not os.path.isfile(path):
-        raise CheckpointError(
-            f"checkpoint file {path} does not exist (the tracker points at an incomplete "
-            "or deleted checkpoint, or it was saved with another parallel layout)"
-        )
-    try:
-        # numpy arrays (Megatron-LM's numpy RNG state), the rerun machine's records: as torch_dist
-        with torch.serialization.safe_globals([argparse.Namespace, *megatron_state_globals()]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for truncated or foreign files
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        reason = next(
-            (line for line in lines if "Unpickler error" in line), lines[0] if lines else ""
-        )
-        raise CheckpointError(
-            f"cannot read checkpoint file {path}: {type(exc).__name__}: {reason}"
-        ) from None
-
-
 def _check_model_state(chunk, saved: dict, path: str, strict: bool) -> None:
     """Fail with a readable list of mismatches instead of a stack of tensor errors."""
     own = chunk.state_dict()
@@ -412,7 +356,7 @@ def load_checkpoint(
         ep_size=state.get_expert_model_parallel_world_size(),
     )
     print_rank_0(f" loading checkpoint from {load_dir} at iteration {iteration}")
-    state_dict = _load_file(path)
+    state_dict = load_torch_file(path)
 
     ckpt_args = state_dict.get("args")
     check_model_args(ckpt_args, args, global_vars.get_model_family().checkpoint_model_args, path)
@@ -516,116 +460,3 @@ def convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler) -> None:
     print_rank_0(f"> converted checkpoint: {source} -> {args.ckpt_format} (saved to {args.save})")
     barrier()
     sys.exit(0)
-
-
-# Model-shape flags --use-checkpoint-args reads back (Megatron's list): the forced ones replace
-# the command line's value, the others fill in only flags left unset.
-_FORCED_CHECKPOINT_ARGS = (
-    "num_query_groups",
-    "group_query_attention",
-    "position_embedding_type",
-    "add_position_embedding",
-    "use_rotary_position_embeddings",
-    "rotary_percent",
-    "rotary_interleaved",
-    "rotary_base",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "swiglu",
-    "squared_relu",
-    "untie_embeddings_and_output_weights",
-    "layernorm_zero_centered_gamma",
-    "normalization",
-    "qk_layernorm",
-    "layernorm_epsilon",
-)
-# Checkpoints saved before the dests took Megatron's current names hold the old ones.
-_OLD_ARG_NAMES = {
-    "layernorm_zero_centered_gamma": "apply_layernorm_1p",
-    "layernorm_epsilon": "norm_epsilon",
-}
-_UNSET_CHECKPOINT_ARGS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "seq_length",
-    "num_attention_heads",
-    "kv_channels",
-    "max_position_embeddings",
-    "tokenizer_type",
-    "padded_vocab_size",
-    "vocab_size",
-)
-_PARALLEL_CHECKPOINT_ARGS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "num_layers_per_virtual_pipeline_stage",
-)
-
-
-def read_checkpoint_args(load_dir: str, ckpt_step=None):
-    """The ``args`` stored in the checkpoint the tracker of ``load_dir`` (or ``ckpt_step``) names,
-    from either format; None when there is no checkpoint."""
-    if not os.path.isfile(tracker_path(load_dir)):
-        return None
-    iteration, release = read_tracker(load_dir)
-    if ckpt_step is not None:
-        iteration, release = ckpt_step, False
-    directory = checkpoint_dir(load_dir, iteration, release)
-    fmt = detect_checkpoint_format(directory)
-    if fmt == "torch_dist":
-        from megatron.core.dist_checkpointing import CheckpointingError, load_common
-
-        try:
-            return load_common(directory, safe_globals=[argparse.Namespace]).get("args")
-        except CheckpointingError as exc:
-            raise CheckpointError(str(exc)) from None
-    if fmt == "torch":
-        first = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))[0]
-        return _load_file(os.path.join(directory, first, "model_optim_rng.pt")).get("args")
-    format_to_load(
-        argparse.Namespace(ckpt_format="torch_dist"), directory
-    )  # raises the clear error
-    return None
-
-
-def load_args_from_checkpoint(args, load_arg: str = "load"):
-    """``--use-checkpoint-args``: take the model-shape flags from the checkpoint's saved args
-    (before the args are validated), printing each change. ``--use-mp-args-from-checkpoint-args``
-    also takes the parallel sizes. Returns ``args``."""
-    load_dir = getattr(args, load_arg, None)
-    if load_dir is None:
-        raise CheckpointError("--use-checkpoint-args needs --load")
-    # Runs before torch.distributed starts: every process reads the file, rank 0 reports.
-    say = print if getattr(args, "rank", 0) == 0 else (lambda *a, **k: None)
-    saved = read_checkpoint_args(load_dir, getattr(args, "ckpt_step", None))
-    if saved is None:
-        say(
-            f"WARNING: no checkpoint in {load_dir} to read arguments from; using the command line's"
-        )
-        return args
-    names = [(n, True) for n in _FORCED_CHECKPOINT_ARGS] + [
-        (n, False) for n in _UNSET_CHECKPOINT_ARGS
-    ]
-    if getattr(args, "use_mp_args_from_checkpoint_args", False):
-        names += [(n, True) for n in _PARALLEL_CHECKPOINT_ARGS]
-    for name, forced in names:
-        old = _OLD_ARG_NAMES.get(name)
-        if not hasattr(saved, name) and old is not None and hasattr(saved, old):
-            setattr(saved, name, getattr(saved, old))
-        if not hasattr(saved, name):
-            continue
-        theirs, ours = getattr(saved, name), getattr(args, name, None)
-        if theirs == ours:
-            continue
-        if not forced and ours is not None:
-            say(
-                f" > keeping --{name.replace('_', '-')} {ours} from the command line "
-                f"(the checkpoint has {theirs})",
-                flush=True,
-            )
-            continue
-        say(f" > setting {name} to {theirs} from checkpoint (was {ours})", flush=True)
-        setattr(args, name, theirs)
-    return args

@@ -31,6 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from megatron.checkpointing.errors import CheckpointError
+from megatron.checkpointing.layout import (
+    CHECKPOINT_VERSION,
+    checkpoint_dir,
+    commit_tracker,
+    remove_partial,
+    remove_unretained,
+    why_write_failed,
+)
+from megatron.checkpointing.saved_args import check_model_args, checkpoint_args
 from megatron.core import dist_checkpointing as dc
 from megatron.core.device import collective_device
 from megatron.core.dist_checkpointing import dp_reshardable as dpr
@@ -50,20 +60,7 @@ from megatron.core.utils import unwrap_model
 
 from . import checkpoint_rng_state, global_vars
 from .checkpoint_integrity import integrity_digests, seal
-from .checkpointing_common import (
-    CHECKPOINT_VERSION,
-    CheckpointError,
-    barrier,
-    check_model_args,
-    checkpoint_args,
-    checkpoint_dir,
-    commit_tracker,
-    print_saved_checkpoint,
-    remove_partial,
-    remove_unretained,
-    set_rng_state,
-    why_write_failed,
-)
+from .checkpointing_common import barrier, print_saved_checkpoint, set_rng_state
 from .utils import get_rank, get_world_size, print_rank_0
 
 TMP_SUFFIX = ".tmp"

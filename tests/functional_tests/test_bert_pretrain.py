@@ -109,7 +109,8 @@ def _check_conversion_round_trip(ckpt, tmp_path):
     two virtual stages and back, holds the same tensors bit for bit."""
     sys.path.insert(0, str(REPO / "tools" / "checkpoint"))
     import convert
-    from torch_format import TorchCheckpointReader
+
+    from megatron.checkpointing.torch_format import TorchCheckpointReader
 
     mid, back = str(tmp_path / "tp2pp2"), str(tmp_path / "back")
     common = ["--model-type", "BERT", "--loader", "core", "--saver", "core"]

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from megatron.checkpointing.torch_format import TorchCheckpointReader, TorchCheckpointWriter
 from megatron.core.dist_checkpointing.megatron_layout import with_extra_state, without_extra_state
 from megatron.core.models.bert import BertModel
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -16,7 +17,6 @@ from tests.unit_tests.tiny_configs import tiny_args
 sys.path.insert(0, str(REPO / "tools" / "checkpoint"))
 import convert  # noqa: E402
 import transformers  # noqa: E402  (a dependency of the package)
-from torch_format import TorchCheckpointReader, TorchCheckpointWriter  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 4, 64, 4, 32, 256
 

@@ -1,5 +1,7 @@
-"""The package's imports: no cycles, megatron.core never reaches megatron.training, and the
-model-building layers of core import only downwards (tensor_parallel < transformer < models).
+"""The package's imports: no cycles, megatron.core never reaches megatron.training, neither does
+the checkpoint format layer (megatron.checkpointing, shared by the trainer and the offline
+converters), and the model-building layers of core import only downwards (tensor_parallel <
+transformer < models).
 
 Imports are read from the source (every ``import`` statement, also those inside functions: a
 lazy import that closes a cycle is still a cycle), so the checks do not depend on import order.
@@ -15,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 # A module of the key may not import any module under the listed packages.
 NOT_BELOW = {
     "megatron.core": ("megatron.training",),
+    "megatron.checkpointing": ("megatron.training",),
     "megatron.core.tensor_parallel": ("megatron.core.transformer", "megatron.core.models"),
     "megatron.core.transformer": ("megatron.core.models",),
 }

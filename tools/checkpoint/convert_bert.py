@@ -20,7 +20,8 @@ import os
 
 import hf_megatron_bert
 from protocol import ConversionError, padded_vocab_size, resize_vocab
-from torch_format import TorchCheckpointReader, TorchCheckpointWriter
+
+from megatron.checkpointing.torch_format import TorchCheckpointReader, TorchCheckpointWriter
 
 LOADERS = ("core", "hf_megatron_bert")
 SAVERS = ("core", "hf_megatron_bert")

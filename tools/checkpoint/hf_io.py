@@ -18,6 +18,8 @@ from typing import Dict, Iterable, Optional
 import torch
 from protocol import ConversionError, new_metadata
 
+from megatron.checkpointing.saved_args import saved_value
+
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -216,13 +218,12 @@ def check_plain_checkpoint_args(md, target: str) -> None:
         return
     for name, flag in (
         ("layernorm_zero_centered_gamma", "--apply-layernorm-1p"),
-        ("apply_layernorm_1p", "--apply-layernorm-1p"),  # its dest in older checkpoints
         ("qk_layernorm", "--qk-layernorm"),
         ("rotary_interleaved", "--rotary-interleaved"),
         ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
         ("use_rotary_position_embeddings", None),
     ):
-        if flag and getattr(a, name, False):
+        if flag and saved_value(a, name, False):
             raise ConversionError(
                 f"a model trained with {flag} cannot be written as a {target} model"
             )

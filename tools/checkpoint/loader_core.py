@@ -8,6 +8,8 @@ import sys
 
 from protocol import ConversionError, new_metadata, put, put_metadata
 
+from megatron.checkpointing.saved_args import saved_value
+
 
 def add_arguments(parser):
     group = parser.add_argument_group(title="core loader")
@@ -95,8 +97,7 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
         use_rope_scaling=bool(getattr(a, "use_rope_scaling", False)),
         rope_scaling_factor=getattr(a, "rope_scaling_factor", 8.0),
         normalization=getattr(a, "normalization", "LayerNorm"),
-        # (older checkpoints of ours stored the flag under norm_epsilon)
-        norm_epsilon=getattr(a, "layernorm_epsilon", getattr(a, "norm_epsilon", 1e-5)),
+        norm_epsilon=saved_value(a, "layernorm_epsilon", 1e-5),
         norm_has_bias=getattr(a, "normalization", "LayerNorm") == "LayerNorm",
         linear_bias=linear_bias,
         qkv_bias=linear_bias or bool(getattr(a, "add_qkv_bias", False)),
@@ -179,11 +180,11 @@ def send_model(queue, reader, md, alive=None) -> None:
 def load_checkpoint(queue, args, alive=None):
     if args.megatron_path:
         sys.path.insert(0, args.megatron_path)
-    from torch_format import TorchCheckpointReader, detect_format, find_iteration_dir
+    from megatron.checkpointing.dist_format import DistCheckpointReader
+    from megatron.checkpointing.layout import detect_format, find_iteration_dir
+    from megatron.checkpointing.torch_format import TorchCheckpointReader
 
     if detect_format(find_iteration_dir(args.load_dir)[0]) == "torch_dist":
-        from dist_format import DistCheckpointReader
-
         reader = DistCheckpointReader(args.load_dir)
     else:
         reader = TorchCheckpointReader(args.load_dir)

@@ -30,6 +30,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from megatron.checkpointing.errors import ConversionError
+
 # Fields every loader sets on the metadata Namespace (Megatron's names where Megatron has one).
 METADATA_FIELDS = (
     "model_type",
@@ -75,10 +77,6 @@ METADATA_FIELDS = (
 
 # Activations the protocol knows: what the MLP computes (Megatron's fused bias-GeLU is 'gelu_tanh').
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu")
-
-
-class ConversionError(RuntimeError):
-    """Bad input to the converter; the message names the file, flag or tensor."""
 
 
 def new_metadata(**values) -> argparse.Namespace:

@@ -207,7 +207,7 @@ def build_args(
 
 
 def save_checkpoint(queue, args, alive=None):
-    from torch_format import TorchCheckpointWriter
+    from megatron.checkpointing.torch_format import TorchCheckpointWriter
 
     md = get_metadata(queue, alive)
     ep = args.target_expert_parallel_size

@@ -6,7 +6,7 @@ as chunks of the global tensor, so no TP/PP merge is needed: each tensor is read
 buffer allocated from the ``.metadata`` shape. Reading goes through
 ``megatron.core.dist_checkpointing.load`` (its ``.metadata`` unpickler only admits DCP's metadata
 classes; ``common.pt`` is read with ``weights_only=True``); optimizer entries are never read.
-The reader has the same interface as ``torch_format.TorchCheckpointReader``.
+The reader has the same interface as :class:`.torch_format.TorchCheckpointReader`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import argparse
 from typing import List
 
 import torch
-from protocol import ConversionError
-from torch_format import find_iteration_dir
 
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing.megatron_layout import unstack
+
+from .errors import ConversionError
+from .layout import find_iteration_dir
 
 
 class DistCheckpointReader:

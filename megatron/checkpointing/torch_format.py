@@ -1,18 +1,16 @@
-"""Our ``torch``-format checkpoints seen as one unsharded model with global tensor names.
+"""Our ``torch``-format checkpoints seen offline as one unsharded model with global tensor names.
 
 Both directions speak *global* names and *full* tensors: ``embedding.word_embeddings.weight``,
 ``decoder.layers.<global index>.self_attention.linear_qkv.weight``, ``output_layer.weight``...
 (with SwiGLU the full ``mlp.linear_fc1.weight`` is [gate; up]). That is also how a
-``torch_dist`` checkpoint names its tensors, so a ``torch_dist`` backend only needs another
-reader/writer with the same two methods (``tensor(name)`` / ``add(name, tensor)``); the plugins
-above this module do not change.
+``torch_dist`` checkpoint names its tensors, so :mod:`.dist_format` reads one with the same
+methods (``names()`` / ``has(name)`` / ``tensor(name)``); the converter plugins above do not
+change.
 
-Layout handled here: ``<dir>/{iter_XXXXXXX|release}/mp_rank_TT[_PPP]/model_optim_rng.pt`` with a
-``model`` entry (or ``model0``, ``model1``... with virtual stages); TP shards are split as the
-layers do (column-parallel dim 0, row-parallel dim 1, vocab-parallel dim 0 of the padded vocab,
-SwiGLU fc1 per shard [gate_shard; up_shard], norms and row-parallel biases replicated); each
-pipeline chunk numbers its layers from 0 (Megatron's state dicts), the global index being
-``PipelineLayerSplit.offset_for(pp_rank, chunk) + local``.
+Layout handled here: ``<dir>/{iter_XXXXXXX|release}/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``
+with a ``model`` entry (or ``model0``, ``model1``... with virtual stages); TP shards split as the
+layers split them (:mod:`.tp_shards`); each pipeline chunk numbers its layers from 0 (Megatron's
+state dicts), the global index being ``PipelineLayerSplit.offset_for(pp_rank, chunk) + local``.
 """
 
 from __future__ import annotations
@@ -23,89 +21,20 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from protocol import ConversionError
 
 from megatron.core.dist_checkpointing.megatron_layout import EMPTY_EXTRA_STATE, extra_state_names
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
-from megatron.training.checkpointing_common import (
+
+from .errors import ConversionError
+from .layout import (
     CHECKPOINT_VERSION,
-    TRACKER_FILENAME,
-    checkpoint_args,
     checkpoint_name,
+    commit_tracker,
+    detect_format,
+    find_iteration_dir,
 )
-
-# A layer tensor of a layer stack: GPT's "decoder", BERT's "encoder".
-_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")
-# BERT's tensors outside the layers that every TP rank holds whole (its heads, token types).
-_BERT_REPLICATED = ("embedding.tokentype_embeddings.", "lm_head.", "pooler.", "binary_head.")
-
-# How each tensor is split over tensor-parallel ranks.
-_COLUMN, _ROW, _REPLICATED, _GLU = "column", "row", "replicated", "glu"
-
-
-_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
-
-
-def split_kind(name: str, swiglu: bool) -> str:
-    expert = _EXPERT.match(name)
-    # An expert's linear layers split like the dense MLP's (TP = expert TP here).
-    local = "mlp" + expert.group(3) if expert else _LAYER.sub(r"\3", name)
-    if local == "mlp.router.weight" or local.startswith(_BERT_REPLICATED):
-        return _REPLICATED
-    if local in (
-        "embedding.word_embeddings.weight",
-        "output_layer.weight",
-        "output_layer.bias",
-        "self_attention.linear_qkv.weight",
-        "self_attention.linear_qkv.bias",
-    ):
-        return _COLUMN
-    if local in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
-        return _GLU if swiglu else _COLUMN
-    if local in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
-        return _ROW
-    if (
-        local.endswith(
-            ("layernorm.weight", "layernorm.bias", "linear_proj.bias", "linear_fc2.bias")
-        )
-        or local == "embedding.position_embeddings.weight"
-    ):
-        return _REPLICATED
-    raise ConversionError(
-        f"tensor '{name}' is not one the converter knows how to reshard "
-        "(q/k layernorm, MoE and MLA checkpoints are not supported yet)"
-    )
-
-
-def merge_shards(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    kind = split_kind(name, swiglu)
-    if kind == _REPLICATED or len(shards) == 1 and kind != _GLU:
-        return shards[0]
-    if kind == _COLUMN:
-        return torch.cat(shards, dim=0)
-    if kind == _ROW:
-        return torch.cat(shards, dim=1)
-    halves = [torch.chunk(s, 2, dim=0) for s in shards]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-
-
-def split_full(name: str, tensor: torch.Tensor, tp: int, swiglu: bool) -> List[torch.Tensor]:
-    kind = split_kind(name, swiglu)
-    if kind == _REPLICATED or tp == 1:
-        return [tensor] * tp if kind == _REPLICATED else [tensor]
-    dim = 1 if kind == _ROW else 0
-    if tensor.shape[dim] % tp != 0:
-        raise ConversionError(
-            f"'{name}' of shape {tuple(tensor.shape)} cannot be split into "
-            f"{tp} tensor-parallel shards along dim {dim}"
-        )
-    if kind == _GLU:
-        gate, up = torch.chunk(tensor, 2, dim=0)
-        return [
-            torch.cat([g, u], dim=0).clone()
-            for g, u in zip(torch.chunk(gate, tp), torch.chunk(up, tp))
-        ]
-    return [t.clone() for t in torch.chunk(tensor, tp, dim=dim)]
+from .saved_args import checkpoint_args
+from .tp_shards import EXPERT, LAYER, merge_shards, split_full
 
 
 def layer_split_from_args(args, num_layers: int, pp: int, vpp: Optional[int]):
@@ -133,47 +62,17 @@ def _load(path: str) -> dict:
         ) from None
 
 
-def find_iteration_dir(load_dir: str) -> Tuple[str, Optional[int], bool]:
-    """(directory, iteration, release) from the tracker of ``load_dir``."""
-    if not os.path.isdir(load_dir):
-        raise ConversionError(f"--load-dir {load_dir} does not exist")
-    tracker = os.path.join(load_dir, TRACKER_FILENAME)
-    if not os.path.isfile(tracker):
-        raise ConversionError(
-            f"{tracker} not found: --load-dir must be a checkpoint directory written by "
-            "--save (holding latest_checkpointed_iteration.txt)"
-        )
-    text = open(tracker).read().strip()
-    if text == "release":
-        return os.path.join(load_dir, "release"), 0, True
-    try:
-        iteration = int(text)
-    except ValueError:
-        raise ConversionError(
-            f"{tracker} holds '{text[:40]}', expected an iteration number or 'release'"
-        ) from None
-    return os.path.join(load_dir, f"iter_{iteration:07d}"), iteration, False
-
-
-def detect_format(iteration_dir: str) -> str:
-    if os.path.isfile(os.path.join(iteration_dir, "metadata.json")):
-        return "torch_dist"
-    if os.path.isdir(iteration_dir) and any(
-        n.startswith("mp_rank_") for n in os.listdir(iteration_dir)
-    ):
-        return "torch"
-    raise ConversionError(
-        f"{iteration_dir} holds neither a torch-format (mp_rank_*) nor a torch_dist "
-        "(metadata.json) checkpoint"
-    )
-
-
 class TorchCheckpointReader:
     """Every shard of one torch-format checkpoint (memory-mapped), read back as full tensors."""
 
     def __init__(self, load_dir: str):
         self.iteration_dir, self.iteration, self.release = find_iteration_dir(load_dir)
         fmt = detect_format(self.iteration_dir)
+        if fmt is None:
+            raise ConversionError(
+                f"{self.iteration_dir} holds neither a torch-format (mp_rank_*) nor a torch_dist "
+                "(metadata.json) checkpoint"
+            )
         if fmt != "torch":
             raise ConversionError(
                 f"{self.iteration_dir} is a {fmt} checkpoint; only --ckpt-format torch "
@@ -271,7 +170,7 @@ class TorchCheckpointReader:
                             if local.endswith("_extra_state"):
                                 continue
                             name = self._global_name(local, offset, count, p, c)
-                            expert = _EXPERT.match(name)
+                            expert = EXPERT.match(name)
                             if expert:
                                 g = e * per_rank + int(expert.group(2))
                                 name = f"{expert.group(1)}{g}{expert.group(3)}"
@@ -283,7 +182,7 @@ class TorchCheckpointReader:
         return index
 
     def _global_name(self, local: str, offset: int, count: int, p: int, c: int) -> str:
-        m = _LAYER.match(local)
+        m = LAYER.match(local)
         if not m:
             return local
         i = int(m.group(2))
@@ -358,7 +257,7 @@ class TorchCheckpointWriter:
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         tensor = tensor.to(self.dtype)
-        m = _LAYER.match(name)
+        m = LAYER.match(name)
         last = (self.pp - 1, self.num_chunks - 1)
         if m:
             p, c, local = self._where_layer(int(m.group(2)))
@@ -368,15 +267,10 @@ class TorchCheckpointWriter:
             if name == "embedding.word_embeddings.weight" and self.tied and last != (0, 0):
                 # The last stage keeps its own copy of the tied weight as its output layer.
                 places.append((last[0], last[1], "output_layer.weight"))
-        elif name.startswith(
-            ("decoder.final_layernorm.", "encoder.final_layernorm.", "output_layer.")
-            + _BERT_REPLICATED[1:]
-        ):
+        else:  # the final norm, the output layer and any head: the last stage's
             places = [(last[0], last[1], name)]
-        else:
-            raise ConversionError(f"unexpected tensor name '{name}'")
         shards = split_full(name, tensor, self.tp, self.swiglu)
-        expert = _EXPERT.match(places[0][2])
+        expert = EXPERT.match(places[0][2])
         for p, c, local in places:
             for t in range(self.tp):
                 if expert:
@@ -430,8 +324,5 @@ class TorchCheckpointWriter:
             os.replace(tmp, path)
             paths.append(path)
         # The tracker goes last, so an interrupted conversion never looks complete.
-        tracker = os.path.join(self.save_dir, TRACKER_FILENAME)
-        with open(tracker + ".tmp", "w") as f:
-            f.write("release" if self.release else str(self.iteration))
-        os.replace(tracker + ".tmp", tracker)
+        commit_tracker(self.save_dir, self.iteration, self.release)
         return paths

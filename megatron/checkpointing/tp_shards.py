@@ -1,0 +1,108 @@
+"""How each tensor of a model splits over tensor-parallel ranks, by its global name.
+
+The trainer learns it from the layers: every tensor-parallel parameter carries ``partition_dim``
+and ``partition_stride``, which ``megatron.core.dist_checkpointing.model_state`` reads. The
+offline converters have only names and take it from here; tests/unit_tests/test_tp_shards.py
+checks that both agree on tiny GPT, MoE, BERT and T5 models.
+
+A split is ``(dim, stride)``: the global tensor is cut along ``dim`` into ``stride * TP`` equal
+blocks and rank r holds blocks r, r + TP, ... (``megatron.core.tensor_parallel.layers.shard_of``):
+column-parallel layers and the vocab-parallel embedding and output layer split dim 0,
+row-parallel layers dim 1, SwiGLU's fc1 ([gate; up]) dim 0 with stride 2 (rank r holds
+[gate_r; up_r]). Norms, row-parallel biases, position embeddings, routers and the heads built
+from plain layers are held whole by every rank. An MoE expert's linear layers split like the
+dense MLP's, over its expert-tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from megatron.core.tensor_parallel.layers import full_from_shards, shard_of
+
+from .errors import ConversionError
+
+# A layer tensor of a layer stack: "decoder" or "encoder", then the layer's global index.
+LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")
+# An MoE expert's tensor: the layer, the expert's index, then its name inside the expert.
+EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+
+
+class TPSplit(NamedTuple):
+    dim: Optional[int]  # None: every tensor-parallel rank holds the whole tensor
+    stride: int = 1
+
+
+REPLICATED = TPSplit(None)
+COLUMN = TPSplit(0)
+ROW = TPSplit(1)
+GATED_COLUMN = TPSplit(0, 2)
+
+# Inside a layer (or an expert, as "mlp.<name>"), or outside the layers: the split by name.
+_SPLITS = {
+    "embedding.word_embeddings.weight": COLUMN,
+    "self_attention.linear_qkv.weight": COLUMN,
+    "self_attention.linear_qkv.bias": COLUMN,
+    "self_attention.linear_proj.weight": ROW,
+    "mlp.linear_fc2.weight": ROW,
+    "embedding.position_embeddings.weight": REPLICATED,
+    "mlp.router.weight": REPLICATED,
+}
+_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+# The vocab-parallel output layer, also inside a head (T5's lm_head.output_layer).
+_OUTPUT_LAYER = ("output_layer.weight", "output_layer.bias")
+_REPLICATED_SUFFIXES = ("layernorm.weight", "layernorm.bias", "linear_proj.bias", "linear_fc2.bias")
+# Modules outside the layers built from plain (not tensor-parallel) layers: BertModel's token
+# types, LM head transform, pooler and binary head.
+TP_REPLICATED_PREFIXES = (
+    "embedding.tokentype_embeddings.",
+    "lm_head.dense.",
+    "lm_head.layer_norm.",
+    "pooler.",
+    "binary_head.",
+)
+
+
+def tp_split(name: str, swiglu: bool) -> TPSplit:
+    """How the tensor of global name ``name`` splits over TP; ConversionError for a tensor the
+    converters do not know (their layouts are checked against the trainer's, see above)."""
+    expert = EXPERT.match(name)
+    local = "mlp" + expert.group(3) if expert else LAYER.sub(r"\3", name)
+    if local in _SPLITS:
+        return _SPLITS[local]
+    if local in _GATED:
+        return GATED_COLUMN if swiglu else COLUMN
+    if local.endswith(_OUTPUT_LAYER):
+        return COLUMN
+    if local.endswith(_REPLICATED_SUFFIXES) or local.startswith(TP_REPLICATED_PREFIXES):
+        return REPLICATED
+    raise ConversionError(
+        f"tensor '{name}' is not one the converter knows how to reshard "
+        "(q/k layernorm, MoE and MLA checkpoints are not supported yet)"
+    )
+
+
+def merge_shards(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """The global tensor from every TP rank's shard (in rank order)."""
+    split = tp_split(name, swiglu)
+    if split.dim is None or len(shards) == 1 and split.stride == 1:
+        return shards[0]
+    return full_from_shards(shards, split.dim, split.stride)
+
+
+def split_full(name: str, tensor: torch.Tensor, tp: int, swiglu: bool) -> List[torch.Tensor]:
+    """Every TP rank's shard of the global tensor (new tensors, except where held whole)."""
+    split = tp_split(name, swiglu)
+    if split.dim is None:
+        return [tensor] * tp
+    if tp == 1:
+        return [tensor]
+    if tensor.shape[split.dim] % (tp * split.stride) != 0:
+        raise ConversionError(
+            f"'{name}' of shape {tuple(tensor.shape)} cannot be split into "
+            f"{tp} tensor-parallel shards along dim {split.dim}"
+        )
+    return [shard_of(tensor, split.dim, rank, tp, split.stride) for rank in range(tp)]
