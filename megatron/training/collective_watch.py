@@ -3,7 +3,9 @@ timeout (``--distributed-timeout-minutes``, or ``--distributed-timeout-seconds-a
 set up) ends the run with one line naming the operation, its group and the ranks that did not
 arrive, after a dump of this rank's last collectives.
 
-The watch is installed on gloo runs only. gloo's collectives block until they complete or time
+The watch is opt-in: ``pretrain`` asks for it (``initialize_megatron(watch_collectives=True)``),
+tools and library callers of ``initialize_megatron`` leave torch.distributed as it is. It is
+installed on gloo runs only. gloo's collectives block until they complete or time
 out, so Python sees both; NCCL's return once queued on a CUDA stream, so timing them here would
 measure nothing: NCCL runs rely on PyTorch's watchdog and flight recorder instead
 (nccl_flight_recorder.py). ``set_timeout`` serves both backends.

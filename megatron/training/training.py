@@ -171,7 +171,10 @@ def _pretrain(
     global _TRAIN_START_TIME
     start_time = time.time()
     initialize_megatron(
-        extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv
+        extra_args_provider=extra_args_provider,
+        args_defaults=args_defaults,
+        argv=argv,
+        watch_collectives=True,
     )
     try:  # the model's own rules (another model's flags, a parallelism it refuses)
         global_vars.get_model_family().check_args(global_vars.get_args())
