@@ -59,6 +59,9 @@ class Float16Module(MegatronModule):
     def set_input_tensor(self, input_tensor):
         return self.module.set_input_tensor(input_tensor)
 
+    def set_moe_aux_loss_scale(self, scale) -> None:
+        self.module.set_moe_aux_loss_scale(scale)
+
     def forward(self, *inputs, **kwargs):
         half = self.half_dtype
         if getattr(self.module, "pre_process", True):
