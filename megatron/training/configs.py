@@ -13,8 +13,6 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu, squared_relu
 
-from . import global_vars
-
 
 def _from_args(cls, args, **overrides):
     """Fill every field of ``cls`` that has an arg of the same name, then apply ``overrides``."""
@@ -53,8 +51,6 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig) -> T
         "pipeline_dtype": args.params_dtype,
         # Layout-independent init: every TP/PP/CP layout builds the one-process model's weights.
         "init_seed": args.seed,
-        # Dropout on tensor-parallel-split activations draws from the run's per-TP-rank stream.
-        "rng_tracker": global_vars.get_rng_tracker(),
         "params_dtype": args.params_dtype,
         "bias_activation_fusion": bool(
             args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion

@@ -215,6 +215,11 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         optimizer.expert_parallel_group = state.group("tp-ep-pp")
         optimizer.expert_tp_rank = state.get_expert_tensor_parallel_rank()
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
+    for chunk in model:
+        # The model's dropout streams (a declared field, read as the layers run). Set on the
+        # chunk's own config only: configs the model copied while it was built (T5's encoder
+        # and decoder) keep none, as they always have.
+        get_model_config(chunk).rng_tracker = global_vars.get_rng_tracker()
 
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
