@@ -219,7 +219,8 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         # The model's dropout streams (a declared field, read as the layers run). Set on the
         # chunk's own config only: configs the model copied while it was built (T5's encoder
         # and decoder) keep none, as they always have.
-        get_model_config(chunk).rng_tracker = global_vars.get_rng_tracker()
+        config = get_model_config(chunk)
+        config.rng_tracker = global_vars.get_rng_tracker()
 
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
