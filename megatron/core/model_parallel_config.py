@@ -2,7 +2,8 @@
 
 Field names and defaults follow Megatron Core so that code and scripts written for it read the
 same here. Only the fields that this project uses or may soon use are present; they are plain
-data and hold no process groups (those are passed explicitly where needed).
+data and hold no process groups (those are passed explicitly where needed). Setting an attribute
+that is not a field raises AttributeError (for TransformerConfig too).
 """
 
 from dataclasses import dataclass
@@ -62,6 +63,11 @@ class ModelParallelConfig:
 
     params_dtype: torch.dtype = torch.float32
     """dtype the model parameters are created in."""
+
+    # The schedules' inputs from the trainer (timers, finalize_model_grads_func, grad_scale_func,
+    # grad_sync_func, microbatch_group_size_per_vp_stage) are fields, as in Megatron Core, for
+    # its callers: a schedule given no StepContext reads them here (StepContext.from_config).
+    # This project's trainer passes a StepContext and leaves them unset.
 
     timers: Optional[Callable] = None
     """Timers object (megatron.core.timers.Timers) used for optional fine-grained timing."""
@@ -138,6 +144,12 @@ class ModelParallelConfig:
 
     use_te_rng_tracker: bool = False
     """Use Transformer Engine's RNG tracker (not available in this project)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A misspelt field, or state another layer hides on the config, fails where it is set.
+        if name not in self.__dataclass_fields__:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+        super().__setattr__(name, value)
 
     def __post_init__(self):
         for name in (

@@ -3,8 +3,10 @@ timeout (``--distributed-timeout-minutes``, or ``--distributed-timeout-seconds-a
 set up) ends the run with one line naming the operation, its group and the ranks that did not
 arrive, after a dump of this rank's last collectives.
 
-The watch is installed on gloo runs only. gloo's collectives block until they complete or time
-out, so Python sees both; NCCL's return once queued on a CUDA stream, so timing them here would
+The watch is opt-in: ``pretrain`` asks for it (``initialize_megatron(watch_collectives=True)``);
+tools and library callers of ``initialize_megatron`` leave torch.distributed as it is. It is
+installed on gloo runs only. gloo's collectives block until they complete or time out, so
+Python sees both; NCCL's return once queued on a CUDA stream, so timing them here would
 measure nothing: NCCL runs rely on PyTorch's watchdog and flight recorder instead
 (nccl_flight_recorder.py). ``set_timeout`` serves both backends.
 
@@ -17,6 +19,28 @@ wrapper turns that into :class:`CollectiveTimeoutError`. Which ranks
 did not arrive is found through the launcher's store: every rank whose collective timed out
 posts there, and the ranks of the group that do not post within a short grace period (stopped,
 killed or stuck elsewhere) are named.
+
+Why it replaces torch.distributed's functions rather than wrapping the process groups (a
+"watched gloo" registered with ``torch.distributed.Backend.register_backend``, tried on torch
+2.13):
+
+* Python may subclass ``ProcessGroup`` but not ``Backend`` (its binding has no constructor), so
+  such a backend must return a whole ProcessGroup of its own. That group registers no device
+  backend: ``_get_backend(device)`` fails, ``monitored_barrier`` refuses it,
+  ``dist.get_backend()`` reports the plugin's name instead of ``gloo``, and
+  ``distributed_c10d._set_pg_timeout`` silently does nothing, so
+  ``--distributed-timeout-seconds-after-init`` would no longer apply (measured: a 3 s timeout
+  set after start-up still timed out after the 20 s given at start-up).
+* The methods torch calls on a group depend on its version: 2.13's ``all_gather_into_tensor``,
+  ``reduce_scatter_tensor`` and ``all_to_all_single`` call ``all_gather_single``,
+  ``reduce_scatter_single`` and ``all_to_all_single``; earlier releases (read in their source)
+  call the private ``_allgather_base``, ``_reduce_scatter_base`` and ``alltoall_base``. A
+  wrapper for 2.11 and 2.13 would follow torch's internal dispatch names, private ones included.
+* A group sees less than the caller: ``send`` and ``isend`` both arrive as ``send``, and
+  ``broadcast_object_list`` / ``all_gather_object`` as two ``broadcast`` / ``all_gather`` calls,
+  so the error line and the trace would name other operations than they do today.
+* A group's backend is fixed when it is made: the watch could not be installed on a group that
+  exists already (as tests do), and torch marks third-party backends experimental.
 """
 
 from __future__ import annotations

@@ -3,11 +3,14 @@ and Megatron's report of their loss."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
 from megatron.core.device import collective_device
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.pipeline_parallel.step_context import StepContext
 
 from . import global_vars
 from .rerun import results_not_validated
@@ -16,9 +19,17 @@ from .utils import pipeline_schedule_kwargs, print_rank_0
 
 
 def evaluate(
-    forward_step_func, data_iterator, model, config, verbose: bool = False, eval_iters: int = None
+    forward_step_func,
+    data_iterator,
+    model,
+    config,
+    verbose: bool = False,
+    eval_iters: int = None,
+    *,
+    step_context: Optional[StepContext] = None,
 ):
-    """Forward-only over --eval-iters batches; Σ loss / Σ tokens, reduced over DP×CP."""
+    """Forward-only over --eval-iters batches; Σ loss / Σ tokens, reduced over DP×CP.
+    ``step_context``: as for train_step (without it the schedule reads ``config``)."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     for chunk in model:
@@ -46,6 +57,7 @@ def evaluate(
                 seq_length=args.seq_length,
                 micro_batch_size=eval_mbs,
                 forward_only=True,
+                step_context=step_context,
                 **pipeline_schedule_kwargs(args, state),
             )
             if state.is_pipeline_last_stage():
@@ -67,8 +79,19 @@ def evaluate(
 
 
 def evaluate_and_print_results(
-    prefix, forward_step_func, data_iterator, model, iteration, config, verbose=False, test=False
+    prefix,
+    forward_step_func,
+    data_iterator,
+    model,
+    iteration,
+    config,
+    verbose=False,
+    test=False,
+    *,
+    step_context: Optional[StepContext] = None,
 ):
     args = global_vars.get_args()
-    totals = evaluate(forward_step_func, data_iterator, model, config, verbose)
+    totals = evaluate(
+        forward_step_func, data_iterator, model, config, verbose, step_context=step_context
+    )
     return print_evaluation(prefix, totals, iteration, args.consumed_train_samples, test=test)

@@ -32,9 +32,13 @@ def initialize_megatron(
     ignore_unknown_args=False,
     argv=None,
     parsed_args=None,
+    watch_collectives=False,
 ):
     """Parse and validate flags, start torch.distributed, build groups, seed RNGs, set globals.
 
+    ``watch_collectives``: on gloo, watch torch.distributed's collectives so that one that
+    times out ends the run with a line naming it (:mod:`.collective_watch`; ``pretrain`` asks
+    for it; tools and library callers keep torch.distributed as it is).
     Bad flags end the process with one ``error: ...`` line and exit code 2.
     """
     from .arguments import parse_and_validate_args, print_args
@@ -57,7 +61,7 @@ def initialize_megatron(
         print_rank_0(f" > {note}")
     _apply_process_settings(args)
 
-    _initialize_distributed(args)
+    _initialize_distributed(args, watch_collectives=watch_collectives)
     _note_cpu_memory_statistics(args)
     # heap reuse for large CPU tensors; MEGATRON_CPU_MALLOPT=0 skips
     configure_cpu_allocator(compute_device())
@@ -179,8 +183,9 @@ def teardown_process_groups() -> int:
     return live_gloo_worker_threads()
 
 
-def _initialize_distributed(args):
+def _initialize_distributed(args, watch_collectives=False):
     """Join the torchrun world: NCCL on GPUs, gloo on CPUs (chosen automatically without a GPU).
+    ``watch_collectives``: see :func:`initialize_megatron`.
 
     A process that has a GPU computes on it (``torch.cuda.set_device`` initialises CUDA, which
     makes it megatron.core.device's compute device) whatever the backend.
@@ -212,7 +217,7 @@ def _initialize_distributed(args):
         # subgroups are split from it, and barriers know their device. gloo has no use for it.
         device_id=compute_device() if backend == "nccl" else None,
     )
-    if backend == "gloo":
+    if backend == "gloo" and watch_collectives:
         collective_watch.install(timedelta(minutes=args.distributed_timeout_minutes))
 
 

@@ -18,6 +18,7 @@ from megatron.core.distributed.torch_fully_sharded_data_parallel import broadcas
 from megatron.core.enums import ModelType
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.step_context import StepContext
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
@@ -215,16 +216,11 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         optimizer.expert_tp_rank = state.get_expert_tensor_parallel_rank()
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
     for chunk in model:
+        # The model's dropout streams (a declared field, read as the layers run). Set on the
+        # chunk's own config only: configs the model copied while it was built (T5's encoder
+        # and decoder) keep none, as they always have.
         config = get_model_config(chunk)
-        config.grad_scale_func = optimizer.scale_loss if args.fp16 else None
-        config.timers = timers
-        config.calculate_per_token_loss = getattr(args, "calculate_per_token_loss", False)
-        config.microbatch_group_size_per_vp_stage = args.microbatch_group_size_per_vp_stage
         config.rng_tracker = global_vars.get_rng_tracker()
-        # The schedules hand the gradients (and the token count) to it after the last backward.
-        config.finalize_model_grads_func = partial(
-            finalize_model_grads, parallel_state=state, timers=timers
-        )
 
     args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
@@ -241,6 +237,21 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
     if getattr(args, "ckpt_convert_format", None) is not None:
         convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler)
     return model, optimizer, opt_param_scheduler
+
+
+def build_step_context(args, optimizer, parallel_state, timers) -> StepContext:
+    """What the forward/backward schedules take from the trainer (Megatron's trainer sets it on
+    every chunk's model config): built once per run, for training and evaluation."""
+    return StepContext(
+        grad_scale_func=optimizer.scale_loss if args.fp16 else None,
+        # The schedules hand the gradients (and the token count) to it after the last backward.
+        finalize_model_grads_func=partial(
+            finalize_model_grads, parallel_state=parallel_state, timers=timers
+        ),
+        timers=timers,
+        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
+    )
 
 
 def _has_expert_params(model) -> bool:

@@ -18,7 +18,7 @@ import torch
 
 from megatron.core.tensor_parallel import collectives as C
 from megatron.core.transformer.moe.moe_config import is_moe_layer
-from megatron.core.transformer.moe.router import LOSS_NAMES, TopKRouter
+from megatron.core.transformer.moe.router import LOSS_NAMES
 from megatron.core.utils import get_model_config, unwrap_model
 
 _SUMMED_OVER_DP = ("global_load_balancing_loss",)
@@ -39,13 +39,6 @@ def tracked_loss_names(config) -> List[str]:
     return names
 
 
-def _routers(model) -> List[TopKRouter]:
-    routers = []
-    for chunk in model:
-        routers += [m for m in unwrap_model(chunk).modules() if isinstance(m, TopKRouter)]
-    return routers
-
-
 def collect_moe_losses(model, state, num_microbatches: int) -> Dict[str, torch.Tensor]:
     """name -> per-layer values [num_layers] of this step (every rank must call it: it
     reduces across ranks), and the routers' sums cleared."""
@@ -53,18 +46,10 @@ def collect_moe_losses(model, state, num_microbatches: int) -> Dict[str, torch.T
     names = tracked_loss_names(config)
     if not names:
         return {}
-    device = next(model[0].parameters()).device
-    values = torch.zeros(len(names), config.num_layers, dtype=torch.float32, device=device)
+    # Each chunk holds its own layers and reports 0 for the others.
+    values = sum(unwrap_model(chunk).moe_metrics(names, config.num_layers) for chunk in model)
     for chunk in model:
-        for layer in getattr(unwrap_model(chunk).decoder, "layers", []):
-            router = getattr(getattr(layer, "mlp", None), "router", None)
-            if not isinstance(router, TopKRouter):
-                continue
-            for i, name in enumerate(names):
-                if name in router.tracked:
-                    values[i, layer.layer_number - 1] = router.tracked[name].to(device)
-    for router in _routers(model):
-        router.tracked.clear()
+        unwrap_model(chunk).reset_moe_metrics()
     if state is not None:
         C.all_reduce(values, state.get_pipeline_model_parallel_group())
         C.all_reduce(values, state.group("tp-cp"))

@@ -10,7 +10,7 @@ import gc
 import sys
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core.device import collective_device, compute_device
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.pipeline_parallel.step_context import StepContext
 from megatron.core.utils import NonFiniteValueError, get_model_config
 
 from . import global_vars
@@ -33,6 +34,7 @@ from .flag_errors import ArgumentValidationError, BuildFromFlagsError, UserInput
 from .initialize import initialize_megatron, teardown_process_groups
 from .model_families import get_model_family
 from .model_setup import (
+    build_step_context,
     get_model,
     get_optimizer_param_scheduler,
     setup_model_and_optimizer,
@@ -168,7 +170,10 @@ def _pretrain(
     global _TRAIN_START_TIME
     start_time = time.time()
     initialize_megatron(
-        extra_args_provider=extra_args_provider, args_defaults=args_defaults, argv=argv
+        extra_args_provider=extra_args_provider,
+        args_defaults=args_defaults,
+        argv=argv,
+        watch_collectives=True,
     )
     try:  # the model's own rules (another model's flags, a parallelism it refuses)
         global_vars.get_model_family().check_args(global_vars.get_args())
@@ -211,6 +216,7 @@ def _pretrain(
             device_type=compute_device().type,
         )
     config = get_model_config(model[0])
+    step_context = build_step_context(args, optimizer, global_vars.get_parallel_state(), timers)
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
     with building("datasets", args):
@@ -237,6 +243,7 @@ def _pretrain(
             valid_iter,
             process_non_loss_data_func,
             config,
+            step_context=step_context,
         )
         print_datetime("after training is done")
         if exit_code is None and iteration != 0:
@@ -257,6 +264,7 @@ def _pretrain(
                 iteration,
                 config,
                 verbose=True,
+                step_context=step_context,
             )
         if args.do_test:
             evaluate_and_print_results(
@@ -268,6 +276,7 @@ def _pretrain(
                 config,
                 verbose=True,
                 test=True,
+                step_context=step_context,
             )
     _finish_writers()
     return exit_code
@@ -317,8 +326,20 @@ def _finish_writers():
         wandb_writer.finish()
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config):
-    """One iteration: all micro-batches, gradient sync, optimizer and scheduler step."""
+def train_step(
+    forward_step_func,
+    data_iterator,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    config,
+    *,
+    step_context: Optional[StepContext] = None,
+):
+    """One iteration: all micro-batches, gradient sync, optimizer and scheduler step.
+
+    ``step_context`` is what the schedule takes from the trainer (model_setup.build_step_context);
+    without it the schedule reads it from ``config`` as Megatron Core's schedules do."""
     args = global_vars.get_args()
     state = global_vars.get_parallel_state()
     timers = global_vars.get_timers()
@@ -343,6 +364,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
             seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
+            step_context=step_context,
             **pipeline_schedule_kwargs(args, state),
         )
         timers("forward-backward").stop()
@@ -434,6 +456,8 @@ def train(
     valid_data_iterator,
     process_non_loss_data_func,
     config,
+    *,
+    step_context: Optional[StepContext] = None,
 ):
     """The loop; returns (iteration, flops so far, exit code or None)."""
     args = global_vars.get_args()
@@ -463,6 +487,7 @@ def train(
             config,
             iteration,
             flops,
+            step_context,
         )
     finally:
         if args.manual_gc:
@@ -480,6 +505,7 @@ def _train_loop(
     config,
     iteration,
     flops,
+    step_context,
 ):
     args = global_vars.get_args()
     family = global_vars.get_model_family()
@@ -502,6 +528,7 @@ def _train_loop(
                 optimizer,
                 opt_param_scheduler,
                 config,
+                step_context=step_context,
             )
         except RerunExit as stop:
             # Saved at the start of the iteration (step, RNG, consumed samples), with the
@@ -570,6 +597,7 @@ def _train_loop(
                 iteration,
                 config,
                 verbose=False,
+                step_context=step_context,
             )
             if args.manual_gc and args.manual_gc_eval:
                 gc.collect()

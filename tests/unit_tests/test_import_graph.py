@@ -20,6 +20,9 @@ NOT_BELOW = {
     "megatron.checkpointing": ("megatron.training",),
     "megatron.core.tensor_parallel": ("megatron.core.transformer", "megatron.core.models"),
     "megatron.core.transformer": ("megatron.core.models",),
+    # The schedules reach the model through its methods (set_input_tensor,
+    # set_moe_aux_loss_scale) and the trainer through the StepContext, never its modules.
+    "megatron.core.pipeline_parallel": ("megatron.core.transformer", "megatron.core.models"),
 }
 
 

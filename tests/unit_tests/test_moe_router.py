@@ -240,7 +240,7 @@ def test_aux_loss_enters_backward_with_the_schedule_scale():
     torch.manual_seed(3)
     router = TopKRouter(config).train()
     tokens = torch.randn(6, config.hidden_size)
-    U.set_aux_loss_backward_scale(config, 0.25)
+    router.aux_loss_scale = 0.25  # what the schedule sets through set_moe_aux_loss_scale
     probs, _ = router(tokens, seq_length=3)
     (probs * torch.arange(4.0)).sum().backward()
     got = router.weight.grad.clone()

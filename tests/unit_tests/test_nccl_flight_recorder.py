@@ -3,6 +3,7 @@ environment variables PyTorch reads, before init_process_group, never over what 
 gloo runs keep the collective watch instead. (No GPU here: the variables are what is checked,
 and the start-up path with the process-group calls stubbed.)"""
 
+import inspect
 import os
 from datetime import timedelta
 from types import SimpleNamespace
@@ -141,9 +142,10 @@ def test_gloo_sets_nothing_and_notes_given_flags(home):
     ]
 
 
-def _start_up(monkeypatch, backend, cuda):
+def _start_up(monkeypatch, backend, cuda, **kwargs):
     """initialize._initialize_distributed with the process-group calls recorded: (what
-    init_process_group saw of the environment, whether the collective watch was installed)."""
+    init_process_group saw of the environment, whether the collective watch was installed).
+    The watch is asked for, as pretrain asks, unless ``kwargs`` say otherwise."""
     seen = {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
@@ -167,7 +169,7 @@ def _start_up(monkeypatch, backend, cuda):
         rank=0,
         distributed_timeout_minutes=7,
     )
-    initialize._initialize_distributed(args)
+    initialize._initialize_distributed(args, **{"watch_collectives": True, **kwargs})
     return seen
 
 
@@ -181,3 +183,11 @@ def test_start_up_configures_nccl_before_the_process_group_and_watches_gloo(home
     seen = _start_up(monkeypatch, "nccl", cuda=False)  # no GPU: gloo, watched
     assert seen["init"][0] == "gloo" and seen["watch"] == timedelta(minutes=7)
     assert seen["init"][2]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == ""
+
+
+def test_the_collective_watch_is_off_unless_asked_for(home, monkeypatch):
+    # Tools, the text-generation server and library callers of initialize_megatron keep
+    # torch.distributed's own functions; pretrain passes watch_collectives=True.
+    assert _start_up(monkeypatch, "gloo", cuda=False, watch_collectives=False).keys() == {"init"}
+    for function in (initialize.initialize_megatron, initialize._initialize_distributed):
+        assert inspect.signature(function).parameters["watch_collectives"].default is False

@@ -27,6 +27,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.pipeline_parallel.step_context import StepContext
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.tiny_configs import tiny_transformer_config
 
@@ -164,7 +165,6 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
     try:
         pp_rank = state.get_pipeline_model_parallel_rank()
         config = make_config(num_layers)
-        config.microbatch_group_size_per_vp_stage = group_size
         torch.manual_seed(1234)
         full = build(config, tied)
         split = compute_layer_split(num_layers, pp, vp if vp > 1 else None, **(split_kwargs or {}))
@@ -195,7 +195,9 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
         ref_losses, ref_grads = reference(full, batches)
 
         events = []
-        config.pipeline_event_callback = events.append
+        step_context = StepContext(
+            microbatch_group_size_per_vp_stage=group_size, pipeline_event_callback=events.append
+        )
         func = get_forward_backward_func(pp, vp if vp > 1 else None)
         for d in ddp:
             d.zero_grad_buffer()
@@ -209,6 +211,7 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
             micro_batch_size=MBS,
             forward_only=False,
             pg_collection=state,
+            step_context=step_context,
         )
         finalize_model_grads(ddp, state)
 
@@ -244,6 +247,7 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
                 micro_batch_size=MBS,
                 forward_only=True,
                 pg_collection=state,
+                step_context=step_context,
             )
         dist.all_gather_object(gathered, events, group=state.get_pipeline_model_parallel_group())
         check_events([e for r in gathered for e in r], pp, vp, m, True, tag + " forward-only")

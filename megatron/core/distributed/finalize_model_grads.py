@@ -77,8 +77,8 @@ def finalize_model_grads(
        summed over TP x DP x CP (every rank then holds the same bias); the routers' global-batch
        token counts (``global_aux_loss``) start afresh for the next step.
 
-    The schedules call it (as ``config.finalize_model_grads_func``) after the last backward,
-    with the token count of the iteration. ``parallel_state`` is the ``ParallelState`` of
+    The schedules call it (the step context's ``finalize_model_grads_func``) after the last
+    backward, with the token count of the iteration. ``parallel_state`` is the ``ParallelState`` of
     ``initialize_model_parallel`` (None: one process). ``timers`` time the whole
     ('all-grads-sync') and the embedding and sequence-parallel reductions.
     """

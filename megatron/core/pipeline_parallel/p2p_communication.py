@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device import collective_device
+from megatron.core.pipeline_parallel.step_context import StepContext
 
 _ACTIVATION_TAG = 0
 _GRADIENT_TAG = 1
@@ -39,14 +40,13 @@ def get_tensor_shape(seq_length: int, micro_batch_size: int, config) -> Tuple[in
         raise ValueError(
             "pipeline schedules need seq_length and micro_batch_size to size the p2p tensors"
         )
-    cp = getattr(config, "context_parallel_size", 1) or 1
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
+    cp, tp = config.context_parallel_size, config.tensor_model_parallel_size
     if seq_length % cp != 0:
         raise ValueError(
             f"seq_length ({seq_length}) must be divisible by --context-parallel-size ({cp})"
         )
     seq = seq_length // cp
-    if getattr(config, "sequence_parallel", False) and tp > 1:
+    if config.sequence_parallel and tp > 1:
         if seq % tp != 0:
             raise ValueError(
                 f"sequence length per context-parallel rank ({seq}) must be divisible by "
@@ -57,22 +57,31 @@ def get_tensor_shape(seq_length: int, micro_batch_size: int, config) -> Tuple[in
 
 
 def get_pipeline_dtype(config) -> torch.dtype:
+    """fp32 with ``fp32_residual_connection`` (a TransformerConfig field), else the config's
+    ``pipeline_dtype`` (``params_dtype`` unless set)."""
     if getattr(config, "fp32_residual_connection", False):
         return torch.float32
-    dtype = getattr(config, "pipeline_dtype", None)
-    return dtype if dtype is not None else getattr(config, "params_dtype", torch.float32)
+    return config.pipeline_dtype if config.pipeline_dtype is not None else config.params_dtype
 
 
 class P2PCommunicator:
     """Sends/receives between this rank and its neighbours in ``pp_group``.
 
-    ``config`` supplies the dtype, the device-independent shape rules and ``timers``; ``device``
-    is where received tensors are allocated (default: the group's collective device).
+    ``config`` supplies the dtype and the device-independent shape rules; ``device`` is where
+    received tensors are allocated (default: the group's collective device). ``timers`` times
+    the exchanges (level 2); without them, those a Megatron Core caller set on the config.
     """
 
-    def __init__(self, pp_group, config, device: Optional[torch.device] = None):
+    def __init__(
+        self,
+        pp_group,
+        config,
+        device: Optional[torch.device] = None,
+        timers=None,
+    ):
         self.group = pp_group
         self.config = config
+        self.timers = timers if timers is not None else StepContext.from_config(config).timers
         self.world_size = dist.get_world_size(pp_group) if pp_group is not None else 1
         self.rank = dist.get_rank(pp_group) if pp_group is not None else 0
         if self.world_size > 1:
@@ -94,8 +103,7 @@ class P2PCommunicator:
         return self.rank == self.world_size - 1
 
     def _timer(self, name: str):
-        timers = getattr(self.config, "timers", None)
-        return timers(name, log_level=2) if timers is not None else None
+        return self.timers(name, log_level=2) if self.timers is not None else None
 
     def _empty(self, shape) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)

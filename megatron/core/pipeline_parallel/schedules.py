@@ -5,13 +5,13 @@
   one-forward-one-backward, cool-down backwards),
 * :func:`forward_backward_pipelining_with_interleaving` (several model chunks per rank),
 
-chosen by :func:`get_forward_backward_func`. The schedules read their options from the model
-config (attributes set by the trainer): ``grad_scale_func`` (loss scaling for fp16),
-``calculate_per_token_loss``, ``timers``, ``grad_sync_func``,
-``microbatch_group_size_per_vp_stage``, ``finalize_model_grads_func`` (called after the last
-backward with the model chunks and, with ``calculate_per_token_loss``, the iteration's token
-count: the gradient reductions) and, for tests, ``pipeline_event_callback`` (called with a
-:class:`PipelineEvent` after every forward and backward compute of the pipeline schedules).
+chosen by :func:`get_forward_backward_func`. What the trainer adds to the model (the fp16 loss
+scaler, the gradient finalization, timers, per-token loss, the interleaving group size, the
+overlapped gradient sync and, for tests, a callback per compute) arrives as a
+:class:`~megatron.core.pipeline_parallel.step_context.StepContext` (``step_context=``); without
+one the schedules read it from the model config, where Megatron Core's callers set it.
+The schedule talks to the model only through its methods: ``set_input_tensor`` and, for MoE
+models, ``set_moe_aux_loss_scale``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from megatron.core.device import compute_device
 from megatron.core.pipeline_parallel.layer_split import check_interleaved_microbatches
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, get_tensor_shape
-from megatron.core.transformer.moe.moe_utils import set_aux_loss_backward_scale
+from megatron.core.pipeline_parallel.step_context import StepContext
 from megatron.core.utils import get_model_config, unwrap_model
 
 
@@ -49,29 +49,15 @@ def get_forward_backward_func(
     return forward_backward_no_pipelining
 
 
-def _timer(config, name):
-    timers = getattr(config, "timers", None)
-    return timers(name, log_level=2) if timers is not None else None
+def _resolve_context(step_context: Optional[StepContext], config) -> StepContext:
+    return step_context if step_context is not None else StepContext.from_config(config)
 
 
-def _finalize_grads(config, model_chunks, total_tokens: torch.Tensor) -> None:
-    """Hand the gradients to ``config.finalize_model_grads_func`` once backward is complete."""
-    finalize = getattr(config, "finalize_model_grads_func", None)
-    if finalize is not None:
-        per_token = getattr(config, "calculate_per_token_loss", False)
-        finalize(model_chunks, num_tokens=total_tokens if per_token else None)
-
-
-def _aux_loss_backward_scale(config, model, num_microbatches: int):
-    """The factor the routers' auxiliary losses take in backward: the one this micro-batch's
-    loss gets in forward_step (and the fp16 loss scale backward_step applies), as if added to
-    it. With fp16 a device tensor (in float64, the arithmetic of a Python float): reading the
-    loss scale on the host would wait for the device at every micro-batch."""
-    cp_size = getattr(config, "context_parallel_size", 1)
-    grad_scale = getattr(config, "grad_scale_func", None)
-    if grad_scale is None:
-        return cp_size / num_microbatches
-    return grad_scale(torch.ones(1, device=compute_device())).double() * cp_size / num_microbatches
+def _finalize_grads(ctx: StepContext, model_chunks, total_tokens: torch.Tensor) -> None:
+    """Hand the gradients to ``ctx.finalize_model_grads_func`` once backward is complete."""
+    if ctx.finalize_model_grads_func is not None:
+        per_token = ctx.calculate_per_token_loss
+        ctx.finalize_model_grads_func(model_chunks, num_tokens=total_tokens if per_token else None)
 
 
 def forward_step(
@@ -80,6 +66,7 @@ def forward_step(
     model,
     num_microbatches: int,
     config,
+    ctx: StepContext,
     forward_data_store: list,
     forward_only: bool,
     collect_non_loss_data: bool = False,
@@ -95,21 +82,21 @@ def forward_step(
     loss function, other stages return their hidden states.
 
     A loss function may return ``(loss_sum, num_tokens, reported)`` (per-token averaging) or the
-    legacy ``(loss, reported)``. Unless ``calculate_per_token_loss``, the loss is divided by its
-    token count and by the number of micro-batches, so gradients are the mean over micro-batches.
-    Returns ``(output_tensor, num_tokens)``.
+    legacy ``(loss, reported)``. Unless ``ctx.calculate_per_token_loss``, the loss is divided by
+    its token count and by the number of micro-batches, so gradients are the mean over
+    micro-batches. ``config`` is the model's (context parallelism, MoE). Returns
+    ``(output_tensor, num_tokens)``.
     """
-    timer = _timer(config, "forward-compute")
+    timer = ctx.timer("forward-compute")
     if timer:
         timer.start()
-    cp_size = getattr(config, "context_parallel_size", 1)
+    cp_size = config.context_parallel_size
     if set_input_tensor:
         unwrap_model(model).set_input_tensor(input_tensor)
     if getattr(config, "num_moe_experts", None):
-        # On the config of the chunk being run: under virtual stages each chunk has its own, and
-        # the routers of chunk c read chunk c's.
-        set_aux_loss_backward_scale(
-            get_model_config(model), _aux_loss_backward_scale(config, model, num_microbatches)
+        # On the chunk being run: under virtual stages each chunk's routers get theirs in turn.
+        unwrap_model(model).set_moe_aux_loss_scale(
+            ctx.moe_aux_loss_scale(num_microbatches, cp_size)
         )
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     num_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
@@ -122,7 +109,7 @@ def forward_step(
         forward_data_store.append(outputs)
     elif len(outputs) == 3:
         output_tensor, num_tokens, reported = outputs
-        if not getattr(config, "calculate_per_token_loss", False):
+        if not ctx.calculate_per_token_loss:
             output_tensor = output_tensor / num_tokens
             output_tensor = output_tensor / num_microbatches
             # DDP averages gradients over DP x CP; CP ranks each hold part of one sequence, so
@@ -143,20 +130,19 @@ def forward_step(
 
 def backward_step(
     output_tensor: torch.Tensor,
-    config,
+    ctx: StepContext,
     input_tensor: Optional[torch.Tensor] = None,
     output_tensor_grad: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """Backward from the loss (``output_tensor_grad`` None: last stage, loss scaling applies) or
     from the gradient of this stage's output received from the next stage; returns the gradient
     of ``input_tensor`` (the activation received from the previous stage), if any."""
-    timer = _timer(config, "backward-compute")
+    timer = ctx.timer("backward-compute")
     if timer:
         timer.start()
     if output_tensor_grad is None:
-        scale = getattr(config, "grad_scale_func", None)
-        if scale is not None:
-            output_tensor = scale(output_tensor)
+        if ctx.grad_scale_func is not None:
+            output_tensor = ctx.grad_scale_func(output_tensor)
         torch.autograd.backward(output_tensor)
     else:
         torch.autograd.backward(
@@ -180,11 +166,12 @@ def forward_backward_no_pipelining(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    step_context: Optional[StepContext] = None,
 ) -> List[Any]:
     """All micro-batches forward then backward, one at a time; returns the reported losses.
 
-    Gradient synchronisation happens after the last micro-batch, in
-    ``config.finalize_model_grads_func`` (given the token count for per-token loss scaling).
+    Gradient synchronisation happens after the last micro-batch, in the step context's
+    ``finalize_model_grads_func`` (given the token count for per-token loss scaling).
     """
     if isinstance(model, list):
         if len(model) != 1:
@@ -193,6 +180,7 @@ def forward_backward_no_pipelining(
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
     config = get_model_config(model)
+    ctx = _resolve_context(step_context, config)
     no_sync = getattr(model, "no_sync", nullcontext)
     forward_data_store: List[Any] = []
     total_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
@@ -204,13 +192,14 @@ def forward_backward_no_pipelining(
                 model,
                 num_microbatches,
                 config,
+                ctx,
                 forward_data_store,
                 forward_only,
                 collect_non_loss_data,
             )
             total_tokens += num_tokens
             if not forward_only:
-                backward_step(output, config)
+                backward_step(output, ctx)
     # The last micro-batch runs outside no_sync so that overlapped reductions could start.
     output, num_tokens = forward_step(
         forward_step_func,
@@ -218,14 +207,15 @@ def forward_backward_no_pipelining(
         model,
         num_microbatches,
         config,
+        ctx,
         forward_data_store,
         forward_only,
         collect_non_loss_data,
     )
     total_tokens += num_tokens
     if not forward_only:
-        backward_step(output, config)
-        _finalize_grads(config, [model], total_tokens)
+        backward_step(output, ctx)
+        _finalize_grads(ctx, [model], total_tokens)
     return forward_data_store
 
 
@@ -248,7 +238,9 @@ class PipelineEvent:
     """time.monotonic_ns() after the compute."""
 
 
-def _resolve_communicator(config, p2p_communicator, pg_collection) -> P2PCommunicator:
+def _resolve_communicator(
+    config, ctx: StepContext, p2p_communicator, pg_collection
+) -> P2PCommunicator:
     if p2p_communicator is not None:
         return p2p_communicator
     if pg_collection is None or not hasattr(pg_collection, "get_pipeline_model_parallel_group"):
@@ -256,7 +248,9 @@ def _resolve_communicator(config, p2p_communicator, pg_collection) -> P2PCommuni
             "pipeline schedules need the pipeline group: pass pg_collection=<ParallelState> "
             "(from initialize_model_parallel) or p2p_communicator=P2PCommunicator(pp_group, config)"
         )
-    return P2PCommunicator(pg_collection.get_pipeline_model_parallel_group(), config)
+    return P2PCommunicator(
+        pg_collection.get_pipeline_model_parallel_group(), config, timers=ctx.timers
+    )
 
 
 def _as_list(x, n: int, what: str) -> list:
@@ -291,6 +285,7 @@ def _run_pipeline(
     model_chunks,
     num_microbatches,
     config,
+    ctx: StepContext,
     communicator: P2PCommunicator,
     tensor_shape,
     table,
@@ -327,8 +322,8 @@ def _run_pipeline(
     def last_vstage(chunk):
         return pp_rank == pp_size - 1 and chunk == num_chunks - 1
 
-    callback = getattr(config, "pipeline_event_callback", None)
-    grad_sync_func = getattr(config, "grad_sync_func", None)
+    callback = ctx.pipeline_event_callback
+    grad_sync_func = ctx.grad_sync_func
     backwards_left = [num_microbatches] * num_chunks
     input_tensors = [deque() for _ in range(num_chunks)]
     output_tensors = [deque() for _ in range(num_chunks)]
@@ -368,6 +363,7 @@ def _run_pipeline(
                     model_chunks[chunk],
                     num_microbatches,
                     config,
+                    ctx,
                     forward_data_store,
                     forward_only,
                     collect_non_loss_data,
@@ -389,7 +385,7 @@ def _run_pipeline(
                     sync_stacks[chunk].close()  # leave no_sync before the chunk's last backward
                 input_grad = backward_step(
                     output,
-                    config,
+                    ctx,
                     input_tensor=input_tensor,
                     output_tensor_grad=None if last_vstage(chunk) else from_next,
                 )
@@ -402,7 +398,7 @@ def _run_pipeline(
         communicator.exchange(send_next=send_next, send_prev=send_prev, tensor_shape=tensor_shape)
         communicator.wait_for_sends()
     if not forward_only:
-        _finalize_grads(config, model_chunks, total_tokens)
+        _finalize_grads(ctx, model_chunks, total_tokens)
     return forward_data_store
 
 
@@ -420,6 +416,7 @@ def forward_backward_pipelining_without_interleaving(
     first_val_step: Optional[bool] = None,
     p2p_communicator: Optional[P2PCommunicator] = None,
     pg_collection=None,
+    step_context: Optional[StepContext] = None,
 ) -> List[Any]:
     """1F1B over the pipeline group: PP - rank - 1 warm-up forwards (at most M), then alternating
     one forward / one backward, then the remaining backwards. Returns the reported losses on the
@@ -427,11 +424,12 @@ def forward_backward_pipelining_without_interleaving(
     model_chunks = _as_list(model, 1, "model")
     data_iterators = _as_list(data_iterator, 1, "data_iterator")
     config = get_model_config(model_chunks[0])
-    if getattr(config, "variable_seq_lengths", False):
+    if config.variable_seq_lengths:
         raise ValueError(
             "variable sequence lengths are not supported by the pipeline schedules yet"
         )
-    communicator = _resolve_communicator(config, p2p_communicator, pg_collection)
+    ctx = _resolve_context(step_context, config)
+    communicator = _resolve_communicator(config, ctx, p2p_communicator, pg_collection)
     tensor_shape = get_tensor_shape(seq_length, micro_batch_size, config)
     num_warmup = communicator.world_size - communicator.rank - 1
     table = [(mb, 0) for mb in range(num_microbatches)]
@@ -441,6 +439,7 @@ def forward_backward_pipelining_without_interleaving(
         model_chunks=model_chunks,
         num_microbatches=num_microbatches,
         config=config,
+        ctx=ctx,
         communicator=communicator,
         tensor_shape=tensor_shape,
         table=table,
@@ -464,12 +463,14 @@ def forward_backward_pipelining_with_interleaving(
     first_val_step: Optional[bool] = None,
     p2p_communicator: Optional[P2PCommunicator] = None,
     pg_collection=None,
+    step_context: Optional[StepContext] = None,
 ) -> List[Any]:
     """Interleaved 1F1B: ``model`` and ``data_iterator`` are lists with one entry per chunk
     (virtual stage); chunk c on rank r is virtual stage c * PP + r.
 
-    Groups of G micro-batches (``config.microbatch_group_size_per_vp_stage``, default PP) run
-    through chunk 0, 1, ... in turn; warm-up = (PP - rank - 1) * 2 + (chunks - 1) * G forwards.
+    Groups of G micro-batches (the step context's ``microbatch_group_size_per_vp_stage``,
+    default PP) run through chunk 0, 1, ... in turn; warm-up = (PP - rank - 1) * 2 +
+    (chunks - 1) * G forwards.
     Megatron's micro-batch rules (PP <= G <= M; M mod G = 0 or >= PP) raise ValueError.
     """
     if not isinstance(model, (list, tuple)) or len(model) < 2:
@@ -480,16 +481,17 @@ def forward_backward_pipelining_with_interleaving(
     model_chunks = list(model)
     data_iterators = _as_list(data_iterator, len(model_chunks), "data_iterator")
     config = get_model_config(model_chunks[0])
-    if getattr(config, "variable_seq_lengths", False):
+    if config.variable_seq_lengths:
         raise ValueError(
             "variable sequence lengths are not supported by the pipeline schedules yet"
         )
-    communicator = _resolve_communicator(config, p2p_communicator, pg_collection)
+    ctx = _resolve_context(step_context, config)
+    communicator = _resolve_communicator(config, ctx, p2p_communicator, pg_collection)
     pp, rank = communicator.world_size, communicator.rank
     if pp < 2:
         raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
     group = check_interleaved_microbatches(
-        num_microbatches, pp, getattr(config, "microbatch_group_size_per_vp_stage", None)
+        num_microbatches, pp, ctx.microbatch_group_size_per_vp_stage
     )
     tensor_shape = get_tensor_shape(seq_length, micro_batch_size, config)
     num_chunks = len(model_chunks)
@@ -501,6 +503,7 @@ def forward_backward_pipelining_with_interleaving(
         model_chunks=model_chunks,
         num_microbatches=num_microbatches,
         config=config,
+        ctx=ctx,
         communicator=communicator,
         tensor_shape=tensor_shape,
         table=table,

@@ -21,6 +21,11 @@ class MegatronModule(torch.nn.Module):
     def set_is_first_microbatch(self):
         """Hook for layers that cache weights per micro-batch (fp8); nothing to do here."""
 
+    def set_moe_aux_loss_scale(self, scale) -> None:
+        """The factor the schedule applies to the coming micro-batch's loss (a float, or a device
+        tensor with fp16 loss scaling), for the MoE routers' auxiliary losses; models with MoE
+        layers hand it to their routers, other modules have none."""
+
 
 def _convert_floats(value: Any, source: torch.dtype, convert) -> Any:
     if isinstance(value, torch.Tensor):
@@ -53,6 +58,9 @@ class Float16Module(MegatronModule):
 
     def set_input_tensor(self, input_tensor):
         return self.module.set_input_tensor(input_tensor)
+
+    def set_moe_aux_loss_scale(self, scale) -> None:
+        self.module.set_moe_aux_loss_scale(scale)
 
     def forward(self, *inputs, **kwargs):
         half = self.half_dtype

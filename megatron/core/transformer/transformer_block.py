@@ -1,10 +1,11 @@
 """A stack of transformer layers plus the final norm; one pipeline stage's slice of the model."""
 
 from dataclasses import dataclass
-from typing import List, Optional, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron.core.device import compute_device
 from megatron.core.pipeline_parallel.layer_split import (
     get_num_layers_to_build,
     get_transformer_layer_offset,
@@ -13,6 +14,7 @@ from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import (
@@ -124,6 +126,33 @@ class TransformerBlock(MegatronModule):
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """The activation received from the previous pipeline stage (used when not pre_process)."""
         self.input_tensor = input_tensor
+
+    # ------------------------------------------------------------------------------ MoE
+    def _moe_routers(self) -> Iterator[Tuple[int, TopKRouter]]:
+        """(global 1-based layer number, router) of this block's MoE layers."""
+        for layer in self.layers:
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if isinstance(router, TopKRouter):
+                yield layer.layer_number, router
+
+    def set_moe_aux_loss_scale(self, scale) -> None:
+        for _, router in self._moe_routers():
+            router.aux_loss_scale = scale
+
+    def moe_metrics(self, names: Sequence[str], num_layers: int) -> torch.Tensor:
+        """[len(names), num_layers] float32: what each router of this block tracked under each
+        name (this step's sum, this rank's part) at its layer number - 1; 0 elsewhere."""
+        values = torch.zeros(len(names), num_layers, dtype=torch.float32, device=compute_device())
+        for number, router in self._moe_routers():
+            for i, name in enumerate(names):
+                if name in router.tracked:
+                    values[i, number - 1] = router.tracked[name].to(values.device)
+        return values
+
+    def reset_moe_metrics(self) -> None:
+        """Start the next step's sums."""
+        for _, router in self._moe_routers():
+            router.tracked.clear()
 
     def _checkpointed(self, start: int, end: int):
         def run(hidden_states, attention_mask, context, context_mask, rotary_pos_emb):

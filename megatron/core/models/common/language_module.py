@@ -1,10 +1,14 @@
 """Base class of language models: per-token loss and the tied embedding / output weight."""
 
+from typing import List, Sequence
+
 import torch
 
+from megatron.core.device import compute_device
 from megatron.core.tensor_parallel.collectives import group_size
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -48,6 +52,28 @@ def language_model_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> 
 
 class LanguageModule(MegatronModule):
     """Shared pieces of GPT-like models (subclasses set ``embedding`` / ``output_layer``)."""
+
+    def _transformer_blocks(self) -> List[TransformerBlock]:
+        return [m for m in self.children() if isinstance(m, TransformerBlock)]
+
+    def set_moe_aux_loss_scale(self, scale) -> None:
+        for block in self._transformer_blocks():
+            block.set_moe_aux_loss_scale(scale)
+
+    def moe_metrics(self, names: Sequence[str], num_layers: int) -> torch.Tensor:
+        """[len(names), num_layers] float32: the auxiliary losses the MoE routers of this model
+        (chunk) tracked under ``names`` (Megatron's log names), this step's sums on this rank,
+        at each MoE layer's global layer number - 1; 0 for the other layers. The caller reduces
+        them across ranks and micro-batches."""
+        values = torch.zeros(len(names), num_layers, dtype=torch.float32, device=compute_device())
+        for block in self._transformer_blocks():
+            values += block.moe_metrics(names, num_layers)
+        return values
+
+    def reset_moe_metrics(self) -> None:
+        """Start the next step's sums (after :meth:`moe_metrics` has been read)."""
+        for block in self._transformer_blocks():
+            block.reset_moe_metrics()
 
     def compute_language_model_loss(
         self, labels: torch.Tensor, logits: torch.Tensor

@@ -17,7 +17,7 @@ of the whole.
 """
 
 import math
-from typing import Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import torch
 
@@ -187,15 +187,3 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         else:
             grad = torch.full_like(aux_loss, scale)
         return grad_output, grad, None
-
-
-def set_aux_loss_backward_scale(config, scale: Union[float, torch.Tensor]) -> None:
-    """Record on the model's config the factor the schedule applies to this micro-batch's main
-    loss (1 / micro-batches, times the context-parallel size and the fp16 loss scale: then a
-    device tensor, never read on the host); the MoE routers read it when they attach their
-    losses."""
-    config.moe_aux_loss_backward_scale = scale
-
-
-def aux_loss_backward_scale(config) -> Union[float, torch.Tensor]:
-    return getattr(config, "moe_aux_loss_backward_scale", 1.0)

@@ -1,7 +1,7 @@
 """The top-k router of an MoE layer (Megatron Core's ``TopKRouter``; parameter ``weight`` [E, h]
 and, with aux-loss-free balancing, the buffer ``expert_bias`` [E])."""
 
-from typing import Dict, List
+from typing import Dict, List, Union
 
 import torch
 
@@ -33,8 +33,10 @@ class TopKRouter(torch.nn.Module):
     counts add up over the micro-batches of a step until :meth:`reset_global_counts`.
 
     In training the router attaches its auxiliary losses to the returned probabilities (so they
-    join backward) and adds their detached values to ``tracked`` (name -> sum over the
-    micro-batches of the step, this rank's part; the trainer reduces, reads and clears it).
+    join backward with the gradient ``aux_loss_scale``, which the schedule sets through the
+    model's ``set_moe_aux_loss_scale``) and adds their detached values to ``tracked`` (name ->
+    sum over the micro-batches of the step, this rank's part; the trainer reads it through the
+    model's ``moe_metrics``, reduces it and clears it).
     """
 
     def __init__(self, config, tp_cp_group=None, tp_dp_cp_group=None):
@@ -71,6 +73,9 @@ class TopKRouter(torch.nn.Module):
             )
             self.global_microbatches = 0
         self.tracked: Dict[str, torch.Tensor] = {}
+        # The factor the schedule applies to this micro-batch's main loss (1 / micro-batches,
+        # times the context-parallel size and, with fp16, the loss scale: then a device tensor).
+        self.aux_loss_scale: Union[float, torch.Tensor] = 1.0
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         dtype = _DTYPES[self.config.moe_router_dtype]
@@ -140,7 +145,7 @@ class TopKRouter(torch.nn.Module):
 
     def _attach_losses(self, logits, probs, routing_map, seq_length):
         cfg = self.config
-        scale = U.aux_loss_backward_scale(cfg)
+        scale = self.aux_loss_scale
         parts = C.group_size(self.tp_cp_group)
         for kind, coeff in zip(self.types, self.coeffs):
             if kind not in ("aux_loss", "seq_aux_loss", "global_aux_loss") or coeff == 0:
