@@ -119,7 +119,8 @@ class DataFlags:
     )
     reset_attention_mask: bool = switch(
         "Do not attend across end-of-document tokens.",
-        honoured_at="pretrain_gpt.get_batch; pretrain_gpt.train_valid_test_datasets_provider",
+        honoured_at="model_families.gpt.step.get_batch; "
+        "pretrain_gpt.train_valid_test_datasets_provider",
     )
     dataloader_inter_document_masking: bool = switch(
         "Let the data loader mask attention across documents (packed sequences)."
@@ -212,7 +213,7 @@ class TokenizerFlags:
             "NullMultimodalTokenizer",
             "SFTTokenizer",
         ],
-        honoured_at="pretrain_gpt._check_token_ids; tokenizer.build_tokenizer; "
+        honoured_at="model_families.gpt.step._check_token_ids; tokenizer.build_tokenizer; "
         "tools.preprocess_data.get_args",
     )
     tokenizer_model: Optional[str] = flag(

@@ -26,7 +26,7 @@ class NetworkSizeFlags:
     decoder_num_layers: Optional[int] = flag(
         None,
         "Number of decoder transformer layers (T5).",
-        honoured_at="pretrain_t5.model_provider; model_families.t5._decoder_layers",
+        honoured_at="pretrain_t5.model_provider; model_families.t5.cost._decoder_layers",
     )
     hidden_size: Optional[int] = flag(
         None, "Transformer hidden size.", honoured_at="TransformerConfig.hidden_size"
