@@ -147,3 +147,16 @@ def test_mixtral_round_trip_through_expert_parallel_checkpoint(tmp_path):
     with open(back / "config.json") as f:
         config = json.load(f)
     assert config["model_type"] == "mixtral" and config["num_local_experts"] == EXPERTS
+
+
+def test_expert_parallel_checkpoint_without_pipeline_parallelism(tmp_path):
+    """HF -> ours at EP=2 alone (PP=1: one file per EP rank, Megatron's ``mp_rank_TT_EEE``) ->
+    ours at EP=1: transformers' logits."""
+    src, model = _mixtral_dir(tmp_path)
+    split, one = tmp_path / "ep2", tmp_path / "one"
+    common = ["--target-tensor-parallel-size", 1, "--target-pipeline-parallel-size", 1]
+    run("--loader", "hf_llama", "--saver", "core", "--load-dir", src, "--save-dir", split,
+        *common, "--target-expert-parallel-size", 2)  # fmt: skip
+    assert sorted(os.listdir(split / "release")) == ["mp_rank_00_000", "mp_rank_00_001"]
+    run("--loader", "core", "--saver", "core", "--load-dir", split, "--save-dir", one, *common)
+    check_logits(model, one)
