@@ -92,7 +92,7 @@ def tp_split(name: str, swiglu: bool) -> TPSplit:
         return REPLICATED
     raise ConversionError(
         f"tensor '{name}' is not one the converter knows how to reshard "
-        "(q/k layernorm, MoE and MLA checkpoints are not supported yet)"
+        "(T5's cross-attention and multi-latent attention are not supported yet)"
     )
 
 
