@@ -12,7 +12,7 @@ import os
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from tests.unit_tests.test_checkpoint_conversion_hf import (
+from tests.unit_tests.tools.checkpoint.test_checkpoint_conversion_hf import (
     VOCAB,
     assert_same_tensors,
     check_logits,

@@ -15,8 +15,9 @@ from megatron.core.dist_checkpointing.megatron_layout import without_extra_state
 from megatron.core.inference import InferenceModelForward, SamplingParams, SpecialTokens, generate
 from megatron.core.models.gpt import GPTModel
 from megatron.training.configs import core_transformer_config_from_args
+from tests.harness import REPO
 
-_TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint")
+_TOOLS = str(REPO / "tools" / "checkpoint")
 sys.path.insert(0, os.path.abspath(_TOOLS))
 import convert  # noqa: E402
 

@@ -17,8 +17,9 @@ from safetensors.torch import load_file  # noqa: E402
 from megatron.core.dist_checkpointing.megatron_layout import without_extra_state
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.training.configs import core_transformer_config_from_args  # noqa: E402
+from tests.harness import REPO
 
-_REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+_REPO = str(REPO)
 sys.path.insert(0, os.path.join(_REPO, "tools", "checkpoint"))
 sys.path.insert(0, _REPO)
 import convert  # noqa: E402

@@ -10,15 +10,15 @@ through the same conversion before they are compared.
 import argparse
 import json
 import signal
-from pathlib import Path
 
 import pytest
 
 from megatron.core.transformer.enums import AttnBackend
 from megatron.training.arguments import add_megatron_arguments, parse_args
 from megatron.training.flags.types import RemovedFlagAction
+from tests.harness import REPO
 
-FLAGS_FILE = Path(__file__).resolve().parents[1] / "data" / "megatron_head_flags.jsonl"
+FLAGS_FILE = REPO / "tests" / "data" / "megatron_head_flags.jsonl"
 ROWS = [json.loads(line) for line in FLAGS_FILE.read_text().splitlines() if line.strip()]
 KINDS = {
     argparse._StoreAction: "value",

@@ -5,20 +5,20 @@ what it does not read: help text, group titles and order, option order, hidden a
 order and types of the parsed defaults.
 
 To accept an intended change, rewrite the goldens and review their diff:
-    python tests/unit_tests/test_flag_golden.py
+    python -m tests.unit_tests.training.test_flag_golden
 """
 
 import contextlib
 import io
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron.training.arguments import parse_args
+from tests.harness import REPO
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = REPO / "tests" / "data"
 HELP_FILE = DATA / "megatron_help.txt"
 DEFAULTS_FILE = DATA / "megatron_defaults.json"
 # argparse lays help out differently across Python versions (3.10 appends "(default: ...)" to the

@@ -8,8 +8,9 @@ import sys
 import numpy as np
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from tests.harness import REPO
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+ROOT = str(REPO)
 DATA = os.path.join(ROOT, "tests", "data")
 
 

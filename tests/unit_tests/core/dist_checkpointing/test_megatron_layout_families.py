@@ -19,7 +19,7 @@ from megatron.core.dist_checkpointing.megatron_layout import (
     unstack,
 )
 from megatron.training import checkpointing, checkpointing_dist
-from tests.unit_tests.test_dist_checkpointing import _iter_dir, _setup, _train_gpt
+from tests.unit_tests.checkpointing.test_dist_checkpointing import _iter_dir, _setup, _train_gpt
 from tests.unit_tests.tiny_configs import (
     tiny_gpt_model,
     tiny_transformer_config,

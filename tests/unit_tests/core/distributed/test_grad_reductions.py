@@ -124,7 +124,7 @@ def _check_global_aux_loss(rank, state):
     sequence parallelism, DP=2: four ranks holding different tokens)."""
     from megatron.core.transformer.moe import moe_utils as U
     from megatron.core.transformer.moe.router import TopKRouter
-    from tests.unit_tests.test_moe_router import _global_aux_loss_loops, moe_config
+    from tests.unit_tests.core.transformer.test_moe_router import _global_aux_loss_loops, moe_config
 
     coeff, tokens = 0.1, 5
     config = moe_config(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=coeff)

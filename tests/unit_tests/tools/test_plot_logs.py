@@ -5,13 +5,12 @@ a PNG."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron.training.log_parsing import LOG_LINE, parse_log_lines, read_run
+from tests.harness import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import plot_logs  # noqa: E402
 

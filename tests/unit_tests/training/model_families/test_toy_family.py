@@ -4,7 +4,6 @@ through Megatron's pretrain() with the spec as its only registration."""
 
 import argparse
 import math
-from pathlib import Path
 
 import pytest
 
@@ -12,10 +11,9 @@ from megatron.training import pretrain
 from megatron.training.flag_errors import ArgumentValidationError
 from megatron.training.log_parsing import parse_log_lines
 from megatron.training.model_families import get_model_family
+from tests.harness import REPO
 from tests.harness.argv import TINY_RUN, megatron_argv
 from tests.unit_tests import toy_family
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _outside_tests():

@@ -22,8 +22,9 @@ from megatron.core.tokenizers.sentencepiece_tokenizers import (
     SentencePieceTokenizer,
 )
 from megatron.training.tokenizer import _vocab_size_with_padding, build_tokenizer
+from tests.harness import REPO
 
-DATA = os.path.join(os.path.dirname(__file__), os.pardir, "data")
+DATA = str(REPO / "tests" / "data")
 GPT2_VOCAB = os.path.join(DATA, "gpt2-vocab.json")
 GPT2_MERGES = os.path.join(DATA, "gpt2-merges.txt")
 SPM_MODEL = os.path.join(DATA, "spm.model")

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from megatron.training import cpu_allocator
+from tests.harness import REPO
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+ROOT = str(REPO)
 
 
 @pytest.fixture

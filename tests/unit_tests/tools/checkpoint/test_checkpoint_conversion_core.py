@@ -17,8 +17,9 @@ from megatron.core.dist_checkpointing.megatron_layout import (  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split  # noqa: E402
 from megatron.training.configs import core_transformer_config_from_args  # noqa: E402
+from tests.harness import REPO
 
-_TOOLS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "tools", "checkpoint"))
+_TOOLS = str(REPO / "tools" / "checkpoint")
 sys.path.insert(0, _TOOLS)
 import convert  # noqa: E402
 from protocol import ConversionError  # noqa: E402

@@ -21,7 +21,7 @@ from megatron.core.datasets.utils import Split
 from megatron.core.models.T5 import T5Model
 from megatron.core.tokenizers.bert_wordpiece import BertWordPieceLowerCase
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit_tests.test_bert_dataset import VOCAB, corpus  # noqa: F401 (a fixture)
+from tests.unit_tests.core.datasets.test_bert_dataset import VOCAB, corpus  # noqa: F401 (a fixture)
 
 
 def test_span_corruption_on_hand_worked_input():

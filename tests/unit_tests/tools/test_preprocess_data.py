@@ -22,8 +22,9 @@ from megatron.core.tokenizers.gpt2_bpe import (
 )
 from megatron.core.tokenizers.null_tokenizer import NullTokenizer
 from megatron.core.tokenizers.sentence_splitter import SentenceSplitter
+from tests.harness import REPO
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+ROOT = str(REPO)
 DATA = os.path.join(ROOT, "tests", "data")
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 GPT2_FLAGS = [
