@@ -65,8 +65,9 @@ class ModelParallelConfig:
     """dtype the model parameters are created in."""
 
     # The schedules' inputs from the trainer (timers, finalize_model_grads_func, grad_scale_func,
-    # grad_sync_func, microbatch_group_size_per_vp_stage) are fields, as in Megatron Core, for
-    # its callers: a schedule given no StepContext reads them here (StepContext.from_config).
+    # grad_sync_func, microbatch_group_size_per_vp_stage) are fields here because Megatron Core's
+    # callers set them on the config: a schedule given no StepContext reads them here
+    # (StepContext.from_config).
     # This project's trainer passes a StepContext and leaves them unset.
 
     timers: Optional[Callable] = None

@@ -19,8 +19,9 @@ generator states of such a run (the tracker's too) cannot seed CUDA generators. 
 the key it would fail in ``torch.cuda.set_rng_state`` instead, with a traceback.
 
 The list has one entry (data-parallel ranks share their seeds), or one per data-parallel rank
-with ``--data-parallel-random-init``. As in Megatron-LM the state is restored only where the
-checkpoint's TP and PP sizes equal this run's: with another layout no rank has a counterpart.
+with ``--data-parallel-random-init``. The state is restored only where the checkpoint's TP and PP
+sizes equal this run's, since with another layout no rank has a counterpart; Megatron-LM also
+ignores the RNG state after a (TP, PP) change.
 
 Rerun state machine: the common part (mode, state, iteration) stays in ``common.pt`` under
 ``rerun_state_machine``; each rank's part is the object ``rerun_state_machine_state`` on a

@@ -131,7 +131,8 @@ class TransformerLayer(MegatronModule):
         inference_context=None,
         **kwargs,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """hidden_states [s, b, h] -> (hidden_states [s, b, h], context) as in Megatron.
+        """hidden_states [s, b, h] -> (hidden_states [s, b, h], context), the pair that
+        Megatron's TransformerLayer.forward returns.
 
         ``context`` [s_enc, b, h] and ``context_mask`` are the encoder output and its mask for
         the cross-attention; they are returned unchanged for the next layer.

@@ -377,7 +377,7 @@ def test_flag_spellings_and_dests():
     assert args.inference_max_requests == 4 and args.microbatch_group_size_per_vp_stage == 3
     assert args.nccl_ub is True
     assert args.data_path == ["0.3", "a", "0.7", "b"]
-    assert args.rampup_batch_size == [16, 8, 300]  # type=int, nargs=3 as in Megatron
+    assert args.rampup_batch_size == [16, 8, 300]  # Megatron's: type=int, nargs=3
     assert args.moe_router_load_balancing_type == ["aux_loss", "sinkhorn"]
     assert args.moe_aux_loss_coeff == [0.01]
     assert args.moe_layer_freq == [1, 1, 0, 1, 1, 0]

@@ -36,7 +36,8 @@ def _configure(args, backend="nccl", environ=None):
 def test_defaults_turn_the_recorder_on_and_name_where_it_dumps(home):
     to_set, environ, lines = _configure(tiny_args())
     prefix = str(home / ".cache" / "torch" / "comm_lib_trace_rank_")
-    # Without a dump path the other three keep torch's defaults, as in Megatron-LM.
+    # Without a dump path the other three keep torch's defaults: Megatron-LM sets them only when
+    # a dump path is given.
     assert to_set == {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

@@ -11,13 +11,13 @@ batch, each FSDP rank on its half. Checked:
   DDP at the same DP=2;
 * the model-parallel attributes survive sharding, and per-token scaling reaches the shards.
 
-The run is done twice. In float64 norms and parameters hold to 1e-12 (measured: 5e-16), which
-leaves no room for a wrong shard, scale or reduction; the loss itself is computed in fp32 (the
-logits are cast with ``.float()`` as in Megatron), so it holds to 1e-6 (measured: 6e-8). In
+The run is done twice. In float64 norms and parameters hold to 1e-12 (measured: 5e-16), which leaves
+no room for a wrong shard, scale or reduction; the loss itself is computed in fp32 (the logits are
+cast with ``.float()``, which Megatron's loss does too), so it holds to 1e-6 (measured: 6e-8). In
 float32 the per-rank half batches round differently from the whole batch, and Adam, dividing by
 sqrt(v), magnifies those last bits from step to step (gradient norm against the one-process run:
-4e-7 at iteration 1, 4e-6 at 8, 1.6e-5 at 9; parameters: 1e-5 after 10); there the one-process
-norm and parameter comparisons use 1e-4, while FSDP against DDP on the same halves stays at 1e-5
+4e-7 at iteration 1, 4e-6 at 8, 1.6e-5 at 9; parameters: 1e-5 after 10); there the one-process norm
+and parameter comparisons use 1e-4, while FSDP against DDP on the same halves stays at 1e-5
 (measured: 5e-16).
 """
 

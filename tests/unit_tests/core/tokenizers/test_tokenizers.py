@@ -258,7 +258,7 @@ def test_bert_wordpiece_special_ids_and_round_trip():
         n = len(f.read().split("\n")[:-1])
     tok = BertWordPieceLowerCase(BERT_VOCAB, vocab_extra_ids=2)
     assert (tok.pad, tok.cls, tok.sep, tok.mask) == (0, 2, 3, 4)
-    assert (tok.bos, tok.eos) == (n, n + 1)  # [BOS] / [EOS] appended as in Megatron
+    assert (tok.bos, tok.eos) == (n, n + 1)  # Megatron's BERT tokenizer appends both
     assert tok.additional_special_tokens_ids == [n + 2, n + 3]
     assert tok.inv_vocab[n + 3] == "<extra_id_1>" and tok.vocab_size == n + 4
     assert (
