@@ -52,7 +52,7 @@ class ModelParallelConfig:
     """Build the full (unsplit) master weights on the CPU and copy each rank's shard from them,
     so the result does not depend on the parallel layout. At TP=1 weights are always built on
     the CPU with the default CPU generator (the caller moves the model to its device), which
-    makes this flag a no-op for now."""
+    makes this flag a no-op at TP=1."""
 
     # ---------------------------------------------------------------- precision
     fp16: bool = False

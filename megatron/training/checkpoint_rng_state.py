@@ -151,7 +151,8 @@ def to_megatron_rerun_state(rerun_state: dict) -> dict:
 
 def plain_rerun_common(saved: Optional[dict]) -> Optional[dict]:
     """A checkpoint's ``rerun_state_machine`` entry with plain mode and state values (it holds
-    enums when written by megatron-core or here now, plain values when written here before)."""
+    enums when written by megatron-core or by this code base's writer, plain values in files of
+    this code base's earlier releases, which must still load)."""
     from megatron.core.rerun_state_machine import RerunMode, RerunState
 
     if not isinstance(saved, dict) or "state" not in saved:
