@@ -26,42 +26,26 @@ import convert  # noqa: E402
 from protocol import ConversionError  # noqa: E402
 
 from tests.functional_tests.runner import run_pretrain  # noqa: E402
+from tests.harness.argv import MOCK_DATA, megatron_argv  # noqa: E402
 
-TRAIN = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--max-position-embeddings",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--lr",
-    "5e-3",
-    "--mock-data",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "500",
-    "--num-workers",
-    "0",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--seed",
-    "1234",
-    "--train-iters",
-    "2",
-    "--save-interval",
-    "2",
-]
+TRAIN = megatron_argv(
+    base=MOCK_DATA,
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=32,
+    max_position_embeddings=32,
+    micro_batch_size=2,
+    global_batch_size=4,
+    lr="5e-3",
+    vocab_size=500,
+    num_workers=0,
+    log_interval=1,
+    eval_iters=0,
+    seed=1234,
+    train_iters=2,
+    save_interval=2,
+)
 
 
 def _train(save_dir, fmt):
