@@ -2,8 +2,9 @@
 
 The trainer learns it from the layers: every tensor-parallel parameter carries ``partition_dim``
 and ``partition_stride``, which ``megatron.core.dist_checkpointing.model_state`` reads. The
-offline converters have only names and take it from here; tests/unit_tests/test_tp_shards.py
-checks that both agree on tiny GPT, MoE, BERT and T5 models.
+offline converters have only names and take it from here;
+tests/unit_tests/checkpointing/test_tp_shards.py checks that both agree on tiny GPT, MoE, BERT
+and T5 models.
 
 A split is ``(dim, stride)``: the global tensor is cut along ``dim`` into ``stride * TP`` equal
 blocks and rank r holds blocks r, r + TP, ... (``megatron.core.tensor_parallel.layers.shard_of``):
