@@ -50,10 +50,11 @@ class BlendedMegatronDatasetConfig:
     mmap_bin_files: bool = True
     """Memory-map the ``.bin`` files (``--no-mmap-bin-files`` reads them with file reads)."""
 
-    mock: bool = False
-    """Synthetic data (``--mock-data``); also set when ``blend`` and ``blend_per_split`` are None.
-    Mock data is always split "1,1,1" (``split`` is replaced): Megatron Core's config replaces
-    the split of mock data with that even split too."""
+    mock: bool = field(init=False, default=False)
+    """Synthetic data: derived, True when neither ``blend`` nor ``blend_per_split`` is given (as
+    in Megatron Core, where it is not a constructor argument either). Mock data is always split
+    "1,1,1" (``split`` is replaced): Megatron Core's config replaces the split of mock data with
+    that even split too."""
 
     tokenizer: Optional[Any] = None
     """Object with ``eod``, ``pad`` (None or -1 when absent), ``vocab_size`` and optionally a
@@ -84,7 +85,7 @@ class BlendedMegatronDatasetConfig:
             self.mock = False
             return
         self.blend_per_split = None
-        if self.blend is not None and not self.mock:
+        if self.blend is not None:
             _check_blend(self.blend, "--data-path")
             if self.split is None:
                 raise ValueError("--split must be given with --data-path")

@@ -34,15 +34,17 @@ _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 @dataclass
 class GPTDatasetConfig(BlendedMegatronDatasetConfig):
-    """BlendedMegatronDatasetConfig plus the GPT sample layout."""
+    """BlendedMegatronDatasetConfig plus the GPT sample layout.
 
-    reset_position_ids: bool = False
+    The three switches below default to None as in Megatron Core; None means off."""
+
+    reset_position_ids: Optional[bool] = None
     """Restart position ids after every end-of-document token (``--reset-position-ids``)."""
 
-    reset_attention_mask: bool = False
+    reset_attention_mask: Optional[bool] = None
     """Forbid attention across end-of-document tokens (``--reset-attention-mask``)."""
 
-    eod_mask_loss: bool = False
+    eod_mask_loss: Optional[bool] = None
     """Zero the loss where the input token is end-of-document (``--eod-mask-loss``)."""
 
     create_attention_mask: bool = True

@@ -145,6 +145,14 @@ def get_blend_and_blend_per_split(
     return None, None
 
 
+def compile_helpers() -> None:
+    """Megatron Core's entry point that builds the C++ dataset index helpers (``make`` in its
+    datasets directory). Here the index builders are NumPy (index_helpers.py) and the optional C
+    accelerator of the blending index compiles itself on first use, so there is nothing to build:
+    this only imports the builders, so a broken install fails here as Megatron's would."""
+    from megatron.core.datasets import index_helpers  # noqa: F401
+
+
 def normalize(weights: Sequence[float]) -> List[float]:
     """Scale weights to sum to 1 (float64, as the index builders expect)."""
     w = np.array(weights, dtype=np.float64)

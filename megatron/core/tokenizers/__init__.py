@@ -1,13 +1,15 @@
-"""Tokenizers behind one interface (:class:`MegatronTokenizer`): GPT-2 BPE, SentencePiece (three
+"""Tokenizers behind one interface (:class:`MegatronTokenizerBase`): GPT-2 BPE, SentencePiece (three
 Megatron flavours), Hugging Face, BERT WordPiece and the null tokenizer.
 
-Build one from flag values with :func:`build_tokenizer_from_options`, or from parsed args with
+Build one as Megatron Core does with ``MegatronTokenizer.from_pretrained(...)``, from flag values
+with :func:`build_tokenizer_from_options`, or from parsed args with
 ``megatron.training.tokenizer.build_tokenizer(args)`` (which also pads the vocab size).
 Families are imported lazily: ``transformers`` and ``sentencepiece`` load only when used.
 """
 
-from .base import MegatronTokenizer
+from .base import MegatronTokenizerBase
 from .factory import TOKENIZER_TYPES, build_tokenizer_from_options
+from .megatron_tokenizer import MegatronTokenizer
 
 _LAZY = {
     "GPT2BPETokenizer": ".gpt2_bpe",
@@ -20,7 +22,13 @@ _LAZY = {
     "NullTokenizer": ".null_tokenizer",
 }
 
-__all__ = ["MegatronTokenizer", "TOKENIZER_TYPES", "build_tokenizer_from_options", *_LAZY]
+__all__ = [
+    "MegatronTokenizer",
+    "MegatronTokenizerBase",
+    "TOKENIZER_TYPES",
+    "build_tokenizer_from_options",
+    *_LAZY,
+]
 
 
 def __getattr__(name):

@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 
-class MegatronTokenizer(ABC):
+class MegatronTokenizerBase(ABC):
     """Abstract tokenizer.
 
     Args:

@@ -19,7 +19,7 @@ A plain-Python implementation is the reference; the Rust ``tokenizers`` library 
 import unicodedata
 from typing import Dict, Iterable, List, Optional
 
-from .base import MegatronTokenizer
+from .base import MegatronTokenizerBase
 from .gpt2_bpe import not_text
 
 MAX_WORD_CHARS = 200
@@ -130,7 +130,7 @@ def load_vocab(vocab_file: str) -> Dict[str, int]:
     return {line.rstrip("\r"): i for i, line in enumerate(lines)}
 
 
-class _BertWordPieceTokenizer(MegatronTokenizer):
+class _BertWordPieceTokenizer(MegatronTokenizerBase):
     """BERT WordPiece with Megatron's [BOS]/[EOS] and sentinel additions."""
 
     _LOWER_CASE = True

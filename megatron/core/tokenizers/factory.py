@@ -9,7 +9,7 @@ name the flag and the path that is missing or wrong.
 import os
 from typing import Optional
 
-from .base import MegatronTokenizer
+from .base import MegatronTokenizerBase
 
 TOKENIZER_TYPES = (
     "BertWordPieceLowerCase",
@@ -58,7 +58,7 @@ def build_tokenizer_from_options(
     trust_remote_code: bool = False,
     null_tokenizer_eod_id: Optional[int] = None,
     null_tokenizer_pad_id: int = -1,
-) -> MegatronTokenizer:
+) -> MegatronTokenizerBase:
     """The tokenizer ``--tokenizer-type`` names, built from the files the other flags give.
 
     ``BertWordPieceCase`` adds 100 ``<extra_id_i>`` sentinels unless ``--vocab-extra-ids`` asks for

@@ -41,7 +41,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import numpy as np
 import regex
 
-from .base import MegatronTokenizer, cast_ids
+from .base import MegatronTokenizerBase, cast_ids
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -216,7 +216,7 @@ def _build_rust_bpe(encoder: Dict[str, int], merges: List[Tuple[str, str]]):
     return models.BPE(vocab=dict(encoder), merges=list(merges))
 
 
-class GPT2BPETokenizer(MegatronTokenizer):
+class GPT2BPETokenizer(MegatronTokenizerBase):
     """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``.
 
     Args:

@@ -14,14 +14,14 @@ included); eod = eos.
 import os
 from typing import Dict, Iterable, List, Optional
 
-from .base import MegatronTokenizer
+from .base import MegatronTokenizerBase
 
 
 def _downloads_allowed() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("0", "false", "no", "off")
 
 
-class HuggingFaceTokenizer(MegatronTokenizer):
+class HuggingFaceTokenizer(MegatronTokenizerBase):
     """``AutoTokenizer.from_pretrained(path)`` behind the Megatron interface.
 
     Args:

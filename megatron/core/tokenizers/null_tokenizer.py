@@ -12,10 +12,10 @@ cls/sep/mask/bos/eos tokens (``-1``) and no string vocabulary.
 
 from typing import Dict, List, Optional
 
-from .base import MegatronTokenizer
+from .base import MegatronTokenizerBase
 
 
-class NullTokenizer(MegatronTokenizer):
+class NullTokenizer(MegatronTokenizerBase):
     """Whitespace-separated integers in, integers out (classic sizes: N text ids + 1 EOD)."""
 
     def __init__(self, vocab_size: int, eod_id: Optional[int] = None, pad_id: int = -1):

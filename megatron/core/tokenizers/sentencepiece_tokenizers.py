@@ -16,7 +16,7 @@ Three Megatron flavours share one model file format:
 
 from typing import Dict, Iterable, List, Optional
 
-from .base import MegatronTokenizer
+from .base import MegatronTokenizerBase
 
 
 def _load_processor(model_file: str):
@@ -30,7 +30,7 @@ def _load_processor(model_file: str):
     return processor
 
 
-class _SentencePieceBase(MegatronTokenizer):
+class _SentencePieceBase(MegatronTokenizerBase):
     """Shared loading and vocabulary of the SentencePiece flavours."""
 
     def __init__(self, model_file: str, **options):

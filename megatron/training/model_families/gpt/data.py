@@ -33,7 +33,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.reset_attention_mask,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        mock=args.mock_data or (blend is None and per_split is None),
     )
     dataset_type = MockGPTDataset if config.mock else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
