@@ -25,8 +25,10 @@ from megatron.inference.text_generation_server import MegatronServer, create_app
 from megatron.training import get_args, get_parallel_state, get_tokenizer  # noqa: E402
 from megatron.training.checkpointing import load_checkpoint  # noqa: E402
 from megatron.training.initialize import initialize_megatron  # noqa: E402
+from megatron.training.model_families import get_model_family  # noqa: E402
 from megatron.training.training import get_model, leave_process_group  # noqa: E402
-from pretrain_gpt import model_provider  # noqa: E402
+
+model_provider = get_model_family("gpt").model_provider
 
 
 def add_text_generate_args(parser):

@@ -48,7 +48,8 @@ class DistCheckpointReader:
         for key, (shape, dtype) in shapes.items():
             if key.startswith("optimizer.") or key.endswith("_extra_state"):
                 continue
-            entries[key] = dc.replicated(key, torch.empty(shape, dtype=dtype))
+            buffer = torch.empty(shape, dtype=dtype, device="cpu")  # host: an offline converter
+            entries[key] = dc.replicated(key, buffer)
         if not entries:
             raise ConversionError(f"{d}: the checkpoint holds no model tensors")
         try:

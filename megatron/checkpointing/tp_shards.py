@@ -10,14 +10,18 @@ blocks and rank r holds blocks r, r + TP, ... (``megatron.core.tensor_parallel.l
 column-parallel layers and the vocab-parallel embedding and output layer split dim 0,
 row-parallel layers dim 1, SwiGLU's fc1 ([gate; up]) dim 0 with stride 2 (rank r holds
 [gate_r; up_r]). Norms, row-parallel biases, position embeddings, routers and the heads built
-from plain layers are held whole by every rank. An MoE expert's linear layers split like the
-dense MLP's, over its expert-tensor-parallel ranks.
+from plain layers (each model class names them in its ``TP_REPLICATED_PREFIXES``) are held
+whole by every rank. An MoE expert's linear layers split like the dense MLP's, over its
+expert-tensor-parallel ranks.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
 import re
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -55,15 +59,22 @@ _GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
 # The vocab-parallel output layer, also inside a head (T5's lm_head.output_layer).
 _OUTPUT_LAYER = ("output_layer.weight", "output_layer.bias")
 _REPLICATED_SUFFIXES = ("layernorm.weight", "layernorm.bias", "linear_proj.bias", "linear_fc2.bias")
-# Modules outside the layers built from plain (not tensor-parallel) layers: BertModel's token
-# types, LM head transform, pooler and binary head.
-TP_REPLICATED_PREFIXES = (
-    "embedding.tokentype_embeddings.",
-    "lm_head.dense.",
-    "lm_head.layer_norm.",
-    "pooler.",
-    "binary_head.",
-)
+
+
+@functools.lru_cache(maxsize=None)
+def tp_replicated_prefixes() -> Tuple[str, ...]:
+    """Every model class's ``TP_REPLICATED_PREFIXES``: the modules outside the layers built from
+    plain (not tensor-parallel) layers. The model classes are those the packages of
+    ``megatron.core.models`` export (imported on the first name that needs them)."""
+    import megatron.core.models as models
+    from megatron.core.models.common.language_module import LanguageModule
+
+    prefixes = {}
+    for info in pkgutil.iter_modules(models.__path__, models.__name__ + "."):
+        for value in vars(importlib.import_module(info.name)).values():
+            if isinstance(value, type) and issubclass(value, LanguageModule):
+                prefixes.update(dict.fromkeys(value.TP_REPLICATED_PREFIXES))
+    return tuple(prefixes)
 
 
 def tp_split(name: str, swiglu: bool) -> TPSplit:
@@ -77,7 +88,7 @@ def tp_split(name: str, swiglu: bool) -> TPSplit:
         return GATED_COLUMN if swiglu else COLUMN
     if local.endswith(_OUTPUT_LAYER):
         return COLUMN
-    if local.endswith(_REPLICATED_SUFFIXES) or local.startswith(TP_REPLICATED_PREFIXES):
+    if local.endswith(_REPLICATED_SUFFIXES) or local.startswith(tp_replicated_prefixes()):
         return REPLICATED
     raise ConversionError(
         f"tensor '{name}' is not one the converter knows how to reshard "

@@ -13,6 +13,8 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import openai_gelu, squared_relu
 
+from . import global_vars
+
 
 def _from_args(cls, args, **overrides):
     """Fill every field of ``cls`` that has an arg of the same name, then apply ``overrides``."""
@@ -55,6 +57,9 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig) -> T
         "bias_activation_fusion": bool(
             args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
         ),
+        # The run's dropout streams (set by initialize_megatron; None without it), in the config
+        # itself so that every copy a model makes of it (T5's encoder and decoder) has them too.
+        "rng_tracker": global_vars.get_rng_tracker(),
     }
     if args.swiglu:
         overrides["activation_func"] = F.silu

@@ -27,7 +27,7 @@ PER_MICROBATCH_ALLOWED = {
     ("megatron/core/transformer/moe/token_dispatcher.py", "_sorted_by_expert"): (
         "the tokens per expert as split sizes on the host: Megatron's dispatchers read them too"
     ),
-    ("pretrain_gpt.py", "_check_token_ids"): (
+    ("megatron/training/model_families/gpt/step.py", "_check_token_ids"): (
         "the token ids of the data loader's batch, a host tensor, before its copy to the device"
     ),
 }

@@ -1,7 +1,8 @@
 """The package's imports: no cycles, megatron.core never reaches megatron.training, neither does
 the checkpoint format layer (megatron.checkpointing, shared by the trainer and the offline
 converters), and the model-building layers of core import only downwards (tensor_parallel <
-transformer < models).
+transformer < models). No entry script (pretrain_*.py) is imported by another one, by the package
+or by a tool: what they share lives in megatron/training/model_families/.
 
 Imports are read from the source (every ``import`` statement, also those inside functions: a
 lazy import that closes a cycle is still a cycle), so the checks do not depend on import order.
@@ -152,3 +153,52 @@ def test_importing_all_of_megatron_core_loads_no_training_module():
     count, training = result.stdout.split(" ", 1)
     assert int(count) > 80, result.stdout  # every core module was imported
     assert training.strip() == "[]", f"megatron.core loaded {training.strip()}"
+
+
+def entry_script_imports(root: Path = REPO) -> list:
+    """``file: module`` for each import of an entry script (a ``pretrain_*`` module, also through
+    ``importlib.import_module("pretrain_...")``) in the entry scripts, megatron/ and tools/."""
+    files = sorted(root.glob("pretrain_*.py")) + sorted((root / "megatron").rglob("*.py"))
+    files += sorted((root / "tools").rglob("*.py"))
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                names = [str(node.args[0].value)]
+            for name in names:
+                if name.split(".")[0].startswith("pretrain_"):
+                    found.append(f"{path.relative_to(root).as_posix()}: {name}")
+    return found
+
+
+def test_no_entry_script_is_imported_by_another_script_the_package_or_a_tool():
+    assert len(list(REPO.glob("pretrain_*.py"))) >= 3  # the walk saw the scripts
+    found = entry_script_imports()
+    assert not found, "entry scripts imported:\n" + "\n".join(found)
+
+
+def test_the_entry_script_check_catches_an_import(tmp_path):
+    """The check fires on each way of importing a script."""
+    for rel, text in {
+        "pretrain_a.py": "import os\n",
+        "pretrain_b.py": "from pretrain_a import loss_func\n",
+        "megatron/x.py": "def f():\n    import pretrain_a\n",
+        "tools/y.py": "import importlib\nimportlib.import_module('pretrain_b')\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert entry_script_imports(tmp_path) == [
+        "pretrain_b.py: pretrain_a",
+        "megatron/x.py: pretrain_a",
+        "tools/y.py: pretrain_b",
+    ]

@@ -5,6 +5,7 @@ reference written out from the weights."""
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,3 +251,38 @@ def test_t5_logits_match_a_float64_reference():
     expected = _reference_t5_logits(model, enc, dec, padding, heads=4)
     assert expected.abs().max() > 1.0
     torch.testing.assert_close(logits.double(), expected, rtol=0, atol=1e-4)
+
+
+def test_t5_encoder_and_decoder_layers_draw_dropout_from_the_rng_tracker(
+    single_process_env, fresh_globals
+):
+    """Under tensor parallelism, dropout on head-split activations forks the tracker's
+    model-parallel stream (``transformer.utils.model_parallel_rng``), so that each TP rank draws
+    its own mask. T5 copies its config for the encoder (and the decoder): each copy must carry
+    the run's tracker, or those layers would draw the same mask on every TP rank."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.training import global_vars
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.model_families import get_model_family
+    from tests.harness.argv import megatron_argv
+
+    vocab = Path(__file__).resolve().parents[1] / "data" / "bert-vocab.txt"
+    argv = megatron_argv(
+        "--vocab-extra-ids", "100",
+        num_layers=None, seq_length=None, mock_data=None, vocab_size=None,
+        tokenizer_type="BertWordPieceLowerCase", vocab_file=str(vocab),
+        encoder_num_layers="1", decoder_num_layers="1", hidden_size="32",
+        num_attention_heads="4", encoder_seq_length="16", decoder_seq_length="8",
+        max_position_embeddings="16", micro_batch_size="2", num_workers="0",
+    )  # fmt: skip
+    spec = get_model_family("t5")
+    initialize_megatron(argv=argv, args_defaults=dict(spec.args_defaults))
+    tracker = global_vars.get_rng_tracker()
+    assert tracker is not None
+    model = spec.model_provider()
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    assert len(blocks) == 2, blocks  # the encoder's and the decoder's
+    for block in blocks:
+        assert block.config.rng_tracker is tracker
+        for layer in block.layers:
+            assert layer.config.rng_tracker is tracker

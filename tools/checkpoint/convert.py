@@ -59,16 +59,36 @@ def load_plugin(kind: str, name: str):
     )
 
 
+def model_types():
+    """{--model-type: how it converts} from each family's ``TrainSpec.checkpoint_converter``
+    ("plugins": the loader/saver plugins below; else a module of this folder with
+    ``add_arguments(parser)`` and ``convert(args)``); GPT first, as Megatron lists it."""
+    from megatron.training.model_families import get_model_family, model_family_names
+
+    converters = {}
+    for name in model_family_names():
+        converter = get_model_family(name).checkpoint_converter
+        if converter is not None:
+            converters[name.upper()] = converter
+    return dict(sorted(converters.items(), key=lambda item: item[0] != "GPT"))
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         description="Megatron checkpoint converter", allow_abbrev=False, conflict_handler="resolve"
+    )
+    types = model_types()
+    own = "".join(
+        f" ({name}: see {module}.py for its loaders and savers)"
+        for name, module in types.items()
+        if module != "plugins"
     )
     parser.add_argument(
         "--model-type",
         type=str,
         required=True,
-        choices=["GPT", "BERT"],
-        help="Type of the model (BERT: see convert_bert.py for its loaders and savers).",
+        choices=list(types),
+        help=f"Type of the model{own}.",
     )
     parser.add_argument(
         "--loader", type=str, default="core", help="Loader plugin (module loader_<name>)."
@@ -104,10 +124,9 @@ def parse(argv=None):
     names.add_argument("--model-type")
     known, _ = names.parse_known_args(argv)
     parser = build_parser()
-    if known.model_type == "BERT":
-        import convert_bert
-
-        convert_bert.add_arguments(parser)
+    converter = model_types().get(known.model_type, "plugins")
+    if converter != "plugins":  # the family's own converter takes every flag
+        importlib.import_module(converter).add_arguments(parser)
         args = parser.parse_args(argv)
         if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
             raise ConversionError("--save-dir must differ from --load-dir")
@@ -145,10 +164,9 @@ def convert(argv=None, in_process: bool = False) -> None:
     ``in_process`` runs the saver in a thread instead of a child process (same protocol; used by
     tests to save the process start-up)."""
     args, loader, saver = parse(argv)
-    if args.model_type == "BERT":
-        import convert_bert
-
-        convert_bert.convert_bert(args)
+    converter = model_types()[args.model_type]
+    if converter != "plugins":
+        importlib.import_module(converter).convert(args)
         return
     if in_process:
         q, status = queue_module.Queue(maxsize=args.max_queue_size), queue_module.Queue()

@@ -178,7 +178,7 @@ def _read_hf(load_dir: str):
     return source, args, hf_megatron_bert.hf_to_core(state, config["num_attention_heads"])
 
 
-def convert_bert(args) -> None:
+def convert(args) -> None:
     if args.loader not in LOADERS or args.saver not in SAVERS:
         raise ConversionError(
             f"--model-type BERT converts with --loader {'/'.join(LOADERS)} and --saver "

@@ -21,17 +21,19 @@ layers (``--moe-layer-freq``) is not stacked: megatron-core keys its layers one 
 (``decoder.layers.<l>.`` with Megatron's names within, the experts on an axis of their own of
 shape ``[num_experts, ...]``, each ``_extra_state`` object on a grid of its own).
 
-Everything model-specific is in the tables below; a model family adds rows:
+The layers' specifics are in the tables below; a model family adds rows for a layer of its own:
 
 * :data:`LAYER_RENAMES` -- a layer's tensor named differently by Megatron (with the tensors one
   of which must exist in the same layer for the rename to apply);
 * :data:`EXTRA_STATE_MODULES` -- the layer modules that carry an ``_extra_state`` object (written
   for every such module whose ``weight`` the layer has);
 * :data:`EXPERT_AXES` -- the per-expert module lists that get the expert axis, and the
-  modules of one expert that carry an ``_extra_state`` object;
-* :data:`TOP_LEVEL_EXTRA_STATE` -- modules outside the layers for which megatron-core writes an
-  ``_extra_state`` object of a one-element grid (BERT's and T5's output layers);
-* :data:`ALIASES` -- tensors megatron-core writes under a second key (T5's).
+  modules of one expert that carry an ``_extra_state`` object.
+
+Outside the layers, each model class says what differs in its ``TOP_LEVEL_EXTRA_STATE`` (modules
+for which megatron-core writes an ``_extra_state`` object of a one-element grid) and
+``CHECKPOINT_ALIASES`` (tensors megatron-core writes under a second key); see
+:class:`~megatron.core.models.common.language_module.LanguageModule`.
 
 The ``torch`` format's model entries get megatron-core's ``_extra_state`` entries too
 (:func:`with_extra_state`: one per column/row-parallel linear module, no table needed).
@@ -112,24 +114,6 @@ class ExpertAxis(NamedTuple):
 EXPERT_AXES: Tuple[ExpertAxis, ...] = (
     ExpertAxis("mlp.experts.local_experts.", "mlp.experts.experts.", ("linear_fc1", "linear_fc2")),
 )
-
-TOP_LEVEL_EXTRA_STATE: Dict[str, Tuple[str, ...]] = {
-    "BertModel": ("output_layer",),
-    "T5Model": ("lm_head.output_layer", "output_layer"),
-}
-"""Modules outside the layers for which megatron-core writes an ``_extra_state`` object (grid
-``(1,)``), by model class (its GPTModel drops the output layer's); written when the model has
-a tensor of the module (or of its alias)."""
-
-ALIASES: Dict[str, Tuple[Tuple[str, str], ...]] = {
-    "T5Model": (
-        ("position_embeddings.weight", "embedding.position_embeddings.weight"),
-        ("output_layer.bias", "lm_head.output_layer.bias"),
-    ),
-}
-"""(Megatron's second key, our key) of tensors megatron-core's model registers twice, by model
-class: its T5Model keeps the embedding's position table and the LM head's output layer as
-attributes of its own. Written under both keys; the alias is read only where present."""
 
 # What megatron-core stores for the extra state of a linear layer without fp8 metadata.
 EMPTY_EXTRA_STATE = None

@@ -29,10 +29,8 @@ import torch
 
 from .mapping import ShardedObject, ShardedTensor, replicated, tensor_parallel_sharded
 from .megatron_layout import (
-    ALIASES,
     EMPTY_EXTRA_STATE,
     EXTRA_STATE_SUFFIX,
-    TOP_LEVEL_EXTRA_STATE,
     to_megatron_layout,
 )
 
@@ -182,14 +180,15 @@ def model_sharded_state_dict(
         },
     )
     for chunk in chunks:
-        for alias, ours in ALIASES.get(type(chunk).__name__, ()):
+        # The model class's own keys outside the layers (LanguageModule's hooks).
+        for alias, ours in getattr(type(chunk), "CHECKPOINT_ALIASES", ()):
             if ours in stacked:
                 entry = stacked[ours]
                 stacked[alias] = ShardedTensor(
                     alias, entry.data, entry.global_shape, entry.chunks, entry.replica
                 )
                 stacked[alias].optional = True
-        for module in TOP_LEVEL_EXTRA_STATE.get(type(chunk).__name__, ()):
+        for module in getattr(type(chunk), "TOP_LEVEL_EXTRA_STATE", ()):
             if any(k.startswith(module + ".") for k in stacked):
                 objects.append(
                     ShardedObject(

@@ -8,8 +8,9 @@ registers each attention's ``linear_proj`` before its ``linear_qkv`` (cross-atte
 ``linear_proj``, ``linear_q``, ``linear_kv``) and BERT's ``binary_head`` before its ``pooler``;
 this code base registers them the same way, and marks the files it writes with
 :data:`PARAM_ORDER_KEY`. Files written here before that listed those parameters in the order of
-:data:`LEGACY_CHILD_ORDER`; :func:`legacy_positions` tells where each parameter sits there, so
-that their state can be moved to the current positions.
+:data:`LEGACY_CHILD_ORDER` (a model class gives its own children's old order as its
+``LEGACY_CHILD_ORDER`` attribute); :func:`legacy_positions` tells where each parameter sits
+there, so that their state can be moved to the current positions.
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ own; it ignores the key)."""
 LEGACY_CHILD_ORDER = {
     "SelfAttention": ("linear_qkv", "q_layernorm", "k_layernorm", "core_attention", "linear_proj"),
     "CrossAttention": ("linear_q", "linear_kv", "core_attention", "linear_proj"),
-    "BertModel": ("pooler", "binary_head"),
 }
-"""Per module class: the relative order in which this code base registered those children
+"""Per attention class: the relative order in which this code base registered those children
 before it followed megatron-core (the other children kept their places)."""
 
 
 def _legacy_children(module: torch.nn.Module) -> List[torch.nn.Module]:
     names = [name for name, child in module._modules.items() if child is not None]
-    rule = LEGACY_CHILD_ORDER.get(type(module).__name__)
+    rule = LEGACY_CHILD_ORDER.get(type(module).__name__) or getattr(
+        type(module), "LEGACY_CHILD_ORDER", ()
+    )
     if rule:
         moved = [name for name in rule if name in names]
         slots = iter(moved)

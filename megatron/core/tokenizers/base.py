@@ -15,7 +15,7 @@ cache entry.
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from itertools import chain
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -80,37 +80,47 @@ class MegatronTokenizer(ABC):
         """Number of ids the tokenizer can produce (before padding for the embedding)."""
 
     # --------------------------------------------------------------------------- special ids
+    _special_ids: Mapping[str, int] = {}
+    """Special token name (``eod``, ``pad``, ``bos``, ``eos``, ``cls``, ``sep``, ``mask``) -> id,
+    set by each tokenizer; a name it lacks has no such token."""
+
     def _missing(self, name: str):
         raise NotImplementedError(f"{type(self).__name__} has no '{name}' token")
+
+    def _special_id(self, name: str) -> int:
+        """The id of the special token ``name``; NotImplementedError where there is none."""
+        if name not in self._special_ids:
+            return self._missing(name)
+        return self._special_ids[name]
 
     @property
     def eod(self) -> int:
         """End-of-document id, appended by ``preprocess_data.py --append-eod``."""
-        return self._missing("eod")
+        return self._special_id("eod")
 
     @property
     def pad(self) -> int:
-        return self._missing("pad")
+        return self._special_id("pad")
 
     @property
     def bos(self) -> int:
-        return self._missing("bos")
+        return self._special_id("bos")
 
     @property
     def eos(self) -> int:
-        return self._missing("eos")
+        return self._special_id("eos")
 
     @property
     def cls(self) -> int:
-        return self._missing("cls")
+        return self._special_id("cls")
 
     @property
     def sep(self) -> int:
-        return self._missing("sep")
+        return self._special_id("sep")
 
     @property
     def mask(self) -> int:
-        return self._missing("mask")
+        return self._special_id("mask")
 
     @property
     def additional_special_tokens_ids(self) -> Optional[List[int]]:

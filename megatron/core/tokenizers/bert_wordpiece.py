@@ -146,10 +146,17 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
         # vocab.
         file_vocab = dict(self._vocab)
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
-        self._bos_id = self._add_token("[BOS]")
-        self._eos_id = self._add_token("[EOS]")
+        bos, eos = self._add_token("[BOS]"), self._add_token("[EOS]")
         self._extra_tokens = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
         self._extra_ids = [self._add_token(t) for t in self._extra_tokens]
+        self._special_ids = {
+            "cls": self._vocab["[CLS]"],
+            "sep": self._vocab["[SEP]"],
+            "pad": self._vocab["[PAD]"],
+            "mask": self._vocab["[MASK]"],
+            "bos": bos,
+            "eos": eos,
+        }
         self._fast = None
         if use_fast is not False:
             engine = self._build_rust_engine(file_vocab)
@@ -228,30 +235,6 @@ class _BertWordPieceTokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._vocab)
-
-    @property
-    def cls(self) -> int:
-        return self._vocab["[CLS]"]
-
-    @property
-    def sep(self) -> int:
-        return self._vocab["[SEP]"]
-
-    @property
-    def pad(self) -> int:
-        return self._vocab["[PAD]"]
-
-    @property
-    def mask(self) -> int:
-        return self._vocab["[MASK]"]
-
-    @property
-    def bos(self) -> int:
-        return self._bos_id
-
-    @property
-    def eos(self) -> int:
-        return self._eos_id
 
     @property
     def additional_special_tokens_ids(self) -> List[int]:

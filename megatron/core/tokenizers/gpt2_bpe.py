@@ -238,7 +238,9 @@ class GPT2BPETokenizer(MegatronTokenizer):
             )
         self._encoder = encoder
         self._decoder = {i: t for t, i in encoder.items()}
-        self._eod_id = encoder[EOD_TOKEN]
+        # GPT-2 uses one token for all of these; it has no pad token (``pad`` raises, and the GPT
+        # dataset then pads with -1 and masks those positions out of the loss).
+        self._special_ids = dict.fromkeys(("eod", "eos", "bos"), encoder[EOD_TOKEN])
         self._reference = _ByteLevelBPE(encoder, merges)
         self._byte_decoder = {c: b for b, c in self._reference.byte_encoder.items()}
         # Ids are cached as bytes of the smallest dtype that holds every id of the vocab.
@@ -356,17 +358,3 @@ class GPT2BPETokenizer(MegatronTokenizer):
     @property
     def vocab_size(self) -> int:
         return len(self._encoder)
-
-    @property
-    def eod(self) -> int:
-        return self._eod_id
-
-    # GPT-2 uses one token for all of these; it has no pad token (``pad`` raises, and the GPT
-    # dataset then pads with -1 and masks those positions out of the loss).
-    @property
-    def eos(self) -> int:
-        return self._eod_id
-
-    @property
-    def bos(self) -> int:
-        return self._eod_id

@@ -105,39 +105,14 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     def vocab_size(self) -> int:
         return len(self._tokenizer)
 
-    def _special(self, name: str) -> int:
+    def _special_id(self, name: str) -> int:
+        # Read from the wrapped tokenizer at each call (its tokens can be changed through
+        # ``.tokenizer``); the end of a document is its eos.
+        name = "eos" if name == "eod" else name
         value: Optional[int] = getattr(self._tokenizer, f"{name}_token_id", None)
         if value is None:
             return self._missing(name)
         return value
-
-    @property
-    def bos(self) -> int:
-        return self._special("bos")
-
-    @property
-    def eos(self) -> int:
-        return self._special("eos")
-
-    @property
-    def eod(self) -> int:
-        return self._special("eos")
-
-    @property
-    def pad(self) -> int:
-        return self._special("pad")
-
-    @property
-    def cls(self) -> int:
-        return self._special("cls")
-
-    @property
-    def sep(self) -> int:
-        return self._special("sep")
-
-    @property
-    def mask(self) -> int:
-        return self._special("mask")
 
     @property
     def additional_special_tokens_ids(self) -> Optional[List[int]]:

@@ -26,8 +26,9 @@ class NullTokenizer(MegatronTokenizer):
             )
         super().__init__(vocab_size=vocab_size, eod_id=eod_id, pad_id=pad_id)
         self._text_vocab_size = vocab_size
-        self._eod_id = vocab_size if eod_id is None else int(eod_id)
-        self._pad_id = int(pad_id)
+        eod = vocab_size if eod_id is None else int(eod_id)
+        self._special_ids = {"eod": eod, "pad": int(pad_id)}
+        self._special_ids.update(dict.fromkeys(("cls", "sep", "mask", "bos", "eos"), -1))
 
     def tokenize(self, text: str) -> List[int]:
         ids = []
@@ -61,31 +62,3 @@ class NullTokenizer(MegatronTokenizer):
     @property
     def inv_vocab(self) -> Dict[int, str]:
         raise NotImplementedError("NullTokenizer has no string vocabulary")
-
-    @property
-    def eod(self) -> int:
-        return self._eod_id
-
-    @property
-    def pad(self) -> int:
-        return self._pad_id
-
-    @property
-    def cls(self) -> int:
-        return -1
-
-    @property
-    def sep(self) -> int:
-        return -1
-
-    @property
-    def mask(self) -> int:
-        return -1
-
-    @property
-    def bos(self) -> int:
-        return -1
-
-    @property
-    def eos(self) -> int:
-        return -1

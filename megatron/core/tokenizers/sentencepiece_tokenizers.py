@@ -72,13 +72,16 @@ class SentencePieceTokenizer(_SentencePieceBase):
         super().__init__(model_file, vocab_extra_ids=vocab_extra_ids)
         self._special: Dict[str, int] = {}
         self._inv_special: Dict[int, str] = {}
-        self._cls_id = self._add_special("<CLS>")
-        self._sep_id = self._add_special("<SEP>")
-        self._eod_id = self._add_special("<EOD>")
-        self._mask_id = self._add_special("<MASK>")
-        self._pad_id = self._add_special(self._piece_or(self._processor.pad_id(), "<PAD>"))
-        self._bos_id = self._add_special(self._piece_or(self._processor.bos_id(), "<BOS>"))
-        self._eos_id = self._add_special(self._piece_or(self._processor.eos_id(), "<EOS>"))
+        # Added in this order: the appended ids follow it.
+        self._special_ids = {
+            "cls": self._add_special("<CLS>"),
+            "sep": self._add_special("<SEP>"),
+            "eod": self._add_special("<EOD>"),
+            "mask": self._add_special("<MASK>"),
+            "pad": self._add_special(self._piece_or(self._processor.pad_id(), "<PAD>")),
+            "bos": self._add_special(self._piece_or(self._processor.bos_id(), "<BOS>")),
+            "eos": self._add_special(self._piece_or(self._processor.eos_id(), "<EOS>")),
+        }
         self._extra_ids = [self._add_special(f"<extra_id_{i}>") for i in range(vocab_extra_ids)]
 
     def _add_special(self, token: str) -> int:
@@ -126,34 +129,6 @@ class SentencePieceTokenizer(_SentencePieceBase):
         return text + self._processor.DecodeIds(run)
 
     @property
-    def cls(self) -> int:
-        return self._cls_id
-
-    @property
-    def sep(self) -> int:
-        return self._sep_id
-
-    @property
-    def pad(self) -> int:
-        return self._pad_id
-
-    @property
-    def bos(self) -> int:
-        return self._bos_id
-
-    @property
-    def eos(self) -> int:
-        return self._eos_id
-
-    @property
-    def eod(self) -> int:
-        return self._eod_id
-
-    @property
-    def mask(self) -> int:
-        return self._mask_id
-
-    @property
     def additional_special_tokens_ids(self) -> List[int]:
         return list(self._extra_ids)
 
@@ -163,6 +138,9 @@ class GPTSentencePieceTokenizer(_SentencePieceBase):
 
     def __init__(self, model_file: str):
         super().__init__(model_file)
+        eos = self._processor.eos_id()
+        self._special_ids = {"pad": self._processor.pad_id(), "bos": self._processor.bos_id()}
+        self._special_ids.update({"eos": eos, "eod": eos, "cls": -1, "sep": -1, "mask": -1})
 
     def tokenize(self, text: str) -> List[int]:
         return self._processor.EncodeAsIds(text)
@@ -172,34 +150,6 @@ class GPTSentencePieceTokenizer(_SentencePieceBase):
 
     def detokenize(self, ids: List[int]) -> str:
         return self._processor.DecodeIds([int(i) for i in ids])
-
-    @property
-    def pad(self) -> int:
-        return self._processor.pad_id()
-
-    @property
-    def bos(self) -> int:
-        return self._processor.bos_id()
-
-    @property
-    def eos(self) -> int:
-        return self._processor.eos_id()
-
-    @property
-    def eod(self) -> int:
-        return self._processor.eos_id()
-
-    @property
-    def cls(self) -> int:
-        return -1
-
-    @property
-    def sep(self) -> int:
-        return -1
-
-    @property
-    def mask(self) -> int:
-        return -1
 
 
 class Llama2Tokenizer(GPTSentencePieceTokenizer):

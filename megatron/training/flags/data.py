@@ -21,7 +21,7 @@ class DataFlags:
         '..." (weighted by size) or "W1 PREFIX1 W2 PREFIX2 ...".',
         type=None,
         nargs="*",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     phase_transition_iterations: Optional[str] = flag(
         None, "Comma-separated iterations at which the data blend moves to its next phase."
@@ -30,38 +30,38 @@ class DataFlags:
         None,
         'Train/valid/test proportions, e.g. "969,30,1" or "99/1/0" (default with '
         "--data-path: 969, 30, 1).",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     train_data_path: Optional[List[str]] = flag(
         None,
         "Dataset prefixes for the training split only.",
         type=None,
         nargs="*",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     valid_data_path: Optional[List[str]] = flag(
         None,
         "Dataset prefixes for the validation split only.",
         type=None,
         nargs="*",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     test_data_path: Optional[List[str]] = flag(
         None,
         "Dataset prefixes for the test split only.",
         type=None,
         nargs="*",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     data_args_path: Optional[str] = flag(
         None,
         "File holding the --data-path value.",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     per_split_data_args_path: Optional[str] = flag(
         None,
         'JSON file with "train", "valid", "test" data-path lists.',
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     per_dataset_sequences_path: Optional[str] = flag(
         None,
@@ -72,16 +72,16 @@ class DataFlags:
         None,
         "Directory for the dataset index caches (default: next to the data).",
         type=None,
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     mmap_bin_files: bool = off_switch(
         "Read .bin files with file reads instead of mmap.",
         options="--no-mmap-bin-files",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     mock_data: bool = switch(
         "Train on generated mock data instead of files.",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     seq_length: Optional[int] = flag(
         None,
@@ -119,7 +119,8 @@ class DataFlags:
     )
     reset_attention_mask: bool = switch(
         "Do not attend across end-of-document tokens.",
-        honoured_at="pretrain_gpt.get_batch; pretrain_gpt.train_valid_test_datasets_provider",
+        honoured_at="model_families.gpt.step.get_batch; "
+        "pretrain_gpt.train_valid_test_datasets_provider",
     )
     dataloader_inter_document_masking: bool = switch(
         "Let the data loader mask attention across documents (packed sequences)."
@@ -137,7 +138,7 @@ class DataFlags:
     num_dataset_builder_threads: int = flag(
         1,
         "Threads per rank building datasets.",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     object_storage_cache_path: Optional[str] = flag(
         None, "Cache directory for object-storage datasets."
@@ -145,7 +146,7 @@ class DataFlags:
     mid_level_dataset_surplus: float = flag(
         0.005,
         "Sample surplus built for blended components.",
-        honoured_at="pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider",
+        honoured_at="pretrain_*.train_valid_test_datasets_provider",
     )
     allow_ambiguous_pad_tokens: bool = switch(
         "Treat every token equal to the pad id as padding even when the pad id collides with "
@@ -179,7 +180,7 @@ class TokenizerFlags:
         None,
         "Vocabulary size of the model; default: computed from the tokenizer and "
         "--make-vocab-size-divisible-by.",
-        honoured_at="pretrain_{bert,gpt,t5}.model_provider; tokenizer.build_tokenizer",
+        honoured_at="pretrain_*.model_provider; tokenizer.build_tokenizer",
     )
     pad_vocab_size: bool = off_switch(
         "Use the tokenizer vocabulary size as is.", honoured_at="tokenizer.build_tokenizer"
@@ -212,7 +213,7 @@ class TokenizerFlags:
             "NullMultimodalTokenizer",
             "SFTTokenizer",
         ],
-        honoured_at="pretrain_gpt._check_token_ids; tokenizer.build_tokenizer; "
+        honoured_at="model_families.gpt.step._check_token_ids; tokenizer.build_tokenizer; "
         "tools.preprocess_data.get_args",
     )
     tokenizer_model: Optional[str] = flag(

@@ -21,7 +21,7 @@ class ExperimentalFlags:
         None,
         'Custom layer spec: <module> <function> (or "local").',
         nargs="*",
-        honoured_at="pretrain_{bert,gpt,t5}.model_provider",
+        honoured_at="pretrain_*.model_provider",
     )
     hybrid_override_pattern: Optional[str] = flag(
         None, "Hybrid layer pattern (older name of --hybrid-layer-pattern)."

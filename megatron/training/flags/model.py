@@ -26,7 +26,7 @@ class NetworkSizeFlags:
     decoder_num_layers: Optional[int] = flag(
         None,
         "Number of decoder transformer layers (T5).",
-        honoured_at="pretrain_t5.model_provider; model_families.t5._decoder_layers",
+        honoured_at="pretrain_t5.model_provider; model_families.t5.cost._decoder_layers",
     )
     hidden_size: Optional[int] = flag(
         None, "Transformer hidden size.", honoured_at="TransformerConfig.hidden_size"
@@ -86,14 +86,13 @@ class NetworkSizeFlags:
         None,
         "Maximum sequence length the position embedding supports (size of the learned position "
         "table).",
-        honoured_at="pretrain_{bert,gpt,t5}.model_provider; "
-        "tools.run_text_generation_server._serve",
+        honoured_at="pretrain_*.model_provider; tools.run_text_generation_server._serve",
     )
     position_embedding_type: str = flag(
         "learned_absolute",
         "Position embedding type.",
         choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],
-        honoured_at="pretrain_{bert,gpt,t5}.model_provider",
+        honoured_at="pretrain_*.model_provider",
     )
     yarn_original_max_position_embeddings: Optional[int] = flag(
         None, "YaRN: the context length the model was trained with."
@@ -208,7 +207,7 @@ class NetworkSizeFlags:
     )
     untie_embeddings_and_output_weights: bool = switch(
         "Use a separate output layer instead of the transposed input embedding.",
-        honoured_at="pretrain_{bert,gpt,t5}.model_provider; model_setup.get_model",
+        honoured_at="pretrain_*.model_provider; model_setup.get_model",
     )
     qk_layernorm: bool = switch(
         "Normalize queries and keys per head before attention.",

@@ -111,7 +111,7 @@ class InitializationFlags:
         1234,
         "Random seed for python, numpy, torch and CUDA.",
         honoured_at="TransformerConfig.init_seed; "
-        "pretrain_{bert,gpt,t5}.train_valid_test_datasets_provider; "
+        "pretrain_*.train_valid_test_datasets_provider; "
         "initialize._set_random_seed",
     )
     data_parallel_random_init: bool = switch(

@@ -60,8 +60,7 @@ class MixedPrecisionFlags:
     )
     fp16_lm_cross_entropy: bool = switch(
         "Compute the LM cross entropy in fp16.",
-        honoured_at="pretrain_{bert,gpt,t5}.model_provider; "
-        "core.models.common.language_module.LanguageModule",
+        honoured_at="pretrain_*.model_provider; core.models.common.language_module.LanguageModule",
     )
     logit_dtype: Optional[str] = flag(
         None,

@@ -72,8 +72,8 @@ class FlagSpec:
     honoured_at: Optional[str] = None
     """Where the value takes effect: a config field (``TransformerConfig.x``) or the functions
     that read it (``module.function``, relative to megatron/training/; ``core.`` for
-    megatron/core/, ``pretrain_gpt``, ``tools.``). Refused and no-effect flags have a row in
-    flags/policy.py instead."""
+    megatron/core/, ``pretrain_gpt``, ``pretrain_*`` for every family's script, ``tools.``).
+    Refused and no-effect flags have a row in flags/policy.py instead."""
 
 
 class FromEnv:

@@ -145,8 +145,8 @@ class TrainingFlags:
     calculate_per_token_loss: bool = switch(
         "Normalize the loss by the number of non-padded tokens in the global batch instead of "
         "per micro-batch.",
-        honoured_at="TransformerConfig.calculate_per_token_loss; pretrain_gpt.loss_func; "
-        "model_setup.setup_model_and_optimizer",
+        honoured_at="TransformerConfig.calculate_per_token_loss; "
+        "model_families.losses.masked_token_loss; model_setup.setup_model_and_optimizer",
     )
     checkpoint_activations: bool = switch(
         "Removed: use --recompute-activations.",

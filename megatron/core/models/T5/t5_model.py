@@ -5,9 +5,9 @@ from typing import Optional
 
 import torch
 
-from megatron.core.models.bert.bert_model import bert_key_padding_mask
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.models.common.padding_mask import key_padding_mask
 from megatron.core.models.T5.t5_spec import (
     get_t5_decoder_layer_local_spec,
     get_t5_encoder_layer_local_spec,
@@ -67,6 +67,14 @@ class T5Model(LanguageModule):
     Tensor and sequence parallelism work as in GPT; pipeline parallelism is refused (as in
     Megatron Core's T5).
     """
+
+    TOP_LEVEL_EXTRA_STATE = ("lm_head.output_layer", "output_layer")
+    # megatron-core's T5Model keeps the embedding's position table and the LM head's output
+    # layer as attributes of its own.
+    CHECKPOINT_ALIASES = (
+        ("position_embeddings.weight", "embedding.position_embeddings.weight"),
+        ("output_layer.bias", "lm_head.output_layer.bias"),
+    )
 
     def __init__(
         self,
@@ -163,7 +171,7 @@ class T5Model(LanguageModule):
         its tokens, so a real token never sees one) and to the encoder's real tokens. Returns
         logits [b, s_dec, V/TP] without ``lm_labels``, else per-token losses [b, s_dec]."""
         del decoder_padding_mask  # the causal mask already hides the trailing pads
-        key_mask = bert_key_padding_mask(encoder_padding_mask)
+        key_mask = key_padding_mask(encoder_padding_mask)
         encoder_input = self.embedding(encoder_input_ids)
         encoder_output = self.encoder(encoder_input, attention_mask=key_mask)
         decoder_input = self.embedding(decoder_input_ids)

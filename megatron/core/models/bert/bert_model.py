@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.models.common.padding_mask import key_padding_mask
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.parameters import new_constant_param, new_weight
@@ -79,21 +80,6 @@ class Pooler(MegatronModule):
         return torch.tanh(self.dense(hidden_states[sequence_index]))
 
 
-def bert_key_padding_mask(padding_mask: torch.Tensor) -> torch.Tensor:
-    """[b, s] padding mask (1 = real token, 0 = pad) -> bool [b, 1, 1, s], True = masked key.
-
-    Megatron masks the [s, s] outer product of the padding mask; queries at pad positions then see
-    no key at all. Masking keys only gives the same outputs at every real token (a pad never
-    serves as a key either way) and keeps the pad rows finite, which SDPA's all-masked rows
-    (NaN) would not."""
-    if padding_mask.dim() != 2:
-        raise ValueError(
-            f"BERT's attention_mask is the [b, s] padding mask, got shape "
-            f"{tuple(padding_mask.shape)}"
-        )
-    return (padding_mask < 0.5).unsqueeze(1).unsqueeze(1)
-
-
 class BertModel(LanguageModule):
     """embedding (word + position + token type) -> encoder -> [pooler -> binary_head] and
     lm_head -> output_layer [-> per-token masked-LM cross entropy].
@@ -107,6 +93,17 @@ class BertModel(LanguageModule):
     parallelism work as in :class:`~megatron.core.models.gpt.GPTModel`; the tied output layer on a
     last stage without the embedding is synchronized through ``sync_shared_embedding``.
     """
+
+    TOP_LEVEL_EXTRA_STATE = ("output_layer",)
+    # The token types, the LM head transform, the pooler and the binary head.
+    TP_REPLICATED_PREFIXES = (
+        "embedding.tokentype_embeddings.",
+        "lm_head.dense.",
+        "lm_head.layer_norm.",
+        "pooler.",
+        "binary_head.",
+    )
+    LEGACY_CHILD_ORDER = ("pooler", "binary_head")
 
     def __init__(
         self,
@@ -216,7 +213,7 @@ class BertModel(LanguageModule):
         Returns ``(logits [b, s, V or V/TP], binary_logits [b, 2] or None)`` without
         ``lm_labels``, else ``(per-token masked-LM losses [b, s], binary_logits)``. A stage without
         ``post_process`` returns its hidden states [s, b, h]."""
-        mask = bert_key_padding_mask(attention_mask)
+        mask = key_padding_mask(attention_mask)
         hidden = None
         if self.pre_process:
             if self.num_tokentypes > 0 and tokentype_ids is None:

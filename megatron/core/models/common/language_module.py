@@ -1,6 +1,6 @@
 """Base class of language models: per-token loss and the tied embedding / output weight."""
 
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -52,6 +52,23 @@ def language_model_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> 
 
 class LanguageModule(MegatronModule):
     """Shared pieces of GPT-like models (subclasses set ``embedding`` / ``output_layer``)."""
+
+    # What a model class says about its own checkpoint and sharding, read by the shared code
+    # without naming the class (a model family adds its class and edits no table).
+    TOP_LEVEL_EXTRA_STATE: Tuple[str, ...] = ()
+    """Modules outside the layers for which megatron-core writes an ``_extra_state`` object
+    (grid ``(1,)``), written when the model has a tensor of the module (or of its alias); read
+    by ``dist_checkpointing.model_state``. megatron-core's GPTModel writes none."""
+    CHECKPOINT_ALIASES: Tuple[Tuple[str, str], ...] = ()
+    """(Megatron's second key, our key) of tensors megatron-core's model registers twice: written
+    under both keys, the alias read only where present (``dist_checkpointing.model_state``)."""
+    TP_REPLICATED_PREFIXES: Tuple[str, ...] = ()
+    """Prefixes of the modules outside the layers built from plain (not tensor-parallel) layers:
+    whole on every tensor-parallel rank (the converters' split rules,
+    ``megatron.checkpointing.tp_shards``)."""
+    LEGACY_CHILD_ORDER: Tuple[str, ...] = ()
+    """Children this code base registered in another relative order before it followed
+    megatron-core's (``optimizer.param_order``): their old order."""
 
     def _transformer_blocks(self) -> List[TransformerBlock]:
         return [m for m in self.children() if isinstance(m, TransformerBlock)]

@@ -1,4 +1,5 @@
-"""T5: an encoder and a decoder (with cross-attention) sharing one embedding and the LM head.
+"""T5's FLOPs, parameters and activations. T5 is an encoder and a decoder (with
+cross-attention) sharing one embedding and the LM head.
 
 FLOPs (2 per multiply-add, 3x the forward for forward and backward), with B samples, encoder and
 decoder lengths s_e and s_d, L_e and L_d layers: the encoder's layers are GPT's formula at s_e
@@ -13,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from megatron.training.model_families import ModelFamily, refuse_other_models_flags
-from megatron.training.model_families.gpt import MODEL_FAMILY as _GPT
 from megatron.training.theoretical_memory import (
     ParameterCount,
     activation_components,
@@ -96,24 +95,5 @@ def count_parameters(args, padded_vocab_size) -> T5ParameterCount:
     return T5ParameterCount(**vars(gpt), extra=extra, extra_split=extra_split)
 
 
-def check_args(args) -> None:
-    """Megatron's refusal of pipeline parallelism; the decoder length is required."""
-    from megatron.training.flag_errors import ArgumentValidationError
-
-    refuse_other_models_flags(args, "t5")
-    if args.pipeline_model_parallel_size > 1:
-        raise ArgumentValidationError("Pipeline parallelism is not supported for T5.")
-    if args.decoder_seq_length is None:
-        raise ArgumentValidationError("T5 needs --decoder-seq-length")
-
-
-MODEL_FAMILY = ModelFamily(
-    name="t5",
-    args_defaults={"tokenizer_type": "BertWordPieceLowerCase"},
-    num_floating_point_operations=num_floating_point_operations,
-    count_parameters=count_parameters,
-    # The encoder's attention takes a mask tensor (padding): SDPA runs, no scores are kept.
-    activation_components=partial(activation_components, explicit_mask=True),
-    checkpoint_model_args=_GPT.checkpoint_model_args + ("decoder_num_layers",),
-    check_args=check_args,
-)
+# The encoder's attention takes a mask tensor (padding): SDPA runs, no scores are kept.
+t5_activation_components = partial(activation_components, explicit_mask=True)

@@ -1,4 +1,5 @@
-"""BERT: the GPT layer stack without the causal mask, plus the masked-LM and sentence-order heads.
+"""BERT's FLOPs, parameters and activations. BERT is the GPT layer stack without the causal
+mask, plus the masked-LM and sentence-order heads.
 
 FLOPs are GPT's (same layers, tied output layer) plus the heads: the LM-head transform
 (h x h per token), and with the binary head the pooler (h x h) and the binary classifier (h x 2)
@@ -12,8 +13,6 @@ from dataclasses import dataclass
 from functools import partial
 
 from megatron.training.flops import num_floating_point_operations as _gpt_flops
-from megatron.training.model_families import ModelFamily, refuse_other_models_flags
-from megatron.training.model_families.gpt import MODEL_FAMILY as _GPT
 from megatron.training.theoretical_memory import (
     ParameterCount,
     activation_components,
@@ -71,13 +70,5 @@ def count_parameters(args, padded_vocab_size) -> BertParameterCount:
     )
 
 
-MODEL_FAMILY = ModelFamily(
-    name="bert",
-    args_defaults={"tokenizer_type": "BertWordPieceLowerCase"},
-    num_floating_point_operations=num_floating_point_operations,
-    count_parameters=count_parameters,
-    # Its attention takes a mask tensor (the padding mask), so SDPA runs and keeps no scores.
-    activation_components=partial(activation_components, explicit_mask=True),
-    checkpoint_model_args=_GPT.checkpoint_model_args + ("bert_binary_head",),
-    check_args=lambda args: refuse_other_models_flags(args, "bert"),
-)
+# Its attention takes a mask tensor (the padding mask), so SDPA runs and keeps no scores.
+bert_activation_components = partial(activation_components, explicit_mask=True)
