@@ -100,11 +100,15 @@ def results_not_validated(machine: Optional[RerunStateMachine] = None):
         machine.set_mode(mode)
 
 
-def check_loss(loss: torch.Tensor, args, iteration: int) -> None:
+def check_loss(loss: torch.Tensor, args, iteration: Optional[int] = None) -> None:
     """Megatron's loss checks, on this rank's loss before any reduction: NaN and Inf
     (``--check-for-nan-in-loss-and-grad``, fatal) and spikes (``--check-for-spiky-loss``,
-    non-fatal). With ``--rerun-mode disabled`` a NaN/Inf loss ends the run with one line."""
-    machine: Optional[RerunStateMachine] = global_vars.get_rerun_state_machine()
+    non-fatal). With ``--rerun-mode disabled`` a NaN/Inf loss ends the run with one line naming
+    ``iteration`` (default: the one the current run is in, its TrainState's next)."""
+    run = global_vars.get_run()
+    machine: Optional[RerunStateMachine] = run.rerun
+    if iteration is None:
+        iteration = run.state.iteration + 1
     if args.check_for_nan_in_loss_and_grad:
         if machine is None or machine.mode == RerunMode.DISABLED:
             if not torch.isfinite(loss).item():
