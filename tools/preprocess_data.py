@@ -20,13 +20,14 @@ Memory stays bounded whatever the input size. The final line gives throughput an
 seconds of all processes. Outputs are written under temporary names and renamed
 only when everything succeeded; a bad line stops the run with ``<file>:<line>: <reason>``,
 exit status 1 and no output that looks complete. Blank lines are skipped; a document whose
-text is empty is kept as an empty document (as Megatron does).
+text is empty is kept as an empty document (Megatron's tool also adds a document for it).
 
 Differences from Megatron's tool, all deliberate:
 
 * ``--partitions`` splits the work the same way for any value (one ordered pipeline over all
   files), so the output is identical for every ``--partitions``, and no per-partition files
-  are left behind. It must still divide ``--workers``, as in Megatron. ``--keep-sequential-samples``
+  are left behind. It must still divide ``--workers``, which Megatron's tool asserts too.
+  ``--keep-sequential-samples``
   is therefore always in effect (documents keep the input order).
 * ``--split-sentences`` completes in one run for any ``--partitions`` (Megatron's tool needs
   a second run with one partition) and works offline: NLTK punkt when installed with its data,
@@ -296,7 +297,8 @@ def _pack(
     document.
 
     ``tokens`` are the sentences' ids back to back, ``lengths`` the ids per sentence, ``counts``
-    the sentences per document. EOD belongs to the document's last sequence (as in Megatron).
+    the sentences per document. EOD belongs to the document's last sequence (Megatron's encoder
+    adds it to the last sentence's length).
     """
     documents = len(counts)
     doc_of_sentence = np.repeat(np.arange(documents), counts)

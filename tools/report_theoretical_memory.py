@@ -38,7 +38,8 @@ from megatron.training.theoretical_memory import (  # noqa: E402
 
 WORLD_SIZE_FLAG = "--world-size"
 GPT = get_model_family("gpt")  # the flags are pretrain_gpt.py's
-# Refused by today's trainer but fully described by the memory model (as in Megatron).
+# The trainer refuses these, but the memory model describes them fully (Megatron's report
+# accounts for them), so a planned run can be checked.
 ACCOUNTED_BEFORE_THEY_RUN = frozenset(
     {
         "num_distributed_optimizer_instances",

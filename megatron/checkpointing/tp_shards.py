@@ -2,8 +2,9 @@
 
 The trainer learns it from the layers: every tensor-parallel parameter carries ``partition_dim``
 and ``partition_stride``, which ``megatron.core.dist_checkpointing.model_state`` reads. The
-offline converters have only names and take it from here; tests/unit_tests/test_tp_shards.py
-checks that both agree on tiny GPT, MoE, BERT and T5 models.
+offline converters have only names and take it from here;
+tests/unit_tests/checkpointing/test_tp_shards.py checks that both agree on tiny GPT, MoE, BERT
+and T5 models.
 
 A split is ``(dim, stride)``: the global tensor is cut along ``dim`` into ``stride * TP`` equal
 blocks and rank r holds blocks r, r + TP, ... (``megatron.core.tensor_parallel.layers.shard_of``):
@@ -92,7 +93,7 @@ def tp_split(name: str, swiglu: bool) -> TPSplit:
         return REPLICATED
     raise ConversionError(
         f"tensor '{name}' is not one the converter knows how to reshard "
-        "(q/k layernorm, MoE and MLA checkpoints are not supported yet)"
+        "(T5's cross-attention and multi-latent attention are not supported yet)"
     )
 
 

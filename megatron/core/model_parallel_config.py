@@ -52,7 +52,7 @@ class ModelParallelConfig:
     """Build the full (unsplit) master weights on the CPU and copy each rank's shard from them,
     so the result does not depend on the parallel layout. At TP=1 weights are always built on
     the CPU with the default CPU generator (the caller moves the model to its device), which
-    makes this flag a no-op for now."""
+    makes this flag a no-op at TP=1."""
 
     # ---------------------------------------------------------------- precision
     fp16: bool = False
@@ -65,8 +65,9 @@ class ModelParallelConfig:
     """dtype the model parameters are created in."""
 
     # The schedules' inputs from the trainer (timers, finalize_model_grads_func, grad_scale_func,
-    # grad_sync_func, microbatch_group_size_per_vp_stage) are fields, as in Megatron Core, for
-    # its callers: a schedule given no StepContext reads them here (StepContext.from_config).
+    # grad_sync_func, microbatch_group_size_per_vp_stage) are fields here because Megatron Core's
+    # callers set them on the config: a schedule given no StepContext reads them here
+    # (StepContext.from_config).
     # This project's trainer passes a StepContext and leaves them unset.
 
     timers: Optional[Callable] = None

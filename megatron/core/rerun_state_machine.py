@@ -21,7 +21,8 @@ iterators are :class:`RerunDataIterator`, which replay the micro-batches of the 
 Megatron keeps one machine in a module-level singleton; here it is an object owned by the
 training loop and handed to whoever validates results. Log lines and exit codes are Megatron's.
 The data iterator (rerun_data_iterator.py) and the report_stats samples (rerun_stats.py) live in
-modules of their own and are importable from here too, as in Megatron.
+modules of their own and are importable from here too, because Megatron defines them in this
+module and its callers import them from it.
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ def validate_args(args, defaults=None):
     """Apply `defaults` (only where the arg is None), check every cross-flag rule, fill in
     the derived values and apply the flag policy: refused flags raise, no-effect flags are
     named in ``args.no_effect_note`` (printed at start-up). Raises ArgumentValidationError
-    naming the flags and values at fault. Unlike Megatron it does not print the arguments:
-    the caller does (initialize_megatron calls print_args)."""
+    naming the flags and values at fault. Megatron's validate_args ends by printing the
+    arguments; this one leaves that to the caller (initialize_megatron calls print_args)."""
     _apply_defaults(args, defaults or {})
     # The policy judges what the user gave, before the rules derive other values from it.
     given = argparse.Namespace(**vars(args))

@@ -19,8 +19,9 @@ generator states of such a run (the tracker's too) cannot seed CUDA generators. 
 the key it would fail in ``torch.cuda.set_rng_state`` instead, with a traceback.
 
 The list has one entry (data-parallel ranks share their seeds), or one per data-parallel rank
-with ``--data-parallel-random-init``. As in Megatron-LM the state is restored only where the
-checkpoint's TP and PP sizes equal this run's: with another layout no rank has a counterpart.
+with ``--data-parallel-random-init``. The state is restored only where the checkpoint's TP and PP
+sizes equal this run's, since with another layout no rank has a counterpart; Megatron-LM also
+ignores the RNG state after a (TP, PP) change.
 
 Rerun state machine: the common part (mode, state, iteration) stays in ``common.pt`` under
 ``rerun_state_machine``; each rank's part is the object ``rerun_state_machine_state`` on a
@@ -150,7 +151,8 @@ def to_megatron_rerun_state(rerun_state: dict) -> dict:
 
 def plain_rerun_common(saved: Optional[dict]) -> Optional[dict]:
     """A checkpoint's ``rerun_state_machine`` entry with plain mode and state values (it holds
-    enums when written by megatron-core or here now, plain values when written here before)."""
+    enums when written by megatron-core or by this code base's writer, plain values in files of
+    this code base's earlier releases, which must still load)."""
     from megatron.core.rerun_state_machine import RerunMode, RerunState
 
     if not isinstance(saved, dict) or "state" not in saved:

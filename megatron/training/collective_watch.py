@@ -38,7 +38,7 @@ Why it replaces torch.distributed's functions rather than wrapping the process g
   wrapper for 2.11 and 2.13 would follow torch's internal dispatch names, private ones included.
 * A group sees less than the caller: ``send`` and ``isend`` both arrive as ``send``, and
   ``broadcast_object_list`` / ``all_gather_object`` as two ``broadcast`` / ``all_gather`` calls,
-  so the error line and the trace would name other operations than they do today.
+  so the error line and the trace would name other operations than the caller's.
 * A group's backend is fixed when it is made: the watch could not be installed on a group that
   exists already (as tests do), and torch marks third-party backends experimental.
 """

@@ -9,8 +9,9 @@ with B the global batch size, s the sequence length, L layers, h hidden size, a 
 groups, d the head dimension (kv channels), f the FFN size and V the padded vocabulary. With
 experts, L_moe of the layers (``--moe-layer-freq``) run k = ``--moe-router-topk`` experts of
 width f_moe (``--moe-ffn-hidden-size``) and a shared expert of width f_shared per token; the
-router's small GEMM (h x E) is not counted, as in Megatron. Like Megatron, causal masking is not
-discounted, so the figure is comparable with Megatron's logs.
+router's small GEMM (h x E) is not counted and causal masking is not discounted (the scores term
+is s/h, not s/2h). Megatron's formula leaves out the router GEMM and counts the full score matrix
+too, so the figure is comparable with Megatron's logs.
 """
 
 from __future__ import annotations

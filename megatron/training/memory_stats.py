@@ -1,6 +1,7 @@
 """The memory scalars of ``--log-memory-to-tensorboard`` under Megatron's tag names.
 
-On a GPU they are the CUDA caching allocator's statistics, as in Megatron. A CPU has no such
+On a GPU they are the CUDA caching allocator's statistics, which Megatron writes under these
+tags too. A CPU has no such
 allocator statistics, so what can be measured is written instead: the process's resident set
 size as ``mem-reserved-bytes`` and ``mem-allocated-bytes`` and its peak as
 ``mem-max-allocated-bytes``; ``mem-allocated-count`` (live allocations) is not measured there.

@@ -10,7 +10,7 @@ written to a file per rank when the watchdog sees a timeout; then the process is
 
 Before ``init_process_group`` the flight recorder is configured from Megatron-LM's flags, each
 through the environment variable PyTorch reads, and only where the environment does not set that
-variable already (the environment wins, as in Megatron-LM):
+variable already (the environment wins: Megatron-LM also leaves a variable that is set alone):
 
 ==========================================  ============================================  =======
 flag                                        variable                                      default

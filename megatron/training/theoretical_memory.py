@@ -1,6 +1,6 @@
 """Theoretical memory per GPU of a GPT run, computed from the validated flags (nothing is built).
 
-Two parts, as in Megatron's report:
+Two parts, the two that Megatron's report prints (weight and optimizer, activation):
 
 * **weights and optimizer**: the parameters this rank holds (exact count of the local GPT layer
   spec, split by TP, PP stage, with the word embedding on the first stage and the output layer,

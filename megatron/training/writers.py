@@ -1,4 +1,5 @@
-"""TensorBoard and Weights & Biases writers, created on the last rank only (as Megatron does)."""
+"""TensorBoard and Weights & Biases writers, created on the last rank only (Megatron also creates
+both on rank world_size - 1 alone)."""
 
 from __future__ import annotations
 

@@ -81,9 +81,10 @@ def test_nan_injected_into_loss_or_gradient_stops_with_one_line(tmp_path, where)
         NAN_AT_ITERATION_3.format(module=module, cls=cls, method=method, inject=inject)
     )
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
-    # The check is on by default, as in Megatron. With the default --rerun-mode validate_results
-    # a NaN is re-run and ends with the rerun state machine's exit codes (tests of the machine);
-    # with the machine disabled it is this one line and exit 1.
+    # The check is on by default (Megatron's --check-for-nan-in-loss-and-grad is too). With the
+    # default --rerun-mode validate_results a NaN is re-run and ends with the rerun state
+    # machine's exit codes (tests of the machine); with the machine disabled it is this one line
+    # and exit 1.
     args = TINY_MODEL + ["--train-iters", "5", "--rerun-mode", "disabled"]
     result = run_pretrain(args, extra_env=env, timeout=120)
     assert result.returncode == 1, result.stderr[-3000:]

@@ -1,6 +1,7 @@
 """FSDP2 (--use-torch-fsdp2) through torchrun on CPU/gloo: the losses and grad norms of DP=2 equal
 the one-process run (no sharding) for 6 iterations. (--use-megatron-fsdp with optim_grads_params
-takes the same code path; its flag mapping is tested in tests/unit_tests/test_fsdp.py.)"""
+takes the same code path; its flag mapping is tested in
+tests/unit_tests/core/distributed/test_fsdp.py.)"""
 
 import pytest
 

@@ -94,7 +94,8 @@ def _assert_failed_with_traceback(run, returncode, rank):
 
 
 # name: (processes, flags, failing rank, failing forward call). Between them: 1 and 2
-# processes, 0 and 2 data-loader workers (persistent, as in Megatron, whenever there are any).
+# processes, 0 and 2 data-loader workers (persistent whenever there are any: Megatron's loaders
+# set persistent_workers when num_workers > 0).
 EXCEPTION_CASES = {
     # Evaluation on: the validation and test loaders' workers are alive too (6 in all); the
     # failure strikes in the first evaluation (4 micro-batches per iteration).

@@ -24,7 +24,7 @@ from tests.functional_tests.runner import (
 
 sys.path.insert(0, str(REPO))
 import pretrain_gpt  # noqa: E402
-from tests.unit_tests.test_flops import flops_by_hand  # noqa: E402
+from tests.unit_tests.training.test_flops import flops_by_hand  # noqa: E402
 
 
 def _pretrain(argv, capsys):

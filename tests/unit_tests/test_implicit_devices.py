@@ -43,9 +43,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_flatten
 
+from tests.harness import REPO
 from tests.unit_tests.dist_utils import run_distributed
 
-REPO = Path(__file__).resolve().parents[2]
 IMPLICIT = torch.device("meta")
 _PROJECT_FILES = tuple(
     str(REPO / part) for part in ("megatron/", "pretrain_", "tools/", "examples/")

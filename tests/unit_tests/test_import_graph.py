@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.harness import REPO
 
 # A module of the key may not import any module under the listed packages.
 NOT_BELOW = {

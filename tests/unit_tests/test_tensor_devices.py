@@ -19,7 +19,7 @@ import ast
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.harness import REPO
 
 FACTORIES = frozenset(
     {

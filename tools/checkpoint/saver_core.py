@@ -146,15 +146,18 @@ def build_args(
     """Validate the flags with the trainer's own parser, then keep the source's other args."""
     from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
 
-    # Batch flags only satisfy the validation (the interleaved schedule wants >= PP micro-batches).
+    # Batch flags only satisfy the validation: the interleaved schedule wants >= PP micro-batches,
+    # and the EP ranks are data-parallel ranks of the dense layers (one micro-batch each).
     pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1])
+    ep_flag = "--expert-model-parallel-size"
+    ep = int(flags[flags.index(ep_flag) + 1]) if ep_flag in flags else 1
     argv = flags + [
         "--make-vocab-size-divisible-by",
         str(divisible_by),
         "--micro-batch-size",
         "1",
         "--global-batch-size",
-        str(pp),
+        str(pp * ep),
         "--skip-train",
         "--ckpt-format",
         "torch",

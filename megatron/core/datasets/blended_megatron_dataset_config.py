@@ -52,7 +52,8 @@ class BlendedMegatronDatasetConfig:
 
     mock: bool = False
     """Synthetic data (``--mock-data``); also set when ``blend`` and ``blend_per_split`` are None.
-    Mock data is always split "1,1,1" (``split`` is replaced), as in Megatron Core."""
+    Mock data is always split "1,1,1" (``split`` is replaced): Megatron Core's config replaces
+    the split of mock data with that even split too."""
 
     tokenizer: Optional[Any] = None
     """Object with ``eod``, ``pad`` (None or -1 when absent), ``vocab_size`` and optionally a

@@ -11,10 +11,11 @@ no copy of the hidden states into [b, s, h] order. The values are those of
 
 Tensor parallelism: ``weight`` may be this rank's vocabulary shard [V/TP, h] (rank t owns ids
 [t V/TP, (t + 1) V/TP)); the row max, the target logit and the sum of exponentials are then
-all-reduced over ``tp_group`` (three numbers per token), like Megatron's vocab-parallel cross
-entropy. The gradient returned for ``hidden`` is this rank's partial sum: the caller passes the
-hidden states through ``copy_to_tensor_model_parallel_region`` (or the sequence-parallel gather)
-first, whose backward all-reduces (reduce-scatters) it, exactly as for the output layer.
+all-reduced over ``tp_group`` (three numbers per token), the three reductions of Megatron's
+vocab-parallel cross entropy. The gradient returned for ``hidden`` is this rank's partial sum:
+the caller passes the hidden states through ``copy_to_tensor_model_parallel_region`` (or the
+sequence-parallel gather) first, whose backward all-reduces (reduce-scatters) it, exactly as for
+the output layer.
 
 No label smoothing (Megatron's fused cross entropy has none either). A second backward through
 the same graph fails autograd's in-place version check instead of returning wrong gradients.

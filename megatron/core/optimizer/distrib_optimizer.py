@@ -571,9 +571,10 @@ class DistributedOptimizer(MegatronOptimizer):
     def _state_in_current_layout(
         self, state: Dict[Any, Any], legacy_rank: Dict[int, int]
     ) -> Dict[Any, Any]:
-        """The per-bucket state of buffers laid out in the legacy parameter order (reverse
-        registration order, as now), moved param by param into the current layout; a state
-        that does not fit the legacy layout is left for the load to refuse."""
+        """The per-bucket state of buffers laid out in the legacy parameter order (buffers take
+        parameters in reverse registration order in both layouts; the registration order is what
+        differs), moved param by param into the current layout; a state that does not fit the
+        legacy layout is left for the load to refuse."""
         moved = dict(state)
         for gbuf_idx, buffer in enumerate(self.buffers):
             dtype_key = (buffer.param_dtype, buffer.grad_dtype)

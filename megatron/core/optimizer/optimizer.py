@@ -191,7 +191,8 @@ class MegatronOptimizer:
 
     def main_param_copies(self) -> Dict[torch.Tensor, MainParamCopy]:
         """Model param -> the fp32 main copy this optimizer keeps of it (none: fp32 params are
-        their own main params). --log-params-norm reads them with --bf16, as Megatron does."""
+        their own main params). --log-params-norm reads them with --bf16: Megatron's
+        calc_params_l2_norm also takes a bf16 parameter's fp32 main copy."""
         return {}
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

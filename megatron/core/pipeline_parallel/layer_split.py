@@ -127,7 +127,8 @@ def resolve_virtual_pipeline_size(
     decoder_last_pipeline_num_layers: Optional[int] = None,
 ) -> Optional[int]:
     """Model chunks per pipeline rank from the two virtual-stage flags; None means no interleaving
-    (a computed size of 1 is also None, as in Megatron)."""
+    (a computed size of 1 is also None: Megatron's validate_args sets a virtual pipeline size of
+    1 to None)."""
     pp = pipeline_model_parallel_size
     if (
         num_layers_per_virtual_pipeline_stage is not None

@@ -299,7 +299,8 @@ def _run_pipeline(
     remaining backwards; forward k runs ``table[k]``, backward k runs the same micro-batch on the
     mirrored chunk. Between two computes one batched p2p call carries what the first produced
     (activation to the next stage / input gradient to the previous) and fetches what the second
-    needs, so that each rank does one exchange per step as in Megatron's schedules.
+    needs, so that each rank does one exchange per step; Megatron's schedules also pair each send
+    with the receive of the same step (send_forward_recv_backward and the like).
     """
     pp_rank, pp_size = communicator.rank, communicator.world_size
     num_chunks = len(model_chunks)

@@ -8,8 +8,8 @@ Megatron (their rows are trained parameters).
 
 Label smoothing follows Megatron: ``label_smoothing`` = e spreads e over the V - 1 non-target
 classes, which equals torch's ``label_smoothing = e * V / (V - 1)`` (spread over all V classes).
-Unlike Megatron's, the smoothing term averages the log-probabilities over the full vocabulary
-(all-reduced), so the loss does not depend on the TP size.
+Megatron's smoothing term averages the log-probabilities over the rank's vocabulary shard; here it
+averages them over the full vocabulary (all-reduced), so the loss does not depend on the TP size.
 """
 
 import torch

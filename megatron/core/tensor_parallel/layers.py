@@ -13,7 +13,8 @@ master's rows are cut into ``stride`` blocks and each rank keeps its part of eve
 (SwiGLU's fc1 = [gate; up] gives each shard [gate_shard; up_shard]). Megatron's grouped QKV layout
 needs no stride: its rows are already ordered by query group and TP shards whole groups.
 
-Like Megatron's, the linear layers return ``(output, output_bias)``: with ``skip_bias_add`` the
+The linear layers return ``(output, output_bias)``, the pair Megatron's parallel linear layers
+return: with ``skip_bias_add`` the
 bias is returned for the caller to fuse into a later op, otherwise it is added (after the
 reduction for row-parallel layers) and ``output_bias`` is None.
 """

@@ -5,7 +5,8 @@ Datasets and tools only talk to this interface: ``tokenize`` / ``detokenize``, t
 ``cls``, ``sep``, ``mask``, ``additional_special_tokens_ids``). A special token that a family does
 not have raises ``NotImplementedError`` naming the tokenizer, so a wrong tokenizer for a dataset
 fails loudly instead of writing ``-1`` into token streams. Families that Megatron defines with a
-``-1`` placeholder (GPT sentencepiece, Llama 2, null) return ``-1`` like Megatron does.
+``-1`` placeholder (GPT sentencepiece, Llama 2, null) return ``-1``, the value Megatron's
+tokenizers return for them.
 
 ``unique_identifiers`` is a JSON-serialisable dict that identifies the tokenizer (class, files,
 options); dataset index caches hash it, so two tokenizers that give different ids never share a

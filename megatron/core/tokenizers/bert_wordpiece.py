@@ -7,7 +7,8 @@ to spaces), put spaces around CJK ideographs, split on whitespace, lower-case an
 longest match (continuations prefixed ``##``; a word longer than 200 characters or with no
 match becomes ``[UNK]``). The vocab needs ``[CLS] [SEP] [PAD] [MASK] [UNK]``.
 
-As in Megatron, ``[BOS]`` and ``[EOS]`` are appended to the vocab when missing, then the
+``[BOS]`` and ``[EOS]`` are appended to the vocab when missing (Megatron's BERT tokenizer adds
+the same two), then the
 ``<extra_id_i>`` sentinels of ``--vocab-extra-ids`` (the T5 span-masking tokens returned by
 ``additional_special_tokens_ids``). BERT has no end-of-document token: ``eod`` raises.
 

@@ -27,8 +27,9 @@ Two implementations give the same ids:
   byte-level pre-tokenizer (with its offset tracking) costs more than the BPE itself and made
   it several times slower than this path on the shipped corpus.
 
-As in Megatron's classic tokenizer, the text ``<|endoftext|>`` inside a document is ordinary text
-(it is split into ``<|``, ``endoftext``, ``|>``); only ``--append-eod`` puts the EOD id into data.
+The text ``<|endoftext|>`` inside a document is ordinary text (it is split into ``<|``,
+``endoftext``, ``|>``), which is how Megatron's classic GPT-2 tokenizer treats it too; only
+``--append-eod`` puts the EOD id into data.
 A document quoting that string therefore can not forge a document boundary.
 """
 

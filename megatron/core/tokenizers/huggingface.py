@@ -4,7 +4,8 @@ Loaded with ``transformers.AutoTokenizer`` **offline** (``local_files_only=True`
 directory, or a model already in the Hugging Face cache. Nothing is downloaded unless the
 environment says ``HF_HUB_OFFLINE=0`` explicitly.
 
-As in Megatron, ``tokenize`` returns ``tokenizer(text).input_ids``: the tokenizer's own special
+``tokenize`` returns ``tokenizer(text).input_ids``, as Megatron's Hugging Face tokenizer's
+``tokenize`` does: the tokenizer's own special
 tokens (e.g. Llama's BOS) are included unless ``include_special_tokens=False``
 (``--tokenizer-hf-no-include-special-tokens``); ``vocab_size`` is ``len(tokenizer)`` (added tokens
 included); eod = eos.

@@ -7,7 +7,8 @@ Three Megatron flavours share one model file format:
   appended when the model has none) and ``--vocab-extra-ids`` sentinels ``<extra_id_0..N-1>``,
   each appended after the model's ids when it is not a piece already. ``tokenize`` cuts the text
   at the literal special-token strings and encodes the pieces between them, so ``"<MASK>"`` in
-  text becomes the mask id. ``detokenize`` surrounds special tokens with spaces, as Megatron does.
+  text becomes the mask id. ``detokenize`` surrounds special tokens with spaces (Megatron's
+  ``detokenize`` puts a space after the text before a special token and after the token).
 * ``GPTSentencePieceTokenizer``: the bare model; eod = eos; no cls/sep/mask (``-1``).
 * ``Llama2Tokenizer``: the bare model; ``tokenize`` puts BOS first (``bos=True``) and no EOS
   (``eos=False``) by default, as Megatron's Llama-2 tokenizer; eod = eos.

@@ -203,7 +203,8 @@ def blocked_attention(
     the softmax in fp32 (otherwise in the input dtype; fp32/fp64 inputs keep their dtype).
     ``softmax_rescale``: multiply the upcast scores by this before the softmax (the
     query-key layer scaling coefficient; ``scale`` must already be divided by it). It needs an
-    fp32 softmax for half inputs, as in Megatron.
+    fp32 softmax for half inputs (Megatron's fused softmax also refuses a scale without an fp32
+    softmax).
     """
     if (
         query.dim() != 4

@@ -46,7 +46,8 @@ def get_batch_on_this_cp_rank(
     """Keep this CP rank's two sequence chunks of every tensor in ``batch``.
 
     Tensors are [b, s] (tokens, labels, loss_mask, position_ids) or, for ``attention_mask``,
-    [b, 1, s, s] (the query dimension is sliced, as in Megatron). None values pass through.
+    [b, 1, s, s] (the query dimension, dim 2, is sliced; Megatron also cuts the mask along dim 2).
+    None values pass through.
     """
     if cp_size == 1:
         return batch

@@ -42,8 +42,8 @@ class Float16Module(MegatronModule):
 
     Float32 inputs are cast to the half dtype when the wrapped model holds the embedding
     (``pre_process``); half outputs are cast back to fp32 when it holds the output layer
-    (``post_process``). The state dict is the wrapped module's, without a ``module.`` prefix,
-    as in Megatron.
+    (``post_process``). The state dict is the wrapped module's, without a ``module.`` prefix:
+    Megatron's Float16Module also returns its module's state dict, so checkpoints match.
     """
 
     def __init__(self, config: TransformerConfig, module: torch.nn.Module):

@@ -4,8 +4,8 @@ Head dims are rotated in pairs: by default pair i is (x[i], x[i + rot/2]) (GPT-N
 "rotate half"), with ``rotary_interleaved`` it is (x[2i], x[2i+1]). Pair i turns by the angle
 position * base^(-2i/rot). With ``rotary_percent`` < 1 only the first rot = int(d * percent)
 dims of a head rotate; the rest pass through. ``rope_scaling`` applies the Llama 3.x frequency
-scaling. Like Megatron Core, the model rotates by the token's index in the sequence (0..s-1),
-not by ``position_ids``.
+scaling. The model rotates by the token's index in the sequence (0..s-1), not by
+``position_ids``; Megatron Core's GPT model does the same.
 
 Angles are computed in float64 and the cos/sin tables cast to the activation dtype; tables are
 cached per (length, offset, dtype, device) and are not part of the state dict.

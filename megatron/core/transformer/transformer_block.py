@@ -53,7 +53,8 @@ def plain_layer_spec() -> ModuleSpec:
 
 
 class TransformerBlock(MegatronModule):
-    """``layers`` (a ModuleList, indexed locally from 0 as in Megatron's state dicts) and, when
+    """``layers`` (a ModuleList, indexed locally from 0: Megatron's state dicts also number a
+    stage's layers from 0) and, when
     this block ends the model (``post_process`` and ``post_layer_norm``), ``final_layernorm``.
 
     ``spec`` is one layer spec for every layer, or a :class:`TransformerBlockSubmodules`; None

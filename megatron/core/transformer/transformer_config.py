@@ -2,8 +2,9 @@
 
 Field names equal Megatron's, which equal the argparse ``dest`` names of the matching flags where
 Megatron has a flag (``--norm-epsilon`` is the exception: its field is ``layernorm_epsilon``,
-as in Megatron). Fusion flags are stored for compatibility; the plain PyTorch path computes the
-same math whether they are on or off (one deliberate exception: see ``bias_activation_fusion``).
+Megatron's field name for it). Fusion flags are stored for compatibility; the plain PyTorch path
+computes the same math whether they are on or off (one deliberate exception: see
+``bias_activation_fusion``).
 """
 
 import math

@@ -131,12 +131,14 @@ class TransformerLayer(MegatronModule):
         inference_context=None,
         **kwargs,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """hidden_states [s, b, h] -> (hidden_states [s, b, h], context) as in Megatron.
+        """hidden_states [s, b, h] -> (hidden_states [s, b, h], context), the pair that
+        Megatron's TransformerLayer.forward returns.
 
         ``context`` [s_enc, b, h] and ``context_mask`` are the encoder output and its mask for
         the cross-attention; they are returned unchanged for the next layer.
         ``inference_context``: the KV cache during generation (see
-        ``megatron.core.inference.contexts``); only the self-attention uses it for now.
+        ``megatron.core.inference.contexts``); only the self-attention uses it (the cross-attention
+        is given no cache: it reads ``context`` whole at every step).
         """
         if self.self_attention is not None:
             # Passed only when set, so attention modules without a KV cache keep working.

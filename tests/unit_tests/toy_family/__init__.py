@@ -1,5 +1,6 @@
-"""A model family that lives outside megatron/: tests/unit_tests/test_toy_family.py trains it to
-show that a family is its spec and its modules, with no loop, registry or shared file edited.
+"""A model family that lives outside megatron/:
+tests/unit_tests/training/model_families/test_toy_family.py trains it to show that a family is
+its spec and its modules, with no loop, registry or shared file edited.
 
 "Successor" language modelling: each sample is a run of consecutive token ids and the target of
 each position is the next id. The model is megatron.core's GPTModel built from the flags; the

@@ -32,7 +32,8 @@ _BINARY_HEAD_INIT_KEY = OUTPUT_LAYER_INIT_KEY + 3
 
 class _Linear(torch.nn.Module):
     """A dense layer replicated on every tensor-parallel rank (``weight`` [out, in], ``bias``),
-    drawn with ``init_method`` and a zero bias like Megatron's ``get_linear_layer``."""
+    drawn with ``init_method`` and a zero bias, the initialisation of Megatron's
+    ``get_linear_layer``."""
 
     def __init__(self, in_features: int, out_features: int, config, init_method):
         super().__init__()

@@ -124,7 +124,8 @@ class LanguageModule(MegatronModule):
         return None
 
     def setup_embeddings_and_output_layer(self) -> None:
-        """Mark the embedding / output weights as Megatron does.
+        """Mark the embedding / output weights with the attributes that Megatron's method of this
+        name sets.
 
         ``is_embedding_or_output_parameter`` is set on the word embedding (first stage) and on the
         output layer's own weight (last stage) for the optimizer's decoupled LR and Muon; under

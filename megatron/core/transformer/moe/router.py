@@ -10,7 +10,7 @@ from megatron.core.tensor_parallel.parameters import new_weight, param_device
 from megatron.core.transformer.moe import moe_utils as U
 
 _DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
-# Names of the tracked losses, as in Megatron's log line and TensorBoard.
+# Names of the tracked losses: the names Megatron's log line and TensorBoard show.
 LOSS_NAMES = {
     "aux_loss": "load_balancing_loss",
     "seq_aux_loss": "seq_load_balancing_loss",

@@ -84,11 +84,13 @@ class MoEAlltoAllTokenDispatcher:
         received = C.all_to_all_uneven(
             count_matrix, self.group, [1] * len(send_counts), [1] * len(send_counts)
         )
-        output_splits = received.sum(dim=1).tolist()
+        # One read of the counts on the host: the collectives and the experts take split sizes.
+        received_counts = received.tolist()
+        output_splits = [sum(row) for row in received_counts]
         arrived = all_to_all(tokens[token_idx[order]], self.group, output_splits, input_splits)
         # Arrived rows are grouped by sender, then expert; the experts need them by expert.
-        by_expert = self._by_expert_permutation(received)
-        outputs = experts(arrived[by_expert], received.sum(dim=0).tolist())
+        by_expert = self._by_expert_permutation(received, sum(output_splits))
+        outputs = experts(arrived[by_expert], [sum(col) for col in zip(*received_counts)])
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
         returned = all_to_all(outputs[back], self.group, input_splits, output_splits)
@@ -97,19 +99,13 @@ class MoEAlltoAllTokenDispatcher:
         return torch.zeros_like(tokens).index_add(0, token_idx[pair], returned * weights)
 
     @staticmethod
-    def _by_expert_permutation(received: torch.Tensor) -> torch.Tensor:
-        """received [members, experts] counts -> row order that lists expert 0's rows of every
-        member, then expert 1's, ..."""
+    def _by_expert_permutation(received: torch.Tensor, total: int) -> torch.Tensor:
+        """received [members, experts] counts (``total`` rows in all) -> row order that lists
+        expert 0's rows of every member, then expert 1's, ... Computed on the counts' device:
+        each row gets the key expert * members + member, and a stable sort orders the keys."""
         members, experts = received.shape
-        offsets = torch.cumsum(received.flatten(), 0) - received.flatten()
-        offsets = offsets.view(members, experts)
-        chunks = [
-            torch.arange(
-                int(offsets[m, j]), int(offsets[m, j] + received[m, j]), device=received.device
-            )
-            for j in range(experts)
-            for m in range(members)
-        ]
-        if not chunks:
-            return torch.zeros(0, dtype=torch.long, device=received.device)
-        return torch.cat(chunks)
+        member = torch.arange(members, device=received.device).unsqueeze(1)
+        expert = torch.arange(experts, device=received.device).unsqueeze(0)
+        keys = (expert * members + member).flatten()
+        row_keys = torch.repeat_interleave(keys, received.flatten(), output_size=total)
+        return torch.argsort(row_keys, stable=True)

@@ -3,7 +3,6 @@ generated document kept current, and imports without torch."""
 
 import subprocess
 import sys
-from pathlib import Path
 from typing import List, Optional
 
 import pytest
@@ -12,8 +11,7 @@ from megatron.training.flags import GROUPS, POLICY
 from megatron.training.flags.doc import DOCUMENT, render, rule_reads
 from megatron.training.flags.policy import HONOURED, policy_of
 from megatron.training.flags.spec import flag, flag_group, switch
-
-REPO = Path(__file__).resolve().parents[4]
+from tests.harness import REPO
 
 
 def test_the_flags_document_is_current():
