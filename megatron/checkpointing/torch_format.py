@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.dist_checkpointing.megatron_layout import EMPTY_EXTRA_STATE, extra_state_names
+from megatron.core.dist_checkpointing.planner import megatron_state_globals
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 
 from .errors import ConversionError
@@ -53,7 +54,9 @@ def _load(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConversionError(f"checkpoint file {path} does not exist")
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        # numpy arrays (Megatron-LM's numpy RNG state) and the rerun machine's records, as the
+        # trainer reads them (layout.load_torch_file)
+        with torch.serialization.safe_globals([argparse.Namespace, *megatron_state_globals()]):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # truncated or foreign files raise several types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from megatron.core.transformer.enums import AttnBackend
-from megatron.training import flags as flag_policy_table
 from megatron.training.arguments import (
     ArgumentValidationError,
     add_tokenizer_args,
@@ -36,12 +35,6 @@ def single_process_env(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-
-
-@pytest.fixture
-def all_features_implemented(monkeypatch):
-    """Empty the flag policy table, as if every feature had landed."""
-    monkeypatch.setattr(flag_policy_table, "POLICY", {})
 
 
 def run(*extra, world_size=1, drop=(), defaults=None):
@@ -565,7 +558,7 @@ def test_global_batch_size_and_data_parallel_size(capsys):
     assert args.global_batch_size == 32
 
 
-def test_parallel_sizes_derive_data_parallel_size(all_features_implemented, capsys):
+def test_parallel_sizes_derive_data_parallel_size(capsys):
     args = run(
         "--tensor-model-parallel-size",
         2,
@@ -584,7 +577,7 @@ def test_parallel_sizes_derive_data_parallel_size(all_features_implemented, caps
     ) in capsys.readouterr().out
 
 
-def test_virtual_pipeline_size(all_features_implemented):
+def test_virtual_pipeline_size():
     args = run(
         "--num-layers",
         8,
@@ -630,11 +623,11 @@ def test_bf16_accumulates_in_fp32_and_fp16_dynamic_scaling_skips_nan_check():
     assert run("--fp16", "--loss-scale", 1024).check_for_nan_in_loss_and_grad is True
 
 
-def test_grad_reduce_in_bf16_turns_off_fp32_accumulation(all_features_implemented):
+def test_grad_reduce_in_bf16_turns_off_fp32_accumulation():
     assert run("--bf16", "--grad-reduce-in-bf16").accumulate_allreduce_grads_in_fp32 is False
 
 
-def test_sequence_parallel_without_tp_is_disabled_with_warning(all_features_implemented, capsys):
+def test_sequence_parallel_without_tp_is_disabled_with_warning(capsys):
     args = run("--sequence-parallel")
     assert args.sequence_parallel is False
     assert "WARNING" in capsys.readouterr().out

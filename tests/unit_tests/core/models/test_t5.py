@@ -5,7 +5,6 @@ reference written out from the weights."""
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -266,11 +265,10 @@ def test_t5_encoder_and_decoder_layers_draw_dropout_from_the_rng_tracker(
     from megatron.training.model_families import get_model_family
     from tests.harness.argv import megatron_argv
 
-    vocab = Path(__file__).resolve().parents[1] / "data" / "bert-vocab.txt"
     argv = megatron_argv(
         "--vocab-extra-ids", "100",
         num_layers=None, seq_length=None, mock_data=None, vocab_size=None,
-        tokenizer_type="BertWordPieceLowerCase", vocab_file=str(vocab),
+        tokenizer_type="BertWordPieceLowerCase", vocab_file=VOCAB,
         encoder_num_layers="1", decoder_num_layers="1", hidden_size="32",
         num_attention_heads="4", encoder_seq_length="16", decoder_seq_length="8",
         max_position_embeddings="16", micro_batch_size="2", num_workers="0",

@@ -297,3 +297,32 @@ def test_command_line_runs_the_saver_in_a_child_process(tp2pp2, tmp_path):
         )
         == 1
     )
+
+
+def test_a_megatron_lm_file_with_numpy_rng_state_is_read(tp2pp2, tmp_path):
+    """Megatron-LM's torch-format files hold numpy's RNG state as a numpy array (its
+    ``rng_state[i]["np_rng_state"]`` is ``np.random.get_state()``): the loader reads them, under
+    ``weights_only=True``, and converts the same weights as without it."""
+    import shutil
+
+    import numpy as np
+
+    megatron_lm = tmp_path / "megatron_lm"
+    shutil.copytree(tp2pp2, megatron_lm)
+    for tp in range(2):
+        for pp in range(2):
+            path = megatron_lm / "release" / f"mp_rank_{tp:02d}_{pp:03d}" / "model_optim_rng.pt"
+            state = load(path)
+            state["rng_state"] = [
+                {"random_rng_state": (3, (0,) * 625, None), "np_rng_state": np.random.get_state()}
+            ]
+            torch.save(state, path)
+    for source, target in ((tp2pp2, "plain"), (megatron_lm, "numpy")):
+        run("--loader", "core", "--saver", "core", "--load-dir", source,
+            "--save-dir", tmp_path / target, "--target-tensor-parallel-size", 1,
+            "--target-pipeline-parallel-size", 1)  # fmt: skip
+    plain, numpy_rng = shard(tmp_path / "plain", 0, 0, 1), shard(tmp_path / "numpy", 0, 0, 1)
+    assert sorted(plain["model"]) == sorted(numpy_rng["model"])
+    for name, value in plain["model"].items():
+        if torch.is_tensor(value):
+            assert torch.equal(numpy_rng["model"][name], value), name
