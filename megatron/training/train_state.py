@@ -7,8 +7,10 @@ makes the configuration mutable run state. Here it is one object, passed explici
 
 On disk it is written and read as Megatron's entries, not as an object of its own, so that the
 checkpoints stay Megatron's: the top-level ``iteration`` and
-``num_floating_point_operations_so_far`` (:meth:`TrainState.checkpoint_entries`) and the
-run-state names of the saved ``args`` Namespace (:meth:`TrainState.args_entries`).
+``num_floating_point_operations_so_far`` (save_checkpoint's arguments, which the loop takes from
+this object: Megatron's signature) and the run-state names of the saved ``args`` Namespace
+(:meth:`TrainState.args_entries`). A load fills it back (:meth:`TrainState.restore_sample_counts`,
+then :meth:`TrainState.start` with the loaded iteration and FLOPs).
 """
 
 from __future__ import annotations
@@ -89,15 +91,6 @@ class TrainState:
         self.num_floating_point_operations_so_far += flops
         if skipped:
             self.skipped_train_samples += samples
-
-    def checkpoint_entries(self) -> dict:
-        """A checkpoint's top-level run-state entries (Megatron's names)."""
-        return {
-            "iteration": self.iteration,
-            "num_floating_point_operations_so_far": float(
-                self.num_floating_point_operations_so_far
-            ),
-        }
 
     def args_entries(self) -> dict:
         """The run-state names Megatron's ``args`` hold at this point of the run, with their

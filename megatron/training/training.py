@@ -529,7 +529,7 @@ def _train_loop(
     while state.iteration < args.train_iters:
         # Commits a finished --async-save checkpoint.
         maybe_finalize_async_save(blocking=False, run=run)
-        run.num_microbatches_calculator.update(state.consumed_train_samples, True)
+        run.num_microbatches_calculator.update(state.consumed_train_samples, consistency_check=True)
         try:
             loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
                 train_forward_step,
