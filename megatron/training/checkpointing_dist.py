@@ -331,10 +331,10 @@ def _write_failed(work_dir: str, exc: BaseException) -> CheckpointError:
     )
 
 
-def release_async_save_group(run: Optional[Run] = None) -> None:
-    """Forget the async-save group of ``run`` (default the current one) at teardown, once no
-    save is pending, so that it can be destroyed."""
-    saver = (run or global_vars.get_run()).async_saver
+def release_async_save_group(run: Run) -> None:
+    """Forget the async-save group of ``run`` at teardown, once no save is pending, so that it
+    can be destroyed."""
+    saver = run.async_saver
     if saver is None:
         return
     if saver.pending is not None:
@@ -342,12 +342,12 @@ def release_async_save_group(run: Optional[Run] = None) -> None:
     saver.group = saver.world = None
 
 
-def abandon_async_save(run: Optional[Run] = None) -> Optional[str]:
-    """A failed run ends without waiting for the background save: forget it and return the
-    directory it was writing into (None if none). That directory is never marked complete
+def abandon_async_save(run: Run) -> Optional[str]:
+    """A failed run ends without waiting for ``run``'s background save: forget it and return
+    the directory it was writing into (None if none). That directory is never marked complete
     (metadata.json, rename and tracker are written only by the commit), so a later load takes
-    the last complete checkpoint. ``run``: default the current one."""
-    saver = (run or global_vars.get_run()).async_saver
+    the last complete checkpoint."""
+    saver = run.async_saver
     if saver is None or saver.pending is None:
         return None
     pending, saver.pending = saver.pending, None
