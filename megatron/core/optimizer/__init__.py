@@ -178,12 +178,36 @@ def _validate(config: OptimizerConfig) -> None:
             )
     elif config.use_layer_wise_distributed_optimizer:
         raise ValueError("the layer-wise distributed optimizer is used with --optimizer muon only")
+    if config.optimizer_step_impl not in _STEP_IMPLS:
+        raise ValueError(
+            f"optimizer_step_impl must be one of {', '.join(_STEP_IMPLS)}, got "
+            f"{config.optimizer_step_impl!r}"
+        )
     if config.fp16 and config.bf16:
         raise ValueError("--fp16 and --bf16 cannot both be set")
     if config.clip_grad < 0.0:
         raise ValueError(f"--clip-grad must be >= 0, got {config.clip_grad}")
     if config.loss_scale is not None and not config.loss_scale > 0.0:
         raise ValueError(f"--loss-scale must be positive, got {config.loss_scale}")
+
+
+_STEP_IMPLS = ("auto", "fused", "foreach", "for_loop")
+
+
+def _step_impl_kwargs(config: OptimizerConfig, device: torch.device) -> Dict[str, bool]:
+    """torch.optim's switches for config.optimizer_step_impl, the params being on ``device``:
+    'auto' takes the fused kernel on CUDA (what Megatron runs there: Transformer Engine's or
+    apex's FusedAdam) and leaves torch's default elsewhere (on the CPU: one param at a time)."""
+    impl = config.optimizer_step_impl
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else None
+    if impl == "fused":
+        return {"fused": True}
+    if impl == "foreach":
+        return {"foreach": True}
+    if impl == "for_loop":
+        return {"foreach": False}
+    return {}
 
 
 def _grad_scaler(config: OptimizerConfig, device) -> Optional[MegatronGradScaler]:
@@ -298,8 +322,9 @@ def get_megatron_optimizer(
         optimizer_kwargs = dict(
             lr=config.lr, weight_decay=config.weight_decay, momentum=config.sgd_momentum
         )
+    device = param_groups[0]["params"][0].device
+    optimizer_kwargs.update(_step_impl_kwargs(config, device))
     if config.use_distributed_optimizer:
-        device = param_groups[0]["params"][0].device
         return DistributedOptimizer(
             optimizer_cls,
             optimizer_kwargs,

@@ -36,7 +36,14 @@ from megatron.core.tensor_parallel import collectives
 
 from .clip_grads import param_is_counted_once, sum_of_powered_norms
 from .grad_scaler import MegatronGradScaler
-from .optimizer import _PARALLEL_ATTRS, MainParamCopy, MegatronOptimizer
+from .optimizer import (
+    _PARALLEL_ATTRS,
+    MainParamCopy,
+    MegatronOptimizer,
+    as_float32,
+    copy_tensors,
+    place_step_tensors,
+)
 from .optimizer_config import OptimizerConfig
 
 _FILE_ERROR = "error"
@@ -220,9 +227,10 @@ class DistributedOptimizer(MegatronOptimizer):
         ]
 
     def _copy_model_grads_to_main_grads(self) -> None:
-        for param, main in self._main_params_in_order():
-            grad = self.shard_ranges[param].grad()
-            main.grad = grad if grad.dtype == torch.float32 else grad.float()
+        pairs = self._main_params_in_order()
+        grads = [self.shard_ranges[param].grad() for param, _ in pairs]
+        for (_, main), grad in zip(pairs, as_float32(grads, self._foreach)):
+            main.grad = grad
 
     def _main_grads(self) -> List[torch.Tensor]:
         return [m.grad for _, m in self._main_params_in_order() if m.grad is not None]
@@ -245,8 +253,11 @@ class DistributedOptimizer(MegatronOptimizer):
         return self._counted_grads(expert)
 
     def get_grad_norm(self) -> float:
-        dense = sum_of_powered_norms(self._counted_grads(False), 2.0, self._device).reshape(1)
-        expert = sum_of_powered_norms(self._counted_grads(True), 2.0, self._device).reshape(1)
+        def sum_of_squares(grads):
+            return sum_of_powered_norms(grads, 2.0, self._device, self._foreach).reshape(1)
+
+        dense = sum_of_squares(self._counted_grads(False))
+        expert = sum_of_squares(self._counted_grads(True))
         return float(self._sum_dense_and_expert(dense, expert).item()) ** 0.5
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -282,19 +293,21 @@ class DistributedOptimizer(MegatronOptimizer):
         return bool(self.found_inf.item() > 0)
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def _copy_main_params_to_model_params(self) -> None:
-        for param, main in self._main_params_in_order():
-            if param.dtype != torch.float32:
-                self.shard_ranges[param].model_slice().copy_(main)
+    def _half_slices_and_mains(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """This rank's slices of the half-precision model params and their fp32 main copies
+        (an fp32 param's main param is its slice: nothing to copy)."""
+        pairs = [(p, m) for p, m in self._main_params_in_order() if p.dtype != torch.float32]
+        return [self.shard_ranges[p].model_slice() for p, _ in pairs], [m for _, m in pairs]
 
-    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        slices, mains = self._half_slices_and_mains()
+        copy_tensors(slices, mains, self._foreach)
+
     def reload_model_params(self) -> None:
         """Refresh the fp32 main slices from the (freshly loaded) model params."""
         self._finish_param_gathers()
-        for param, main in self._main_params_in_order():
-            if param.dtype != torch.float32:
-                main.copy_(self.shard_ranges[param].model_slice())
+        slices, mains = self._half_slices_and_mains()
+        copy_tensors(mains, slices, self._foreach)
 
     def _gather_model_params(self, force_sync: bool = False) -> None:
         """All-gather the updated slices; with --overlap-param-gather (and not ``force_sync``)
@@ -369,15 +382,17 @@ class DistributedOptimizer(MegatronOptimizer):
         )
         for group, saved_group in zip(self.optimizer.param_groups, saved):
             for key, value in saved_group.items():
-                if key not in keep and key != "step":
+                # "fused"/"foreach": how this run steps (optimizer_step_impl), not state.
+                if key not in keep and key not in ("step", "fused", "foreach"):
                     group[key] = value
         self.num_inner_steps = int(saved[0].get("step", 0)) if saved else 0
         for main in self.main_params.values():
             if "step" in self.optimizer.state.get(main, {}):
                 self.optimizer.state[main]["step"] = torch.tensor(
                     float(self.num_inner_steps),
-                    device="cpu",  # host: where torch.optim keeps it
+                    device="cpu",  # host: where non-fused torch.optim keeps it; moved below
                 )
+        place_step_tensors(self.optimizer)
         if "grad_scaler" in state_dict and self.grad_scaler is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
@@ -491,6 +506,7 @@ class DistributedOptimizer(MegatronOptimizer):
                                 device="cpu",  # host: where torch.optim keeps it
                             )
                             st.setdefault("step", step)
+        place_step_tensors(self.optimizer)
         self._copy_main_params_to_model_params()
         self._gather_model_params(force_sync=True)
 

@@ -72,6 +72,54 @@ def _zero_grad_group(params: List[torch.Tensor], set_to_none: bool) -> None:
             param.grad.zero_()
 
 
+def as_float32(
+    tensors: List[Optional[torch.Tensor]], foreach: bool
+) -> List[Optional[torch.Tensor]]:
+    """``tensors`` in fp32 (None stays None, an fp32 tensor is returned as it is): with
+    ``foreach`` the conversions are one multi-tensor copy, else one ``.float()`` per tensor."""
+    if not foreach:
+        return [None if t is None else t.float() for t in tensors]
+    out = list(tensors)
+    todo = [i for i, t in enumerate(tensors) if t is not None and t.dtype != torch.float32]
+    if todo:
+        copies = [torch.empty_like(tensors[i], dtype=torch.float32) for i in todo]
+        torch._foreach_copy_(copies, [tensors[i] for i in todo])
+        for i, copy in zip(todo, copies):
+            out[i] = copy
+    return out
+
+
+@torch.no_grad()
+def copy_tensors(dst: List[torch.Tensor], src: List[torch.Tensor], foreach: bool) -> None:
+    """``dst[i].copy_(src[i])`` for every i (rounding to dst's dtype): with ``foreach`` as one
+    multi-tensor copy, which rounds as copy_ does."""
+    if not dst:
+        return
+    if foreach:
+        torch._foreach_copy_(dst, src)
+    else:
+        for target, source in zip(dst, src):
+            target.copy_(source)
+
+
+def place_step_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Put each param's ``step`` count where torch.optim's step of its group expects it: on the
+    param's device (fp32) for a fused or capturable group, on the host otherwise. A loaded
+    checkpoint (or a distrib_optim.pt re-shard) may have made it on the other side, which would
+    fail the fused kernel or read the step back to the host for every param."""
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            step = None if state is None else state.get("step")
+            if not torch.is_tensor(step):
+                continue
+            if on_device and (step.device != param.device or step.dtype != torch.float32):
+                state["step"] = step.to(device=param.device, dtype=torch.float32)
+            elif not on_device and step.device.type != "cpu":
+                state["step"] = step.to(device="cpu")  # host: where torch.optim keeps it
+
+
 def _model_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     """The DP-reduced gradient of a model param: main_grad (DDP buffer) if present, else .grad."""
     grad = getattr(param, "main_grad", None)
@@ -132,18 +180,27 @@ class MegatronOptimizer:
             and param_is_counted_once(p, self.expert_tp_rank if expert else self.tp_rank)
         ]
 
+    @property
+    def _foreach(self) -> bool:
+        """Whether grad norms and copies run as multi-tensor operations."""
+        return self.config.foreach_grad_norm_and_copies
+
     def get_grad_norm(self) -> float:
         if self.expert_parallel_group is None:
             return get_grad_norm_fp32(
-                self.get_main_grads_for_grad_norm(), model_parallel_group=self.model_parallel_group
+                self.get_main_grads_for_grad_norm(),
+                model_parallel_group=self.model_parallel_group,
+                foreach=self._foreach,
             )
         dense = get_grad_norm_fp32(
             self.get_main_grads_for_grad_norm(expert=False),
             model_parallel_group=self.model_parallel_group,
+            foreach=self._foreach,
         )
         expert = get_grad_norm_fp32(
             self.get_main_grads_for_grad_norm(expert=True),
             model_parallel_group=self.expert_parallel_group,
+            foreach=self._foreach,
         )
         return math.sqrt(dense * dense + expert * expert)
 
@@ -311,6 +368,10 @@ class MegatronOptimizer:
                     "is_expert_parallel",
                     "max_lr",
                     "min_lr",
+                    # How the step runs (optimizer_step_impl), not state: a checkpoint written
+                    # by another implementation must not switch this run's off.
+                    "fused",
+                    "foreach",
                 )
                 if k in group
             }
@@ -325,6 +386,7 @@ class MegatronOptimizer:
             ) from exc
         for group, kept in zip(self.optimizer.param_groups, keep):
             group.update(kept)
+        place_step_tensors(self.optimizer)
 
 
 def _check_state_shapes(groups: List[Dict[str, Any]], inner_state: Dict[str, Any]) -> None:
@@ -449,17 +511,22 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                 _zero_grad_group(group, set_to_none)
 
     def _copy_model_grads_to_main_grads(self) -> None:
-        for half_group, master_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for half_param, master in zip(half_group, master_group):
-                grad = _model_grad(half_param)
-                master.grad = None if grad is None else grad.float()
-                # The model's own .grad is no longer needed (main_grad, if any, is DDP's buffer).
-                half_param.grad = None
-        for group in self.fp32_from_fp32_groups:
-            for param in group:
-                main_grad = getattr(param, "main_grad", None)
-                if main_grad is not None:
-                    param.grad = main_grad.float()
+        masters = [m for group in self.fp32_from_float16_groups for m in group]
+        halves = [h for group in self.float16_groups for h in group]
+        grads = as_float32([_model_grad(h) for h in halves], self._foreach)
+        for half_param, master, grad in zip(halves, masters, grads):
+            master.grad = grad
+            # The model's own .grad is no longer needed (main_grad, if any, is DDP's buffer).
+            half_param.grad = None
+        fp32_params = [
+            p
+            for group in self.fp32_from_fp32_groups
+            for p in group
+            if getattr(p, "main_grad", None) is not None
+        ]
+        grads = as_float32([p.main_grad for p in fp32_params], self._foreach)
+        for param, grad in zip(fp32_params, grads):
+            param.grad = grad
 
     def _main_grads(self) -> List[torch.Tensor]:
         return [
@@ -488,17 +555,18 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                     dist.all_reduce(self.found_inf, op=dist.ReduceOp.MAX, group=group)
         return bool(self.found_inf.item() > 0)
 
-    @torch.no_grad()
-    def _copy_main_params_to_model_params(self) -> None:
-        for half_group, master_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for half_param, master in zip(half_group, master_group):
-                half_param.copy_(master)
+    def _halves_and_masters(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        halves = [h for group in self.float16_groups for h in group]
+        masters = [m for group in self.fp32_from_float16_groups for m in group]
+        return halves, masters
 
-    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        halves, masters = self._halves_and_masters()
+        copy_tensors(halves, masters, self._foreach)
+
     def reload_model_params(self) -> None:
-        for half_group, master_group in zip(self.float16_groups, self.fp32_from_float16_groups):
-            for half_param, master in zip(half_group, master_group):
-                master.copy_(half_param)
+        halves, masters = self._halves_and_masters()
+        copy_tensors(masters, halves, self._foreach)
 
     def main_param_copies(self) -> Dict[torch.Tensor, MainParamCopy]:
         return {

@@ -122,6 +122,19 @@ class OptimizerConfig:
     """Shard fp32 main params and optimizer state over the data-parallel group
     (--use-distributed-optimizer); the model chunks must be DDP-wrapped with the same option."""
 
+    optimizer_step_impl: str = "auto"
+    """How the inner torch optimizer (adam, sgd) runs its step: 'fused' (one fused kernel per
+    dtype and device: torch's fused=True), 'foreach' (multi-tensor kernels), 'for_loop' (one
+    parameter at a time), or 'auto': fused where the params live on CUDA (as Megatron's
+    Transformer Engine / apex FusedAdam), torch's own default elsewhere. Megatron-LM has no flag
+    for this; 'for_loop' is the plain reference path."""
+
+    foreach_grad_norm_and_copies: bool = True
+    """Gradient norm, grad copies to the fp32 main grads and main-param copies back into the
+    model params as multi-tensor (torch._foreach_*) operations rather than one per parameter.
+    Every tensor's norm is still accumulated in float64 and the norms summed in float64: only
+    the order of that sum changes. False: the per-parameter path."""
+
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm (--clip-grad); 0 disables clipping (and grad norm)."""
 
