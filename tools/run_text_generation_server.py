@@ -101,10 +101,11 @@ def main(argv=None) -> None:
 @torch.no_grad()
 def _serve(args) -> None:
     """Load the model and serve it (global rank 0) or follow the serving rank (the others)."""
-    # Only the model weights are read, and a missing checkpoint is an error (as in Megatron).
-    args.no_load_rng = args.no_load_optim = args.exit_on_missing_checkpoint = True
     model = get_model(model_provider, wrap_with_ddp=False)
-    load_checkpoint(model, None, None, strict=True)
+    # Only the model weights are read, and a missing checkpoint is an error (as in Megatron).
+    load_checkpoint(
+        model, None, None, strict=True, load_optim=False, load_rng=False, exit_on_missing=True
+    )
     model = model[0]
     model.eval()
 

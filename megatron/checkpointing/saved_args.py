@@ -89,14 +89,37 @@ def _plain(value):
     return None, False
 
 
-def checkpoint_args(args) -> argparse.Namespace:
-    """A copy of ``args`` with only plain values, so it loads under ``weights_only=True``."""
+def checkpoint_args(args, state=None) -> argparse.Namespace:
+    """A copy of ``args`` with only plain values, so it loads under ``weights_only=True``.
+
+    ``state`` (the run's TrainState) supplies Megatron's run-state names (its ``args_entries()``:
+    consumed samples, iteration, ...), which Megatron's trainer keeps on its args: each takes its
+    place among the dests where validation put it (frozen args tell their ``dest_order()``), the
+    others follow the dests, in the order Megatron's trainer adds them."""
+    values = vars(args)
+    if state is not None:
+        values = _with_run_state(args, state.args_entries())
     saved = argparse.Namespace()
-    for key, value in vars(args).items():
+    for key, value in values.items():
         plain, ok = _plain(value)
         if ok:
             setattr(saved, key, plain)
     return saved
+
+
+def _with_run_state(args, entries: dict) -> dict:
+    own = vars(args)
+    order = args.dest_order() if hasattr(type(args), "dest_order") else tuple(own)
+    merged = {}
+    for key in order:
+        if key in entries:
+            merged[key] = entries[key]
+        elif key in own:
+            merged[key] = own[key]
+    for source in (own, entries):
+        for key, value in source.items():
+            merged.setdefault(key, value)
+    return merged
 
 
 # ------------------------------------------------------------------------------ reading

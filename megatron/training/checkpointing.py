@@ -70,6 +70,8 @@ from .checkpointing_dist import (
     maybe_finalize_async_save,
     save_checkpoint_dist,
 )
+from .frozen_args import replace_args
+from .run import Run
 from .utils import get_rank, print_rank_0
 
 SAVE_FORMATS = ("torch_dist", "torch")
@@ -144,19 +146,26 @@ def save_checkpoint(
     opt_param_scheduler,
     num_floating_point_operations_so_far: float = 0.0,
     rerun_state: Optional[dict] = None,
+    *,
+    run: Optional[Run] = None,
+    args=None,
 ) -> None:
     """Save this rank's shard; rank 0 updates the tracker once every rank is done.
 
     ``rerun_state``: the rerun state machine's state when it asks for a checkpoint to re-run an
-    iteration from (kept, as in Megatron, in torch_dist checkpoints only)."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    timers = global_vars.get_timers()
+    iteration from (kept, as in Megatron, in torch_dist checkpoints only). ``run``: the run
+    saved (default the current one): its groups, RNG streams and progress (``run.state``, whose
+    sample counts, last save and data flags go into the saved ``args`` as Megatron's).
+    ``args``: the flags to save with, default ``run.args`` (a conversion saves with another
+    format and directory)."""
+    run = run or global_vars.get_run()
+    args = args if args is not None else run.args
+    state, timers = run.parallel_state, run.timers
     if args.ckpt_format not in SAVE_FORMATS:
         raise CheckpointError(
             f"--ckpt-format {args.ckpt_format} is not supported (use torch_dist or torch)"
         )
-    maybe_finalize_async_save(blocking=True)
+    maybe_finalize_async_save(blocking=True, run=run)
     if args.ckpt_format == "torch_dist":
         timers("save-checkpoint", log_level=0).start(barrier=True)
         save_checkpoint_dist(
@@ -166,6 +175,8 @@ def save_checkpoint(
             opt_param_scheduler,
             num_floating_point_operations_so_far,
             rerun_state=rerun_state,
+            run=run,
+            args=args,
         )
         timers("save-checkpoint").stop(barrier=True)
         return
@@ -177,10 +188,9 @@ def save_checkpoint(
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch format")
     timers("save-checkpoint", log_level=0).start(barrier=True)
 
-    tracker = global_vars.get_rng_tracker()
     rng_states = None
     if not args.no_save_rng:
-        rng_states = [rng_state(tracker)]
+        rng_states = [rng_state(run.rng_tracker)]
         dp_group = state.get_data_parallel_group(with_context_parallel=True)
         if (
             dist.is_initialized()
@@ -220,7 +230,7 @@ def save_checkpoint(
     if is_writer:
         chunks = model if isinstance(model, list) else [model]
         state_dict = {
-            "args": checkpoint_args(args),
+            "args": checkpoint_args(args, run.state),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "num_floating_point_operations_so_far": float(num_floating_point_operations_so_far),
@@ -299,23 +309,41 @@ def _in_current_parameter_order(optimizer, chunks, saved: dict) -> dict:
 
 
 def load_checkpoint(
-    model, optimizer, opt_param_scheduler, load_arg: str = "load", strict: bool = True
+    model,
+    optimizer,
+    opt_param_scheduler,
+    load_arg: str = "load",
+    strict: bool = True,
+    *,
+    run: Optional[Run] = None,
+    load_optim: Optional[bool] = None,
+    load_rng: Optional[bool] = None,
+    exit_on_missing: Optional[bool] = None,
 ):
     """Load into ``model``/``optimizer``/``opt_param_scheduler``; returns (iteration, flops so far).
+    The checkpoint's sample counts go into ``run.state`` (``run``: default the current one).
 
     A missing checkpoint directory or tracker starts training from scratch with a warning (so
-    ``--load`` and ``--save`` may point at the same directory), unless
-    ``--exit-on-missing-checkpoint``. A corrupt checkpoint stops with a message naming the file.
+    ``--load`` and ``--save`` may point at the same directory), unless ``exit_on_missing``
+    (default --exit-on-missing-checkpoint). A corrupt checkpoint stops with a message naming the
+    file. ``load_optim`` / ``load_rng`` (default: unless --no-load-optim / --no-load-rng) load
+    the optimizer and scheduler state / the RNG states.
     """
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
+    run = run or global_vars.get_run()
+    args, state = run.args, run.parallel_state
+    if load_optim is None:
+        load_optim = not args.no_load_optim
+    if load_rng is None:
+        load_rng = not args.no_load_rng
+    if exit_on_missing is None:
+        exit_on_missing = args.exit_on_missing_checkpoint
     load_dir = getattr(args, load_arg)
     if not os.path.isfile(tracker_path(load_dir)):
         message = f"WARNING: could not find the metadata file {tracker_path(load_dir)}" + (
             "" if os.path.isdir(load_dir) else f" (directory {load_dir} does not exist)"
         )
         converting = getattr(args, "ckpt_convert_format", None) is not None
-        if args.exit_on_missing_checkpoint or converting:
+        if exit_on_missing or converting:
             reason = (
                 "--ckpt-convert-format needs a checkpoint"
                 if converting
@@ -341,7 +369,15 @@ def load_checkpoint(
             f" loading checkpoint from {load_dir} at iteration {iteration} (torch_dist format)"
         )
         iteration, flops, _ = load_checkpoint_dist(
-            model, optimizer, opt_param_scheduler, load_dir, iteration, release
+            model,
+            optimizer,
+            opt_param_scheduler,
+            load_dir,
+            iteration,
+            release,
+            run=run,
+            load_optim=load_optim,
+            load_rng=load_rng,
         )
         print_loaded_checkpoint(load_dir, iteration, state)
         return iteration, flops
@@ -359,7 +395,7 @@ def load_checkpoint(
     state_dict = load_torch_file(path)
 
     ckpt_args = state_dict.get("args")
-    check_model_args(ckpt_args, args, global_vars.get_model_family().checkpoint_model_args, path)
+    check_model_args(ckpt_args, args, run.model_family.checkpoint_model_args, path)
 
     chunks = model if isinstance(model, list) else [model]
     for i, chunk in enumerate(chunks):
@@ -377,11 +413,9 @@ def load_checkpoint(
     else:
         iteration = state_dict.get("iteration", iteration)
         if ckpt_args is not None:
-            args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
-            args.skipped_train_samples = getattr(ckpt_args, "skipped_train_samples", 0)
-            args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
+            run.state.restore_sample_counts(ckpt_args)
 
-    if not finetune and not args.no_load_optim:
+    if not finetune and load_optim:
         if "optimizer" not in state_dict:
             raise CheckpointError(
                 f"checkpoint {path} holds no optimizer state (saved with --no-save-optim?); "
@@ -425,7 +459,7 @@ def load_checkpoint(
         # Master weights must follow the freshly loaded model weights.
         optimizer.reload_model_params()
 
-    if not finetune and not args.no_load_rng and "rng_state" in state_dict:
+    if not finetune and load_rng and "rng_state" in state_dict:
         rng_states = state_dict["rng_state"]
         dp_rank = state.get_data_parallel_rank(with_context_parallel=True)
         chosen = (
@@ -433,29 +467,38 @@ def load_checkpoint(
             if isinstance(rng_states, list) and dp_rank < len(rng_states)
             else (rng_states[0] if isinstance(rng_states, list) else rng_states)
         )
-        tracker = global_vars.get_rng_tracker()
-        set_rng_state(chosen, tracker)
+        set_rng_state(chosen, run.rng_tracker)
 
     barrier()
     print_loaded_checkpoint(load_dir, iteration, state)
     return iteration, float(state_dict.get("num_floating_point_operations_so_far", 0.0))
 
 
-def convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler) -> None:
+def convert_checkpoint_and_exit(
+    model, optimizer, opt_param_scheduler, *, run: Optional[Run] = None
+) -> None:
     """``--ckpt-convert-format F --ckpt-convert-save DIR``: re-save what was just loaded in format
-    F under ``DIR/F`` (Megatron's layout) and end the process."""
-    args = global_vars.get_args()
-    source = args.ckpt_format
-    args.ckpt_format = args.ckpt_convert_format
-    args.async_save = False
-    args.save = os.path.join(args.ckpt_convert_save, args.ckpt_convert_format)
-    args.use_dist_ckpt = args.ckpt_format != "torch"
+    F under ``DIR/F`` (Megatron's layout) and end the process. The checkpoint's saved args are
+    the run's with the target format and directory (as Megatron's, which sets them on its args)."""
+    run = run or global_vars.get_run()
+    source = run.args.ckpt_format
+    target = run.args.ckpt_convert_format
+    args = replace_args(
+        run.args,
+        ckpt_format=target,
+        async_save=False,
+        save=os.path.join(run.args.ckpt_convert_save, target),
+        use_dist_ckpt=target != "torch",
+    )
+    state = run.state
     save_checkpoint(
-        args.iteration,
+        state.iteration,
         model,
         optimizer,
         opt_param_scheduler,
-        args.num_floating_point_operations_so_far,
+        state.num_floating_point_operations_so_far,
+        run=run,
+        args=args,
     )
     print_rank_0(f"> converted checkpoint: {source} -> {args.ckpt_format} (saved to {args.save})")
     barrier()

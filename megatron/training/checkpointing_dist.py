@@ -61,17 +61,37 @@ from megatron.core.utils import unwrap_model
 from . import checkpoint_rng_state, global_vars
 from .checkpoint_integrity import integrity_digests, seal
 from .checkpointing_common import barrier, print_saved_checkpoint, set_rng_state
+from .run import Run
 from .utils import get_rank, get_world_size, print_rank_0
 
 TMP_SUFFIX = ".tmp"
 
 
-class _AsyncState:
-    """The save being written in the background (at most one) and its process group."""
+class AsyncSaver:
+    """A run's --async-save: the save being written in the background (at most one; ``pending``
+    holds its request, iteration, directory and flags until the commit) and the process group
+    its writer thread uses (``run.async_saver``, made at the run's first asynchronous save)."""
 
-    pending: Optional[dict] = None
-    group = None
-    world = None
+    def __init__(self):
+        self.pending: Optional[dict] = None
+        self.group = None
+        self.world = None
+
+    def group_for_writes(self):
+        # The writer thread's collectives must not interleave with the training thread's on the
+        # same group, so async saves get their own gloo group (created once, by every rank).
+        if not dist.is_initialized():
+            return None
+        if self.group is None or self.world is not dist.group.WORLD:
+            self.group = dist.new_group(backend="gloo")
+            self.world = dist.group.WORLD  # a new torch.distributed world needs a new group
+        return self.group
+
+
+def _async_saver(run: Run) -> AsyncSaver:
+    if run.async_saver is None:
+        run.async_saver = AsyncSaver()
+    return run.async_saver
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -137,16 +157,24 @@ def _merged_optimizer_common(optimizer) -> dict:
 
 # ---------------------------------------------------------------------------------- save
 def save_checkpoint_dist(
-    iteration: int, model, optimizer, opt_param_scheduler, flops: float, rerun_state=None
+    iteration: int,
+    model,
+    optimizer,
+    opt_param_scheduler,
+    flops: float,
+    rerun_state=None,
+    *,
+    run: Run,
+    args,
 ) -> None:
-    """Write ``<save>/iter_XXXXXXX`` in torch_dist format (collective over all ranks).
+    """Write ``<save>/iter_XXXXXXX`` of ``run`` in torch_dist format with the flags ``args``
+    (collective over all ranks).
 
     ``rerun_state`` (the rerun state machine's, when it asks for this checkpoint) goes to
     ``rerun_state_machine`` in the common state, its per-rank part to the
     ``rerun_state_machine_state`` object of the rank."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    maybe_finalize_async_save(blocking=True)
+    state = run.parallel_state
+    maybe_finalize_async_save(blocking=True, run=run)
     save_dir = args.save
     print_rank_0(
         f"saving checkpoint at iteration {iteration:7d} to {save_dir} in torch_dist format"
@@ -184,7 +212,7 @@ def save_checkpoint_dist(
     if not args.no_save_rng:
         rng = checkpoint_rng_state.rng_sharded_object(
             state,
-            global_vars.get_rng_tracker(),
+            run.rng_tracker,
             getattr(args, "data_parallel_random_init", False),
         )
         sharded[rng.name] = rng
@@ -203,7 +231,7 @@ def save_checkpoint_dist(
     work_dir = final_dir + TMP_SUFFIX
     if get_rank() == 0:
         common = {
-            "args": checkpoint_args(args),
+            "args": checkpoint_args(args, run.state),
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
             "num_floating_point_operations_so_far": float(flops),
@@ -228,8 +256,14 @@ def save_checkpoint_dist(
     barrier()
 
     if args.async_save:
-        request = AsyncSave(sharded, work_dir, process_group=_async_group())
-        _AsyncState.pending = {"request": request, "iteration": iteration, "save_dir": save_dir}
+        saver = _async_saver(run)
+        request = AsyncSave(sharded, work_dir, process_group=saver.group_for_writes())
+        saver.pending = {
+            "request": request,
+            "iteration": iteration,
+            "save_dir": save_dir,
+            "args": args,
+        }
         return
     try:
         dc.save(sharded, work_dir)
@@ -238,7 +272,7 @@ def save_checkpoint_dist(
         if get_rank() == 0:
             remove_partial(work_dir)
         raise _write_failed(work_dir, exc) from None
-    _commit(save_dir, iteration)
+    _commit(save_dir, iteration, run, args)
 
 
 def _writes_dp_reshardable(args, optimizer, state) -> bool:
@@ -297,42 +331,34 @@ def _write_failed(work_dir: str, exc: BaseException) -> CheckpointError:
     )
 
 
-def _async_group():
-    # The writer thread's collectives must not interleave with the training thread's on the
-    # same group, so async saves get their own gloo group (created once, by every rank).
-    if not dist.is_initialized():
-        return None
-    if _AsyncState.group is None or _AsyncState.world is not dist.group.WORLD:
-        _AsyncState.group = dist.new_group(backend="gloo")
-        _AsyncState.world = dist.group.WORLD  # a new torch.distributed world needs a new group
-    return _AsyncState.group
-
-
-def release_async_save_group() -> None:
-    """Forget the async-save group (at teardown, once no save is pending), so it can be
-    destroyed."""
-    if _AsyncState.pending is not None:
+def release_async_save_group(run: Run) -> None:
+    """Forget the async-save group of ``run`` at teardown, once no save is pending, so that it
+    can be destroyed."""
+    saver = run.async_saver
+    if saver is None:
+        return
+    if saver.pending is not None:
         raise RuntimeError("an asynchronous save is still pending; finalize it before the teardown")
-    _AsyncState.group = _AsyncState.world = None
+    saver.group = saver.world = None
 
 
-def abandon_async_save() -> Optional[str]:
-    """A failed run ends without waiting for the background save: forget it and return the
-    directory it was writing into (None if none). That directory is never marked complete
+def abandon_async_save(run: Run) -> Optional[str]:
+    """A failed run ends without waiting for ``run``'s background save: forget it and return
+    the directory it was writing into (None if none). That directory is never marked complete
     (metadata.json, rename and tracker are written only by the commit), so a later load takes
     the last complete checkpoint."""
-    pending, _AsyncState.pending = _AsyncState.pending, None
-    if pending is None:
+    saver = run.async_saver
+    if saver is None or saver.pending is None:
         return None
+    pending, saver.pending = saver.pending, None
     return checkpoint_dir(pending["save_dir"], pending["iteration"]) + TMP_SUFFIX
 
 
-def _commit(save_dir: str, iteration: int, asynchronous: bool = False) -> None:
+def _commit(save_dir: str, iteration: int, run: Run, args, asynchronous: bool = False) -> None:
     """Every rank has written its part: mark the checkpoint complete and move the tracker."""
     barrier()
     final_dir = checkpoint_dir(save_dir, iteration)
     work_dir = final_dir + TMP_SUFFIX
-    args = global_vars.get_args()
     digests = integrity_digests(args, work_dir)
     if get_rank() == 0:
         dc.write_metadata_json(work_dir)
@@ -348,7 +374,7 @@ def _commit(save_dir: str, iteration: int, asynchronous: bool = False) -> None:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
-    print_saved_checkpoint(iteration, save_dir, global_vars.get_parallel_state())
+    print_saved_checkpoint(iteration, save_dir, run.parallel_state)
     remove_unretained(args, save_dir, iteration)
     if asynchronous and getattr(args, "log_progress", False):
         from .progress_log import log_async_checkpoint_committed
@@ -356,10 +382,13 @@ def _commit(save_dir: str, iteration: int, asynchronous: bool = False) -> None:
         log_async_checkpoint_committed(save_dir, args.world_size, iteration)
 
 
-def maybe_finalize_async_save(blocking: bool = False) -> bool:
-    """Commit the background save once every rank's writer has finished (collective while a
-    save is pending). Returns True when nothing is pending any more."""
-    pending = _AsyncState.pending
+def maybe_finalize_async_save(blocking: bool = False, *, run: Optional[Run] = None) -> bool:
+    """Commit the background save of ``run`` (default the current one) once every rank's writer
+    has finished (collective while a save is pending). Returns True when nothing is pending any
+    more."""
+    run = run or global_vars.get_run()
+    saver = run.async_saver
+    pending = None if saver is None else saver.pending
     if pending is None:
         return True
     request: AsyncSave = pending["request"]
@@ -381,7 +410,7 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
     )
     if dist.is_initialized():
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    _AsyncState.pending = None
+    saver.pending = None
     if failed.item():
         reason = (
             f"{type(error).__name__}: {error}"
@@ -392,20 +421,29 @@ def maybe_finalize_async_save(blocking: bool = False) -> bool:
             f"asynchronous save of iteration {pending['iteration']} to "
             f"{pending['save_dir']} failed ({reason}); the previous checkpoint is kept"
         )
-    _commit(pending["save_dir"], pending["iteration"], asynchronous=True)
+    _commit(pending["save_dir"], pending["iteration"], run, pending["args"], asynchronous=True)
     return True
 
 
 # ---------------------------------------------------------------------------------- load
 def load_checkpoint_dist(
-    model, optimizer, opt_param_scheduler, load_dir: str, iteration: int, release: bool
+    model,
+    optimizer,
+    opt_param_scheduler,
+    load_dir: str,
+    iteration: int,
+    release: bool,
+    *,
+    run: Run,
+    load_optim: bool,
+    load_rng: bool,
 ):
-    """Load ``load_dir``'s checkpoint of ``iteration`` into this run's layout (collective).
+    """Load ``load_dir``'s checkpoint of ``iteration`` into ``run``'s layout (collective); its
+    sample counts go into ``run.state``. ``load_optim`` / ``load_rng``: as load_checkpoint's.
 
     Returns (iteration to resume from, flops so far, the checkpoint's args).
     """
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
+    args, state = run.args, run.parallel_state
     directory = checkpoint_dir(load_dir, iteration, release)
     try:
         dc.check_complete(directory)
@@ -415,15 +453,13 @@ def load_checkpoint_dist(
     except dc.CheckpointingError as exc:
         raise CheckpointError(str(exc)) from None
     ckpt_args = common.get("args")
-    check_model_args(
-        ckpt_args, args, global_vars.get_model_family().checkpoint_model_args, directory
-    )
+    check_model_args(ckpt_args, args, run.model_family.checkpoint_model_args, directory)
     # Checkpoints written here before the Megatron layout have one key per layer: read them so.
     per_layer = is_per_layer_layout(ckpt_keys)
     chunks, entries, by_param = _sharded_model(model, state, megatron_layout=not per_layer)
 
     finetune = args.finetune or release
-    load_optim = not finetune and not args.no_load_optim and optimizer is not None
+    load_optim = not finetune and load_optim and optimizer is not None
     optim_load = None
     bucket_state = None
     if load_optim and dpr.holds_dp_reshardable(ckpt_keys):
@@ -455,7 +491,7 @@ def load_checkpoint_dist(
         for k, v in dcp_metadata.state_dict_metadata.items()
         if isinstance(v, BytesStorageMetadata)
     }
-    load_rng = not finetune and not args.no_load_rng
+    load_rng = not finetune and load_rng
     rng_entry = _rng_request(object_keys, state) if load_rng else None
     rerun_saved, rerun_entry = None, None
     if _job_sharding_changed(ckpt_args, args):
@@ -463,7 +499,7 @@ def load_checkpoint_dist(
         print_rank_0("Job sharding has changed: Rerun state will be ignored")
     elif not finetune:
         rerun_saved = checkpoint_rng_state.plain_rerun_common(common.get("rerun_state_machine"))
-        rerun_saved, rerun_entry = _rerun_request(rerun_saved, object_keys)
+        rerun_saved, rerun_entry = _rerun_request(rerun_saved, object_keys, run.rerun)
     for entry in (rng_entry, rerun_entry):
         if entry is not None:
             targets[entry.name] = entry
@@ -509,14 +545,12 @@ def load_checkpoint_dist(
     else:
         iteration = int(common.get("iteration", iteration))
         if ckpt_args is not None:
-            args.consumed_train_samples = getattr(ckpt_args, "consumed_train_samples", 0)
-            args.skipped_train_samples = getattr(ckpt_args, "skipped_train_samples", 0)
-            args.consumed_valid_samples = getattr(ckpt_args, "consumed_valid_samples", 0)
+            run.state.restore_sample_counts(ckpt_args)
         if rng_entry is not None:
-            _set_rng(rng_entry.data, state, args, directory)
+            _set_rng(rng_entry.data, state, args, directory, run.rng_tracker)
         elif load_rng and "rng_state" in common:  # the list form written here before
-            _restore_rng(common, state, len(chunks))
-        _restore_rerun_state(rerun_saved, rerun_entry)
+            _restore_rng(common, state, len(chunks), run.rng_tracker)
+        _restore_rerun_state(rerun_saved, rerun_entry, run.rerun)
     barrier()
     return iteration, float(common.get("num_floating_point_operations_so_far", 0.0)), ckpt_args
 
@@ -538,15 +572,16 @@ def _rng_request(object_keys, state) -> Optional[dc.ShardedObject]:
     return request
 
 
-def _set_rng(saved: list, state, args, directory: str) -> None:
+def _set_rng(saved: list, state, args, directory: str, tracker=None) -> None:
+    """Restore this rank's RNG states (and ``tracker``'s streams, default the current run's)."""
+    if tracker is None:
+        tracker = global_vars.get_rng_tracker()
     try:
         chosen = checkpoint_rng_state.choose_rng_state(
             saved, state, getattr(args, "data_parallel_random_init", False)
         )
-        checkpoint_rng_state.check_tracker_states(
-            chosen.get("rng_tracker_states"), global_vars.get_rng_tracker()
-        )
-        set_rng_state(chosen, global_vars.get_rng_tracker())
+        checkpoint_rng_state.check_tracker_states(chosen.get("rng_tracker_states"), tracker)
+        set_rng_state(chosen, tracker)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CheckpointError(
             f"checkpoint {directory}: cannot restore the RNG state ({exc}); pass --no-load-rng "
@@ -570,10 +605,12 @@ def _job_sharding_changed(ckpt_args, args) -> bool:
     return sizes(ckpt_args, 1) != sizes(args, 1)
 
 
-def _rerun_request(saved, object_keys):
+def _rerun_request(saved, object_keys, machine=None):
     """(the machine's common state, the entry that reads this rank's part) when the checkpoint
-    asks to re-run an iteration; the entry is None for the list form written here before."""
-    machine = global_vars.get_rerun_state_machine()
+    asks ``machine`` (default the current run's) to re-run an iteration; the entry is None for
+    the list form written here before."""
+    if machine is None:
+        machine = global_vars.get_rerun_state_machine()
     if machine is None or not machine.validate_state_dict(saved):
         return saved, None
     if isinstance(saved.get("sharded"), list):
@@ -587,9 +624,11 @@ def _rerun_request(saved, object_keys):
     return saved, checkpoint_rng_state.rerun_request(get_rank(), get_world_size())
 
 
-def _restore_rerun_state(saved, entry) -> None:
-    """Hand a checkpoint's pending re-run to this run's rerun state machine (same world)."""
-    machine = global_vars.get_rerun_state_machine()
+def _restore_rerun_state(saved, entry, machine=None) -> None:
+    """Hand a checkpoint's pending re-run to this run's rerun state machine (``machine``,
+    default the current run's; same world)."""
+    if machine is None:
+        machine = global_vars.get_rerun_state_machine()
     if machine is None or not machine.validate_state_dict(saved):
         return
     if entry is not None:
@@ -702,7 +741,7 @@ def _dtypes_of(optimizer):
     return lambda param: dtypes[id(param)]
 
 
-def _restore_rng(common: dict, state, num_chunks: int) -> None:
+def _restore_rng(common: dict, state, num_chunks: int, tracker) -> None:
     """This rank's RNG state when the checkpoint's TP and PP sizes equal this run's (Megatron's
     rule: with another TP/PP layout no rank has a counterpart and the RNG is left as seeded)."""
     saved = common.get("parallel_layout", {})
@@ -732,4 +771,4 @@ def _restore_rng(common: dict, state, num_chunks: int) -> None:
         or by_coordinates.get((pp, tp, 0, 0))
     )
     if chosen is not None:
-        set_rng_state(chosen, global_vars.get_rng_tracker())
+        set_rng_state(chosen, tracker)

@@ -3,16 +3,18 @@ once, samplers resumed from the consumed-sample counts, one iterator per virtual
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from . import global_vars
 from .data_samplers import build_pretraining_data_loader
+from .run import Run
 from .utils import print_rank_0
 
 
-def get_train_valid_test_num_samples():
-    """Samples the train, validation and test datasets must hold (Megatron's targets)."""
-    args = global_vars.get_args()
+def get_train_valid_test_num_samples(*, args=None):
+    """Samples the train, validation and test datasets must hold (Megatron's targets).
+    ``args``: the run's flags (default the current run's)."""
+    args = args if args is not None else global_vars.get_args()
     train_samples = (
         args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
     )
@@ -28,17 +30,19 @@ def get_train_valid_test_num_samples():
     return train_samples, valid, test
 
 
-def build_train_valid_test_data_iterators(provider: Callable):
-    """Datasets (once), samplers from the consumed-sample counts, loaders, iterators."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    if args.iteration > 0 and args.consumed_train_samples == 0:
-        args.consumed_train_samples = args.iteration * args.global_batch_size
-    if args.iteration > 0 and args.consumed_valid_samples == 0 and args.eval_interval:
-        args.consumed_valid_samples = (
-            (args.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+def build_train_valid_test_data_iterators(provider: Callable, *, run: Optional[Run] = None):
+    """Datasets (once), samplers from the consumed-sample counts of ``run.state`` (default the
+    current run), loaders, iterators; ``run.state`` learns whether to train, validate, test."""
+    run = run or global_vars.get_run()
+    args, state, progress = run.args, run.parallel_state, run.state
+    # A checkpoint without sample counts: those of a constant batch size.
+    if progress.iteration > 0 and progress.consumed_train_samples == 0:
+        progress.consumed_train_samples = progress.iteration * args.global_batch_size
+    if progress.iteration > 0 and progress.consumed_valid_samples == 0 and args.eval_interval:
+        progress.consumed_valid_samples = (
+            (progress.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
         )
-    train_n, valid_n, test_n = get_train_valid_test_num_samples()
+    train_n, valid_n, test_n = get_train_valid_test_num_samples(args=args)
     print_rank_0(" > datasets target sizes (minimum size):")
     print_rank_0("    train:      {}".format(train_n))
     print_rank_0("    validation: {}".format(valid_n))
@@ -47,11 +51,13 @@ def build_train_valid_test_data_iterators(provider: Callable):
     dp_rank = state.get_data_parallel_rank()
     dp_size = state.get_data_parallel_world_size()
     train_loader = build_pretraining_data_loader(
-        train_ds, args.consumed_train_samples, args, dp_rank, dp_size
+        train_ds, progress.consumed_train_samples, args, dp_rank, dp_size
     )
     valid_loader = (
-        build_pretraining_data_loader(valid_ds, args.consumed_valid_samples, args, dp_rank, dp_size)
-        if valid_ds is not None and len(valid_ds) > args.consumed_valid_samples
+        build_pretraining_data_loader(
+            valid_ds, progress.consumed_valid_samples, args, dp_rank, dp_size
+        )
+        if valid_ds is not None and len(valid_ds) > progress.consumed_valid_samples
         else None
     )
     test_loader = (
@@ -59,9 +65,9 @@ def build_train_valid_test_data_iterators(provider: Callable):
         if test_ds is not None
         else None
     )
-    args.do_train = train_loader is not None and args.train_iters > 0
-    args.do_valid = valid_loader is not None and args.eval_iters > 0
-    args.do_test = test_loader is not None and args.eval_iters > 0
+    progress.do_train = train_loader is not None and args.train_iters > 0
+    progress.do_valid = valid_loader is not None and args.eval_iters > 0
+    progress.do_test = test_loader is not None and args.eval_iters > 0
 
     def as_iter(loader):
         if loader is None:
@@ -82,8 +88,8 @@ def build_train_valid_test_data_iterators(provider: Callable):
         ]
 
     return (
-        per_chunk(train_ds, args.consumed_train_samples),
-        per_chunk(valid_ds, args.consumed_valid_samples),
+        per_chunk(train_ds, progress.consumed_train_samples),
+        per_chunk(valid_ds, progress.consumed_valid_samples),
         per_chunk(test_ds, 0),
     )
 

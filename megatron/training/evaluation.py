@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from megatron.core.device import collective_device
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.pipeline_parallel.step_context import StepContext
 
 from . import global_vars
 from .rerun import results_not_validated
+from .run import Run
 from .training_log import print_evaluation
 from .utils import pipeline_schedule_kwargs, print_rank_0
 
@@ -26,12 +26,12 @@ def evaluate(
     verbose: bool = False,
     eval_iters: int = None,
     *,
-    step_context: Optional[StepContext] = None,
+    run: Optional[Run] = None,
 ):
-    """Forward-only over --eval-iters batches; Σ loss / Σ tokens, reduced over DP×CP.
-    ``step_context``: as for train_step (without it the schedule reads ``config``)."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
+    """Forward-only over --eval-iters batches; Σ loss / Σ tokens, reduced over DP×CP; the
+    samples count into ``run.state.consumed_valid_samples``. ``run``: as for train_step."""
+    run = run or global_vars.get_run()
+    args, state = run.args, run.parallel_state
     for chunk in model:
         chunk.eval()
     eval_iters = eval_iters if eval_iters is not None else args.eval_iters
@@ -45,7 +45,7 @@ def evaluate(
     num_microbatches = eval_gbs // (eval_mbs * args.data_parallel_size)
     dp_cp_group = state.get_data_parallel_group(with_context_parallel=True)
     device = collective_device(dp_cp_group)  # the totals are summed over DP x CP below
-    with torch.no_grad(), results_not_validated():
+    with torch.no_grad(), results_not_validated(run.rerun):
         for step in range(eval_iters):
             if verbose:
                 print_rank_0(f"Evaluating iter {step + 1}/{eval_iters}")
@@ -57,7 +57,7 @@ def evaluate(
                 seq_length=args.seq_length,
                 micro_batch_size=eval_mbs,
                 forward_only=True,
-                step_context=step_context,
+                step_context=run.step_context,
                 **pipeline_schedule_kwargs(args, state),
             )
             if state.is_pipeline_last_stage():
@@ -67,7 +67,7 @@ def evaluate(
                         if value.numel() != 2:
                             value = torch.stack([value.sum(), torch.ones((), device=value.device)])
                         totals[key] = totals.get(key, torch.zeros(2, device=value.device)) + value
-            args.consumed_valid_samples += eval_gbs
+            run.state.consumed_valid_samples += eval_gbs
     for chunk in model:
         chunk.train()
     result = {}
@@ -88,10 +88,10 @@ def evaluate_and_print_results(
     verbose=False,
     test=False,
     *,
-    step_context: Optional[StepContext] = None,
+    run: Optional[Run] = None,
 ):
-    args = global_vars.get_args()
-    totals = evaluate(
-        forward_step_func, data_iterator, model, config, verbose, step_context=step_context
+    run = run or global_vars.get_run()
+    totals = evaluate(forward_step_func, data_iterator, model, config, verbose, run=run)
+    return print_evaluation(
+        prefix, totals, iteration, run.state.consumed_train_samples, test=test, run=run
     )
-    return print_evaluation(prefix, totals, iteration, args.consumed_train_samples, test=test)

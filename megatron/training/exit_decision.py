@@ -15,31 +15,43 @@ from megatron.core.device import collective_device
 from . import global_vars
 from .checkpointing import save_checkpoint
 from .progress_log import log_checkpoint_saved
+from .run import Run
 from .utils import print_datetime
 
 
-def save_if_not_saved(iteration, model, optimizer, opt_param_scheduler, flops, train_start_time):
+def save_if_not_saved(
+    iteration, model, optimizer, opt_param_scheduler, flops, train_start_time, run: Run
+):
     """Save the checkpoint of `iteration` unless there is no --save or it is saved already;
     `train_start_time` (time.time() when this job started) goes into the --log-progress line."""
-    args = global_vars.get_args()
-    if args.save and args.last_saved_iteration != iteration:
-        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops)
-        args.last_saved_iteration = iteration
+    args, state = run.args, run.state
+    if args.save and state.last_saved_iteration != iteration:
+        save_checkpoint(iteration, model, optimizer, opt_param_scheduler, flops, run=run)
+        state.last_saved_iteration = iteration
         if args.log_progress:
-            log_checkpoint_saved(args, iteration, flops, train_start_time)
+            log_checkpoint_saved(args, state, iteration, flops, train_start_time)
 
 
 def checkpoint_and_decide_exit(
-    model, optimizer, opt_param_scheduler, iteration, flops, train_start_time
+    model,
+    optimizer,
+    opt_param_scheduler,
+    iteration,
+    flops,
+    train_start_time,
+    *,
+    run: Optional[Run] = None,
 ) -> Optional[int]:
     """Save on the interval; on a signal, --exit-interval or --exit-duration-in-mins save and
     stop: returns the exit code then (0), None to train on. Collective: every rank decides the
-    same (the duration is the slowest rank's)."""
-    args = global_vars.get_args()
-    handler = global_vars.get_signal_handler()
+    same (the duration is the slowest rank's). ``run``: default the current one."""
+    run = run or global_vars.get_run()
+    args, handler = run.args, run.signal_handler
 
     def save():
-        save_if_not_saved(iteration, model, optimizer, opt_param_scheduler, flops, train_start_time)
+        save_if_not_saved(
+            iteration, model, optimizer, opt_param_scheduler, flops, train_start_time, run
+        )
 
     if handler is not None and handler.signals_received():
         save()

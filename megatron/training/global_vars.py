@@ -1,15 +1,30 @@
-"""The training side's globals: args, timers, tokenizer, writers, micro-batch calculator.
+"""Megatron's getters of the training globals (args, timers, tokenizer, writers, micro-batch
+calculator, ...): views onto the current :class:`~megatron.training.run.Run`.
 
-Megatron users reach these through ``get_args()`` and friends; ``megatron.core`` never does.
+The trainer passes its Run explicitly; Megatron users, pretrain scripts and library callers reach
+the same objects through ``get_args()`` and friends. ``megatron.core`` never does. The setters
+fill the current Run (tests and tools set up the pieces they need without a full start-up).
 """
 
 from typing import Any, Optional
 
-_GLOBALS = {}
+from .frozen_args import train_state_of
+from .run import Run
+from .train_state import TrainState
+
+_CURRENT: Optional[Run] = None
 
 
-def _get(name: str, required: bool = True):
-    value = _GLOBALS.get(name)
+def get_run() -> Run:
+    """The current run (an empty one until start-up or a setter fills it)."""
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = Run()
+    return _CURRENT
+
+
+def _get(name: str, field: str, required: bool = True):
+    value = getattr(get_run(), field)
     if required and value is None:
         raise RuntimeError(
             f"{name} is not initialized; call initialize_megatron() or pretrain() first"
@@ -17,22 +32,29 @@ def _get(name: str, required: bool = True):
     return value
 
 
-def _set(name: str, value: Any, allow_reset: bool = True):
-    if not allow_reset and _GLOBALS.get(name) is not None:
-        raise RuntimeError(f"{name} is already initialized")
-    _GLOBALS[name] = value
+def _set(field: str, value: Any):
+    setattr(get_run(), field, value)
 
 
 def get_args():
-    return _get("args")
+    return _get("args", "args")
 
 
 def set_args(args):
-    _set("args", args)
+    """Make ``args`` the run's flags. Frozen args bring the TrainState they read from; plain
+    ones (tests, tools) start a TrainState from the run-state names they hold."""
+    run = get_run()
+    run.args = args
+    state = train_state_of(args)
+    run.state = (
+        state
+        if state is not None
+        else (TrainState.from_args(args) if args is not None else TrainState())
+    )
 
 
 def get_timers():
-    return _get("timers")
+    return _get("timers", "timers")
 
 
 def set_timers(timers):
@@ -40,7 +62,7 @@ def set_timers(timers):
 
 
 def get_tokenizer():
-    return _get("tokenizer")
+    return _get("tokenizer", "tokenizer")
 
 
 def set_tokenizer(tokenizer):
@@ -48,23 +70,23 @@ def set_tokenizer(tokenizer):
 
 
 def get_tensorboard_writer():
-    return _get("tensorboard_writer", required=False)
+    return _get("tensorboard_writer", "tensorboard", required=False)
 
 
 def set_tensorboard_writer(writer):
-    _set("tensorboard_writer", writer)
+    _set("tensorboard", writer)
 
 
 def get_wandb_writer():
-    return _get("wandb_writer", required=False)
+    return _get("wandb_writer", "wandb", required=False)
 
 
 def set_wandb_writer(writer):
-    _set("wandb_writer", writer)
+    _set("wandb", writer)
 
 
 def get_num_microbatches_calculator():
-    return _get("num_microbatches_calculator")
+    return _get("num_microbatches_calculator", "num_microbatches_calculator")
 
 
 def set_num_microbatches_calculator(calculator):
@@ -84,7 +106,7 @@ def update_num_microbatches(consumed_samples: int, consistency_check: bool = Tru
 
 
 def get_parallel_state():
-    return _get("parallel_state")
+    return _get("parallel_state", "parallel_state")
 
 
 def set_parallel_state(state):
@@ -92,7 +114,7 @@ def set_parallel_state(state):
 
 
 def get_rng_tracker():
-    return _get("rng_tracker", required=False)
+    return _get("rng_tracker", "rng_tracker", required=False)
 
 
 def set_rng_tracker(tracker):
@@ -100,7 +122,7 @@ def set_rng_tracker(tracker):
 
 
 def get_signal_handler() -> Optional[Any]:
-    return _get("signal_handler", required=False)
+    return _get("signal_handler", "signal_handler", required=False)
 
 
 def set_signal_handler(handler):
@@ -110,28 +132,24 @@ def set_signal_handler(handler):
 def get_model_family():
     """The ModelFamily of the run (``pretrain(..., model_family=...)``); GPT's when none was set,
     as Megatron's formulas are GPT's."""
-    family = _get("model_family", required=False)
-    if family is None:
-        from megatron.training.model_families import get_model_family as family_named
-
-        family = family_named("gpt")
-    return family
+    return get_run().model_family
 
 
 def set_model_family(family):
-    _set("model_family", family)
+    _set("family", family)
 
 
 def reset_globals():
-    """Forget every global (tests run several trainings in one process)."""
-    _GLOBALS.clear()
+    """Forget the current run (tests run several trainings in one process)."""
+    global _CURRENT
+    _CURRENT = None
 
 
 def get_rerun_state_machine():
     """The run's :class:`~megatron.core.rerun_state_machine.RerunStateMachine` (None before
     ``pretrain()`` builds it); loss functions validate their results through it."""
-    return _get("rerun_state_machine", required=False)
+    return _get("rerun_state_machine", "rerun", required=False)
 
 
 def set_rerun_state_machine(machine):
-    _set("rerun_state_machine", machine)
+    _set("rerun", machine)

@@ -23,6 +23,7 @@ from megatron.core.timers import Timers
 from . import collective_watch, global_vars, nccl_flight_recorder
 from .cpu_allocator import configure_cpu_allocator
 from .flag_errors import building
+from .frozen_args import freeze_args
 from .utils import print_rank_0
 
 
@@ -34,7 +35,9 @@ def initialize_megatron(
     parsed_args=None,
     watch_collectives=False,
 ):
-    """Parse and validate flags, start torch.distributed, build groups, seed RNGs, set globals.
+    """Parse and validate flags, start torch.distributed, build groups, seed RNGs, set globals;
+    returns the args, read-only from then on (frozen_args.py; the run's progress is its
+    TrainState, ``global_vars.get_run().state``).
 
     ``watch_collectives``: on gloo, watch torch.distributed's collectives so that one that
     times out ends the run with a line naming it (:mod:`.collective_watch`; ``pretrain`` asks
@@ -103,6 +106,9 @@ def initialize_megatron(
         global_vars.set_signal_handler(
             DistributedSignalHandler(getattr(args, "exit_signal", signal.SIGTERM))
         )
+    # Validated, derived (backend, train_iters, padded_vocab_size) and printed: read-only now.
+    args = freeze_args(args, global_vars.get_run().state)
+    global_vars.set_args(args)
     return args
 
 

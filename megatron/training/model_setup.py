@@ -5,7 +5,7 @@ its LR / weight-decay scheduler, and loading a checkpoint into them: Megatron's
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,16 +25,20 @@ from megatron.core.utils import get_model_config
 from . import global_vars
 from .checkpointing import convert_checkpoint_and_exit, load_checkpoint
 from .configs import ddp_config_from_args, optimizer_config_from_args
+from .run import Run
 
 
 def get_model(
     model_provider: Callable,
     model_type: ModelType = ModelType.encoder_or_decoder,
     wrap_with_ddp: bool = True,
+    *,
+    run: Optional[Run] = None,
 ) -> List[torch.nn.Module]:
-    """Build this rank's model chunk(s), move them to the device, cast and wrap in DDP."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
+    """Build this rank's model chunk(s), move them to the device, cast and wrap in DDP
+    (``run``: default the current one)."""
+    run = run or global_vars.get_run()
+    args, state = run.args, run.parallel_state
     # One chunk per virtual stage; the model builds the layers of its (virtual) stage itself.
     pp_rank, pp_size = state.get_pipeline_model_parallel_rank(), args.pipeline_model_parallel_size
     num_chunks = args.virtual_pipeline_model_parallel_size or 1
@@ -103,9 +107,8 @@ def get_model(
         # Replicas are seeded identically, so their weights agree unless seeded per DP rank.
         if getattr(args, "data_parallel_random_init", False):
             ddp.broadcast_params()
-        machine = global_vars.get_rerun_state_machine()
-        if machine is not None:  # tools build models without one
-            ddp.set_rerun_state_machine(machine)
+        if run.rerun is not None:  # tools build models without one
+            ddp.set_rerun_state_machine(run.rerun)
         wrapped.append(ddp)
     return wrapped
 
@@ -122,9 +125,10 @@ def uses_torch_fsdp2(args) -> bool:
     )
 
 
-def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
-    """The learning-rate and weight-decay scheduler (Megatron's); its steps count samples."""
-    args = global_vars.get_args()
+def get_optimizer_param_scheduler(optimizer, *, args=None) -> OptimizerParamScheduler:
+    """The learning-rate and weight-decay scheduler (Megatron's); its steps count samples.
+    ``args``: the run's flags (default the current run's)."""
+    args = args if args is not None else global_vars.get_args()
     if args.train_iters is not None and args.train_samples is None:
         lr_decay_steps = (args.lr_decay_iters or args.train_iters) * args.global_batch_size
         wd_incr_steps = args.train_iters * args.global_batch_size
@@ -168,10 +172,13 @@ def get_optimizer_param_scheduler(optimizer) -> OptimizerParamScheduler:
     )
 
 
-def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    timers = global_vars.get_timers()
+def setup_model_and_optimizer(
+    model_provider: Callable, model_type: ModelType, *, run: Optional[Run] = None
+):
+    """The model chunks, optimizer and scheduler of ``run`` (default the current one), loaded
+    from --load / --pretrained-checkpoint when given; ``run.state`` starts from there."""
+    run = run or global_vars.get_run()
+    args, state, timers = run.args, run.parallel_state, run.timers
     fsdp2 = uses_torch_fsdp2(args)
     if fsdp2 and (
         args.load is not None
@@ -182,7 +189,7 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
             "checkpoints of FSDP2-sharded models (--use-torch-fsdp2 / --use-megatron-fsdp) "
             "cannot be saved or loaded yet: drop --save/--load/--pretrained-checkpoint"
         )
-    model = get_model(model_provider, model_type)
+    model = get_model(model_provider, model_type, run=run)
     stats_group = state.get_model_parallel_group() if state.size("mp") > 1 else None
     if fsdp2:
         # The optimizer steps this rank's shards; a parameter's shards live on different DP ranks,
@@ -214,28 +221,29 @@ def setup_model_and_optimizer(model_provider: Callable, model_type: ModelType):
         # the expert-tensor x expert x pipeline group.
         optimizer.expert_parallel_group = state.group("tp-ep-pp")
         optimizer.expert_tp_rank = state.get_expert_tensor_parallel_rank()
-    opt_param_scheduler = get_optimizer_param_scheduler(optimizer)
+    opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args=args)
     for chunk in model:
         # The model's dropout streams (a declared field, read as the layers run). Set on the
         # chunk's own config only: configs the model copied while it was built (T5's encoder
         # and decoder) keep none, as they always have.
         config = get_model_config(chunk)
-        config.rng_tracker = global_vars.get_rng_tracker()
+        config.rng_tracker = run.rng_tracker
 
-    args.iteration, args.num_floating_point_operations_so_far = 0, 0.0
+    iteration, flops = 0, 0.0
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:
         timers("load-checkpoint", log_level=0).start(barrier=True)
-        args.iteration, args.num_floating_point_operations_so_far = load_checkpoint(
+        iteration, flops = load_checkpoint(
             model,
             optimizer,
             opt_param_scheduler,
             load_arg="load" if args.load is not None else "pretrained_checkpoint",
+            run=run,
         )
         timers("load-checkpoint").stop(barrier=True)
         timers.log(["load-checkpoint"])
-    args.last_saved_iteration = args.iteration if args.iteration > 0 else None
+    run.state.start(iteration, flops)
     if getattr(args, "ckpt_convert_format", None) is not None:
-        convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler)
+        convert_checkpoint_and_exit(model, optimizer, opt_param_scheduler, run=run)
     return model, optimizer, opt_param_scheduler
 
 

@@ -112,14 +112,14 @@ def log_job_start(args) -> None:
     append_to_progress_log(args.save, args.world_size, STARTING_JOB)
 
 
-def log_checkpoint_saved(args, iteration: int, flops: float, job_start_time: float) -> None:
+def log_checkpoint_saved(args, state, iteration: int, flops: float, job_start_time: float) -> None:
     """The line after a checkpoint save (collective). `flops`: floating-point operations since
-    the start of training; args.num_floating_point_operations_so_far: those at this job's
-    start; `job_start_time`: time.time() when this job started."""
+    the start of training; `state` (the run's TrainState): those at this job's start and the
+    consumed samples; `job_start_time`: time.time() when this job started."""
     if args.save is None:
         return
     scale = 1e12 * args.world_size
-    job_throughput = (flops - args.num_floating_point_operations_so_far) / (
+    job_throughput = (flops - state.num_floating_point_operations_at_start) / (
         max(time.time() - job_start_time, 1e-6) * scale
     )
     text = None
@@ -127,7 +127,7 @@ def log_checkpoint_saved(args, iteration: int, flops: float, job_start_time: flo
         start_time, start_flops = start_of_this_world_size(args.save, args.world_size)
         elapsed = max((datetime.now() - start_time).total_seconds(), 1e-6)
         cumulative = (flops - start_flops) / (elapsed * scale)
-        tokens = args.consumed_train_samples * args.seq_length
+        tokens = state.consumed_train_samples * args.seq_length
         prefix = "Saving async checkpoint" if args.async_save else SAVED_CHECKPOINT
         text = (
             f"{prefix}\tIteration: {iteration}\t"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megatron.core.distributed.param_hashes import check_param_hashes_across_dp_replicas
 
-from . import global_vars
+from .run import Run
 from .utils import print_rank_0
 
 
@@ -14,13 +14,14 @@ class ReplicaMismatchError(RuntimeError):
     """Data-parallel replicas whose parameters differ; raised on every rank together."""
 
 
-def check_weight_hashes_if_due(model, iteration: int, before_training: bool = False) -> None:
+def check_weight_hashes_if_due(
+    model, iteration: int, run: Run, before_training: bool = False
+) -> None:
     """Run the check when the flag asks for it at `iteration` (a collective on every rank)."""
-    args = global_vars.get_args()
-    interval = getattr(args, "check_weight_hash_across_dp_replicas_interval", None)
+    interval = getattr(run.args, "check_weight_hash_across_dp_replicas_interval", None)
     if interval is None or not (before_training or iteration % interval == 0):
         return
-    state = global_vars.get_parallel_state()
+    state = run.parallel_state
     # Context-parallel ranks hold the same parameters too: compare over DP x CP.
     group = state.get_data_parallel_group(with_context_parallel=True)
     mismatches = check_param_hashes_across_dp_replicas(model, group)

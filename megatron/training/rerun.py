@@ -36,14 +36,14 @@ SPIKY_LOSS_FACTOR = 10.0
 """``--check-for-spiky-loss``: a loss this many times the largest of the first 100 is a spike."""
 
 
-def build_rerun_state_machine(args) -> RerunStateMachine:
-    """The machine for this run (kept in the training globals for the loss functions)."""
+def build_rerun_state_machine(args, tracker) -> RerunStateMachine:
+    """The machine for this run (``run.rerun``, where the loss functions find it through
+    get_rerun_state_machine()); a re-run restores ``tracker``'s RNG streams too."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = compute_device().index
     if device is None:  # on CPU a "device" is the process's slot on its node
         device = int(os.environ.get("LOCAL_RANK", "0"))
-    tracker = global_vars.get_rng_tracker()
-    machine = RerunStateMachine(
+    return RerunStateMachine(
         mode=RerunMode(args.rerun_mode),
         error_injector=RerunErrorInjector(
             error_injection_rate=args.error_injection_rate,
@@ -56,8 +56,6 @@ def build_rerun_state_machine(args) -> RerunStateMachine:
         restore_extra_state=(tracker.set_states if tracker is not None else None),
         result_rejected_tracker_filename=args.result_rejected_tracker_filename,
     )
-    global_vars.set_rerun_state_machine(machine)
-    return machine
 
 
 def set_machine_iteration(machine: Optional[RerunStateMachine], iteration: int) -> None:
@@ -84,11 +82,13 @@ def wrap_data_iterators(iterators, machine: RerunStateMachine):
 
 
 @contextmanager
-def results_not_validated():
-    """Evaluation: the loss functions run outside of any training iteration, so the machine is
-    disabled meanwhile (as in Megatron): a NaN loss ends the run with one line, nothing re-runs.
+def results_not_validated(machine: Optional[RerunStateMachine] = None):
+    """Evaluation: the loss functions run outside of any training iteration, so the machine
+    (default the current run's) is disabled meanwhile (as in Megatron): a NaN loss ends the run
+    with one line, nothing re-runs.
     """
-    machine = global_vars.get_rerun_state_machine()
+    if machine is None:
+        machine = global_vars.get_rerun_state_machine()
     if machine is None or machine.mode == RerunMode.DISABLED:
         yield
         return
@@ -100,11 +100,15 @@ def results_not_validated():
         machine.set_mode(mode)
 
 
-def check_loss(loss: torch.Tensor, args, iteration: int) -> None:
+def check_loss(loss: torch.Tensor, args, iteration: Optional[int] = None) -> None:
     """Megatron's loss checks, on this rank's loss before any reduction: NaN and Inf
     (``--check-for-nan-in-loss-and-grad``, fatal) and spikes (``--check-for-spiky-loss``,
-    non-fatal). With ``--rerun-mode disabled`` a NaN/Inf loss ends the run with one line."""
-    machine: Optional[RerunStateMachine] = global_vars.get_rerun_state_machine()
+    non-fatal). With ``--rerun-mode disabled`` a NaN/Inf loss ends the run with one line naming
+    ``iteration`` (default: the one the current run is in, its TrainState's next)."""
+    run = global_vars.get_run()
+    machine: Optional[RerunStateMachine] = run.rerun
+    if iteration is None:
+        iteration = run.state.iteration + 1
     if args.check_for_nan_in_loss_and_grad:
         if machine is None or machine.mode == RerunMode.DISABLED:
             if not torch.isfinite(loss).item():

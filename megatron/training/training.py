@@ -10,6 +10,7 @@ import gc
 import sys
 import time
 from datetime import timedelta
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -18,7 +19,6 @@ import torch.distributed as dist
 from megatron.core.device import collective_device, compute_device
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.pipeline_parallel.step_context import StepContext
 from megatron.core.utils import NonFiniteValueError, get_model_config
 
 from . import global_vars
@@ -45,6 +45,7 @@ from .params_norm import params_l2_norm
 from .progress_log import log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
 from .rerun import build_rerun_state_machine, set_machine_iteration, wrap_data_iterators
+from .run import Run
 from .straggler import StragglerDetector
 from .training_log import training_log
 from .utils import pipeline_schedule_kwargs, print_datetime, print_rank_0
@@ -66,8 +67,6 @@ __all__ = [
     "train_step",
     "uses_torch_fsdp2",
 ]
-
-_TRAIN_START_TIME = None
 
 
 # Errors caused by what the user gave us (files, flags): one line on stderr, exit code 1, no
@@ -121,9 +120,11 @@ def pretrain(
     enable_fault_handler()
     if is_the_program:
         watch_for_interrupt()
+    run = global_vars.get_run()  # initialize_megatron fills it; passed explicitly from there on
+    run.family = model_family
     try:
-        global_vars.set_model_family(model_family)
         exit_code = _pretrain(
+            run,
             train_valid_test_dataset_provider,
             model_provider,
             model_type,
@@ -147,7 +148,13 @@ def pretrain(
         # other ranks, on data-loader workers or on the background save).
         while True:
             try:
-                end_failed_run(exc, cleanups=(_note_abandoned_async_save, _finish_writers))
+                end_failed_run(
+                    exc,
+                    cleanups=(
+                        partial(_note_abandoned_async_save, run),
+                        partial(_finish_writers, run),
+                    ),
+                )
             except KeyboardInterrupt as interrupt:  # a SIGINT pending as the failure came
                 exc = interrupt
     # The model, optimizer and iterators were _pretrain's locals and are gone now.
@@ -158,6 +165,7 @@ def pretrain(
 
 
 def _pretrain(
+    run: Run,
     train_valid_test_dataset_provider,
     model_provider,
     model_type,
@@ -167,42 +175,40 @@ def _pretrain(
     args_defaults,
     argv,
 ):
-    global _TRAIN_START_TIME
     start_time = time.time()
-    initialize_megatron(
+    args = initialize_megatron(
         extra_args_provider=extra_args_provider,
         args_defaults=args_defaults,
         argv=argv,
         watch_collectives=True,
     )
     try:  # the model's own rules (another model's flags, a parallelism it refuses)
-        global_vars.get_model_family().check_args(global_vars.get_args())
+        run.model_family.check_args(args)
     except ArgumentValidationError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)  # every rank has the same flags: all leave here together
-    args = global_vars.get_args()
-    timers = global_vars.get_timers()
+    timers = run.timers
     # The earliest start of any rank.
     start = torch.tensor([start_time], dtype=torch.double, device=collective_device())
     if dist.is_initialized():
         dist.all_reduce(start, op=dist.ReduceOp.MIN)
-    _TRAIN_START_TIME = start.item()
+    run.start_time = start.item()
     if args.save:
         check_save_dir_writable(args.save)
     if args.log_progress:
         with building("progress log", args):  # a malformed progress.txt: one line naming it
             log_job_start(args)
     print_rank_0(
-        "time to initialize megatron (seconds): {:.3f}".format(time.time() - _TRAIN_START_TIME)
+        "time to initialize megatron (seconds): {:.3f}".format(time.time() - run.start_time)
     )
     print_datetime("after megatron is initialized")
 
     # Before the model: loading a checkpoint may hand it a re-run to finish.
-    machine = build_rerun_state_machine(args)
+    run.rerun = build_rerun_state_machine(args, run.rng_tracker)
     timers("model-and-optimizer-setup", log_level=0).start(barrier=True)
     with building("model, optimizer and scheduler", args):
         model, optimizer, opt_param_scheduler = setup_model_and_optimizer(
-            model_provider, model_type
+            model_provider, model_type, run=run
         )
     timers("model-and-optimizer-setup").stop()
     print_datetime("after model, optimizer, and learning rate scheduler are built")
@@ -211,30 +217,29 @@ def _pretrain(
 
         report_theoretical_memory(
             args,
-            num_microbatches=global_vars.get_num_microbatches(),
-            family=global_vars.get_model_family(),
+            num_microbatches=run.num_microbatches,
+            family=run.model_family,
             device_type=compute_device().type,
         )
     config = get_model_config(model[0])
-    step_context = build_step_context(args, optimizer, global_vars.get_parallel_state(), timers)
+    run.step_context = build_step_context(args, optimizer, run.parallel_state, timers)
 
     timers("train/valid/test-data-iterators-setup", log_level=0).start(barrier=True)
     with building("datasets", args):
         train_iter, valid_iter, test_iter = build_train_valid_test_data_iterators(
-            train_valid_test_dataset_provider
+            train_valid_test_dataset_provider, run=run
         )
-    train_iter = wrap_data_iterators(train_iter, machine)
+    train_iter = wrap_data_iterators(train_iter, run.rerun)
     timers("train/valid/test-data-iterators-setup").stop()
     print_datetime("after dataloaders are built")
     print_rank_0("done with setup ...")
     timers.log(["model-and-optimizer-setup", "train/valid/test-data-iterators-setup"], barrier=True)
 
-    iteration = args.iteration
-    flops = args.num_floating_point_operations_so_far
+    state = run.state
     exit_code = None
     if not args.skip_train and args.train_iters > 0:
         print_rank_0("training ...")
-        iteration, flops, exit_code = train(
+        _, _, exit_code = train(
             forward_step_func,
             model,
             optimizer,
@@ -243,19 +248,27 @@ def _pretrain(
             valid_iter,
             process_non_loss_data_func,
             config,
-            step_context=step_context,
+            run=run,
         )
         print_datetime("after training is done")
-        if exit_code is None and iteration != 0:
+        if exit_code is None and state.iteration != 0:
             save_if_not_saved(
-                iteration, model, optimizer, opt_param_scheduler, flops, _TRAIN_START_TIME
+                state.iteration,
+                model,
+                optimizer,
+                opt_param_scheduler,
+                state.num_floating_point_operations_so_far,
+                run.start_time,
+                run,
             )
     else:
         print_rank_0("skipping training (--skip-train is on) ...")
-    maybe_finalize_async_save(blocking=True)  # an --async-save checkpoint is complete before exit
+    # An --async-save checkpoint is complete before exit.
+    maybe_finalize_async_save(blocking=True, run=run)
 
     if exit_code is None:
-        if args.do_valid:
+        iteration = state.iteration
+        if state.do_valid:
             evaluate_and_print_results(
                 f"iteration {iteration} on validation set",
                 forward_step_func,
@@ -264,9 +277,9 @@ def _pretrain(
                 iteration,
                 config,
                 verbose=True,
-                step_context=step_context,
+                run=run,
             )
-        if args.do_test:
+        if state.do_test:
             evaluate_and_print_results(
                 f"iteration {iteration} on test set",
                 forward_step_func,
@@ -276,9 +289,9 @@ def _pretrain(
                 config,
                 verbose=True,
                 test=True,
-                step_context=step_context,
+                run=run,
             )
-    _finish_writers()
+    _finish_writers(run)
     return exit_code
 
 
@@ -291,8 +304,11 @@ def leave_process_group(wait_for_all: bool = True):
         return
     if wait_for_all:
         dist.barrier()
-    global_vars.set_parallel_state(None)  # it holds every model-parallel group
-    release_async_save_group()
+    run = global_vars.get_run()
+    # They hold the groups: the parallel state every model-parallel one, the step context the
+    # gradient finalization's.
+    run.parallel_state = run.step_context = None
+    release_async_save_group(run)
     uninstall()
     leaked = teardown_process_groups()
     if leaked:
@@ -305,8 +321,8 @@ def leave_process_group(wait_for_all: bool = True):
         )
 
 
-def _note_abandoned_async_save():
-    work_dir = abandon_async_save()
+def _note_abandoned_async_save(run: Run):
+    work_dir = abandon_async_save(run)
     if work_dir is not None:
         print(
             f"[rank {dist.get_rank() if dist.is_initialized() else 0}] the asynchronous save "
@@ -316,14 +332,12 @@ def _note_abandoned_async_save():
         )
 
 
-def _finish_writers():
-    writer = global_vars.get_tensorboard_writer()
-    if writer is not None:
-        writer.flush()
-        writer.close()
-    wandb_writer = global_vars.get_wandb_writer()
-    if wandb_writer is not None:
-        wandb_writer.finish()
+def _finish_writers(run: Run):
+    if run.tensorboard is not None:
+        run.tensorboard.flush()
+        run.tensorboard.close()
+    if run.wandb is not None:
+        run.wandb.finish()
 
 
 def train_step(
@@ -334,21 +348,21 @@ def train_step(
     opt_param_scheduler,
     config,
     *,
-    step_context: Optional[StepContext] = None,
+    run: Optional[Run] = None,
 ):
     """One iteration: all micro-batches, gradient sync, optimizer and scheduler step.
 
-    ``step_context`` is what the schedule takes from the trainer (model_setup.build_step_context);
-    without it the schedule reads it from ``config`` as Megatron Core's schedules do."""
-    args = global_vars.get_args()
-    state = global_vars.get_parallel_state()
-    timers = global_vars.get_timers()
-    machine = global_vars.get_rerun_state_machine()
+    ``run`` (default: the current one) supplies the flags, groups, timers, rerun state machine
+    and the step context, what the schedule takes from the trainer
+    (model_setup.build_step_context); without a step context the schedule reads it from
+    ``config``, as Megatron Core's schedules do."""
+    run = run or global_vars.get_run()
+    args, state, timers, machine = run.args, run.parallel_state, run.timers, run.rerun
     forward_backward_func = get_forward_backward_func(
         args.pipeline_model_parallel_size,
         getattr(args, "virtual_pipeline_model_parallel_size", None),
     )
-    num_microbatches = global_vars.get_num_microbatches()
+    num_microbatches = run.num_microbatches
     # The machine runs the forward-backward pass again (same data, same RNG states) when a
     # validated result was rejected, or every time with --rerun-mode report_stats.
     while machine.should_run_forward_backward(data_iterator):
@@ -364,7 +378,7 @@ def train_step(
             seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size,
             forward_only=False,
-            step_context=step_context,
+            step_context=run.step_context,
             **pipeline_schedule_kwargs(args, state),
         )
         timers("forward-backward").stop()
@@ -387,8 +401,8 @@ def train_step(
     if state.is_pipeline_last_stage():
         loss_reduced = _reduce_losses(losses_reduced, state)
         loss_reduced.update(moe_loss_scalars(moe_per_layer, config))
-    writer = global_vars.get_tensorboard_writer()
-    iteration = getattr(args, "iteration", 0) + 1
+    writer = run.tensorboard
+    iteration = run.state.iteration + 1
     if (
         moe_per_layer
         and writer is not None
@@ -457,27 +471,26 @@ def train(
     process_non_loss_data_func,
     config,
     *,
-    step_context: Optional[StepContext] = None,
+    run: Optional[Run] = None,
 ):
-    """The loop; returns (iteration, flops so far, exit code or None)."""
-    args = global_vars.get_args()
-    timers = global_vars.get_timers()
+    """The loop, from and into ``run.state`` (default: the current run's); returns (iteration,
+    flops so far, exit code or None)."""
+    run = run or global_vars.get_run()
+    args, timers = run.args, run.timers
     for chunk in model:
         chunk.train()
-    iteration = args.iteration
-    set_machine_iteration(global_vars.get_rerun_state_machine(), iteration)
-    flops = args.num_floating_point_operations_so_far
+    set_machine_iteration(run.rerun, run.state.iteration)
     if args.distributed_timeout_seconds_after_init is not None and dist.is_initialized():
         # Set-up (dataset indices, checkpoint loads) may be slow; iterations are not.
         set_timeout(timedelta(seconds=args.distributed_timeout_seconds_after_init))
     timers("interval-time", log_level=0).start(barrier=True)
-    check_weight_hashes_if_due(model, iteration, before_training=True)
+    check_weight_hashes_if_due(model, run.state.iteration, run, before_training=True)
     if args.manual_gc:
         # Megatron's manual GC: no automatic collections, one every --manual-gc-interval.
         gc.disable()
         gc.collect()
     try:
-        iteration, flops, exit_code = _train_loop(
+        exit_code = _train_loop(
             forward_step_func,
             model,
             optimizer,
@@ -485,14 +498,12 @@ def train(
             train_data_iterator,
             valid_data_iterator,
             config,
-            iteration,
-            flops,
-            step_context,
+            run,
         )
     finally:
         if args.manual_gc:
             gc.enable()  # later work in this process (tests run several trainings) collects again
-    return iteration, flops, exit_code
+    return run.state.iteration, run.state.num_floating_point_operations_so_far, exit_code
 
 
 def _train_loop(
@@ -503,12 +514,10 @@ def _train_loop(
     train_data_iterator,
     valid_data_iterator,
     config,
-    iteration,
-    flops,
-    step_context,
+    run: Run,
 ):
-    args = global_vars.get_args()
-    family = global_vars.get_model_family()
+    """Train until --train-iters, an exit or a re-run request; returns the exit code or None."""
+    args, state, family = run.args, run.state, run.model_family
     total_loss_dict = {}
     report_memory_flag = True
     exit_code = None
@@ -517,9 +526,10 @@ def _train_loop(
     if args.log_straggler:
         stragglers = StragglerDetector(args.straggler_minmax_count)
         train_forward_step = stragglers.timed(forward_step_func)
-    while iteration < args.train_iters:
-        maybe_finalize_async_save(blocking=False)  # commits a finished --async-save checkpoint
-        global_vars.update_num_microbatches(args.consumed_train_samples, consistency_check=True)
+    while state.iteration < args.train_iters:
+        # Commits a finished --async-save checkpoint.
+        maybe_finalize_async_save(blocking=False, run=run)
+        run.num_microbatches_calculator.update(state.consumed_train_samples, consistency_check=True)
         try:
             loss_dict, skipped_iter, grad_norm, num_zeros = train_step(
                 train_forward_step,
@@ -528,39 +538,34 @@ def _train_loop(
                 optimizer,
                 opt_param_scheduler,
                 config,
-                step_context=step_context,
+                run=run,
             )
         except RerunExit as stop:
             # Saved at the start of the iteration (step, RNG, consumed samples), with the
             # machine's state, so that a restarted job runs the same iteration again.
             if stop.should_checkpoint and args.save:
                 save_checkpoint(
-                    iteration,
+                    state.iteration,
                     model,
                     optimizer,
                     opt_param_scheduler,
-                    flops,
-                    rerun_state=global_vars.get_rerun_state_machine().state_dict(
-                        train_data_iterator
-                    ),
+                    state.num_floating_point_operations_so_far,
+                    rerun_state=run.rerun.state_dict(train_data_iterator),
+                    run=run,
                 )
-                args.last_saved_iteration = iteration
+                state.last_saved_iteration = state.iteration
             exit_code = stop.exit_code
             break
-        iteration += 1
-        args.iteration = iteration
-        batch_size = (
-            args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
+        batch_size = args.micro_batch_size * args.data_parallel_size * run.num_microbatches
+        state.advance(
+            batch_size, family.num_floating_point_operations(args, batch_size), bool(skipped_iter)
         )
-        args.consumed_train_samples += batch_size
-        flops += family.num_floating_point_operations(args, batch_size)
-        if skipped_iter:
-            args.skipped_train_samples = getattr(args, "skipped_train_samples", 0) + batch_size
+        iteration = state.iteration
         loss_scale = optimizer.get_loss_scale().item()
         params_norm = None
         if args.log_params_norm and _params_norm_is_logged(args, iteration):
             params_norm = params_l2_norm(
-                model, optimizer, global_vars.get_parallel_state(), use_main_params=args.bf16
+                model, optimizer, run.parallel_state, use_main_params=args.bf16
             )
         learning_rate = optimizer.param_groups[0]["lr"]
         report_memory_flag = training_log(
@@ -574,6 +579,7 @@ def _train_loop(
             grad_norm,
             params_norm,
             num_zeros,
+            run=run,
         )
 
         if stragglers is not None and iteration % args.log_interval == 0:
@@ -583,10 +589,10 @@ def _train_loop(
             )
             if report:
                 print(report, flush=True)
-        check_weight_hashes_if_due(model, iteration)
+        check_weight_hashes_if_due(model, iteration, run)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
-        if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+        if args.eval_interval and iteration % args.eval_interval == 0 and state.do_valid:
             if args.manual_gc and args.manual_gc_eval:
                 gc.collect()
             evaluate_and_print_results(
@@ -597,13 +603,19 @@ def _train_loop(
                 iteration,
                 config,
                 verbose=False,
-                step_context=step_context,
+                run=run,
             )
             if args.manual_gc and args.manual_gc_eval:
                 gc.collect()
         exit_code = checkpoint_and_decide_exit(
-            model, optimizer, opt_param_scheduler, iteration, flops, _TRAIN_START_TIME
+            model,
+            optimizer,
+            opt_param_scheduler,
+            iteration,
+            state.num_floating_point_operations_so_far,
+            run.start_time,
+            run=run,
         )
         if exit_code is not None:
             break
-    return iteration, flops, exit_code
+    return exit_code

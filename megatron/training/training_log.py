@@ -13,6 +13,7 @@ from megatron.core.device import compute_device, computes_on_cuda
 from . import global_vars
 from .flops import peak_tflops_per_device
 from .memory_stats import memory_scalars
+from .run import Run
 from .utils import print_rank_last
 
 ADVANCED_KEY = "advanced iterations"
@@ -88,15 +89,16 @@ def training_log(
     grad_norm,
     params_norm,
     num_zeros_in_grad,
+    *,
+    run: Run,
 ) -> bool:
     """Accumulate this iteration's losses; every --log-interval print the line and reset.
+    ``run`` gives the flags, progress, timers and writers.
 
     Returns the updated ``report_memory_flag`` (the CUDA memory line is printed once).
     """
-    args = global_vars.get_args()
-    timers = global_vars.get_timers()
-    writer = global_vars.get_tensorboard_writer()
-    wandb_writer = global_vars.get_wandb_writer()
+    args, state, timers = run.args, run.state, run.timers
+    writer, wandb_writer = run.tensorboard, run.wandb
 
     total_loss_dict[ADVANCED_KEY] = total_loss_dict.get(ADVANCED_KEY, 0) + (
         0 if skipped_iter else 1
@@ -113,10 +115,8 @@ def training_log(
         got_nan = torch.stack(flags).any().int()
     total_loss_dict[NAN_KEY] = total_loss_dict.get(NAN_KEY, 0) + got_nan
 
-    batch_size = (
-        args.micro_batch_size * args.data_parallel_size * global_vars.get_num_microbatches()
-    )
-    samples = args.consumed_train_samples
+    batch_size = args.micro_batch_size * args.data_parallel_size * run.num_microbatches
+    samples = state.consumed_train_samples
     timers_to_log = [
         "forward-backward",
         "forward-compute",
@@ -170,8 +170,8 @@ def training_log(
                 writer.add_scalar(name, value, iteration)
                 if name not in ("world-size", "num-zeros") and name not in memory:
                     writer.add_scalar(f"{name} vs samples", value, samples)
-            if getattr(args, "skipped_train_samples", 0):
-                writer.add_scalar("skipped-train-samples", args.skipped_train_samples, iteration)
+            if state.skipped_train_samples:
+                writer.add_scalar("skipped-train-samples", state.skipped_train_samples, iteration)
         if getattr(args, "log_timers_to_tensorboard", False) and args.tensorboard_dir:
             # A gather over every rank: all ranks call it, only the one with the writer writes
             # (called on the writer's rank alone, it waited for ever for the others).
@@ -200,14 +200,20 @@ def training_log(
     throughput = None
     if getattr(args, "log_throughput", False):
         throughput = _log_throughput(
-            args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer
+            args,
+            run.model_family,
+            batch_size,
+            elapsed_per_iteration,
+            iteration,
+            writer,
+            wandb_writer,
         )
     line = format_log_line(
         timestamp=datetime.now().strftime("%Y-%m-%d %H:%M:%S"),
         iteration=iteration,
         train_iters=args.train_iters,
-        consumed_samples=args.consumed_train_samples,
-        skipped_samples=getattr(args, "skipped_train_samples", 0),
+        consumed_samples=state.consumed_train_samples,
+        skipped_samples=state.skipped_train_samples,
         elapsed_ms=elapsed_per_iteration * 1000.0,
         throughput=throughput,
         learning_rate=learning_rate,
@@ -234,17 +240,18 @@ def training_log(
     for key in list(total_loss_dict):
         total_loss_dict[key] = 0 if key in (ADVANCED_KEY, SKIPPED_KEY, NAN_KEY) else 0.0
     if report_memory_flag and computes_on_cuda():
-        report_memory(f"(after {iteration} iterations)")
+        report_memory(f"(after {iteration} iterations)", run.parallel_state)
         report_memory_flag = False
     timers.log(timers_to_log, normalizer=args.log_interval)
     return report_memory_flag
 
 
 def _log_throughput(
-    args, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer
+    args, family, batch_size, elapsed_per_iteration, iteration, writer, wandb_writer
 ) -> float:
-    """TFLOP/s per GPU with Megatron's FLOP count; also tokens/s and MFU to TensorBoard / W&B."""
-    flops = global_vars.get_model_family().num_floating_point_operations(args, batch_size)
+    """TFLOP/s per GPU with the family's FLOP count (Megatron's for GPT); also tokens/s and MFU
+    to TensorBoard / W&B."""
+    flops = family.num_floating_point_operations(args, batch_size)
     tflops_per_gpu = flops / (max(elapsed_per_iteration, 1e-12) * 1e12 * args.world_size)
     tokens_per_sec = batch_size * args.seq_length / max(elapsed_per_iteration, 1e-12)
     scalars = {"throughput": tflops_per_gpu, "tokens-per-sec": tokens_per_sec}
@@ -259,9 +266,10 @@ def _log_throughput(
     return tflops_per_gpu
 
 
-def report_memory(name: str) -> None:
-    """Megatron's CUDA memory line, printed by data-parallel rank 0 of each model-parallel rank."""
-    state = global_vars.get_parallel_state()
+def report_memory(name: str, state=None) -> None:
+    """Megatron's CUDA memory line, printed by data-parallel rank 0 of each model-parallel rank
+    (``state``: the process groups, default the current run's)."""
+    state = state if state is not None else global_vars.get_parallel_state()
     if state.get_data_parallel_rank() != 0:
         return
     mb = 1024.0 * 1024.0
@@ -280,12 +288,17 @@ def report_memory(name: str) -> None:
 
 
 def print_evaluation(
-    prefix: str, total_loss_dict: Dict[str, float], iteration: int, samples: int, test: bool = False
+    prefix: str,
+    total_loss_dict: Dict[str, float],
+    iteration: int,
+    samples: int,
+    test: bool = False,
+    *,
+    run: Run,
 ) -> str:
-    """Megatron's validation/test block; also writes the scalars to TensorBoard and W&B."""
-    args = global_vars.get_args()
-    writer = global_vars.get_tensorboard_writer()
-    wandb_writer = global_vars.get_wandb_writer()
+    """Megatron's validation/test block; also writes the scalars to ``run``'s TensorBoard and
+    W&B writers."""
+    args, writer, wandb_writer = run.args, run.tensorboard, run.wandb
     string = f" validation loss at {prefix} | "
     label = "test" if test else "validation"
     scalars = {}

@@ -21,6 +21,6 @@ def masked_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         # (the schedule multiplies by CP size and DDP averages over DP x CP).
         num_tokens = local_tokens.clone()
         torch.distributed.all_reduce(num_tokens, group=state.get_context_parallel_group())
-    check_loss(loss, args, iteration=args.iteration + 1)
+    check_loss(loss, args)
     reported = torch.cat([loss.clone().detach().view(1), local_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": reported}

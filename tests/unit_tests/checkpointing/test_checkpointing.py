@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from megatron.training import checkpointing, global_vars
-from tests.unit_tests.checkpoint_utils import checkpoint_args, setup_training_state
+from tests.unit_tests.checkpoint_utils import (
+    check_saved_run_state,
+    checkpoint_args,
+    setup_training_state,
+)
 
 
 def _args(tmp_path, **kw):
@@ -147,3 +151,8 @@ def test_megatron_lm_numpy_rng_state_loads_weights_only(tmp_path):
     model2, opt2, sched2 = _setup(tmp_path, seed=99)
     assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 1
     assert np.array_equal(np.random.rand(3), expected)
+
+
+def test_a_training_run_saves_megatrons_run_state_entries(tmp_path, capsys):
+    # The saved args Namespace and the top-level entries, key for key and value for value.
+    check_saved_run_state(tmp_path, "torch", capsys)

@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.layers import shard_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import checkpointing, checkpointing_dist, global_vars
 from tests.unit_tests.checkpoint_utils import (
+    check_saved_run_state,
     checkpoint_args,
     make_scheduler,
     setup_training_state,
@@ -843,3 +844,9 @@ def test_rng_state_is_megatron_lms_object_and_the_earlier_list_form_still_loads(
     _reseed_everything(55)
     assert checkpointing.load_checkpoint(model2, opt2, sched2)[0] == 3
     _assert_same_draws(_next_draws(), expected)
+
+
+def test_a_training_run_saves_megatrons_run_state_entries(tmp_path, capsys):
+    # The saved args Namespace and the top-level entries, key for key and value for value,
+    # and those of a --ckpt-convert-format conversion of the run.
+    check_saved_run_state(tmp_path, "torch_dist", capsys)

@@ -44,7 +44,7 @@ def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tens
         )
         loss = lm_loss + sop_loss
         reported["sop loss"] = sop_loss.clone().detach()
-    check_loss(loss, args, iteration=args.iteration + 1)
+    check_loss(loss, args)
     return loss, reported
 
 
