@@ -171,6 +171,8 @@ def main():
     parser.add_argument("--ops", action="store_true", help="list the ops of two settings")
     cli = parser.parse_args()
     device = torch.device(cli.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)  # set_device wants an index
     timed = cli.timed_steps if device.type == "cuda" else 0
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
