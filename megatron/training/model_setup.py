@@ -223,9 +223,9 @@ def setup_model_and_optimizer(
         optimizer.expert_tp_rank = state.get_expert_tensor_parallel_rank()
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args=args)
     for chunk in model:
-        # The model's dropout streams (a declared field, read as the layers run). Set on the
-        # chunk's own config only: configs the model copied while it was built (T5's encoder
-        # and decoder) keep none, as they always have.
+        # The model's dropout streams (a declared field, read as the layers run). The families'
+        # configs carry them from core_transformer_config_from_args already (also the copies
+        # T5 makes); this covers a user's model_provider that builds its own config.
         config = get_model_config(chunk)
         config.rng_tracker = run.rng_tracker
 

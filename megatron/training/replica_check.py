@@ -22,9 +22,11 @@ def check_weight_hashes_if_due(
     if interval is None or not (before_training or iteration % interval == 0):
         return
     state = run.parallel_state
-    # Context-parallel ranks hold the same parameters too: compare over DP x CP.
+    # Context-parallel ranks hold the same parameters too: compare over DP x CP. Experts differ
+    # across expert-parallel ranks: they are compared over the ranks holding the same experts.
     group = state.get_data_parallel_group(with_context_parallel=True)
-    mismatches = check_param_hashes_across_dp_replicas(model, group)
+    expert_group = state.get_expert_data_parallel_group() if run.args.num_experts else None
+    mismatches = check_param_hashes_across_dp_replicas(model, group, expert_group)
     if mismatches:
         ranks = ", ".join(str(m.rank) for m in mismatches)
         first = mismatches[0]

@@ -227,7 +227,7 @@ RUNS = {
         GPT + "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 "
         "--moe-token-dispatcher-type alltoall --moe-grouped-gemm --moe-router-enable-expert-bias "
         "--moe-router-score-function sigmoid --moe-router-load-balancing-type global_aux_loss "
-        "--moe-aux-loss-coeff 0.01 --moe-per-layer-logging --bf16 ",
+        "--moe-aux-loss-coeff 0.01 --moe-per-layer-logging --bf16 " + WEIGHT_HASH_CHECK,
     ),
     "bert-tp2": (
         "pretrain_bert",
