@@ -102,7 +102,8 @@ def main(argv=None) -> None:
 def _serve(args) -> None:
     """Load the model and serve it (global rank 0) or follow the serving rank (the others)."""
     model = get_model(model_provider, wrap_with_ddp=False)
-    # Only the model weights are read, and a missing checkpoint is an error (as in Megatron).
+    # Only the model weights are read (Megatron's server passes no optimizer either), and a
+    # missing checkpoint is an error: a server of random weights is never what was meant.
     load_checkpoint(
         model, None, None, strict=True, load_optim=False, load_rng=False, exit_on_missing=True
     )

@@ -125,7 +125,8 @@ def _atomic_save(obj, path: str) -> None:
 def _is_torch_format_writer(args, state) -> bool:
     """Whether this rank writes its file ``mp_rank_TT[_PPP][_EEE]``: data-parallel rank 0; with
     experts, expert-data-parallel rank 0 (the file of each (TP, PP, EP) rank holds the dense
-    shards and that EP rank's experts, as in Megatron)."""
+    shards and that EP rank's experts: Megatron's torch format has one file per (TP, PP, EP) rank
+    too)."""
     if not getattr(args, "num_experts", None):
         return state.get_data_parallel_rank(with_context_parallel=True) == 0
     etp = state.get_expert_tensor_parallel_world_size()
@@ -153,9 +154,10 @@ def save_checkpoint(
     """Save this rank's shard; rank 0 updates the tracker once every rank is done.
 
     ``rerun_state``: the rerun state machine's state when it asks for a checkpoint to re-run an
-    iteration from (kept, as in Megatron, in torch_dist checkpoints only). ``run``: the run
-    saved (default the current one): its groups, RNG streams and progress (``run.state``, whose
-    sample counts, last save and data flags go into the saved ``args`` as Megatron's).
+    iteration from (kept in torch_dist checkpoints only, where Megatron's machine keeps it too).
+    ``run``: the run saved (default the current one): its groups, RNG streams and progress
+    (``run.state``, whose sample counts, last save and data flags go into the saved ``args`` as
+    Megatron's).
     ``args``: the flags to save with, default ``run.args`` (a conversion saves with another
     format and directory)."""
     run = run or global_vars.get_run()

@@ -84,8 +84,8 @@ def wrap_data_iterators(iterators, machine: RerunStateMachine):
 @contextmanager
 def results_not_validated(machine: Optional[RerunStateMachine] = None):
     """Evaluation: the loss functions run outside of any training iteration, so the machine
-    (default the current run's) is disabled meanwhile (as in Megatron): a NaN loss ends the run
-    with one line, nothing re-runs.
+    (default the current run's) is disabled meanwhile (Megatron's evaluate() disables it too): a
+    NaN loss ends the run with one line, nothing re-runs.
     """
     if machine is None:
         machine = global_vars.get_rerun_state_machine()

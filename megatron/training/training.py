@@ -1,4 +1,5 @@
-"""The training loop: ``pretrain()``, ``train()`` and ``train_step()``, as in Megatron-LM.
+"""The training loop: ``pretrain()``, ``train()`` and ``train_step()``, with Megatron-LM's names
+and signatures.
 
 Building the model and optimizer is in model_setup.py, the data iterators in data_iterators.py,
 evaluation in evaluation.py and the save/exit decision after each iteration in
@@ -104,8 +105,8 @@ def pretrain(
     :class:`~megatron.training.model_families.ModelFamily`; default GPT's) supplies the FLOPs,
     the theoretical memory and the checkpoint's model flags, and its ``args_defaults`` when
     ``args_defaults`` is None. ``argv`` (default ``sys.argv[1:]``) lets tests run a training
-    in-process. Returns nothing, like Megatron's: a process group created here is torn down
-    before returning.
+    in-process. Returns nothing (Megatron's returns None too): a process group created here is
+    torn down before returning.
 
     Run as the program (``argv`` None), an unexpected exception or Ctrl-C ends the process at
     once with its traceback (see :mod:`.failed_run`), so that torchrun can end the job; an
