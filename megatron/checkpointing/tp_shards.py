@@ -93,7 +93,7 @@ def tp_split(name: str, swiglu: bool) -> TPSplit:
         return REPLICATED
     raise ConversionError(
         f"tensor '{name}' is not one the converter knows how to reshard "
-        "(T5's cross-attention and multi-latent attention are not supported yet)"
+        "(cross-attention layers and multi-latent attention are not supported yet)"
     )
 
 
