@@ -21,7 +21,7 @@ from typing import Dict, Iterable, List, Optional
 
 import torch.distributed as dist
 
-from .checkpointing_common import CheckpointError
+from megatron.checkpointing.errors import CheckpointError
 
 MANIFEST_NAME = "integrity.sha256"
 _CHUNK = 1 << 20

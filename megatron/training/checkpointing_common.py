@@ -15,9 +15,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# Imported from here by checkpoint_integrity.py and training.py.
-from megatron.checkpointing.errors import CheckpointError  # noqa: F401
-from megatron.checkpointing.layout import check_save_dir_writable  # noqa: F401
 from megatron.core.device import computes_on_cuda
 
 from .utils import print_rank_0

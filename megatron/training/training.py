@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.checkpointing.layout import check_save_dir_writable
 from megatron.core.device import collective_device, compute_device
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -24,7 +25,6 @@ from megatron.core.utils import NonFiniteValueError, get_model_config
 
 from . import global_vars
 from .checkpointing import CheckpointError, maybe_finalize_async_save, save_checkpoint
-from .checkpointing_common import check_save_dir_writable
 from .checkpointing_dist import abandon_async_save, release_async_save_group
 from .collective_watch import CollectiveTimeoutError, set_timeout, uninstall
 from .data_iterators import build_train_valid_test_data_iterators, get_train_valid_test_num_samples

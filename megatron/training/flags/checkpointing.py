@@ -37,7 +37,7 @@ class CheckpointingFlags:
     save_retain_interval: Optional[int] = flag(
         None,
         "Keep only checkpoints at multiples of this interval (and the latest); delete the others.",
-        honoured_at="checkpointing_common.remove_unretained",
+        honoured_at="megatron.checkpointing.layout.remove_unretained",
     )
     no_save_optim: Optional[bool] = switch(
         "Do not save the optimizer state.",
