@@ -291,7 +291,6 @@ def leave_process_group(wait_for_all: bool = True):
         return
     if wait_for_all:
         dist.barrier()
-    global_vars.set_parallel_state(None)  # it holds every model-parallel group
     release_async_save_group()
     uninstall()
     leaked = teardown_process_groups()

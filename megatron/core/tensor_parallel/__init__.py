@@ -22,6 +22,10 @@ from megatron.core.tensor_parallel.process_groups import (
     ProcessGroupCollection,
     resolve_pg_collection,
 )
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -39,4 +43,6 @@ __all__ = [
     "ProcessGroupCollection",
     "resolve_pg_collection",
     "broadcast_data",
+    "get_cuda_rng_tracker",
+    "model_parallel_cuda_manual_seed",
 ]

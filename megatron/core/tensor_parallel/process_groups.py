@@ -37,6 +37,16 @@ class ProcessGroupCollection:
     """Tensor x data x context-parallel group: the ranks holding different tokens of a step
     (the MoE global_aux_loss counts tokens over it)."""
 
+    dp: Any = None
+    """Data-parallel group (without context parallelism)."""
+
+    dp_cp: Any = None
+    """Data x context-parallel group: the ranks whose dense gradients are averaged together."""
+
+    expt_dp: Any = None
+    """Expert-data-parallel group: the ranks holding the same experts (their gradients are
+    summed over it)."""
+
     @classmethod
     def from_parallel_state(cls, state) -> "ProcessGroupCollection":
         """From a :class:`megatron.core.parallel_state.ParallelState` (its tp, cp, pp groups)."""
@@ -49,6 +59,9 @@ class ProcessGroupCollection:
             tp_ep=state.group("tp-ep"),
             tp_cp=state.group("tp-cp"),
             tp_dp_cp=state.group("tp-dp-cp"),
+            dp=state.get_data_parallel_group(),
+            dp_cp=state.get_data_parallel_group(with_context_parallel=True),
+            expt_dp=state.get_expert_data_parallel_group(),
         )
 
     @property
