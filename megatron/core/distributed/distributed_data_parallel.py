@@ -171,7 +171,8 @@ class DistributedDataParallel(torch.nn.Module):
             if expert_data_parallel_group is None and self.dp_size > 1:
                 raise ValueError(
                     "the model has expert parameters (allreduce=False): pass "
-                    "pg_collection with expt_dp (ParallelState.get_expert_data_parallel_group())"
+                    "expert_data_parallel_group as pg_collection.expt_dp "
+                    "(ParallelState.get_expert_data_parallel_group())"
                 )
             expert_dp_size = collectives.group_size(expert_data_parallel_group)
             if config.average_in_collective:

@@ -4,6 +4,7 @@ core)."""
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.collectives import check_group_size, group_rank, group_size
 
 
@@ -63,6 +64,13 @@ class ProcessGroupCollection:
             dp_cp=state.get_data_parallel_group(with_context_parallel=True),
             expt_dp=state.get_expert_data_parallel_group(),
         )
+
+    @classmethod
+    def use_mpu_process_groups(cls) -> "ProcessGroupCollection":
+        """Megatron-core's name: the groups of the current ``parallel_state`` (all None without
+        one)."""
+        state = parallel_state.current_parallel_state()
+        return cls.from_parallel_state(state) if state is not None else cls()
 
     @property
     def tp_size(self) -> int:
