@@ -1,5 +1,6 @@
 """Tensor parallelism: autograd-aware collectives, parallel layers, vocab-parallel cross entropy,
-the RNG tracker; sequence-parallel helpers. Process groups are always passed explicitly."""
+the RNG tracker and megatron-core's seeding; sequence-parallel helpers. Layers take their process
+groups explicitly."""
 
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.data import broadcast_data

@@ -1,5 +1,5 @@
-"""The process groups a model needs, passed explicitly (there is no global parallel state in
-core)."""
+"""The process groups a model needs, passed explicitly; ``use_mpu_process_groups()``
+(megatron-core's name) collects those of the current ``parallel_state`` for a library caller."""
 
 from dataclasses import dataclass
 from typing import Any, Optional
