@@ -8,7 +8,8 @@ tracker and the model is given the current groups (``ProcessGroupCollection.use_
 ()``). Synthetic batches replace the mock dataset (the datasets side of the issue).
 
 In the same world: the module-level ``parallel_state`` getters against the rank grid, at TP=2 and
-after ``destroy_model_parallel()`` at PP=2.
+after ``destroy_model_parallel()`` at PP=2 (with and without virtual stages), and the groups
+``get_megatron_optimizer(config, model_chunks)`` takes from it.
 """
 
 from functools import partial
@@ -22,6 +23,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.tensor_parallel import ProcessGroupCollection
@@ -164,6 +166,11 @@ def _module_level_getters(rank):
     assert ps.get_virtual_pipeline_model_parallel_world_size() is None
     assert dist.get_world_size(ps.get_model_parallel_group()) == 2
     assert ps.get_tensor_model_parallel_group() is ps.get_model_parallel_group()
+    # get_megatron_optimizer(config, model_chunks): the groups come from parallel_state.
+    chunk = torch.nn.Linear(2, 2)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3), [chunk])
+    assert optimizer.model_parallel_group is ps.get_model_parallel_group()
+    assert optimizer.tp_rank == rank
     with pytest.raises(ValueError, match="partial data parallelism"):
         ps.get_data_parallel_group(partial_data_parallel=True)
 
@@ -204,3 +211,18 @@ def _world(rank, world_size):
 
 def test_mcore_quickstart_tp2_loss_falls_and_module_level_parallel_state():
     run_distributed(_world, 2)
+
+
+def test_schedules_without_pipelining_refuse_adjusted_tensor_shapes():
+    for schedule in (
+        schedules.forward_backward_no_pipelining,
+        schedules.forward_backward_pipelining_with_interleaving,
+    ):
+        with pytest.raises(ValueError, match="adjust_tensor_shapes_fn is not supported"):
+            schedule(
+                forward_step_func=forward_step_func,
+                data_iterator=None,
+                model=None,
+                num_microbatches=1,
+                adjust_tensor_shapes_fn=lambda recv, send: (recv, send),
+            )
