@@ -262,7 +262,9 @@ class OursTrainer:
             share_embeddings_and_output_weights=True,
             position_embedding_type="learned_absolute",
         )
-        self.ddp = DistributedDataParallel(DistributedDataParallelConfig(), self.model)
+        self.ddp = DistributedDataParallel(
+            self.model.config, DistributedDataParallelConfig(), self.model
+        )
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=args.lr,

@@ -39,6 +39,7 @@ from megatron.core.distributed import (  # noqa: E402
 )
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.tensor_parallel import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 VOCAB, SEQ = 61, 12
@@ -104,11 +105,12 @@ def count_step(dtype, distributed, settings, device, timed_steps=0):
     """(params, ops, kernel ops, ops by name, median ms of a step or None)."""
     model = _model(dtype, device)
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(
             use_distributed_optimizer=distributed, grad_reduce_in_fp32=True
         ),
         model,
-        dist.group.WORLD,
+        pg_collection=ProcessGroupCollection(dp_cp=dist.group.WORLD),
     )
     config = OptimizerConfig(
         lr=1e-3,

@@ -8,6 +8,9 @@ fill the current Run (tests and tools set up the pieces they need without a full
 
 from typing import Any, Optional
 
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as tensor_parallel_random
+
 from .frozen_args import train_state_of
 from .run import Run
 from .train_state import TrainState
@@ -106,19 +109,25 @@ def update_num_microbatches(consumed_samples: int, consistency_check: bool = Tru
 
 
 def get_parallel_state():
-    return _get("parallel_state", "parallel_state")
-
-
-def set_parallel_state(state):
-    _set("parallel_state", state)
+    """The current :class:`~megatron.core.parallel_state.ParallelState`: the one that
+    ``megatron.core.parallel_state.initialize_model_parallel`` made current (its module-level
+    getters read the same object)."""
+    state = parallel_state.current_parallel_state()
+    if state is None:
+        raise RuntimeError(
+            "parallel_state is not initialized; call initialize_megatron() or pretrain() first"
+        )
+    return state
 
 
 def get_rng_tracker():
-    return _get("rng_tracker", "rng_tracker", required=False)
+    """The current RNG tracker (``megatron.core.tensor_parallel.get_cuda_rng_tracker()``'s), or
+    None before seeding."""
+    return tensor_parallel_random.current_rng_tracker()
 
 
 def set_rng_tracker(tracker):
-    _set("rng_tracker", tracker)
+    tensor_parallel_random.set_current_rng_tracker(tracker)
 
 
 def get_signal_handler() -> Optional[Any]:
@@ -140,9 +149,12 @@ def set_model_family(family):
 
 
 def reset_globals():
-    """Forget the current run (tests run several trainings in one process)."""
+    """Forget the current run (tests run several trainings in one process), the current
+    parallel state and RNG tracker included (their groups are not destroyed here)."""
     global _CURRENT
     _CURRENT = None
+    parallel_state.forget_model_parallel()
+    tensor_parallel_random.set_current_rng_tracker(None)
 
 
 def get_rerun_state_machine():

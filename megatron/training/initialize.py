@@ -16,8 +16,14 @@ import torch.distributed as dist
 
 from megatron.core.device import collective_device, compute_device, computes_on_cuda
 from megatron.core.num_microbatches_calculator import build_num_microbatches_calculator
-from megatron.core.parallel_state import initialize_model_parallel, live_gloo_worker_threads
-from megatron.core.tensor_parallel.random import RNGStatesTracker, model_parallel_manual_seed
+from megatron.core.parallel_state import (
+    DEFAULT_ORDER,
+    TP_PP_DP_ORDER,
+    forget_model_parallel,
+    initialize_model_parallel,
+    live_gloo_worker_threads,
+)
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.timers import Timers
 
 from . import collective_watch, global_vars, nccl_flight_recorder
@@ -77,9 +83,8 @@ def initialize_megatron(
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-        use_tp_pp_dp_mapping=getattr(args, "use_tp_pp_dp_mapping", False),
+        order=TP_PP_DP_ORDER if getattr(args, "use_tp_pp_dp_mapping", False) else DEFAULT_ORDER,
     )
-    global_vars.set_parallel_state(state)
     _set_random_seed(args, state)
 
     global_vars.set_timers(Timers(args.timing_log_level, args.timing_log_option))
@@ -181,6 +186,7 @@ def teardown_process_groups() -> int:
     Call it once the models, optimizers and iterators of the run are released. Returns the number
     of gloo worker threads still alive afterwards (0 unless something still references a group).
     """
+    forget_model_parallel()  # the current parallel state holds every model-parallel group
     gc.collect()  # reference cycles (models with hooks) may still hold groups
     _clear_dtensor_caches()
     if dist.is_initialized():
@@ -237,15 +243,12 @@ def _set_random_seed(args, state):
     torch.manual_seed(seed)
     if computes_on_cuda():
         torch.cuda.manual_seed(seed)
-    tracker = RNGStatesTracker()
-    model_parallel_manual_seed(
-        tracker,
+    model_parallel_cuda_manual_seed(
         seed,
         tp_rank=state.get_tensor_model_parallel_rank(),
         ep_rank=state.get_expert_model_parallel_rank(),
         etp_rank=state.get_expert_tensor_parallel_rank(),
     )
-    global_vars.set_rng_tracker(tracker)
 
 
 def _update_train_iters(args):

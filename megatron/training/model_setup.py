@@ -19,6 +19,7 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.step_context import StepContext
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
@@ -99,10 +100,12 @@ def get_model(
     wrapped = []
     for chunk in chunks:
         ddp = DistributedDataParallel(
+            get_model_config(chunk),
             ddp_config,
             chunk,
-            dp_cp_group,
-            expert_data_parallel_group=state.get_expert_data_parallel_group(),
+            pg_collection=ProcessGroupCollection(
+                dp_cp=dp_cp_group, expt_dp=state.get_expert_data_parallel_group()
+            ),
         )
         # Replicas are seeded identically, so their weights agree unless seeded per DP rank.
         if getattr(args, "data_parallel_random_init", False):
@@ -254,7 +257,7 @@ def build_step_context(args, optimizer, parallel_state, timers) -> StepContext:
         grad_scale_func=optimizer.scale_loss if args.fp16 else None,
         # The schedules hand the gradients (and the token count) to it after the last backward.
         finalize_model_grads_func=partial(
-            finalize_model_grads, parallel_state=parallel_state, timers=timers
+            finalize_model_grads, pg_collection=parallel_state, timers=timers
         ),
         timers=timers,
         calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),

@@ -21,8 +21,10 @@ class Run:
       initialize_megatron);
     * ``state``: the progress (:class:`~megatron.training.train_state.TrainState`), the one
       object a checkpoint saves and restores (as Megatron's entries);
-    * ``parallel_state``: the process groups; ``timers``; ``tokenizer``;
-      ``num_microbatches_calculator``; ``rng_tracker`` (the model-parallel RNG streams);
+    * ``parallel_state``: the process groups and ``rng_tracker`` (the model-parallel RNG
+      streams): megatron.core's current ones (one per process, which Megatron Core's
+      module-level API reads too), not copies; ``timers``; ``tokenizer``;
+      ``num_microbatches_calculator``;
     * ``tensorboard`` / ``wandb``: the writers (None when not asked for);
     * ``rerun``: the rerun state machine; ``family``: the ModelFamily given to pretrain()
       (:attr:`model_family` answers GPT's when none was given);
@@ -37,10 +39,8 @@ class Run:
     args: Any = None
     state: TrainState = field(default_factory=TrainState)
     timers: Any = None
-    parallel_state: Any = None
     tokenizer: Any = None
     num_microbatches_calculator: Any = None
-    rng_tracker: Any = None
     tensorboard: Any = None
     wandb: Any = None
     rerun: Any = None
@@ -49,6 +49,20 @@ class Run:
     step_context: Any = None
     start_time: Optional[float] = None
     async_saver: Any = None
+
+    @property
+    def parallel_state(self):
+        """megatron.core.parallel_state's current state (None before initialize)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.current_parallel_state()
+
+    @property
+    def rng_tracker(self):
+        """megatron.core.tensor_parallel's current RNG tracker (None before seeding)."""
+        from megatron.core.tensor_parallel import random
+
+        return random.current_rng_tracker()
 
     @property
     def model_family(self):

@@ -306,9 +306,8 @@ def leave_process_group(wait_for_all: bool = True):
     if wait_for_all:
         dist.barrier()
     run = global_vars.get_run()
-    # They hold the groups: the parallel state every model-parallel one, the step context the
-    # gradient finalization's.
-    run.parallel_state = run.step_context = None
+    # It holds the gradient finalization's groups (the parallel state is forgotten by teardown).
+    run.step_context = None
     release_async_save_group(run)
     uninstall()
     leaked = teardown_process_groups()

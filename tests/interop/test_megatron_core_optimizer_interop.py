@@ -130,6 +130,7 @@ class _Ours:
         self.ddp = None
         if distributed:
             self.ddp = DistributedDataParallel(
+                config,
                 DistributedDataParallelConfig(
                     use_distributed_optimizer=True,
                     grad_reduce_in_fp32=True,

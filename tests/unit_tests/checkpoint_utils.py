@@ -38,7 +38,7 @@ def set_training_globals(args) -> None:
     """Set the globals a save or load reads: args, groups, timers, RNG tracker."""
     global_vars.reset_globals()
     global_vars.set_args(args)
-    global_vars.set_parallel_state(initialize_model_parallel())
+    initialize_model_parallel()
     global_vars.set_timers(Timers(0, "minmax"))
     tracker = RNGStatesTracker("cpu")
     model_parallel_manual_seed(tracker, 1234)

@@ -32,8 +32,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
 from megatron.core.tensor_parallel import collectives
+from megatron.core.tensor_parallel.process_groups import ProcessGroupCollection
 from megatron.core.utils import NonFiniteValueError
 
 from .param_and_grad_buffer import ParamAndGradBuffer
@@ -110,21 +112,37 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(
         self,
-        config: DistributedDataParallelConfig,
+        config,
+        ddp_config: DistributedDataParallelConfig,
         module: torch.nn.Module,
-        data_parallel_group: Optional[dist.ProcessGroup] = None,
-        expert_data_parallel_group: Optional[dist.ProcessGroup] = None,
+        disable_bucketing: bool = False,
+        pg_collection: Optional[ProcessGroupCollection] = None,
     ):
+        """Megatron-core's signature. ``config`` is the model's TransformerConfig (kept as
+        ``self.config``; None for a module without one), ``ddp_config`` the reduction's options.
+        ``pg_collection``: its ``dp_cp`` group reduces the dense gradients and its ``expt_dp`` group
+        the expert ones; None takes both from the current ``parallel_state``, or, without one,
+        the default group. ``disable_bucketing``: one bucket per buffer."""
         super().__init__()
         self.config = config
+        self.ddp_config = ddp_config
         self.module = module
-        if data_parallel_group is None and dist.is_initialized():
-            data_parallel_group = dist.group.WORLD
+        state = parallel_state.current_parallel_state()
+        if pg_collection is not None:
+            data_parallel_group = pg_collection.dp_cp
+            expert_data_parallel_group = pg_collection.expt_dp
+        elif state is not None:
+            data_parallel_group = state.get_data_parallel_group(with_context_parallel=True)
+            expert_data_parallel_group = state.get_expert_data_parallel_group()
+        else:
+            data_parallel_group = dist.group.WORLD if dist.is_initialized() else None
+            expert_data_parallel_group = None
         self.data_parallel_group = data_parallel_group
         self.dp_size = collectives.group_size(data_parallel_group)
         self.dp_rank = collectives.group_rank(data_parallel_group)
         self.expert_data_parallel_group = expert_data_parallel_group
-        if config.overlap_grad_reduce:
+        config = ddp_config
+        if config.overlap_grad_reduce and not disable_bucketing:
             self.bucket_size = config.bucket_size or max(
                 DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp_size
             )
@@ -153,7 +171,8 @@ class DistributedDataParallel(torch.nn.Module):
             if expert_data_parallel_group is None and self.dp_size > 1:
                 raise ValueError(
                     "the model has expert parameters (allreduce=False): pass "
-                    "expert_data_parallel_group (ParallelState.get_expert_data_parallel_group())"
+                    "expert_data_parallel_group as pg_collection.expt_dp "
+                    "(ParallelState.get_expert_data_parallel_group())"
                 )
             expert_dp_size = collectives.group_size(expert_data_parallel_group)
             if config.average_in_collective:
@@ -183,7 +202,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Validate each bucket's local gradient norm before its reduction through ``machine``:
         NaN and Inf (fatal; not with ``--rerun-mode disabled``, where the reduced gradients are
         checked instead, on every rank alike) and unexpectedly large norms (non-fatal)."""
-        config = self.config
+        config = self.ddp_config
         check_nan = config.check_for_nan_in_grad and machine.mode != RerunMode.DISABLED
         if not (check_nan or config.check_for_large_grads):
             return
@@ -217,7 +236,7 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.check_local_grads = check
 
     def _make_buffers(self, params_by_dtype, group, gradient_scaling_factor):
-        config = self.config
+        config = self.ddp_config
         return [
             ParamAndGradBuffer(
                 params,
@@ -259,7 +278,7 @@ class DistributedDataParallel(torch.nn.Module):
                 self._param_gather_hooks.append(submodule.register_forward_pre_hook(wait))
 
     def _make_grad_hook(self, buffer: ParamAndGradBuffer):
-        overlap = self.config.overlap_grad_reduce
+        overlap = self.ddp_config.overlap_grad_reduce
         # The hook is kept by the param's C++ grad accumulator, where the garbage collector cannot
         # see it: strong references back to this DDP would close an uncollectable cycle
         # (param -> hook -> DDP -> buffer -> param) that keeps the model, its gradient buffers and
@@ -308,7 +327,7 @@ class DistributedDataParallel(torch.nn.Module):
         expert buffers over the expert-data-parallel group."""
         for buffer in self.all_buffers:
             buffer.finish_grad_sync()
-        if self.config.check_for_nan_in_grad and not self._nan_checked_before_reduction:
+        if self.ddp_config.check_for_nan_in_grad and not self._nan_checked_before_reduction:
             for buffer in self.all_buffers:
                 if not torch.isfinite(buffer.grad_data).all():
                     raise NonFiniteValueError(
@@ -325,9 +344,9 @@ class DistributedDataParallel(torch.nn.Module):
         :meth:`finish_param_sync` (also called before anything reads the params: ``parameters()``,
         ``state_dict()``).
         """
-        if not self.config.use_distributed_optimizer:
+        if not self.ddp_config.use_distributed_optimizer:
             return
-        overlap = self.config.overlap_param_gather and not force_sync
+        overlap = self.ddp_config.overlap_param_gather and not force_sync
         for buffer in self.all_buffers:
             # Expert buffers are sharded over expert DP, which may be larger or smaller than DP.
             if buffer.dp_size > 1:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.device import collective_device
+from megatron.core.parallel_state import current_parallel_state
 from megatron.core.tensor_parallel.grads import allreduce_sequence_parallel_grads
 from megatron.core.utils import get_model_config, unwrap_model
 
@@ -56,9 +57,10 @@ def allreduce_embedding_grads(
 
 
 def finalize_model_grads(
-    model_chunks: List[torch.nn.Module],
-    parallel_state=None,
+    model: List[torch.nn.Module],
     num_tokens: Optional[torch.Tensor] = None,
+    pg_collection=None,
+    *,
     timers=None,
 ) -> None:
     """Everything the trainer does with gradients between the schedule and the optimizer step.
@@ -78,10 +80,16 @@ def finalize_model_grads(
        token counts (``global_aux_loss``) start afresh for the next step.
 
     The schedules call it (the step context's ``finalize_model_grads_func``) after the last
-    backward, with the token count of the iteration. ``parallel_state`` is the ``ParallelState`` of
-    ``initialize_model_parallel`` (None: one process). ``timers`` time the whole
+    backward, with the token count of the iteration; a library caller may call it after the
+    schedule. Megatron-core's signature: ``model`` is the list of model chunks,
+    ``pg_collection`` the ``ParallelState`` whose groups to reduce over (None: the current
+    ``parallel_state``'s, or one process without one). ``timers`` time the whole
     ('all-grads-sync') and the embedding and sequence-parallel reductions.
     """
+    model_chunks = model
+    parallel_state = pg_collection
+    if parallel_state is None:
+        parallel_state = current_parallel_state()
 
     def timer(name):
         return timers(name, log_level=1) if timers is not None else None

@@ -6,6 +6,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron.core import parallel_state
+
 from .clip_grads import clip_grad_by_total_norm_fp32, count_zeros_fp32, get_grad_norm_fp32
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
@@ -259,16 +261,44 @@ def _muon(config: OptimizerConfig, param_groups, model_chunks, tp_group) -> Muon
     )
 
 
+FROM_PARALLEL_STATE = object()
+"""Default of get_megatron_optimizer's group arguments: read from the current parallel_state."""
+
+
+def _groups_from_parallel_state(model_parallel_group, tp_rank, tp_group, data_parallel_group):
+    state = parallel_state.current_parallel_state()
+
+    def pick(given, from_state, without_state):
+        if given is not FROM_PARALLEL_STATE:
+            return given
+        return from_state() if state is not None else without_state
+
+    return (
+        pick(
+            model_parallel_group,
+            lambda: state.get_model_parallel_group() if state.size("mp") > 1 else None,
+            None,
+        ),
+        pick(tp_rank, lambda: state.get_tensor_model_parallel_rank(), 0),
+        pick(tp_group, lambda: state.get_tensor_model_parallel_group(), None),
+        pick(
+            data_parallel_group,
+            lambda: state.get_data_parallel_group(with_context_parallel=True),
+            None,
+        ),
+    )
+
+
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]],
-    model_parallel_group=None,
-    tp_rank: int = 0,
+    model_parallel_group=FROM_PARALLEL_STATE,
+    tp_rank=FROM_PARALLEL_STATE,
     no_weight_decay_cond: Optional[Callable[[str, torch.Tensor], bool]] = None,
     scale_lr_cond: Optional[Callable[[str, torch.Tensor], bool]] = None,
     lr_mult: float = 1.0,
-    tp_group=None,
-    data_parallel_group=None,
+    tp_group=FROM_PARALLEL_STATE,
+    data_parallel_group=FROM_PARALLEL_STATE,
 ) -> MegatronOptimizer:
     """Build the optimizer for the (possibly several) model chunks of this rank.
 
@@ -281,7 +311,13 @@ def get_megatron_optimizer(
     data_parallel_group: with config.use_layer_wise_distributed_optimizer (Muon), the group whose
     ranks each update a share of the (whole) params; ``model_parallel_group`` must then span
     every rank that holds a different part of the model or state (the world).
+    Megatron-core's form ``get_megatron_optimizer(config, model_chunks)``: each group or rank not
+    given comes from the current ``parallel_state`` (the model-parallel group when it has more
+    than one rank, the TP rank and group, the DP x CP group), or is None / 0 without one.
     """
+    model_parallel_group, tp_rank, tp_group, data_parallel_group = _groups_from_parallel_state(
+        model_parallel_group, tp_rank, tp_group, data_parallel_group
+    )
     _validate(config)
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]

@@ -92,7 +92,7 @@ class DistributedOptimizer(MegatronOptimizer):
         if config.fp16 and grad_scaler is None:
             raise ValueError("fp16 training needs a grad scaler (dynamic or --loss-scale)")
         for chunk in model_chunks:
-            ddp_config = getattr(chunk, "config", None)
+            ddp_config = getattr(chunk, "ddp_config", None)
             if not hasattr(chunk, "buffers") or not getattr(
                 ddp_config, "use_distributed_optimizer", False
             ):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.device import compute_device
 from megatron.core.pipeline_parallel.layer_split import check_interleaved_microbatches
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator, get_tensor_shape
@@ -32,21 +33,47 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 
 def get_forward_backward_func(
-    pipeline_model_parallel_size: int = 1,
-    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    pp_size: Optional[int] = None, vp_size: Optional[int] = None
 ) -> Callable:
-    """The schedule for a layout: no pipelining, 1F1B, or interleaved 1F1B (virtual stages)."""
-    vp = virtual_pipeline_model_parallel_size
-    if pipeline_model_parallel_size > 1:
-        if vp is not None and vp > 1:
+    """The schedule for a layout: no pipelining, 1F1B, or interleaved 1F1B (virtual stages).
+
+    Megatron-core's signature: sizes left None come from the current ``parallel_state`` (a
+    single stage without one)."""
+    state = parallel_state.current_parallel_state()
+    if pp_size is None:
+        pp_size = state.get_pipeline_model_parallel_world_size() if state is not None else 1
+    if vp_size is None and state is not None:
+        vp_size = state.layout.virtual_pipeline_model_parallel_size
+    if pp_size > 1:
+        if vp_size is not None and vp_size > 1:
             return forward_backward_pipelining_with_interleaving
         return forward_backward_pipelining_without_interleaving
-    if vp is not None and vp > 1:
+    if vp_size is not None and vp_size > 1:
         raise ValueError(
             "virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
             "--num-virtual-stages-per-pipeline-rank) need --pipeline-model-parallel-size > 1"
         )
     return forward_backward_no_pipelining
+
+
+def _no_adjusted_shapes(adjust_tensor_shapes_fn: Optional[Callable], schedule: str) -> None:
+    if adjust_tensor_shapes_fn is not None:
+        raise ValueError(f"adjust_tensor_shapes_fn is not supported by the {schedule} schedule")
+
+
+def _adjusted_shape(adjust_tensor_shapes_fn: Optional[Callable], tensor_shape):
+    """The one shape both directions use after ``adjust_tensor_shapes_fn(recv, send)``
+    (megatron-core's hook, given and returning lists of shapes)."""
+    if adjust_tensor_shapes_fn is None:
+        return tensor_shape
+    recv, send = adjust_tensor_shapes_fn([tensor_shape], [tensor_shape])
+    shapes = {tuple(shape) for shape in list(recv) + list(send)}
+    if len(shapes) != 1:
+        raise ValueError(
+            "adjust_tensor_shapes_fn: this 1F1B schedule sends and receives one tensor of one "
+            f"shape, got shapes {sorted(shapes)}"
+        )
+    return tuple(shapes.pop())
 
 
 def _resolve_context(step_context: Optional[StepContext], config) -> StepContext:
@@ -166,6 +193,7 @@ def forward_backward_no_pipelining(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
     step_context: Optional[StepContext] = None,
 ) -> List[Any]:
     """All micro-batches forward then backward, one at a time; returns the reported losses.
@@ -173,6 +201,7 @@ def forward_backward_no_pipelining(
     Gradient synchronisation happens after the last micro-batch, in the step context's
     ``finalize_model_grads_func`` (given the token count for per-token loss scaling).
     """
+    _no_adjusted_shapes(adjust_tensor_shapes_fn, "non-pipelined")
     if isinstance(model, list):
         if len(model) != 1:
             raise ValueError("non-pipeline schedule needs exactly one model chunk")
@@ -243,10 +272,13 @@ def _resolve_communicator(
 ) -> P2PCommunicator:
     if p2p_communicator is not None:
         return p2p_communicator
+    if pg_collection is None:
+        pg_collection = parallel_state.current_parallel_state()
     if pg_collection is None or not hasattr(pg_collection, "get_pipeline_model_parallel_group"):
         raise ValueError(
-            "pipeline schedules need the pipeline group: pass pg_collection=<ParallelState> "
-            "(from initialize_model_parallel) or p2p_communicator=P2PCommunicator(pp_group, config)"
+            "pipeline schedules need the pipeline group: call initialize_model_parallel(...), "
+            "or pass pg_collection=<ParallelState> or "
+            "p2p_communicator=P2PCommunicator(pp_group, config)"
         )
     return P2PCommunicator(
         pg_collection.get_pipeline_model_parallel_group(), config, timers=ctx.timers
@@ -415,6 +447,7 @@ def forward_backward_pipelining_without_interleaving(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
     p2p_communicator: Optional[P2PCommunicator] = None,
     pg_collection=None,
     step_context: Optional[StepContext] = None,
@@ -431,7 +464,9 @@ def forward_backward_pipelining_without_interleaving(
         )
     ctx = _resolve_context(step_context, config)
     communicator = _resolve_communicator(config, ctx, p2p_communicator, pg_collection)
-    tensor_shape = get_tensor_shape(seq_length, micro_batch_size, config)
+    tensor_shape = _adjusted_shape(
+        adjust_tensor_shapes_fn, get_tensor_shape(seq_length, micro_batch_size, config)
+    )
     num_warmup = communicator.world_size - communicator.rank - 1
     table = [(mb, 0) for mb in range(num_microbatches)]
     return _run_pipeline(
@@ -462,6 +497,7 @@ def forward_backward_pipelining_with_interleaving(
     forward_only: bool = False,
     collect_non_loss_data: bool = False,
     first_val_step: Optional[bool] = None,
+    adjust_tensor_shapes_fn: Optional[Callable] = None,
     p2p_communicator: Optional[P2PCommunicator] = None,
     pg_collection=None,
     step_context: Optional[StepContext] = None,
@@ -474,6 +510,7 @@ def forward_backward_pipelining_with_interleaving(
     (chunks - 1) * G forwards.
     Megatron's micro-batch rules (PP <= G <= M; M mod G = 0 or >= PP) raise ValueError.
     """
+    _no_adjusted_shapes(adjust_tensor_shapes_fn, "interleaved")
     if not isinstance(model, (list, tuple)) or len(model) < 2:
         raise ValueError(
             "the interleaved schedule needs a list of at least two model chunks "

@@ -1,5 +1,6 @@
 """Tensor parallelism: autograd-aware collectives, parallel layers, vocab-parallel cross entropy,
-the RNG tracker; sequence-parallel helpers. Process groups are always passed explicitly."""
+the RNG tracker and megatron-core's seeding; sequence-parallel helpers. Layers take their process
+groups explicitly."""
 
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron.core.tensor_parallel.data import broadcast_data
@@ -22,6 +23,10 @@ from megatron.core.tensor_parallel.process_groups import (
     ProcessGroupCollection,
     resolve_pg_collection,
 )
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -39,4 +44,6 @@ __all__ = [
     "ProcessGroupCollection",
     "resolve_pg_collection",
     "broadcast_data",
+    "get_cuda_rng_tracker",
+    "model_parallel_cuda_manual_seed",
 ]

@@ -1,9 +1,10 @@
-"""The process groups a model needs, passed explicitly (there is no global parallel state in
-core)."""
+"""The process groups a model needs, passed explicitly; ``use_mpu_process_groups()``
+(megatron-core's name) collects those of the current ``parallel_state`` for a library caller."""
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from megatron.core import parallel_state
 from megatron.core.tensor_parallel.collectives import check_group_size, group_rank, group_size
 
 
@@ -37,6 +38,16 @@ class ProcessGroupCollection:
     """Tensor x data x context-parallel group: the ranks holding different tokens of a step
     (the MoE global_aux_loss counts tokens over it)."""
 
+    dp: Any = None
+    """Data-parallel group (without context parallelism)."""
+
+    dp_cp: Any = None
+    """Data x context-parallel group: the ranks whose dense gradients are averaged together."""
+
+    expt_dp: Any = None
+    """Expert-data-parallel group: the ranks holding the same experts (their gradients are
+    summed over it)."""
+
     @classmethod
     def from_parallel_state(cls, state) -> "ProcessGroupCollection":
         """From a :class:`megatron.core.parallel_state.ParallelState` (its tp, cp, pp groups)."""
@@ -49,7 +60,17 @@ class ProcessGroupCollection:
             tp_ep=state.group("tp-ep"),
             tp_cp=state.group("tp-cp"),
             tp_dp_cp=state.group("tp-dp-cp"),
+            dp=state.get_data_parallel_group(),
+            dp_cp=state.get_data_parallel_group(with_context_parallel=True),
+            expt_dp=state.get_expert_data_parallel_group(),
         )
+
+    @classmethod
+    def use_mpu_process_groups(cls) -> "ProcessGroupCollection":
+        """Megatron-core's name: the groups of the current ``parallel_state`` (all None without
+        one)."""
+        state = parallel_state.current_parallel_state()
+        return cls.from_parallel_state(state) if state is not None else cls()
 
     @property
     def tp_size(self) -> int:

@@ -6,7 +6,8 @@ init of weight shards) while others must agree (dropout on replicated activation
 tracker keeps one generator state per name; ``fork(name)`` swaps that state into the device's
 default generator for the duration of a block and stores the advanced state back afterwards.
 
-There is no module-level tracker: whoever sets up training owns one instance and passes it on.
+Layers take their tracker explicitly; the one module-level tracker (megatron-core's
+``get_cuda_rng_tracker()``) lives in the section "Megatron Core's module-level tracker".
 
 Seeds (Megatron's ``model_parallel_cuda_manual_seed``):
   data-parallel region  = seed
@@ -20,6 +21,7 @@ from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core.device import compute_device
 from megatron.core.tensor_parallel import collectives
 
@@ -171,10 +173,81 @@ def model_parallel_manual_seed(
     return seeds
 
 
-# Megatron's name for the same function.
+# ---------------------------------------------------------------------------------------------
+# Megatron Core's module-level tracker. The one piece of module-level RNG state in megatron/core:
+# code written against megatron-core seeds it with model_parallel_cuda_manual_seed() and reads it
+# with get_cuda_rng_tracker(); the training side reads the same object
+# (megatron.training.global_vars.get_rng_tracker()). Layers and models never read it: they are
+# given their tracker (config.rng_tracker, rng_tracker=).
+# ---------------------------------------------------------------------------------------------
+
+_CURRENT_TRACKER: Optional[RNGStatesTracker] = None
+
+
+def _no_special_tracker(what: str, **flags: bool) -> None:
+    for name, value in flags.items():
+        if value:
+            raise ValueError(f"{what}: {name}=True is not supported (no Transformer Engine here)")
+
+
+def get_cuda_rng_tracker(
+    use_te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+) -> RNGStatesTracker:
+    """The current tracker (megatron-core's name; it follows the compute device, CPU included).
+    Created empty on first use; :func:`model_parallel_cuda_manual_seed` adds its streams."""
+    global _CURRENT_TRACKER
+    _no_special_tracker(
+        "get_cuda_rng_tracker",
+        use_te_rng_tracker=use_te_rng_tracker,
+        inference_rng_tracker=inference_rng_tracker,
+        use_cudagraphable_rng=use_cudagraphable_rng,
+    )
+    if _CURRENT_TRACKER is None:
+        _CURRENT_TRACKER = RNGStatesTracker()
+    return _CURRENT_TRACKER
+
+
+def current_rng_tracker() -> Optional[RNGStatesTracker]:
+    """The current tracker, or None when none was created or set."""
+    return _CURRENT_TRACKER
+
+
+def set_current_rng_tracker(tracker: Optional[RNGStatesTracker]) -> None:
+    """Make ``tracker`` the current one (None: forget it)."""
+    global _CURRENT_TRACKER
+    _CURRENT_TRACKER = tracker
+
+
 def model_parallel_cuda_manual_seed(
-    seed: int, tracker: RNGStatesTracker, tp_rank: int = 0, ep_rank: int = 0, etp_rank: int = 0
+    seed: int,
+    te_rng_tracker: bool = False,
+    inference_rng_tracker: bool = False,
+    use_cudagraphable_rng: bool = False,
+    tp_rank: Optional[int] = None,
+    ep_rank: Optional[int] = None,
+    etp_rank: Optional[int] = None,
+    force_reset_rng: bool = False,
 ) -> ModelParallelSeeds:
+    """Megatron-core's seeding: a fresh current tracker on the compute device with the three
+    streams of this rank (:func:`model_parallel_manual_seed`), the device generator seeded with
+    ``seed``. Ranks left None come from the current ``parallel_state`` (0 without one)."""
+    _no_special_tracker(
+        "model_parallel_cuda_manual_seed",
+        te_rng_tracker=te_rng_tracker,
+        inference_rng_tracker=inference_rng_tracker,
+        use_cudagraphable_rng=use_cudagraphable_rng,
+    )
+    state = parallel_state.current_parallel_state()
+    if tp_rank is None:
+        tp_rank = state.get_tensor_model_parallel_rank() if state is not None else 0
+    if ep_rank is None:
+        ep_rank = state.get_expert_model_parallel_rank() if state is not None else 0
+    if etp_rank is None:
+        etp_rank = state.get_expert_tensor_parallel_rank() if state is not None else 0
+    tracker = RNGStatesTracker()
+    set_current_rng_tracker(tracker)
     return model_parallel_manual_seed(tracker, seed, tp_rank, ep_rank, etp_rank)
 
 

@@ -326,6 +326,7 @@ def _distributed_setup(tmp_path, seed, model=None, **kw):
         tmp_path, seed=seed, model=model, use_distributed_optimizer=True, **kw
     )
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
         model,
     )

@@ -91,6 +91,7 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.tensor_parallel import ProcessGroupCollection
     from megatron.core.transformer.module import Float16Module
     from megatron.training.configs import (
         core_transformer_config_from_args,
@@ -116,7 +117,12 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
     dp_group = (
         state.get_data_parallel_group(with_context_parallel=True) if state is not None else None
     )
-    ddp = DistributedDataParallel(ddp_config_from_args(args), model, dp_group)
+    ddp = DistributedDataParallel(
+        config,
+        ddp_config_from_args(args),
+        model,
+        pg_collection=ProcessGroupCollection(dp_cp=dp_group),
+    )
     optimizer = get_megatron_optimizer(
         optimizer_config_from_args(args),
         [model],
@@ -233,7 +239,7 @@ def _tp2_worker(rank, world_size, argv, results):
         assert sum(p.numel() for p in model.parameters()) == report.parameters
         assert_matches(report, measured_bytes(model, optimizer))
     finally:
-        destroy_model_parallel(state)
+        destroy_model_parallel()
 
 
 def test_tensor_parallel_shard_matches_a_spawned_tp2_world():

@@ -3,6 +3,7 @@
 import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from tests.unit_tests.dist_utils import run_distributed
 
 
@@ -18,7 +19,7 @@ def _data(rank, micro):
 
 def test_single_process_buffer_aliases_grads_and_accumulates():
     model = _model()
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(), model)
+    ddp = DistributedDataParallel(None, DistributedDataParallelConfig(), model)
     params = list(model.parameters())
     # Reverse registration order: the last parameter starts the buffer.
     assert params[-1].main_grad.data_ptr() == ddp.buffers[0].data.data_ptr()
@@ -36,7 +37,9 @@ def test_single_process_buffer_aliases_grads_and_accumulates():
 
 def test_fp32_grad_buffer_for_bf16_params_uses_hooks():
     model = _model().to(torch.bfloat16)
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    ddp = DistributedDataParallel(
+        None, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model
+    )
     ddp.zero_grad_buffer()
     ddp(_data(0, 0).bfloat16()).float().pow(2).sum().backward()
     ddp(_data(0, 1).bfloat16()).float().pow(2).sum().backward()
@@ -57,7 +60,10 @@ def test_fp32_grad_buffer_for_bf16_params_uses_hooks():
 def _check_average(rank, world_size):
     model = _model()
     ddp = DistributedDataParallel(
-        DistributedDataParallelConfig(), model, torch.distributed.group.WORLD
+        None,
+        DistributedDataParallelConfig(),
+        model,
+        pg_collection=ProcessGroupCollection(dp_cp=torch.distributed.group.WORLD),
     )
     ddp.zero_grad_buffer()
     for micro in range(2):

@@ -5,6 +5,7 @@ import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.distributed_data_parallel import bucket_size_for_num_buckets
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from tests.unit_tests.dist_utils import run_distributed
 
 
@@ -25,7 +26,7 @@ def _data(rank, micro, dtype=torch.float32):
 def test_buckets_follow_reverse_order_and_bucket_size():
     model = _model()
     ddp = DistributedDataParallel(
-        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model
+        None, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model
     )
     (buffer,) = ddp.buffers
     params = list(model.parameters())
@@ -38,7 +39,7 @@ def test_buckets_follow_reverse_order_and_bucket_size():
         start, end, _ = buffer.param_index_map[p]
         assert p.main_grad.data_ptr() == buffer.grad_data[start:].data_ptr()
     # Without overlap Megatron reduces each buffer as one bucket whatever --ddp-bucket-size says.
-    plain = DistributedDataParallel(DistributedDataParallelConfig(bucket_size=60), _model())
+    plain = DistributedDataParallel(None, DistributedDataParallelConfig(bucket_size=60), _model())
     assert len(plain.buffers[0].buckets) == 1
     # --ddp-num-buckets: total params / number of buckets.
     assert bucket_size_for_num_buckets([_model()], 3) == sum(p.numel() for p in params) // 3
@@ -48,7 +49,7 @@ def test_distributed_optimizer_padding_and_shared_embedding_bucket():
     model = _model()
     model[2].weight.shared_embedding = True  # pretend this is the tied embedding of a PP end
     ddp = DistributedDataParallel(
-        DistributedDataParallelConfig(use_distributed_optimizer=True), model
+        None, DistributedDataParallelConfig(use_distributed_optimizer=True), model
     )
     (buffer,) = ddp.buffers
     for p in model.parameters():
@@ -87,13 +88,23 @@ def _check_overlap(rank, world_size):
     group = torch.distributed.group.WORLD
     ref_model = _model()
     ref = _grads_after_iteration(
-        DistributedDataParallel(DistributedDataParallelConfig(), ref_model, group), ref_model, rank
+        DistributedDataParallel(
+            None,
+            DistributedDataParallelConfig(),
+            ref_model,
+            pg_collection=ProcessGroupCollection(dp_cp=group),
+        ),
+        ref_model,
+        rank,
     )
 
     # Overlapped: identical gradients, and buckets launched while backward still runs.
     model = _model()
     ddp = DistributedDataParallel(
-        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model, group
+        None,
+        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60),
+        model,
+        pg_collection=ProcessGroupCollection(dp_cp=group),
     )
     events = []
     for bucket in ddp.buffers[0].buckets:
@@ -121,11 +132,12 @@ def _check_overlap(rank, world_size):
     # Averaging in the collective (gloo: sum, then divide) equals pre-scaling up to rounding.
     model = _model()
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(
             overlap_grad_reduce=True, bucket_size=60, average_in_collective=True
         ),
         model,
-        group,
+        pg_collection=ProcessGroupCollection(dp_cp=group),
     )
     for g, r in zip(_grads_after_iteration(ddp, model, rank), ref):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
@@ -133,11 +145,12 @@ def _check_overlap(rank, world_size):
     # Reduce-scatter for the distributed optimizer: this rank's slice equals the all-reduced grads.
     model = _model()
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(
             overlap_grad_reduce=True, bucket_size=60, use_distributed_optimizer=True
         ),
         model,
-        group,
+        pg_collection=ProcessGroupCollection(dp_cp=group),
     )
     _grads_after_iteration(ddp, model, rank)
     (buffer,) = ddp.buffers
@@ -161,7 +174,9 @@ def _check_overlap(rank, world_size):
         cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=60
         )
-        ddp = DistributedDataParallel(cfg, model, group)
+        ddp = DistributedDataParallel(
+            None, cfg, model, pg_collection=ProcessGroupCollection(dp_cp=group)
+        )
         grads.append(_grads_after_iteration(ddp, model, rank, dtype=torch.bfloat16))
         assert all(
             p.grad is None and p.main_grad.dtype == torch.float32 for p in model.parameters()
@@ -182,7 +197,7 @@ def test_dropped_wrapper_is_freed_and_its_hooks_fall_back_to_plain_autograd():
 
     model = _model()
     ddp = DistributedDataParallel(
-        DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model
+        None, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=60), model
     )
     ref = weakref.ref(ddp)
     del ddp

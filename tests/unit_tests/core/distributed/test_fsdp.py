@@ -30,6 +30,7 @@ from megatron.core.distributed import (
     TorchFullyShardedDataParallel,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from tests.harness.argv import megatron_argv
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.tiny_configs import tiny_gpt_model, tiny_transformer_config, validated_args
@@ -100,9 +101,12 @@ def _worker(rank, world, dtype):
     # The reference: plain DDP at the same DP=2 on the same local halves.
     ddp_module = _build(dtype)
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(),
         ddp_module,
-        state.get_data_parallel_group(with_context_parallel=True),
+        pg_collection=ProcessGroupCollection(
+            dp_cp=state.get_data_parallel_group(with_context_parallel=True)
+        ),
     )
     ddp_opt = get_megatron_optimizer(opt_config, [ddp_module])
 
@@ -173,7 +177,7 @@ def _worker(rank, world, dtype):
     shard = fsdp._shards[0][2].main_grad.clone()
     fsdp.scale_gradients(0.5)
     assert torch.equal(fsdp._shards[0][2].main_grad, shard * 0.5)
-    destroy_model_parallel(state)
+    destroy_model_parallel()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

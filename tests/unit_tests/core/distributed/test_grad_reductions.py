@@ -15,6 +15,7 @@ import torch
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from tests.unit_tests.dist_utils import run_distributed
 
 
@@ -39,10 +40,10 @@ def _inputs(rank):
 def _check_reduction(rank, state, average_in_collective):
     model = _FakeMoE()
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(average_in_collective=average_in_collective),
         model,
-        state.get_data_parallel_group(with_context_parallel=True),
-        expert_data_parallel_group=state.get_expert_data_parallel_group(),
+        pg_collection=ProcessGroupCollection.from_parallel_state(state),
     )
     assert [p for b in ddp.buffers for p in b.params] == [model.dense]
     assert [p for b in ddp.expert_parallel_buffers for p in b.params] == [model.expert]
@@ -72,10 +73,10 @@ def _check_distributed_optimizer(rank, state):
     model = _FakeMoE().float()
     model.expert.allreduce = False
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(use_distributed_optimizer=True),
         model,
-        state.get_data_parallel_group(with_context_parallel=True),
-        expert_data_parallel_group=state.get_expert_data_parallel_group(),
+        pg_collection=ProcessGroupCollection.from_parallel_state(state),
     )
     config = OptimizerConfig(
         lr=1.0,
@@ -167,7 +168,7 @@ class _Chunk(torch.nn.Module):
 def _check_finalize(rank, state):
     chunk = _Chunk(rank)
     tokens = torch.tensor(10 * (rank + 1))
-    finalize_model_grads([chunk], state, num_tokens=tokens)
+    finalize_model_grads([chunk], num_tokens=tokens, pg_collection=state)
     tp_ranks, dp_ranks = state.ranks["tp"], state.ranks["dp-cp"]
     torch.testing.assert_close(
         chunk.norm.grad, torch.full((3,), float(sum(r + 1 for r in tp_ranks)), dtype=torch.float64)
@@ -190,7 +191,7 @@ def _worker(rank, world_size, _args, _results):
             assert _check_reduction(rank, state, average_in_collective) == (4, 2)
         _check_distributed_optimizer(rank, state)
     finally:
-        destroy_model_parallel(state)
+        destroy_model_parallel()
     # TP=2, DP=2, EP=2 (expert TP = TP): every expert lives on one rank (expert DP = 1), its
     # gradient is only scaled by 1/DP.
     state = initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2)
@@ -199,10 +200,15 @@ def _worker(rank, world_size, _args, _results):
         _check_finalize(rank, state)
         _check_global_aux_loss(rank, state)
     finally:
-        destroy_model_parallel(state)
+        destroy_model_parallel()
 
     with pytest.raises(ValueError, match="pass expert_data_parallel_group"):
-        DistributedDataParallel(DistributedDataParallelConfig(), _FakeMoE(), dist.group.WORLD)
+        DistributedDataParallel(
+            None,
+            DistributedDataParallelConfig(),
+            _FakeMoE(),
+            pg_collection=ProcessGroupCollection(dp_cp=dist.group.WORLD),
+        )
 
 
 def test_expert_gradients_are_reduced_over_expert_data_parallel_ranks():

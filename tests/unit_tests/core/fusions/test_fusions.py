@@ -217,7 +217,7 @@ def _tp_worker(rank, world_size):
                 shards = C.all_gather_along_first_dim(grad.unsqueeze(0).contiguous(), tp_group)
                 grad = full_from_shards(list(shards), param.partition_dim, param.partition_stride)
             assert _rel_err(grad, ref_params[name].grad) <= 1e-5, f"{tag}: {name}"
-    destroy_model_parallel(state)
+    destroy_model_parallel()
 
 
 def test_gpt_model_fused_loss_vocab_parallel_tp2():

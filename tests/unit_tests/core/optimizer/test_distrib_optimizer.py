@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.optimizer import DistributedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from tests.unit_tests.dist_utils import run_distributed
 
 GLOBAL_BATCH = 8
@@ -43,6 +44,7 @@ def _local_batch(step, rank, world_size, dtype=torch.float32):
 def _build(distributed, group, dtype=torch.float32, overlap_param_gather=False, **settings):
     model = _model(dtype)
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(
             use_distributed_optimizer=distributed,
             overlap_grad_reduce=distributed,
@@ -51,7 +53,7 @@ def _build(distributed, group, dtype=torch.float32, overlap_param_gather=False, 
             overlap_param_gather=overlap_param_gather,
         ),
         model,
-        group,
+        pg_collection=ProcessGroupCollection(dp_cp=group),
     )
     config = OptimizerConfig(
         lr=2e-2,

@@ -32,6 +32,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import initialize_model_parallel
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import full_from_shards, shard_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.harness.argv import megatron_argv
@@ -345,7 +346,12 @@ def _dp_worker(rank, world_size):
     single_grads = one_process_gradients()
     model = build()
     reference = ReferenceMuon(model, flags)
-    ddp = DistributedDataParallel(DistributedDataParallelConfig(), model, dp_group)
+    ddp = DistributedDataParallel(
+        None,
+        DistributedDataParallelConfig(),
+        model,
+        pg_collection=ProcessGroupCollection(dp_cp=dp_group),
+    )
     optimizer = get_megatron_optimizer(
         _config_for(flags, use_layer_wise_distributed_optimizer=True),
         [model],

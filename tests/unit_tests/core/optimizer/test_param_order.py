@@ -191,6 +191,7 @@ def _distributed_setup(args):
     set_training_globals(args)
     model = _gpt()
     ddp = DistributedDataParallel(
+        None,
         DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
         model,
     )

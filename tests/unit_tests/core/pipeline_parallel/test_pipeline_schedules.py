@@ -28,6 +28,7 @@ from megatron.core.parallel_state import destroy_model_parallel, initialize_mode
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.pipeline_parallel.step_context import StepContext
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from tests.unit_tests.dist_utils import run_distributed
 from tests.unit_tests.tiny_configs import tiny_transformer_config
 
@@ -187,7 +188,10 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
             offsets.append(args["layer_number_offset"])
         ddp = [
             DistributedDataParallel(
-                DistributedDataParallelConfig(), c, state.get_data_parallel_group()
+                c.config,
+                DistributedDataParallelConfig(),
+                c,
+                pg_collection=ProcessGroupCollection(dp_cp=state.get_data_parallel_group()),
             )
             for c in chunks
         ]
@@ -213,7 +217,7 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
             pg_collection=state,
             step_context=step_context,
         )
-        finalize_model_grads(ddp, state)
+        finalize_model_grads(ddp, pg_collection=state)
 
         gathered = [None] * dist.get_world_size(state.get_pipeline_model_parallel_group())
         dist.all_gather_object(gathered, events, group=state.get_pipeline_model_parallel_group())
@@ -255,7 +259,7 @@ def run_case(rank, pp, vp, m, num_layers, tied, split_kwargs=None, group_size=No
             for got, want in zip(losses, ref_losses):
                 assert rel_err(got["lm loss"][0] / got["lm loss"][1], want) <= RTOL, tag
     finally:
-        destroy_model_parallel(state)
+        destroy_model_parallel()
 
 
 def _world(rank, world_size):

@@ -153,7 +153,7 @@ def check_parity(arch, tp, cp, sp):
             grad = full_from_shards(list(shards), param.partition_dim, param.partition_stride)
         err = rel_err(grad, ref_params[name].grad)
         assert err <= RTOL, f"{tag}: grad of {name} relative error {err:.2e}"
-    destroy_model_parallel(state)
+    destroy_model_parallel()
 
 
 def _worker(rank, world_size, cases):

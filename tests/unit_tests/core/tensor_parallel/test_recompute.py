@@ -316,7 +316,7 @@ def _tp_worker(rank, world_size):
     hidden_state = SEQ * BATCH * HIDDEN * 4  # one fp32 [s, b, h] chunk input
     for name, checkpoints in (("uniform1", LAYERS), ("block2", 2)):
         assert saved[False, name] - saved[True, name] == checkpoints * hidden_state // 2, name
-    destroy_model_parallel(state)
+    destroy_model_parallel()
 
 
 def test_tp2_recompute_with_dropout_and_distributed_saved_activations_match():

@@ -302,7 +302,7 @@ def test_spec_flag_names_the_layers_pretrain_gpt_builds():
     global_vars.reset_globals()
     try:
         global_vars.set_args(args)
-        global_vars.set_parallel_state(initialize_model_parallel())
+        initialize_model_parallel()
         model = pretrain_gpt.model_provider()
         assert [layer.mlp.linear_fc1.weight.shape[0] for layer in model.decoder.layers] == [40, 40]
         args.spec = None
