@@ -237,6 +237,7 @@ class OursTrainer:
             DistributedDataParallelConfig,
         )
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -257,6 +258,7 @@ class OursTrainer:
         torch.manual_seed(args.seed)
         self.model = GPTModel(
             config,
+            get_gpt_layer_local_spec(),
             vocab_size=args.vocab,
             max_sequence_length=args.seq,
             share_embeddings_and_output_weights=True,

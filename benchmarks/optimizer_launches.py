@@ -38,6 +38,7 @@ from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallelConfig,
 )
 from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -90,7 +91,9 @@ def _model(dtype, device):
         num_layers=4, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
         attention_dropout=0.0,
     )  # fmt: skip
-    return GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ).to(device, dtype)
+    return GPTModel(
+        config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ
+    ).to(device, dtype)
 
 
 def _batch(step, device):

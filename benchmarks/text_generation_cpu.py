@@ -26,6 +26,7 @@ from megatron.core.inference import (  # noqa: E402
     generate,
 )
 from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.training.configs import core_transformer_config_from_args  # noqa: E402
 
 
@@ -60,6 +61,7 @@ def main():
     args = state["args"]
     ours = GPTModel(
         core_transformer_config_from_args(args),
+        get_gpt_layer_local_spec(),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=True,

@@ -4,8 +4,9 @@ A ``torch_dist`` directory (``iter_XXXXXXX/`` with ``metadata.json``, DCP's ``.m
 ``__<rank>_0.distcp`` and ``common.pt``) already stores every model tensor under its global name
 as chunks of the global tensor, so no TP/PP merge is needed: each tensor is read whole into a
 buffer allocated from the ``.metadata`` shape. Reading goes through
-``megatron.core.dist_checkpointing.load`` (its ``.metadata`` unpickler only admits DCP's metadata
-classes; ``common.pt`` is read with ``weights_only=True``); optimizer entries are never read.
+``megatron.core.dist_checkpointing.load_shards`` (its ``.metadata`` unpickler only admits DCP's
+metadata classes; ``common.pt`` is read with ``weights_only=True``); optimizer entries are never
+read.
 The reader has the same interface as :class:`.torch_format.TorchCheckpointReader`.
 """
 
@@ -53,7 +54,7 @@ class DistCheckpointReader:
         if not entries:
             raise ConversionError(f"{d}: the checkpoint holds no model tensors")
         try:
-            dc.load(entries, d)
+            dc.load_shards(entries, d)
         except dc.CheckpointingError as exc:
             raise ConversionError(str(exc)) from None
         # Megatron's layout (stacked layers, TE norm names) back to one tensor per layer.

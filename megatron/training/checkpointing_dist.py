@@ -266,7 +266,7 @@ def save_checkpoint_dist(
         }
         return
     try:
-        dc.save(sharded, work_dir)
+        dc.save_shards(sharded, work_dir)
     except (dc.CheckpointingError, OSError, RuntimeError) as exc:
         # Every rank learns of a failed write (DCP gathers the results): one removes the rest.
         if get_rank() == 0:
@@ -506,7 +506,7 @@ def load_checkpoint_dist(
 
     strictness = dc.StrictHandling(getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected"))
     try:
-        result = dc.load(
+        result = dc.load_shards(
             targets,
             directory,
             strictness=strictness,

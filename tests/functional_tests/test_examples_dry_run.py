@@ -355,6 +355,7 @@ def test_parameter_formula_matches_the_built_model(flags):
     import torch
 
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training.configs import core_transformer_config_from_args
     from megatron.training.theoretical_memory import count_parameters
     from megatron.training.tokenizer import build_tokenizer
@@ -376,6 +377,7 @@ def test_parameter_formula_matches_the_built_model(flags):
     build_tokenizer(args)
     model = GPTModel(
         config=core_transformer_config_from_args(args),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -214,7 +214,7 @@ def test_megatron_persistent_error_checkpoints_the_machine_and_exits_16(persiste
         dc.ShardedObject("rerun_state_machine_state", None, (2,), (rank,), read_back=True)
         for rank in range(2)
     ]
-    dc.load({part.name: part for part in parts}, str(ckpt / "iter_0000001"))
+    dc.load_shards({part.name: part for part in parts}, str(ckpt / "iter_0000001"))
     assert [part.data["suspicious_device"] for part in parts] == [0, 1]
     assert all(part.data["checkpoint_requested"] for part in parts)
     assert all(isinstance(part.data["failed_validation_call"], Call) for part in parts)

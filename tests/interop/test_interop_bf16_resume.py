@@ -50,7 +50,7 @@ def _all_tensors(directory):
     """Every tensor of a torch_dist directory, whole, under its stored key."""
     shapes = dc.tensor_shapes(dc.read_dcp_metadata(str(directory)))
     entries = {k: dc.replicated(k, torch.empty(s, dtype=d)) for k, (s, d) in shapes.items()}
-    dc.load(entries, str(directory))
+    dc.load_shards(entries, str(directory))
     return {k: e.data for k, e in entries.items()}
 
 

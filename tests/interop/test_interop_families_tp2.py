@@ -19,6 +19,11 @@ from pathlib import Path
 import torch
 
 from megatron.core import dist_checkpointing as dc
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.T5.t5_spec import (
+    get_t5_decoder_layer_local_spec,
+    get_t5_encoder_layer_local_spec,
+)
 from tests.harness import REPO
 from tests.interop.test_model_families_layout import _config, _described
 from tests.unit_tests.dist_utils import run_distributed
@@ -45,13 +50,30 @@ def _bert(state):
     from megatron.core.models.bert.bert_model import BertModel
 
     torch.manual_seed(99)  # not the checkpoint's weights: a load must replace every one
-    return BertModel(_config(state), 2, VOCAB, SEQ, pg_collection=state)
+    return BertModel(
+        _config(state),
+        2,
+        bert_layer_local_spec,
+        VOCAB,
+        SEQ,
+        share_embeddings_and_output_weights=True,
+        pg_collection=state,
+    )
 
 
 def _t5(state):
     from megatron.core.models.T5.t5_model import T5Model
 
-    return T5Model(_config(state), _config(state), VOCAB, SEQ, pg_collection=state)
+    return T5Model(
+        _config(state),
+        _config(state),
+        get_t5_encoder_layer_local_spec(),
+        get_t5_decoder_layer_local_spec(),
+        VOCAB,
+        SEQ,
+        share_embeddings_and_output_weights=True,
+        pg_collection=state,
+    )
 
 
 def _bert_loss(model):
@@ -79,7 +101,7 @@ def _entries(model, state):
 
 
 def _load_strictly(model, state, directory):
-    dc.load(
+    dc.load_shards(
         _entries(model, state),
         str(directory),
         strictness=dc.StrictHandling.RAISE_ALL,

@@ -27,7 +27,7 @@ PP, VPP = 2, 2
 
 def _load_strictly(chunks, directory):
     entries, _ = dc.model_sharded_state_dict(chunks)
-    dc.load(
+    dc.load_shards(
         entries,
         str(directory),
         strictness=dc.StrictHandling.RAISE_ALL,

@@ -68,6 +68,7 @@ def _batch(vocab, seq):
 
 def _our_model(state, pre=True, post=True, num_layers=None, offset=None, **overrides):
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     settings = dict(
@@ -84,8 +85,10 @@ def _our_model(state, pre=True, post=True, num_layers=None, offset=None, **overr
     tied = overrides.pop("share_embeddings_and_output_weights", False)
     settings.update(overrides)
     torch.manual_seed(99)  # not the checkpoint's weights: the load must replace every one
+    config = TransformerConfig(**settings)
     return GPTModel(
-        TransformerConfig(**settings),
+        config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=vocab,
         max_sequence_length=seq,
         pre_process=pre,
@@ -105,7 +108,7 @@ def _load(model, state, directory):
     )
     # Every model tensor of the checkpoint must be asked for (the _extra_state objects are not
     # tensors); every tensor asked for must be there.
-    dc.load(
+    dc.load_shards(
         entries,
         str(directory),
         strictness=dc.StrictHandling.RAISE_ALL,
@@ -208,7 +211,7 @@ def _checkpoint_tensors(directory):
         for k, (shape, dtype) in shapes.items()
         if not k.startswith("optimizer.")
     }
-    dc.load(entries, str(directory))
+    dc.load_shards(entries, str(directory))
     return unstack({k: e.data for k, e in entries.items()})
 
 

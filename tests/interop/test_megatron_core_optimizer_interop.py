@@ -96,6 +96,7 @@ class _Ours:
         **arg_overrides,
     ):
         from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.module import Float16Module
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -124,7 +125,9 @@ class _Ours:
             bf16=bf16,
             params_dtype=dtype,
         )
-        self.model = GPTModel(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+        self.model = GPTModel(
+            config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ
+        )
         if bf16:  # as the training loop wraps it: bf16 weights, fp32 outputs
             self.model = Float16Module(config, self.model)
         self.ddp = None

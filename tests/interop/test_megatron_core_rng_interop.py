@@ -90,7 +90,7 @@ def test_rng_state_saved_by_megatron_core_is_restored_here(tmp_path):
     _seed(99, state)
     request = checkpointing_dist._rng_request(set(metadata), state)
     assert request is not None
-    dc.load({request.name: request}, str(directory))
+    dc.load_shards({request.name: request}, str(directory))
     assert set(request.data[0]) == {
         "random_rng_state",
         "np_rng_state",
@@ -114,7 +114,7 @@ def _worker_saves_rng_at_tp2(rank, world, directory, out):
         torch.rand(7)
     entry = checkpoint_rng_state.rng_sharded_object(state, global_vars.get_rng_tracker(), False)
     assert entry.unique_key == f"rng_state/shard_0.{rank}_1.2"
-    dc.save({entry.name: entry}, directory)
+    dc.save_shards({entry.name: entry}, directory)
     if rank == 0:  # the rest of a checkpoint directory, as save_checkpoint finishes it
         dc.save_common({"iteration": 1, "checkpoint_version": 3.0}, directory)
         dc.write_metadata_json(directory)
@@ -164,7 +164,7 @@ def test_rerun_state_machine_state_exchanged_both_ways(tmp_path):
         plain = checkpoint_rng_state.plain_rerun_common(common["rerun_state_machine"])
         plain, entry = checkpointing_dist._rerun_request(plain, keys)
         assert entry is not None and entry.unique_key == "rerun_state_machine_state/shard_0_1"
-        dc.load({entry.name: entry}, str(directory))
+        dc.load_shards({entry.name: entry}, str(directory))
         checkpointing_dist._restore_rerun_state(plain, entry)
         assert machine_fields(machine) == theirs
         assert theirs["state"] == "WILL_RERUN_FROM_CHECKPOINT"  # not a machine left as built
@@ -184,7 +184,7 @@ def test_rerun_state_machine_state_exchanged_both_ways(tmp_path):
         common, part = checkpoint_rng_state.rerun_entries(
             machine.state_dict(None, force=True), rank=0, world_size=1
         )
-        dc.save({part.name: part}, str(ours))
+        dc.save_shards({part.name: part}, str(ours))
         dc.save_common({"rerun_state_machine": common, "iteration": 5}, str(ours))
         dc.write_metadata_json(str(ours))
         read = _mcore("rerun", ours, tmp_path / "read.json")

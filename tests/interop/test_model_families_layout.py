@@ -21,6 +21,11 @@ from pathlib import Path
 import torch
 
 from megatron.core import dist_checkpointing as dc
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.T5.t5_spec import (
+    get_t5_decoder_layer_local_spec,
+    get_t5_encoder_layer_local_spec,
+)
 from tests.harness import REPO
 from tests.unit_tests.dist_utils import run_distributed
 
@@ -74,6 +79,9 @@ def _config(state, **overrides):
 
 def _moe_gpt(state):
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+    )
 
     config = _config(
         state,
@@ -89,6 +97,7 @@ def _moe_gpt(state):
     torch.manual_seed(99)  # not the checkpoint's weights: the load must replace every one
     return GPTModel(
         config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=False,
@@ -118,7 +127,7 @@ def _worker_moe_at_ep2(rank, world, directory, expected, reference):
     experts = {tuple(t[2][:2]) for t in mine["tensors"] if ".experts.experts." in t[0]}
     assert experts == {(layer, 2 * rank + e) for layer in range(LAYERS) for e in (0, 1)}
 
-    dc.load(
+    dc.load_shards(
         entries,
         str(directory),
         strictness=dc.StrictHandling.RAISE_ALL,
@@ -153,10 +162,12 @@ def _same_parameter_order(model, reference, left_out=()):
 
 def test_gpt_parameter_order_equals_megatron_cores(tmp_path):
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     reference = _mcore("describe", "-", tmp_path / "gpt.json")
     model = GPTModel(
         _config(_one_process_groups()),
+        get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=False,  # the driver's default
@@ -190,7 +201,7 @@ def test_moe_gpt_checkpoint_written_here_loads_in_megatron_core(tmp_path):
         p.data.add_(torch.randn_like(p) * 0.01)
     entries, _ = dc.model_sharded_state_dict([model])
     directory = tmp_path / "ours"
-    dc.save(entries, str(directory))
+    dc.save_shards(entries, str(directory))
     dc.save_common({"iteration": 1, "checkpoint_version": 3.0}, str(directory))
     dc.write_metadata_json(str(directory))
     loaded = _mcore(
@@ -206,7 +217,7 @@ def test_moe_gpt_checkpoint_written_here_loads_in_megatron_core(tmp_path):
     # Read back as a whole (the offline tools' view), the file holds our tensors under our names.
     shapes = dc.tensor_shapes(dc.read_dcp_metadata(str(directory)))
     whole = {k: dc.replicated(k, torch.empty(s, dtype=d)) for k, (s, d) in shapes.items()}
-    dc.load(whole, str(directory))
+    dc.load_shards(whole, str(directory))
     assert sorted(unstack({k: e.data for k, e in whole.items()})) == sorted(ours)
     # The torch format: megatron-core's state_dict() has the _extra_state entries ours writes.
     other = with_extra_state(model, model.state_dict())
@@ -225,7 +236,7 @@ def _loads_in_megatron_core(model, family, tmp_path):
         p.data.add_(torch.randn_like(p) * 0.01)
     entries, _ = dc.model_sharded_state_dict([model])
     directory = tmp_path / f"ours_{family}"
-    dc.save(entries, str(directory))
+    dc.save_shards(entries, str(directory))
     dc.save_common({"iteration": 1, "checkpoint_version": 3.0}, str(directory))
     dc.write_metadata_json(str(directory))
     out = tmp_path / f"{family}_loaded.json"
@@ -246,7 +257,15 @@ def test_bert_layout_equals_megatron_core_both_ways(tmp_path):
 
     reference = _mcore("describe", "-", tmp_path / "bert.json", "--family", "bert")
     state = initialize_model_parallel()
-    model = BertModel(_config(state), 2, VOCAB, SEQ, pg_collection=state)
+    model = BertModel(
+        _config(state),
+        2,
+        bert_layer_local_spec,
+        VOCAB,
+        SEQ,
+        share_embeddings_and_output_weights=True,
+        pg_collection=state,
+    )
     assert _one_process_layout(model) == {k: reference[k] for k in ("tensors", "objects")}
     _same_parameter_order(model, reference)
     _loads_in_megatron_core(model, "bert", tmp_path)
@@ -254,10 +273,18 @@ def test_bert_layout_equals_megatron_core_both_ways(tmp_path):
     # And the other way: megatron-core's BERT checkpoint loads here, every tensor equal.
     extra = ["--family", "bert", "--tensors", tmp_path / "mcore_bert.pt"]
     _mcore("save", tmp_path / "mcore_bert", tmp_path / "mb.json", *extra)
-    model = BertModel(_config(state), 2, VOCAB, SEQ, pg_collection=state)
+    model = BertModel(
+        _config(state),
+        2,
+        bert_layer_local_spec,
+        VOCAB,
+        SEQ,
+        share_embeddings_and_output_weights=True,
+        pg_collection=state,
+    )
     entries, _ = dc.model_sharded_state_dict([model])
     directory = tmp_path / "mcore_bert" / "iter_0000001"
-    dc.load(entries, str(directory), strictness=dc.StrictHandling.RAISE_ALL)
+    dc.load_shards(entries, str(directory), strictness=dc.StrictHandling.RAISE_ALL)
     theirs = torch.load(tmp_path / "mcore_bert.pt", weights_only=True)
     ours = model.state_dict()
     assert sorted(theirs) == sorted(ours)
@@ -271,7 +298,16 @@ def test_t5_layout_equals_megatron_core_both_ways(tmp_path):
 
     reference = _mcore("describe", "-", tmp_path / "t5.json", "--family", "t5")
     state = initialize_model_parallel()
-    model = T5Model(_config(state), _config(state), VOCAB, SEQ, pg_collection=state)
+    model = T5Model(
+        _config(state),
+        _config(state),
+        get_t5_encoder_layer_local_spec(),
+        get_t5_decoder_layer_local_spec(),
+        VOCAB,
+        SEQ,
+        share_embeddings_and_output_weights=True,
+        pg_collection=state,
+    )
     ours = _one_process_layout(model)
     assert {"position_embeddings.weight", "output_layer.bias"} <= {t[0] for t in ours["tensors"]}
     # The driver builds megatron-core's T5 with the final norms it has under Transformer Engine.
@@ -284,9 +320,18 @@ def test_t5_layout_equals_megatron_core_both_ways(tmp_path):
     # left over) and gives its loss on the same batch.
     saved = _mcore("save", tmp_path / "mcore_t5", tmp_path / "mt5.json", "--family", "t5")
     torch.manual_seed(99)  # not the checkpoint's weights: the load must replace every one
-    model = T5Model(_config(state), _config(state), VOCAB, SEQ, pg_collection=state)
+    model = T5Model(
+        _config(state),
+        _config(state),
+        get_t5_encoder_layer_local_spec(),
+        get_t5_decoder_layer_local_spec(),
+        VOCAB,
+        SEQ,
+        share_embeddings_and_output_weights=True,
+        pg_collection=state,
+    )
     entries, _ = dc.model_sharded_state_dict([model])
-    dc.load(
+    dc.load_shards(
         entries,
         str(tmp_path / "mcore_t5" / "iter_0000001"),
         strictness=dc.StrictHandling.RAISE_ALL,
@@ -304,6 +349,7 @@ def test_t5_layout_equals_megatron_core_both_ways(tmp_path):
 def test_moe_gpt_mixing_dense_and_moe_layers_layout_and_checkpoint(tmp_path):
     # --moe-layer-freq: megatron-core keys such a model layer by layer (no layer axis).
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.parallel_state import initialize_model_parallel
 
     flags = [f for f in MOE_FLAGS if f != "--moe-router-enable-expert-bias"]
@@ -325,6 +371,7 @@ def test_moe_gpt_mixing_dense_and_moe_layers_layout_and_checkpoint(tmp_path):
     torch.manual_seed(99)
     model = GPTModel(
         config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=False,  # the driver's default
@@ -337,6 +384,6 @@ def test_moe_gpt_mixing_dense_and_moe_layers_layout_and_checkpoint(tmp_path):
     }
     _same_parameter_order(model, reference)
     directory = tmp_path / "mcore" / "iter_0000001"
-    dc.load(entries, str(directory), strictness=dc.StrictHandling.RAISE_ALL)
+    dc.load_shards(entries, str(directory), strictness=dc.StrictHandling.RAISE_ALL)
     loss = _loss(model)
     assert abs(loss - saved["loss"]) <= RTOL * abs(saved["loss"]), (loss, saved["loss"])

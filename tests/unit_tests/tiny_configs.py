@@ -66,8 +66,11 @@ def tiny_gpt_model(config=None, seed=0, **model_kwargs):
     """A GPTModel of ``config`` (tiny_transformer_config() by default), initialized from
     ``seed``, with TINY_VOCAB tokens and TINY_SEQ positions unless given."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     torch.manual_seed(seed)
+    config = config or tiny_transformer_config()
     model_kwargs.setdefault("vocab_size", TINY_VOCAB)
     model_kwargs.setdefault("max_sequence_length", TINY_SEQ)
-    return GPTModel(config or tiny_transformer_config(), **model_kwargs)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    return GPTModel(config, spec, **model_kwargs)

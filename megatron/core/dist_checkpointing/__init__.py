@@ -4,7 +4,9 @@ torch.distributed.checkpoint, readable at any parallel layout.
 * :mod:`.mapping` -- :class:`ShardedTensor`: a rank's pieces of one global tensor;
 * :mod:`.model_state` -- a model chunk's entries under global names (PP offsets, TP shards);
 * :mod:`.optimizer_state` -- optimizer state keyed and sharded like the parameters;
-* :mod:`.serialization` -- save / load / checks of the checkpoint directory;
+* :mod:`.serialization` -- megatron-core's ``save`` / ``load`` of a (model's) sharded state
+  dict, over ``save_shards`` / ``load_shards`` (the trainer's: explicit process group and
+  strictness, in-place loading) and the checks of the checkpoint directory;
 * :mod:`.async_save` -- writing in a background thread.
 """
 
@@ -27,9 +29,11 @@ from .serialization import (
     is_distributed_checkpoint,
     load,
     load_common,
+    load_shards,
     read_dcp_metadata,
     save,
     save_common,
+    save_shards,
     tensor_shapes,
     write_metadata_json,
 )
@@ -56,9 +60,11 @@ __all__ = [
     "is_distributed_checkpoint",
     "load",
     "load_common",
+    "load_shards",
     "read_dcp_metadata",
     "save",
     "save_common",
+    "save_shards",
     "tensor_shapes",
     "write_metadata_json",
 ]

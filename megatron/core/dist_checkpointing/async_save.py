@@ -16,7 +16,7 @@ import threading
 from typing import Dict, Optional
 
 from .mapping import Chunk, ShardedObject, ShardedTensor
-from .serialization import save
+from .serialization import save_shards
 
 
 def stage(sharded_state_dict: Dict[str, ShardedTensor]) -> Dict[str, ShardedTensor]:
@@ -60,7 +60,7 @@ class AsyncSave:
 
     def _run(self, process_group) -> None:
         try:
-            save(self._staged, self.directory, process_group=process_group)
+            save_shards(self._staged, self.directory, process_group=process_group)
         except BaseException as exc:  # re-raised in the training thread by wait()
             self.error = exc
         finally:

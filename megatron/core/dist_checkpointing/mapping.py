@@ -11,7 +11,7 @@ fc1 = [gate; up] gives rank r [gate_r; up_r]), so one local tensor may map to se
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +52,10 @@ class ShardedTensor:
     optional: bool = False
     """A second key for a tensor saved under another key too (megatron-core's T5 keeps such
     aliases): saved, and loaded only where the checkpoint has it."""
+    local_shape: Optional[Tuple[int, ...]] = None
+    """The shape the model holds ``data`` in, where ``data`` is a view of another shape (a layer
+    of a stacked tensor has a leading layer axis of 1): what ``dist_checkpointing.load`` returns
+    the loaded tensor as. None: ``data``'s shape."""
 
     def view(self, chunk: Chunk) -> torch.Tensor:
         """The part of ``data`` that holds ``chunk`` (a view: writing to it writes ``data``)."""

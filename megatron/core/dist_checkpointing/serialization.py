@@ -327,7 +327,7 @@ def _dcp_failure(exc: CheckpointException, directory: str) -> CheckpointingError
 
 
 # ---------------------------------------------------------------------------------- save / load
-def save(
+def save_shards(
     sharded_state_dict: Dict[str, Union[ShardedTensor, ShardedObject]],
     directory: str,
     process_group=None,
@@ -381,7 +381,7 @@ def check_complete(directory: str) -> None:
         )
 
 
-def load(
+def load_shards(
     sharded_state_dict: Dict[str, Union[ShardedTensor, ShardedObject]],
     directory: str,
     process_group=None,
@@ -484,3 +484,140 @@ def load(
     except CheckpointException as exc:
         raise _dcp_failure(exc, directory) from None
     return LoadResult(missing=sorted(missing), unexpected=unexpected)
+
+
+# ---------------------------------------------------------- megatron-core's save / load
+_SHARDED_STRATEGIES = (None, SHARDED_BACKEND)
+_COMMON_STRATEGIES = (None, COMMON_BACKEND)
+
+
+def _strategy_name(strategy, allowed, argument: str):
+    name = strategy[0] if isinstance(strategy, (tuple, list)) and strategy else strategy
+    if name not in allowed:
+        raise ValueError(
+            f"dist_checkpointing: {argument}={strategy!r} is not supported; only "
+            f"{allowed[1]!r} checkpoints are written and read here"
+        )
+
+
+def _split(state_dict, path=()):
+    """(sharded entries by path, the state dict without them): megatron-core's split of a
+    (nested) sharded state dict into what the sharded backend and common.pt hold."""
+    sharded, common = {}, {}
+    for key, value in state_dict.items():
+        if isinstance(value, (ShardedTensor, ShardedObject)):
+            sharded[path + (key,)] = value
+        elif isinstance(value, dict):
+            inner_sharded, inner_common = _split(value, path + (key,))
+            sharded.update(inner_sharded)
+            if inner_common or not inner_sharded:
+                common[key] = inner_common
+        else:
+            common[key] = value
+    return sharded, common
+
+
+def _by_entry_name(sharded: dict) -> dict:
+    """The entries keyed by their checkpoint names (a tensor tied under two model keys is one
+    entry)."""
+    out = {}
+    for path, entry in sharded.items():
+        previous = out.setdefault(entry.name, entry)
+        if previous is not entry and not (
+            isinstance(entry, ShardedTensor) and previous.data.data_ptr() == entry.data.data_ptr()
+        ):
+            raise CheckpointingError(
+                f"two entries of this rank ({'.'.join(map(str, path))}, ...) use the checkpoint "
+                f"name {entry.name}"
+            )
+    return out
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def save(
+    sharded_state_dict: Dict[str, object],
+    checkpoint_dir: str,
+    sharded_strategy=None,
+    common_strategy=None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable] = None,
+    content_metadata: Optional[dict] = None,
+) -> None:
+    """megatron-core 0.16's ``dist_checkpointing.save`` (a collective over the world): the
+    ShardedTensors / ShardedObjects of ``sharded_state_dict`` (nested dicts allowed) go to the
+    DCP files, everything else to ``common.pt`` (written by rank 0), then ``metadata.json``.
+
+    Only the ``torch_dist`` / ``torch`` backends exist here; the coverage of every global tensor
+    is always checked (``validate_access_integrity`` changes nothing), and
+    ``preprocess_common_before_consistancy_check`` only concerns a cross-rank check of the
+    common state that is not made here. Asynchronous saving and ``content_metadata`` are refused.
+    """
+    del validate_access_integrity, preprocess_common_before_consistancy_check
+    _strategy_name(sharded_strategy, _SHARDED_STRATEGIES, "sharded_strategy")
+    _strategy_name(common_strategy, _COMMON_STRATEGIES, "common_strategy")
+    if async_sharded_save:
+        raise ValueError("dist_checkpointing.save: async_sharded_save=True is not supported")
+    if content_metadata is not None:
+        raise ValueError("dist_checkpointing.save: content_metadata is not supported")
+    directory = str(checkpoint_dir)
+    sharded, common = _split(sharded_state_dict)
+    save_shards(_by_entry_name(sharded), directory)
+    if _is_first(None):
+        save_common(common, directory)
+    _barrier()  # every rank's files are written before the directory is marked complete
+    if _is_first(None):
+        write_metadata_json(directory)
+    _barrier()  # and no rank reads it before that
+
+
+def _merge(into: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        into = into.setdefault(key, {})
+    into[path[-1]] = value
+
+
+def load(
+    sharded_state_dict: Dict[str, object],
+    checkpoint_dir: str,
+    sharded_strategy=None,
+    common_strategy=None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+):
+    """megatron-core 0.16's ``dist_checkpointing.load`` (a collective over the world): the
+    checkpoint's ``common.pt`` with, at the places of ``sharded_state_dict``'s ShardedTensors,
+    the loaded tensors (in the shape the model holds them, so that ``model.load_state_dict``
+    takes the result of ``model.sharded_state_dict()``) and the objects read back (RNG state).
+    Objects the model never reads back (the layers' ``_extra_state``) and the second keys of
+    aliased tensors (``optional`` entries) are left out.
+
+    The tensors are loaded in place into the entries' ``data`` (the model's parameters, for a
+    model's sharded state dict). With ``strict`` = ``return_unexpected`` / ``return_all`` the
+    result is ``(state dict, missing keys, unexpected keys)``, as in megatron-core.
+    """
+    del validate_access_integrity
+    _strategy_name(sharded_strategy, _SHARDED_STRATEGIES, "sharded_strategy")
+    _strategy_name(common_strategy, _COMMON_STRATEGIES, "common_strategy")
+    strict = StrictHandling(strict)
+    directory = str(checkpoint_dir)
+    sharded, _ = _split(sharded_state_dict)
+    result = load_shards(_by_entry_name(sharded), directory, strictness=strict)
+    loaded = load_common(directory)
+    missing = set(result.missing)
+    for path, entry in sharded.items():
+        if isinstance(entry, ShardedObject):
+            if entry.read_back:
+                _merge(loaded, path, entry.data)
+        elif entry.key not in missing and not entry.optional:
+            data = entry.data
+            if entry.local_shape is not None:
+                data = data.view(entry.local_shape)
+            _merge(loaded, path, data)
+    if strict in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL):
+        return loaded, set(result.missing), set(result.unexpected)
+    return loaded

@@ -30,8 +30,15 @@ class SelfAttention(MegatronModule):
         layer_number: int = 1,
         attn_mask_type: AttnMaskType = AttnMaskType.causal,
         pg_collection=None,
+        qk_layernorm: bool = False,
     ):
         super().__init__(config)
+        if qk_layernorm and not config.qk_layernorm:
+            # QK-norm follows the config here; a spec asking for it must agree with it.
+            raise ValueError(
+                "the layer spec asks for QK layernorm (qk_layernorm=True) but "
+                "config.qk_layernorm is False: set TransformerConfig(qk_layernorm=True)"
+            )
         pg_collection = resolve_pg_collection(config, pg_collection)
         tp_group = pg_collection.tp
         self.layer_number = layer_number

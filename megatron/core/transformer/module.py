@@ -80,3 +80,6 @@ class Float16Module(MegatronModule):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        return self.module.sharded_state_dict(prefix, sharded_offsets, metadata)

@@ -24,6 +24,11 @@ from megatron.core.transformer.config_rules import (
     mup_width_mult_matches,
     query_groups_split_over_tp,
 )
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.feature_fields import (
+    UnsupportedFeatureFields,
+    refuse_unsupported_features,
+)
 from megatron.core.transformer.moe.moe_config import MoEConfig, validate_moe_config
 from megatron.core.transformer.utils import init_method_normal, scaled_init_method_normal
 
@@ -35,9 +40,11 @@ SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 @dataclass
-class TransformerConfig(ModelParallelConfig, MoEConfig):
+class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields):
     """Configuration of a transformer stack (layers, attention, MLP, norms, init); the
-    mixture-of-experts fields come from :class:`MoEConfig`."""
+    mixture-of-experts fields come from :class:`MoEConfig`, and megatron-core's fields of
+    features this code base lacks from :class:`UnsupportedFeatureFields` (their defaults
+    accepted, other values refused where they would change the model)."""
 
     # ---------------------------------------------------------------- sizes
     num_layers: int = 0
@@ -266,7 +273,7 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
     """Layers per recompute chunk ('uniform') or recomputed layers per stage ('block')
     (``--recompute-num-layers``)."""
 
-    distribute_saved_activations: Optional[bool] = None
+    distribute_saved_activations: bool = False
     """Shard checkpointed layer inputs across the tensor parallel ranks
     (``--distribute-saved-activations``)."""
 
@@ -316,6 +323,8 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
                 f"tensor_model_parallel_size ({self.tensor_model_parallel_size}, "
                 "--tensor-model-parallel-size)"
             )
+        if isinstance(self.attention_backend, AttnBackend):  # megatron-core passes the enum
+            self.attention_backend = self.attention_backend.name
         if self.attention_backend not in ("flash", "fused", "unfused", "local", "auto"):
             raise ValueError(
                 f"attention_backend {self.attention_backend!r} unknown (--attention-backend: "
@@ -373,6 +382,7 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
             self.attention_softmax_in_fp32 = True
         self._validate_recompute()
         validate_moe_config(self)
+        refuse_unsupported_features(self)
         self._apply_mup()
         self._set_init_methods()
 
@@ -483,3 +493,31 @@ class TransformerConfig(ModelParallelConfig, MoEConfig):
                 "distribute_saved_activations (--distribute-saved-activations) cannot be used "
                 "with sequence_parallel (--sequence-parallel)"
             )
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """megatron-core's configuration of multi-latent attention models (DeepSeek-V2/V3 style),
+    with its fields and defaults. Multi-latent attention is not implemented here yet, so
+    constructing one raises rather than build a model with ordinary attention."""
+
+    multi_latent_attention: bool = True
+    normalization: str = "RMSNorm"
+    q_lora_rank: Optional[int] = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str = "yarn"
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0
+    rotary_scaling_factor: float = 40
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    cache_mla_latents: bool = False
+
+    def __post_init__(self):
+        raise ValueError("MLATransformerConfig: multi-latent attention is not supported yet")

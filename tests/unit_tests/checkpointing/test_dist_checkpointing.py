@@ -17,6 +17,7 @@ import torch
 from megatron.core import dist_checkpointing as dc
 from megatron.core.dist_checkpointing import serialization
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import shard_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training import checkpointing, checkpointing_dist, global_vars
@@ -90,6 +91,7 @@ def _last_stage_of_four_layers():
     )
     return GPTModel(
         cfg,
+        get_gpt_layer_local_spec(),
         vocab_size=64,
         max_sequence_length=8,
         pre_process=False,
@@ -645,7 +647,7 @@ def test_async_save_writes_the_state_of_its_iteration(tmp_path):
         values = []
         for directory in directory_pair:
             targets = {k: dc.replicated(k, torch.empty(s, dtype=t)) for k, (s, t) in shapes.items()}
-            dc.load(targets, directory)
+            dc.load_shards(targets, directory)
             values.append(targets)
         for key in shapes:
             assert torch.equal(values[0][key].data, values[1][key].data), key
@@ -809,7 +811,7 @@ def test_rng_state_is_megatron_lms_object_and_the_earlier_list_form_still_loads(
     # per-rank dict, numpy's state as numpy.random.get_state() gives it; no CUDA state on CPU
     # (none to save: Megatron-LM then asks for --no-load-rng in its own line).
     entry = dc.ShardedObject("rng_state", None, (1, 1), (0, 0), read_back=True)
-    dc.load({entry.name: entry}, str(directory))
+    dc.load_shards({entry.name: entry}, str(directory))
     [saved] = entry.data
     assert set(saved) == {
         "random_rng_state",

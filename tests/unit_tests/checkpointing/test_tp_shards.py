@@ -23,6 +23,11 @@ from megatron.checkpointing.tp_shards import (
     split_full,
     tp_split,
 )
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.T5.t5_spec import (
+    get_t5_decoder_layer_local_spec,
+    get_t5_encoder_layer_local_spec,
+)
 from tests.unit_tests.dist_utils import run_distributed
 
 TP = 2
@@ -49,6 +54,7 @@ def _models(state):
     """{family: (builder, whether fc1 is SwiGLU's [gate; up])}."""
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.T5.t5_model import T5Model
 
     swiglu = dict(gated_linear_unit=True, activation_func=F.silu)
@@ -56,6 +62,7 @@ def _models(state):
         "gpt": (
             lambda: GPTModel(
                 _config(**swiglu, add_bias_linear=True, qk_layernorm=True),
+                get_gpt_layer_local_spec(),
                 vocab_size=64,
                 max_sequence_length=16,
                 share_embeddings_and_output_weights=False,
@@ -72,6 +79,7 @@ def _models(state):
                     add_bias_linear=False,
                     sequence_parallel=True,
                 ),
+                get_gpt_layer_local_spec(num_experts=4),
                 vocab_size=64,
                 max_sequence_length=16,
                 position_embedding_type="rope",
@@ -79,8 +87,31 @@ def _models(state):
             ),
             True,
         ),
-        "bert": (lambda: BertModel(_config(), 2, 64, 16, pg_collection=state), False),
-        "t5": (lambda: T5Model(_config(), _config(), 64, 16, pg_collection=state), False),
+        "bert": (
+            lambda: BertModel(
+                _config(),
+                2,
+                bert_layer_local_spec,
+                64,
+                16,
+                share_embeddings_and_output_weights=True,
+                pg_collection=state,
+            ),
+            False,
+        ),
+        "t5": (
+            lambda: T5Model(
+                _config(),
+                _config(),
+                get_t5_encoder_layer_local_spec(),
+                get_t5_decoder_layer_local_spec(),
+                64,
+                16,
+                share_embeddings_and_output_weights=True,
+                pg_collection=state,
+            ),
+            False,
+        ),
     }
 
 

@@ -11,7 +11,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron.core.models.bert import BertModel
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.T5 import T5Model
+from megatron.core.models.T5.t5_spec import (
+    get_t5_decoder_layer_local_spec,
+    get_t5_encoder_layer_local_spec,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.training.model_families import get_model_family
 
@@ -62,7 +67,13 @@ def _args(**extra):
 @pytest.mark.parametrize("binary_head", [True, False])
 def test_bert_flops_match_torch_count(binary_head):
     model = BertModel(
-        _config(), 2 if binary_head else 0, VOCAB, SEQ, add_binary_head=binary_head
+        _config(),
+        2 if binary_head else 0,
+        bert_layer_local_spec,
+        VOCAB,
+        SEQ,
+        share_embeddings_and_output_weights=True,
+        add_binary_head=binary_head,
     ).eval()
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     types = torch.zeros_like(ids) if binary_head else None
@@ -75,7 +86,15 @@ def test_bert_flops_match_torch_count(binary_head):
 
 def test_t5_flops_match_torch_count():
     config = _config()
-    model = T5Model(dataclasses.replace(config, num_layers=2), config, VOCAB, SEQ).eval()
+    model = T5Model(
+        dataclasses.replace(config, num_layers=2),
+        config,
+        get_t5_encoder_layer_local_spec(),
+        get_t5_decoder_layer_local_spec(),
+        VOCAB,
+        SEQ,
+        share_embeddings_and_output_weights=True,
+    ).eval()
     enc = torch.randint(0, VOCAB, (BATCH, SEQ))
     dec = torch.randint(0, VOCAB, (BATCH, 8))
     measured = _measured(model, enc, dec, torch.ones(BATCH, SEQ))

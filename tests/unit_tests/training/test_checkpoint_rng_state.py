@@ -136,14 +136,14 @@ def _worker_data_parallel_random_init(rank, world, directory):
     # Every DP rank's state gathered into one list, written once (by DP rank 0).
     assert len(entry.data) == 2 and entry.replica == (rank == 1)
     assert entry.unique_key == "rng_state/shard_0.0_1.1"
-    dc.save({entry.name: entry}, directory)
+    dc.save_shards({entry.name: entry}, directory)
     if rank == 0:
         dc.write_metadata_json(directory)
     expected = _draws(tracker)
 
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     request = crs.rng_request(state)
-    dc.load({request.name: request}, directory)
+    dc.load_shards({request.name: request}, directory)
     from megatron.training.checkpointing_common import set_rng_state
 
     set_rng_state(crs.choose_rng_state(request.data, state, True), tracker)

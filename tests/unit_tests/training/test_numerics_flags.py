@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel.layers import shard_of
 from megatron.core.transformer.mlp import MLP
@@ -58,6 +59,7 @@ def model_of(*flags, tp=1, pg_collection=None, untie=True):
     config = core_transformer_config_from_args(args)
     return GPTModel(
         config,
+        get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=not untie,
@@ -163,7 +165,9 @@ def test_fp32_residual_connection_keeps_the_residual_stream_in_fp32():
     for flag in (False, True):
         flags = ["--bf16"] + (["--fp32-residual-connection"] if flag else [])
         args = args_of(*flags, "--num-layers", 6)
-        model = GPTModel(core_transformer_config_from_args(args), VOCAB, SEQ).bfloat16()
+        model = GPTModel(
+            core_transformer_config_from_args(args), get_gpt_layer_local_spec(), VOCAB, SEQ
+        ).bfloat16()
         dtypes = []
         for layer in model.decoder.layers:
             layer.register_forward_hook(lambda m, i, out: dtypes.append(out[0].dtype))

@@ -90,6 +90,7 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
     forward/backward with labels and one optimizer step. Returns (model chunk, optimizer)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.tensor_parallel import ProcessGroupCollection
     from megatron.core.transformer.module import Float16Module
@@ -103,6 +104,7 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
     torch.manual_seed(0)
     model = GPTModel(
         config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -663,6 +665,7 @@ def _tp_rank_parameters_of_meta_model(args):
     """Parameters per TP rank of the real model built on the meta device at TP=1: split params
     (tensor_model_parallel) are divided by TP, the rest are whole on every rank."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.training.configs import core_transformer_config_from_args
 
     tp = args.tensor_model_parallel_size
@@ -673,6 +676,7 @@ def _tp_rank_parameters_of_meta_model(args):
     config.__post_init__()
     model = GPTModel(
         config,
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=False,
@@ -783,7 +787,7 @@ def test_moe_parameter_count_equals_the_built_model(extra):
     config = core_transformer_config_from_args(args)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config),
+        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=128,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=True,

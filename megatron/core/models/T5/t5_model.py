@@ -1,21 +1,17 @@
 """T5: an encoder-decoder transformer with one shared embedding and a tied LM head."""
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.models.common.language_module import LanguageModule, adopt_group_sizes
 from megatron.core.models.common.padding_mask import key_padding_mask
-from megatron.core.models.T5.t5_spec import (
-    get_t5_decoder_layer_local_spec,
-    get_t5_encoder_layer_local_spec,
-)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import (
     EMBEDDING_INIT_KEY,
@@ -80,19 +76,42 @@ class T5Model(LanguageModule):
         self,
         config: TransformerConfig,
         encoder_config: TransformerConfig,
+        transformer_encoder_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules],
+        transformer_decoder_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules],
         vocab_size: int,
         max_sequence_length: int,
         pre_process: bool = True,
         post_process: bool = True,
         fp16_lm_cross_entropy: bool = False,
         parallel_output: bool = True,
-        share_embeddings_and_output_weights: bool = True,
+        share_embeddings_and_output_weights: bool = False,
         position_embedding_type: str = "learned_absolute",
-        *,
+        rotary_percent: float = 1.0,
+        seq_len_interpolation_factor: Optional[float] = None,
+        relative_attention_num_buckets: int = 32,
+        relative_attention_max_distance: int = 128,
+        add_encoder: bool = True,
+        add_decoder: bool = True,
         pg_collection=None,
     ):
+        """megatron-core 0.16's arguments in its order. The layer specs are a layer's spec or a
+        block's (``get_t5_encoder_with_local_block_spec(n)``); ``rotary_percent``,
+        ``seq_len_interpolation_factor`` and the relative-attention sizes only concern position
+        embeddings T5 does not use here."""
+        del rotary_percent, seq_len_interpolation_factor
+        del relative_attention_num_buckets, relative_attention_max_distance
+        if not (add_encoder and add_decoder):
+            raise ValueError("T5Model: add_encoder/add_decoder=False is not supported")
+        if transformer_encoder_layer_spec is None or transformer_decoder_layer_spec is None:
+            raise ValueError(
+                "T5Model needs transformer_encoder_layer_spec and transformer_decoder_layer_spec, "
+                "e.g. get_t5_encoder_with_local_block_spec(n) / "
+                "get_t5_decoder_with_local_block_spec(n)"
+            )
+        config, pgs = adopt_group_sizes(config, pg_collection)
+        encoder_config, _ = adopt_group_sizes(encoder_config, pgs)
         super().__init__(config)
-        self.pg_collection = resolve_pg_collection(config, pg_collection)
+        self.pg_collection = pgs
         if config.pipeline_model_parallel_size > 1 or not (pre_process and post_process):
             raise ValueError("Pipeline parallelism is not supported for T5.")
         if self.pg_collection.cp_size > 1:
@@ -120,7 +139,7 @@ class T5Model(LanguageModule):
             )
         self.encoder = TransformerBlock(
             encoder_config,
-            get_t5_encoder_layer_local_spec(),
+            transformer_encoder_layer_spec,
             pg_collection=self.pg_collection,
             num_layers=encoder_config.num_layers,
         )
@@ -131,7 +150,7 @@ class T5Model(LanguageModule):
             )
         self.decoder = TransformerBlock(
             decoder_config,
-            get_t5_decoder_layer_local_spec(),
+            transformer_decoder_layer_spec,
             pg_collection=self.pg_collection,
             num_layers=config.num_layers,
         )

@@ -1,5 +1,9 @@
 """Layer specs of BERT (Megatron Core's ``bert_layer_specs``): the GPT layer with a padding mask
-instead of the causal one, so every token attends to every real token of its sample."""
+instead of the causal one, so every token attends to every real token of its sample.
+
+``bert_layer_local_spec`` and ``get_bert_layer_with_transformer_engine_spec()`` are
+megatron-core's names; the latter gives the local layer (there is no Transformer Engine here).
+"""
 
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -25,3 +29,11 @@ def get_bert_layer_local_spec() -> ModuleSpec:
             mlp=MLP,
         ),
     )
+
+
+bert_layer_local_spec = get_bert_layer_local_spec()
+
+
+def get_bert_layer_with_transformer_engine_spec() -> ModuleSpec:
+    """The local encoder layer (same parameters and names as megatron-core's local spec)."""
+    return get_bert_layer_local_spec()

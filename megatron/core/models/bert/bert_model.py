@@ -5,14 +5,12 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from megatron.core.models.bert.bert_layer_specs import get_bert_layer_local_spec
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.language_module import LanguageModule
+from megatron.core.models.common.language_module import LanguageModule, adopt_group_sizes
 from megatron.core.models.common.padding_mask import key_padding_mask
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.tensor_parallel.parameters import new_constant_param, new_weight
-from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -110,22 +108,32 @@ class BertModel(LanguageModule):
         self,
         config: TransformerConfig,
         num_tokentypes: int,
+        transformer_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules],
         vocab_size: int,
         max_sequence_length: int,
         pre_process: bool = True,
         post_process: bool = True,
         fp16_lm_cross_entropy: bool = False,
         parallel_output: bool = True,
-        share_embeddings_and_output_weights: bool = True,
+        share_embeddings_and_output_weights: bool = False,
         position_embedding_type: str = "learned_absolute",
+        rotary_percent: float = 1.0,
+        seq_len_interpolation_factor: Optional[float] = None,
         add_binary_head: bool = True,
-        *,
-        transformer_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules, None] = None,
+        return_embeddings: bool = False,
         vp_stage: Optional[int] = None,
         pg_collection=None,
     ):
+        """megatron-core 0.16's arguments in its order; ``rotary_percent`` and
+        ``seq_len_interpolation_factor`` only concern RoPE, which BERT does not use here."""
+        del rotary_percent, seq_len_interpolation_factor
+        if return_embeddings:
+            raise ValueError("BertModel: return_embeddings=True is not supported")
+        if transformer_layer_spec is None:
+            raise ValueError("BertModel needs a transformer_layer_spec, e.g. bert_layer_local_spec")
+        config, pgs = adopt_group_sizes(config, pg_collection)
         super().__init__(config)
-        self.pg_collection = resolve_pg_collection(config, pg_collection)
+        self.pg_collection = pgs
         if self.pg_collection.cp_size > 1:
             raise ValueError("BERT does not support context parallelism (--context-parallel-size)")
         if position_embedding_type != "learned_absolute":
@@ -159,7 +167,7 @@ class BertModel(LanguageModule):
                 )
         self.encoder = TransformerBlock(
             config,
-            transformer_layer_spec or get_bert_layer_local_spec(),
+            transformer_layer_spec,
             pre_process=pre_process,
             post_process=post_process,
             pg_collection=self.pg_collection,

@@ -1,12 +1,16 @@
 """Base class of language models: per-token loss and the tied embedding / output weight."""
 
+import dataclasses
 from typing import List, Sequence, Tuple
 
 import torch
 
 from megatron.core.device import compute_device
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 from megatron.core.tensor_parallel.collectives import group_size
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -50,6 +54,25 @@ def language_model_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> 
     return flat.view(labels.shape)
 
 
+def adopt_group_sizes(config, pg_collection):
+    """(config, ProcessGroupCollection) for a model given ``pg_collection``.
+
+    megatron-core's models read the tensor- and context-parallel sizes from their process groups,
+    so code written against it leaves the config's sizes at their default of 1 (its quickstart
+    builds ``TransformerConfig(num_layers=2, ...)`` at TP=2). Such a config is copied with the
+    groups' sizes (the caller's object is not changed); a size the config does set must equal its
+    group's (:func:`resolve_pg_collection` raises otherwise)."""
+    pgs = resolve_pg_collection(None, pg_collection)
+    sizes = {}
+    if config.tensor_model_parallel_size == 1 and pgs.tp_size > 1:
+        sizes["tensor_model_parallel_size"] = pgs.tp_size
+    if config.context_parallel_size == 1 and pgs.cp_size > 1:
+        sizes["context_parallel_size"] = pgs.cp_size
+    if sizes:
+        config = dataclasses.replace(config, **sizes)
+    return config, resolve_pg_collection(config, pgs)
+
+
 class LanguageModule(MegatronModule):
     """Shared pieces of GPT-like models (subclasses set ``embedding`` / ``output_layer``)."""
 
@@ -69,6 +92,36 @@ class LanguageModule(MegatronModule):
     LEGACY_CHILD_ORDER: Tuple[str, ...] = ()
     """Children this code base registered in another relative order before it followed
     megatron-core's (``optimizer.param_order``): their old order."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """megatron-core's ``sharded_state_dict``: this model's state dict keys (with ``prefix``)
+        mapped to ShardedTensors in Megatron's torch_dist layout (the layers of a block stacked,
+        tensor-parallel weights as this rank's shards of the global tensors), plus the layers'
+        ``_extra_state`` objects under their checkpoint names; what ``dist_checkpointing.save``
+        writes and ``dist_checkpointing.load`` fills. The keys and shards are those of the
+        trainer's torch_dist checkpoints. ``metadata`` (megatron-core's format switches) is
+        accepted and changes nothing; ``sharded_offsets`` (extra leading axes) is refused."""
+        del metadata
+        if sharded_offsets:
+            raise ValueError("sharded_state_dict: sharded_offsets are not supported")
+        pgs = self.pg_collection
+        entries, by_param = model_sharded_state_dict(
+            [self], pgs.tp_rank, pgs.tp_size, pgs.expt_tp_rank, pgs.expt_tp_size
+        )
+        out = {}
+        for key, tensor in self.state_dict(keep_vars=True).items():
+            entry = by_param.get(id(tensor)) if torch.is_tensor(tensor) else None
+            if entry is None:
+                continue
+            if tuple(entry.data.shape) != tuple(tensor.shape):
+                entry = dataclasses.replace(entry, local_shape=tuple(tensor.shape))
+            out[prefix + key] = entry
+        for name, entry in entries.items():
+            # The extra-state objects and the second keys of CHECKPOINT_ALIASES: written, and
+            # not part of this model's own state dict.
+            if isinstance(entry, ShardedObject) or entry.optional:
+                out[prefix + name] = entry
+        return out
 
     def _transformer_blocks(self) -> List[TransformerBlock]:
         return [m for m in self.children() if isinstance(m, TransformerBlock)]

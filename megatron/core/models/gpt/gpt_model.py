@@ -6,17 +6,12 @@ import torch
 
 from megatron.core.fusions.fused_linear_cross_entropy import linear_cross_entropy
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.language_module import LanguageModule
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
-)
+from megatron.core.models.common.language_module import LanguageModule, adopt_group_sizes
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
-from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.context_parallel import cp_chunk_indices
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -40,8 +35,10 @@ class GPTModel(LanguageModule):
     mlp.{linear_fc1,linear_fc2}}.*``, ``decoder.final_layernorm.*``, ``output_layer.weight``
     (absent when the output layer reuses the word embedding).
 
-    The layers are built from ``transformer_layer_spec`` (a layer spec, or per-layer specs in a
-    ``TransformerBlockSubmodules``; default: ``get_gpt_layer_local_spec()``). A pipeline stage
+    The layers are built from ``transformer_layer_spec`` (a layer spec such as
+    ``get_gpt_layer_local_spec()``, or per-layer specs in a ``TransformerBlockSubmodules`` such as
+    ``get_gpt_decoder_block_spec(config, use_transformer_engine=False)``; the arguments up to
+    ``vp_stage`` are megatron-core 0.16's, in its order). A pipeline stage
     builds its slice with ``pre_process``/``post_process`` and its virtual stage ``vp_stage``: the
     layers it holds follow from the config's pipeline split and the pipeline rank of
     ``pg_collection`` (``num_layers``/``layer_number_offset`` override them for a chunk built by
@@ -59,6 +56,7 @@ class GPTModel(LanguageModule):
     def __init__(
         self,
         config: TransformerConfig,
+        transformer_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules],
         vocab_size: int,
         max_sequence_length: int,
         pre_process: bool = True,
@@ -71,16 +69,18 @@ class GPTModel(LanguageModule):
         rotary_base: int = 10000,
         rope_scaling: bool = False,
         rope_scaling_factor: float = 8.0,
+        scatter_embedding_sequence_parallel: bool = True,
         seq_len_interpolation_factor: Optional[float] = None,
-        *,
-        transformer_layer_spec: Union[ModuleSpec, TransformerBlockSubmodules, None] = None,
-        vp_stage: Optional[int] = None,
+        mtp_block_spec: Optional[ModuleSpec] = None,
         pg_collection=None,
+        vp_stage: Optional[int] = None,
+        *,
         num_layers: Optional[int] = None,
         layer_number_offset: Optional[int] = None,
     ):
+        config, pgs = adopt_group_sizes(config, pg_collection)
         super().__init__(config)
-        self.pg_collection = resolve_pg_collection(config, pg_collection)
+        self.pg_collection = pgs
         self.tp_group = self.pg_collection.tp
         self.cp_group = self.pg_collection.cp
         if position_embedding_type not in _POSITION_EMBEDDING_TYPES:
@@ -90,6 +90,13 @@ class GPTModel(LanguageModule):
             )
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        if mtp_block_spec is not None:
+            raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
+        if transformer_layer_spec is None:
+            raise ValueError(
+                "GPTModel needs a transformer_layer_spec, e.g. get_gpt_layer_local_spec() or "
+                "get_gpt_decoder_block_spec(config, use_transformer_engine=False)"
+            )
         self.vocab_size = vocab_size
         self.max_sequence_length = max_sequence_length
         self.pre_process = pre_process
@@ -106,6 +113,7 @@ class GPTModel(LanguageModule):
                     vocab_size,
                     max_sequence_length,
                     position_embedding_type=position_embedding_type,
+                    scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
                     pg_collection=self.pg_collection,
                 )
         if position_embedding_type == "rope":
@@ -121,12 +129,6 @@ class GPTModel(LanguageModule):
             )
         else:
             self.rotary_pos_emb = None
-        if transformer_layer_spec is None:
-            transformer_layer_spec = (
-                get_gpt_decoder_block_spec(config)
-                if config.num_moe_experts
-                else get_gpt_layer_local_spec()
-            )
         self.vp_stage = vp_stage
         self.decoder = TransformerBlock(
             config,

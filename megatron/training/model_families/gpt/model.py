@@ -20,7 +20,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     if args.spec is not None:
         transformer_layer_spec = import_spec(args.spec)
     elif config.num_moe_experts:
-        transformer_layer_spec = get_gpt_decoder_block_spec(config)
+        transformer_layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     else:
         transformer_layer_spec = get_gpt_layer_local_spec()
     return GPTModel(

@@ -3,6 +3,10 @@
 import dataclasses
 
 from megatron.core.models.T5 import T5Model
+from megatron.core.models.T5.t5_spec import (
+    get_t5_decoder_layer_local_spec,
+    get_t5_encoder_layer_local_spec,
+)
 from megatron.training import get_args, get_parallel_state, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
 
@@ -23,6 +27,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     return T5Model(
         config=config,
         encoder_config=encoder_config,
+        transformer_encoder_layer_spec=get_t5_encoder_layer_local_spec(),
+        transformer_decoder_layer_spec=get_t5_decoder_layer_local_spec(),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -61,7 +61,7 @@ def _worker(rank, world, directory):
     entries, _ = dc.model_sharded_state_dict([saved], tp_rank, 2)
     assert entries["norm.weight"].replica == (tp_rank != 0)
     dc.spread_writes(entries, dp_rank, 2)
-    dc.save(entries, directory)
+    dc.save_shards(entries, directory)
     if rank == 0:
         dc.write_metadata_json(directory)
     torch.distributed.barrier()
@@ -78,7 +78,7 @@ def _worker(rank, world, directory):
     for tp, group, new_rank in ((4, state4.get_tensor_model_parallel_group(), rank), (1, None, 0)):
         loaded = _model(tp, group, seed=99)
         entries, _ = dc.model_sharded_state_dict([loaded], new_rank, tp)
-        dc.load(entries, directory, strictness=dc.StrictHandling.RAISE_ALL)
+        dc.load_shards(entries, directory, strictness=dc.StrictHandling.RAISE_ALL)
         _check_layout(loaded, reference, tp, new_rank)
 
     # Every rank claims the same replicated tensor: it would be written four times.
@@ -86,13 +86,13 @@ def _worker(rank, world, directory):
     with pytest.raises(
         dc.CheckpointingError, match="chunk at \\(0,\\) is written by rank 0 and rank 1"
     ):
-        dc.save(twice, directory + "_bad1")
+        dc.save_shards(twice, directory + "_bad1")
     # A TP shard nobody saves leaves a hole.
     hole = {
         "y": dc.tensor_parallel_sharded("y", torch.ones(2, 3), 0, tp_rank, 2, replica=rank != 0)
     }
     with pytest.raises(dc.CheckpointingError, match="y: chunks cover 6 of its 12 elements"):
-        dc.save(hole, directory + "_bad2")
+        dc.save_shards(hole, directory + "_bad2")
 
 
 def test_save_at_tp2_dp2_loads_at_tp4_and_tp1(tmp_path):

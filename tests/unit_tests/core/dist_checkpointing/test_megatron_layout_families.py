@@ -18,6 +18,11 @@ from megatron.core.dist_checkpointing.megatron_layout import (
     to_megatron_layout,
     unstack,
 )
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.T5.t5_spec import (
+    get_t5_decoder_layer_local_spec,
+    get_t5_encoder_layer_local_spec,
+)
 from megatron.training import checkpointing, checkpointing_dist
 from tests.unit_tests.checkpointing.test_dist_checkpointing import _iter_dir, _setup, _train_gpt
 from tests.unit_tests.tiny_configs import (
@@ -98,7 +103,7 @@ def test_expert_parallel_rank_writes_its_experts_at_their_global_index(tmp_path)
     # local experts 0 and 1 are the model's experts 2 and 3).
     whole = _experts_chunk(0, 1)
     entries, _ = dc.model_sharded_state_dict([whole])
-    dc.save(entries, str(tmp_path / "ckpt"))
+    dc.save_shards(entries, str(tmp_path / "ckpt"))
     dc.write_metadata_json(str(tmp_path / "ckpt"))
     rank1 = _experts_chunk(1, 2)
     for p in rank1.parameters():
@@ -113,7 +118,7 @@ def test_expert_parallel_rank_writes_its_experts_at_their_global_index(tmp_path)
         for i in (1, 2)
         for layer, e in pairs
     }
-    dc.load(entries, str(tmp_path / "ckpt"))
+    dc.load_shards(entries, str(tmp_path / "ckpt"))
     for layer, expert in pairs:
         mine = rank1.decoder.layers[layer].mlp.experts.local_experts[expert - 2]
         full = whole.decoder.layers[layer].mlp.experts.local_experts[expert]
@@ -269,14 +274,14 @@ def test_moe_gpt_mixing_dense_and_moe_layers_is_keyed_layer_by_layer(tmp_path, p
         ours = {k: v.shape for k, v in model.state_dict().items() if k.startswith("decoder.")}
         ours = {k: v for k, v in ours.items() if "final_layernorm" not in k}
         assert {k: v.shape for k, v in unstack(full).items()} == ours
-    dc.save(entries, str(tmp_path / "ckpt"))
+    dc.save_shards(entries, str(tmp_path / "ckpt"))
     dc.write_metadata_json(str(tmp_path / "ckpt"))
     keys = set(dc.tensor_shapes(dc.read_dcp_metadata(str(tmp_path / "ckpt"))))
     assert is_per_layer_layout(keys) == per_layer
     # Loaded as the trainer does: in the layout the checkpoint's keys say.
     other = tiny_gpt_model(config, seed=1)
     loaded, _ = dc.model_sharded_state_dict([other], megatron_layout=not per_layer)
-    dc.load(loaded, str(tmp_path / "ckpt"), strictness=dc.StrictHandling.RAISE_ALL)
+    dc.load_shards(loaded, str(tmp_path / "ckpt"), strictness=dc.StrictHandling.RAISE_ALL)
     for (name, a), b in zip(model.state_dict().items(), other.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -287,7 +292,13 @@ def _bert(seed):
 
     torch.manual_seed(seed)
     return BertModel(
-        tiny_transformer_config(), 2, 64, 16, pg_collection=initialize_model_parallel()
+        tiny_transformer_config(),
+        2,
+        bert_layer_local_spec,
+        64,
+        16,
+        share_embeddings_and_output_weights=True,
+        pg_collection=initialize_model_parallel(),
     )
 
 
@@ -297,7 +308,16 @@ def _t5(seed):
 
     torch.manual_seed(seed)
     config = tiny_transformer_config()
-    return T5Model(config, config, 64, 16, pg_collection=initialize_model_parallel())
+    return T5Model(
+        config,
+        config,
+        get_t5_encoder_layer_local_spec(),
+        get_t5_decoder_layer_local_spec(),
+        64,
+        16,
+        share_embeddings_and_output_weights=True,
+        pg_collection=initialize_model_parallel(),
+    )
 
 
 @pytest.mark.parametrize("family", ["bert", "t5"])
@@ -334,11 +354,11 @@ def test_bert_and_t5_rows_and_round_trip(tmp_path, family):
     # Written with the aliases, and (as before they were written) without: both load.
     for name, written in (("ckpt", entries), ("no_alias", {})):
         written = written or {k: e for k, e in entries.items() if e.key not in aliases}
-        dc.save(written, str(tmp_path / name))
+        dc.save_shards(written, str(tmp_path / name))
         dc.write_metadata_json(str(tmp_path / name))
         other = make(1)
         loaded, _ = dc.model_sharded_state_dict([other])
-        dc.load(loaded, str(tmp_path / name), strictness=dc.StrictHandling.RAISE_ALL)
+        dc.load_shards(loaded, str(tmp_path / name), strictness=dc.StrictHandling.RAISE_ALL)
         mine, theirs = model.state_dict(), other.state_dict()
         assert sorted(mine) == sorted(theirs)
         for key, tensor in mine.items():

@@ -19,6 +19,7 @@ from megatron.core.inference import (
 )
 from megatron.core.inference.sampling import filter_top_k, filter_top_p, sample
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 VOCAB = 50
@@ -51,6 +52,7 @@ def tiny_model(kind: str) -> GPTModel:
     torch.manual_seed(0)
     model = GPTModel(
         config,
+        get_gpt_layer_local_spec(),
         vocab_size=VOCAB + 14,  # padded embedding rows past the tokenizer's vocab
         max_sequence_length=MAX_LEN,
         position_embedding_type=position,

@@ -14,6 +14,7 @@ import transformers
 from megatron.core.dist_checkpointing.megatron_layout import without_extra_state
 from megatron.core.inference import InferenceModelForward, SamplingParams, SpecialTokens, generate
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.training.configs import core_transformer_config_from_args
 from tests.harness import REPO
 
@@ -55,6 +56,7 @@ def converted(kind, model, tmp_path):
     args = state["args"]
     ours = GPTModel(
         core_transformer_config_from_args(args),
+        get_gpt_layer_local_spec(),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -10,6 +10,7 @@ import torch
 import transformers  # noqa: E402  (a dependency of the package)
 
 from megatron.core.models.bert import BertModel
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.functional_tests.runner import REPO
 
@@ -37,8 +38,10 @@ def _model(binary_head=True, seed=3):
     model = BertModel(
         config,
         num_tokentypes=2 if binary_head else 0,
+        transformer_layer_spec=bert_layer_local_spec,
         vocab_size=VOCAB,
         max_sequence_length=MAXPOS,
+        share_embeddings_and_output_weights=True,
         add_binary_head=binary_head,
     )
     with torch.no_grad():  # non-trivial biases and norms

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from megatron.core.models.common.language_module import language_model_cross_entropy
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.utils import squared_relu
 from tests.unit_tests.tiny_configs import TINY_SEQ, TINY_VOCAB
@@ -538,6 +539,7 @@ def test_two_pipeline_stages_reproduce_the_full_model(tied):
     )
     first = GPTModel(
         cfg,
+        get_gpt_layer_local_spec(),
         VOCAB,
         SEQ,
         pre_process=True,
@@ -548,6 +550,7 @@ def test_two_pipeline_stages_reproduce_the_full_model(tied):
     )
     last = GPTModel(
         cfg,
+        get_gpt_layer_local_spec(),
         VOCAB,
         SEQ,
         pre_process=False,
@@ -596,12 +599,18 @@ def test_two_pipeline_stages_reproduce_the_full_model(tied):
 def test_float16_module_computes_in_bf16_and_returns_fp32():
     cfg = make_config(bf16=True, params_dtype=torch.bfloat16, fp32_residual_connection=True)
     torch.manual_seed(0)
-    model = Float16Module(cfg, GPTModel(cfg, VOCAB, SEQ, position_embedding_type="rope"))
+    model = Float16Module(
+        cfg, GPTModel(cfg, get_gpt_layer_local_spec(), VOCAB, SEQ, position_embedding_type="rope")
+    )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert all(not k.startswith("module.") for k in model.state_dict())
     # Reference: the same (bf16-valued) weights in a float64 model.
     reference = GPTModel(
-        make_config(params_dtype=torch.float64), VOCAB, SEQ, position_embedding_type="rope"
+        make_config(params_dtype=torch.float64),
+        get_gpt_layer_local_spec(),
+        VOCAB,
+        SEQ,
+        position_embedding_type="rope",
     )
     reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     tokens, pos, labels = batch()

@@ -19,6 +19,10 @@ from megatron.core.datasets.t5_dataset import (
 )
 from megatron.core.datasets.utils import Split
 from megatron.core.models.T5 import T5Model
+from megatron.core.models.T5.t5_spec import (
+    get_t5_decoder_layer_local_spec,
+    get_t5_encoder_layer_local_spec,
+)
 from megatron.core.tokenizers.bert_wordpiece import BertWordPieceLowerCase
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.core.datasets.test_bert_dataset import VOCAB, corpus  # noqa: F401 (a fixture)
@@ -135,7 +139,14 @@ def _t5_config(**overrides):
 def test_t5_refuses_pipeline_parallelism_like_megatron():
     config = _t5_config(pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="^Pipeline parallelism is not supported for T5.$"):
-        T5Model(config, config, vocab_size=64, max_sequence_length=16)
+        T5Model(
+            config,
+            config,
+            get_t5_encoder_layer_local_spec(),
+            get_t5_decoder_layer_local_spec(),
+            vocab_size=64,
+            max_sequence_length=16,
+        )
 
 
 def test_t5_family_counts_the_parameters_and_the_decoder_reads_the_encoder():
@@ -143,7 +154,15 @@ def test_t5_family_counts_the_parameters_and_the_decoder_reads_the_encoder():
 
     config = _t5_config()
     encoder_config = dataclasses.replace(config, num_layers=3)
-    model = T5Model(config, encoder_config, vocab_size=64, max_sequence_length=16)
+    model = T5Model(
+        config,
+        encoder_config,
+        get_t5_encoder_layer_local_spec(),
+        get_t5_decoder_layer_local_spec(),
+        vocab_size=64,
+        max_sequence_length=16,
+        share_embeddings_and_output_weights=True,
+    )
     args = argparse.Namespace(
         hidden_size=32,
         ffn_hidden_size=128,
@@ -235,7 +254,15 @@ def _reference_t5_logits(model, enc, dec, padding, heads):
 
 def test_t5_logits_match_a_float64_reference():
     config = _t5_config(init_method_std=0.1)
-    model = T5Model(config, dataclasses.replace(config, num_layers=3), 64, 16).eval()
+    model = T5Model(
+        config,
+        dataclasses.replace(config, num_layers=3),
+        get_t5_encoder_layer_local_spec(),
+        get_t5_decoder_layer_local_spec(),
+        64,
+        16,
+        share_embeddings_and_output_weights=True,
+    ).eval()
     with torch.no_grad():  # non-trivial biases and norms
         for p in model.parameters():
             if p.dim() == 1:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel import ProcessGroupCollection
@@ -83,6 +84,7 @@ def build(tp=1, pg_collection=None):
     )
     return GPTModel(
         config,
+        get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="learned_absolute",

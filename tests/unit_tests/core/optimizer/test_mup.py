@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -79,6 +80,7 @@ def build(untie=True, **kw):
     c = config(init_seed=5, **kw)
     return GPTModel(
         c,
+        get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=not untie,

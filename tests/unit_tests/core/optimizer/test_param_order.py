@@ -7,9 +7,15 @@ import argparse
 import pytest
 import torch
 
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.T5.t5_model import T5Model
+from megatron.core.models.T5.t5_spec import (
+    get_t5_decoder_layer_local_spec,
+    get_t5_encoder_layer_local_spec,
+)
 from megatron.core.optimizer.param_order import PARAM_ORDER_KEY, legacy_parameter_order
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -74,16 +80,37 @@ def _families():
     )
     return {
         "gpt_qk_layernorm_tied": GPTModel(
-            _config(qk_layernorm=True), vocab_size=VOCAB, max_sequence_length=SEQ
+            _config(qk_layernorm=True),
+            get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
         ),
         "moe": GPTModel(
             _config(**moe),
+            get_gpt_layer_local_spec(num_experts=2),
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
             share_embeddings_and_output_weights=False,
         ),
-        "bert": BertModel(_config(), 2, VOCAB, SEQ, pg_collection=state),
-        "t5": T5Model(_config(), _config(), VOCAB, SEQ, pg_collection=state),
+        "bert": BertModel(
+            _config(),
+            2,
+            bert_layer_local_spec,
+            VOCAB,
+            SEQ,
+            share_embeddings_and_output_weights=True,
+            pg_collection=state,
+        ),
+        "t5": T5Model(
+            _config(),
+            _config(),
+            get_t5_encoder_layer_local_spec(),
+            get_t5_decoder_layer_local_spec(),
+            VOCAB,
+            SEQ,
+            share_embeddings_and_output_weights=True,
+            pg_collection=state,
+        ),
     }
 
 
@@ -105,6 +132,7 @@ def _gpt():
     torch.manual_seed(3)
     return GPTModel(
         _config(qk_layernorm=True),
+        get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=False,

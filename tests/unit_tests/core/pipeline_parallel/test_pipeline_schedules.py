@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.parallel_state import destroy_model_parallel, initialize_model_parallel
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
@@ -49,6 +50,7 @@ def make_config(num_layers):
 def build(config, tied, **kwargs):
     return GPTModel(
         config,
+        get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=tied,

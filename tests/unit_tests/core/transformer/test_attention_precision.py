@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.transformer.context_parallel import cp_chunk_indices
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -152,7 +153,7 @@ def test_query_key_layer_scaling_leaves_fp32_results_unchanged():
             num_layers=3, hidden_size=32, num_attention_heads=4, hidden_dropout=0.0,
             attention_dropout=0.0, attention_backend="unfused", **flags,
         )  # fmt: skip
-        model = GPTModel(config, vocab_size=64, max_sequence_length=16)
+        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
         tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         loss = model(tokens, None, None, labels=tokens.roll(-1, 1)).mean()
         loss.backward()

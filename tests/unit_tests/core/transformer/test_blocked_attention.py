@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import blocked_attention as blocked_module
 from megatron.core.transformer import dot_product_attention as dpa_module
 from megatron.core.transformer.blocked_attention import blocked_attention
@@ -281,6 +282,7 @@ def test_gpt_model_gives_the_same_loss_and_grads_with_either_kernel(monkeypatch,
         torch.manual_seed(0)
         model = GPTModel(
             _config(backend, num_layers=2, num_query_groups=groups),
+            get_gpt_layer_local_spec(),
             vocab_size=64,
             max_sequence_length=24,
         )

@@ -91,7 +91,7 @@ def test_build_module_merges_spec_params_and_caller_arguments():
 
 
 # ----------------------------------------------------------------------------- GPT's local spec
-def test_gpt_local_spec_keeps_megatron_names_and_is_the_default():
+def test_gpt_local_spec_keeps_megatron_names_and_the_te_spec_is_the_local_one():
     config = cfg(num_layers=1, qk_layernorm=True, params_dtype=torch.float32)
     explicit = GPTModel(
         config,
@@ -120,7 +120,7 @@ def test_gpt_local_spec_keeps_megatron_names_and_is_the_default():
     assert set(explicit.state_dict()) == expected
     attention = explicit.decoder.layers[0].self_attention
     assert attention.core_attention.attn_mask_type == AttnMaskType.causal
-    default = GPTModel(config, vocab_size=64, max_sequence_length=16)
+    default = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
     for (name, a), (_, b) in zip(explicit.state_dict().items(), default.state_dict().items()):
         assert torch.equal(a, b), name
 
@@ -149,7 +149,12 @@ def test_block_spec_can_differ_per_layer_and_a_stage_takes_its_slice():
     assert stage.final_layernorm is None  # no layer_norm in the block spec: no final norm
     with pytest.raises(ValueError, match="has 3 layer specs; expected one per layer"):
         TransformerBlock(cfg(), TransformerBlockSubmodules(layer_specs=[dense] * 3))
-    assert widths(TransformerBlock(cfg(), get_gpt_decoder_block_spec(cfg()))) == [128] * 4
+    assert (
+        widths(
+            TransformerBlock(cfg(), get_gpt_decoder_block_spec(cfg(), use_transformer_engine=False))
+        )
+        == [128] * 4
+    )
 
 
 # ----------------------------------------------------------------------------- cross-attention

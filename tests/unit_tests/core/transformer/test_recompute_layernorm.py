@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.parallel_state import initialize_model_parallel
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -40,6 +41,7 @@ def build(recompute, pg_collection=None, **config):
     )
     model = GPTModel(
         config,
+        get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from megatron.core import model_parallel_config
 from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.transformer import transformer_config
+from megatron.core.transformer import feature_fields, transformer_config
+from megatron.core.transformer.feature_fields import UnsupportedFeatureFields
 from megatron.core.transformer.moe import moe_config
 from megatron.core.transformer.moe.moe_config import MoEConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -129,6 +130,7 @@ def test_recompute_settings_at_the_edge_of_the_rules():
         (model_parallel_config, ModelParallelConfig),
         (transformer_config, TransformerConfig),
         (moe_config, MoEConfig),
+        (feature_fields, UnsupportedFeatureFields),
     ],
 )
 def test_every_field_has_a_docstring(module, cls):
@@ -146,6 +148,7 @@ def test_every_field_has_a_docstring(module, cls):
     own = {f.name for f in dataclasses.fields(cls)} - (
         {f.name for f in dataclasses.fields(ModelParallelConfig)}
         | {f.name for f in dataclasses.fields(MoEConfig)}
+        | {f.name for f in dataclasses.fields(UnsupportedFeatureFields)}
         if cls is TransformerConfig
         else set()
     )

@@ -10,6 +10,7 @@ import torch
 from megatron.checkpointing.torch_format import TorchCheckpointReader, TorchCheckpointWriter
 from megatron.core.dist_checkpointing.megatron_layout import with_extra_state, without_extra_state
 from megatron.core.models.bert import BertModel
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.functional_tests.runner import REPO
 from tests.unit_tests.tiny_configs import tiny_args
@@ -39,7 +40,14 @@ def _model_and_checkpoint(tmp_path, *flags):
         init_seed=11,
         init_method_std=0.1,
     )
-    model = BertModel(config, num_tokentypes=2, vocab_size=VOCAB, max_sequence_length=SEQ).eval()
+    model = BertModel(
+        config,
+        num_tokentypes=2,
+        transformer_layer_spec=bert_layer_local_spec,
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=True,
+    ).eval()
     writer = TorchCheckpointWriter(str(tmp_path / "src"), args, 7, False, torch.float32, False)
     for name, tensor in model.state_dict().items():
         writer.add(name, tensor)

@@ -15,6 +15,7 @@ from megatron.core.dist_checkpointing.megatron_layout import (  # noqa: E402
     without_extra_state,
 )
 from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split  # noqa: E402
 from megatron.training.configs import core_transformer_config_from_args  # noqa: E402
 from tests.harness import REPO
@@ -141,6 +142,7 @@ def test_tp2_pp2_to_tp1_pp1_equals_gathered_originals(tp2pp2, tmp_path):
     # The keys and shapes are exactly what our model builds from the saved args.
     model = GPTModel(
         core_transformer_config_from_args(args),
+        get_gpt_layer_local_spec(),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         position_embedding_type="rope",
@@ -185,6 +187,7 @@ def test_virtual_stages_and_back_is_identical(tp2pp2, tmp_path):
             kw = split.chunk_args(pp, chunk)
             stage = GPTModel(
                 config,
+                get_gpt_layer_local_spec(),
                 vocab_size=args.padded_vocab_size,
                 max_sequence_length=64,
                 position_embedding_type="rope",

@@ -16,6 +16,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from megatron.core.dist_checkpointing.megatron_layout import without_extra_state
 from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.training.configs import core_transformer_config_from_args  # noqa: E402
 from tests.harness import REPO
 
@@ -96,6 +97,7 @@ def test_torch_dist_to_hf_matches_torch_format_and_logits(checkpoints, tmp_path)
     args = state["args"]
     model = GPTModel(
         core_transformer_config_from_args(args),
+        get_gpt_layer_local_spec(),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
