@@ -8,9 +8,8 @@ fill the current Run (tests and tools set up the pieces they need without a full
 
 from typing import Any, Optional
 
-from megatron.core import parallel_state
-from megatron.core.tensor_parallel import random as tensor_parallel_random
-
+# megatron.core (and so torch) is imported inside the functions that need it: the flags package
+# reaches this module and must import without torch (flag_policy.py).
 from .frozen_args import train_state_of
 from .run import Run
 from .train_state import TrainState
@@ -112,6 +111,8 @@ def get_parallel_state():
     """The current :class:`~megatron.core.parallel_state.ParallelState`: the one that
     ``megatron.core.parallel_state.initialize_model_parallel`` made current (its module-level
     getters read the same object)."""
+    from megatron.core import parallel_state
+
     state = parallel_state.current_parallel_state()
     if state is None:
         raise RuntimeError(
@@ -123,10 +124,14 @@ def get_parallel_state():
 def get_rng_tracker():
     """The current RNG tracker (``megatron.core.tensor_parallel.get_cuda_rng_tracker()``'s), or
     None before seeding."""
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
+
     return tensor_parallel_random.current_rng_tracker()
 
 
 def set_rng_tracker(tracker):
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
+
     tensor_parallel_random.set_current_rng_tracker(tracker)
 
 
@@ -151,6 +156,9 @@ def set_model_family(family):
 def reset_globals():
     """Forget the current run (tests run several trainings in one process), the current
     parallel state and RNG tracker included (their groups are not destroyed here)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as tensor_parallel_random
+
     global _CURRENT
     _CURRENT = None
     parallel_state.forget_model_parallel()

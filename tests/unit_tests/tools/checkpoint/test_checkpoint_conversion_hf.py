@@ -20,7 +20,7 @@ from megatron.core.dist_checkpointing.megatron_layout import (  # noqa: E402
     without_extra_state,
 )
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.training.configs import core_transformer_config_from_args  # noqa: E402
 from tests.harness import REPO
 
@@ -55,7 +55,7 @@ def our_model(args):
     config = core_transformer_config_from_args(args)
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(),
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
