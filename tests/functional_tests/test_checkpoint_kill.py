@@ -109,7 +109,7 @@ FILLS_DISK = textwrap.dedent("""
 """)
 # The call that writes the shards of the second save (iteration 4).
 FILL_CASES = {
-    "torch_dist": ("megatron.core.dist_checkpointing", "save", 2),
+    "torch_dist": ("megatron.core.dist_checkpointing", "save_shards", 2),
     "torch": ("torch", "save", 2),
 }
 
