@@ -1,7 +1,7 @@
 """Write a sharded checkpoint in the background while training goes on.
 
 :class:`AsyncSave` copies the chunks this rank saves into private CPU tensors (so the training
-step may change the parameters at once) and runs :func:`serialization.save` in a thread. The
+step may change the parameters at once) and runs :func:`serialization.save_shards` in a thread. The
 thread's collectives run on the process group given, which must be used by nothing else
 meanwhile (a dedicated gloo group): the training thread keeps using the others.
 
