@@ -43,6 +43,7 @@ from megatron.core.tensor_parallel.random import (
 )
 from megatron.core.tokenizers import MegatronTokenizer
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import rng_tracker_of
 from tests.unit_tests.dist_utils import run_distributed
 
 _SEQUENCE_LENGTH = 64
@@ -158,6 +159,7 @@ def _quickstart(rank, checkpoint_root):
     assert gpt_model.config.tensor_model_parallel_size == 2
     assert gpt_model.config.rng_tracker is None
     assert gpt_model.embedding.word_embeddings.weight.shape == (50, 12)
+    assert rng_tracker_of(gpt_model.config) is get_cuda_rng_tracker()
     assert "model-parallel-rng" in get_cuda_rng_tracker().get_states()
     gpt_model.to(device)
 
@@ -203,6 +205,19 @@ def _quickstart(rank, checkpoint_root):
     both = [None, None]
     dist.all_gather_object(both, losses)
     assert both[0] == both[1], both
+    # Checked: the weights both TP ranks hold (norms, biases of the row-parallel layers) took the
+    # same steps.
+    replicated = {
+        name: p.detach().clone()
+        for name, p in gpt_model.module.named_parameters()
+        if not getattr(p, "tensor_model_parallel", False)
+    }
+    assert any("norm" in name for name in replicated)
+    assert len(replicated) < len(list(gpt_model.module.parameters()))  # some are split over TP
+    for name, value in replicated.items():
+        other = value.clone()
+        dist.broadcast(other, src=0)
+        assert torch.equal(value, other), name
 
     # Saving the model (the example uses os.getcwd() + "/ckpt"; here a test directory).
     ckpt_path = str(Path(checkpoint_root) / "ckpt")
