@@ -67,10 +67,14 @@ def tiny_gpt_model(config=None, seed=0, **model_kwargs):
     ``seed``, with TINY_VOCAB tokens and TINY_SEQ positions unless given."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel import ProcessGroupCollection
 
     torch.manual_seed(seed)
     config = config or tiny_transformer_config()
     model_kwargs.setdefault("vocab_size", TINY_VOCAB)
     model_kwargs.setdefault("max_sequence_length", TINY_SEQ)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    if model_kwargs.get("pg_collection") is None:
+        # One process unless groups are given (GPTModel would take the current parallel_state's).
+        model_kwargs["pg_collection"] = ProcessGroupCollection()
     return GPTModel(config, spec, **model_kwargs)

@@ -177,8 +177,9 @@ def model_parallel_manual_seed(
 # Megatron Core's module-level tracker. The one piece of module-level RNG state in megatron/core:
 # code written against megatron-core seeds it with model_parallel_cuda_manual_seed() and reads it
 # with get_cuda_rng_tracker(); the training side reads the same object
-# (megatron.training.global_vars.get_rng_tracker()). Layers and models never read it: they are
-# given their tracker (config.rng_tracker, rng_tracker=).
+# (megatron.training.global_vars.get_rng_tracker()). Layers are given their tracker
+# (config.rng_tracker, rng_tracker=) and read this one only where a config names none, as
+# megatron-core's layers do (megatron.core.transformer.utils.rng_tracker_of).
 # ---------------------------------------------------------------------------------------------
 
 _CURRENT_TRACKER: Optional[RNGStatesTracker] = None

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.tensor_parallel.random import checkpoint
+from megatron.core.tensor_parallel.random import checkpoint, current_rng_tracker
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -64,23 +64,32 @@ def init_rng_scope(init_seed: Optional[int], key: int):
 def recompute(config, function, *args, tp_group=None, distribute_saved_activations: bool = False):
     """``function(*args)`` with its activations recomputed in backward (activation recompute).
 
-    The recomputation replays the CPU/device generators and every stream of ``config.rng_tracker``
-    (when set), so dropout masks, also those drawn on tensor-parallel-split activations, equal the
-    first run's. ``distribute_saved_activations`` keeps 1/TP of ``args[0]`` per ``tp_group`` rank.
+    The recomputation replays the CPU/device generators and every stream of the config's tracker
+    (:func:`rng_tracker_of`), so dropout masks, also those drawn on tensor-parallel-split
+    activations, equal the first run's. ``distribute_saved_activations`` keeps 1/TP of ``args[0]``
+    per ``tp_group`` rank.
     """
     return checkpoint(
         function,
         distribute_saved_activations,
         *args,
-        rng_tracker=getattr(config, "rng_tracker", None),
+        rng_tracker=rng_tracker_of(config),
         tp_group=tp_group,
     )
+
+
+def rng_tracker_of(config):
+    """The RNG tracker the layers of ``config`` draw model-parallel dropout from:
+    ``config.rng_tracker`` when set, else the current one that ``model_parallel_cuda_manual_seed``
+    made (megatron-core's layers read ``get_cuda_rng_tracker()``), else None."""
+    tracker = getattr(config, "rng_tracker", None)
+    return tracker if tracker is not None else current_rng_tracker()
 
 
 def model_parallel_rng(config, split_across_tp: bool):
     """Context for dropout on activations split across TP ranks: the tracker's model-parallel
     stream (different per TP rank), or nothing when the activations are replicated."""
-    tracker = getattr(config, "rng_tracker", None)
+    tracker = rng_tracker_of(config)
     if tracker is None or not split_across_tp or config.tensor_model_parallel_size == 1:
         return _null_context()
     return tracker.fork()

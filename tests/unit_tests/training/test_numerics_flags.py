@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.parallel_state import initialize_model_parallel
+from megatron.core.tensor_parallel import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import shard_of
 from megatron.core.transformer.mlp import MLP
 from megatron.training.arguments import ArgumentValidationError, parse_args, validate_args
@@ -64,7 +65,8 @@ def model_of(*flags, tp=1, pg_collection=None, untie=True):
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=not untie,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        pg_collection=pg_collection,
+        # One process unless groups are given (GPTModel would take the current parallel_state's).
+        pg_collection=pg_collection if pg_collection is not None else ProcessGroupCollection(),
     )
 
 

@@ -10,7 +10,10 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 from megatron.core.tensor_parallel.collectives import group_size
 from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
+from megatron.core.tensor_parallel.process_groups import (
+    ProcessGroupCollection,
+    resolve_pg_collection,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -61,7 +64,11 @@ def adopt_group_sizes(config, pg_collection):
     so code written against it leaves the config's sizes at their default of 1 (its quickstart
     builds ``TransformerConfig(num_layers=2, ...)`` at TP=2). Such a config is copied with the
     groups' sizes (the caller's object is not changed); a size the config does set must equal its
-    group's (:func:`resolve_pg_collection` raises otherwise)."""
+    group's (:func:`resolve_pg_collection` raises otherwise). ``pg_collection`` None means the
+    groups of the current ``parallel_state`` (none: every dimension unsplit), as megatron-core's
+    models fall back to ``ProcessGroupCollection.use_mpu_process_groups()``."""
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     pgs = resolve_pg_collection(None, pg_collection)
     sizes = {}
     if config.tensor_model_parallel_size == 1 and pgs.tp_size > 1:

@@ -45,8 +45,9 @@ class GPTModel(LanguageModule):
     hand); ``set_input_tensor`` feeds a stage without the embedding.
 
     Model parallelism: ``pg_collection`` (a ``ProcessGroupCollection`` or the ``ParallelState`` of
-    ``initialize_model_parallel``) gives the tensor- and context-parallel groups; None means one
-    process (TP = CP = 1). Under TP every projection, the embedding and the output layer are
+    ``initialize_model_parallel``) gives the tensor- and context-parallel groups; None means those
+    of the current ``parallel_state`` (megatron-core's fallback), and one process (TP = CP = 1)
+    when there is none. Under TP every projection, the embedding and the output layer are
     sharded (the tied output layer uses the embedding's vocab shard), and with ``parallel_output``
     the logits are this rank's vocab slice [b, s, V/TP]; the loss is the vocab-parallel cross
     entropy. Under CP the inputs are this rank's two load-balanced sequence chunks

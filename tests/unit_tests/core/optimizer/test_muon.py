@@ -89,7 +89,8 @@ def build(tp=1, pg_collection=None):
         max_sequence_length=SEQ,
         position_embedding_type="learned_absolute",
         share_embeddings_and_output_weights=False,
-        pg_collection=pg_collection,
+        # One process unless groups are given (GPTModel would take the current parallel_state's).
+        pg_collection=pg_collection if pg_collection is not None else ProcessGroupCollection(),
     )
 
 

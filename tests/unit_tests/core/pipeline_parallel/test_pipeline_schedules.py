@@ -48,6 +48,9 @@ def make_config(num_layers):
 
 
 def build(config, tied, **kwargs):
+    # One process unless groups are given (GPTModel would take the current parallel_state's).
+    if kwargs.get("pg_collection") is None:
+        kwargs["pg_collection"] = ProcessGroupCollection()
     return GPTModel(
         config,
         get_gpt_layer_local_spec(),

@@ -138,3 +138,39 @@ def test_dropout_on_split_activations_uses_per_tp_rank_streams():
         assert not torch.equal(torch.get_rng_state(), before)
     assert not torch.equal(masks[0], masks[1]), "TP ranks draw different masks for their heads"
     assert torch.equal(replicated[0], replicated[1]), "replicated activations: one mask for all"
+
+
+def test_layers_without_a_tracker_use_the_current_one_and_an_explicit_one_wins():
+    """megatron-core's layers draw TP-split dropout and replay recompute from
+    get_cuda_rng_tracker(): a config naming no tracker uses the current one that
+    model_parallel_cuda_manual_seed made; a config's own tracker is used instead when set."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.utils import model_parallel_rng, rng_tracker_of
+
+    previous, cpu_state = tp_random.current_rng_tracker(), torch.get_rng_state()
+    try:
+        tp_random.set_current_rng_tracker(None)
+        bare = SimpleNamespace(rng_tracker=None, tensor_model_parallel_size=2)
+        assert rng_tracker_of(bare) is None
+        tp_random.model_parallel_cuda_manual_seed(1234, tp_rank=1)
+        current = tp_random.current_rng_tracker()
+        assert rng_tracker_of(bare) is current
+        own = RNGStatesTracker("cpu")
+        model_parallel_manual_seed(own, 99, tp_rank=0)
+        assert rng_tracker_of(SimpleNamespace(rng_tracker=own)) is own
+
+        stream = current.get_states()["model-parallel-rng"]
+        before = torch.get_rng_state()
+        with model_parallel_rng(bare, split_across_tp=True):
+            drawn = F.dropout(torch.ones(64), 0.5, training=True)
+        assert torch.equal(torch.get_rng_state(), before), "drawn from the tracker's stream"
+        assert not torch.equal(current.get_states()["model-parallel-rng"], stream)
+        torch.set_rng_state(stream)  # the same draw straight from the stream's saved state
+        assert torch.equal(F.dropout(torch.ones(64), 0.5, training=True), drawn)
+    finally:  # seeding reseeded this process's CPU generator: give back both
+        tp_random.set_current_rng_tracker(previous)
+        torch.set_rng_state(cpu_state)
