@@ -16,6 +16,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from megatron.core import parallel_state
 from tests.functional_tests import library_loop
@@ -58,7 +59,20 @@ def _pretrain_losses(argv):
     return received
 
 
+def _tied_embedding_copied_by_the_constructor():
+    """megatron-core's rule, which the loop relies on: at PP > 1 the last stage's copy of a tied
+    word embedding leaves GPTModel's constructor equal to the first stage's."""
+    parallel_state.initialize_model_parallel(2, 2)
+    model = library_loop.model_provider(HP, library_loop.padded_vocab_size(HP.vocab_size + 1, 2))
+    weight = model.shared_embedding_or_output_weight().detach()
+    ends = [torch.empty_like(weight) for _ in range(2)]
+    dist.all_gather(ends, weight, group=parallel_state.get_embedding_group())
+    assert torch.equal(ends[0], ends[1]) and ends[0].abs().sum() > 0
+    parallel_state.destroy_model_parallel()
+
+
 def _both(rank, world_size, path):
+    _tied_embedding_copied_by_the_constructor()
     reference = _pretrain_losses(HP.as_flags())
     parallel_state.destroy_model_parallel()
     loop = library_loop.train(HP, torch.device("cpu"))
