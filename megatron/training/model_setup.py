@@ -67,12 +67,6 @@ def get_model(
 
     device = compute_device()
     chunks = [chunk.to(device) for chunk in chunks]
-    if args.pipeline_model_parallel_size > 1 and not args.untie_embeddings_and_output_weights:
-        # The last stage's output weight starts as a copy of the first stage's word embedding.
-        if state.is_pipeline_first_stage():
-            chunks[0].sync_shared_embedding(state.get_embedding_group())
-        if state.is_pipeline_last_stage():
-            chunks[-1].sync_shared_embedding(state.get_embedding_group())
     if args.fp16 or args.bf16:
         chunks = [Float16Module(chunk.config, chunk) for chunk in chunks]
     if not wrap_with_ddp:

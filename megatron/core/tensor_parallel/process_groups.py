@@ -48,6 +48,10 @@ class ProcessGroupCollection:
     """Expert-data-parallel group: the ranks holding the same experts (their gradients are
     summed over it)."""
 
+    embd: Any = None
+    """Embedding group: the first and last pipeline stages, which hold the two copies of a tied
+    word embedding (a model built with it copies the first into the second, as megatron-core's)."""
+
     @classmethod
     def from_parallel_state(cls, state) -> "ProcessGroupCollection":
         """From a :class:`megatron.core.parallel_state.ParallelState` (its tp, cp, pp groups)."""
@@ -63,6 +67,7 @@ class ProcessGroupCollection:
             dp=state.get_data_parallel_group(),
             dp_cp=state.get_data_parallel_group(with_context_parallel=True),
             expt_dp=state.get_expert_data_parallel_group(),
+            embd=state.get_embedding_group(),
         )
 
     @classmethod

@@ -5,7 +5,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from megatron.core.device import compute_device
+from megatron.core.device import collective_device, compute_device
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.model_state import model_sharded_state_dict
 from megatron.core.tensor_parallel.collectives import group_size
@@ -191,9 +191,11 @@ class LanguageModule(MegatronModule):
         output layer's own weight (last stage) for the optimizer's decoupled LR and Muon; under
         muP ``is_embedding_parameter`` marks every embedding table and the output weight. With
         tied weights and the model split over pipeline stages, the last stage holds a zero-filled
-        copy marked ``shared = True`` (``shared_embedding = True`` on both copies); it receives
-        the first stage's values through :meth:`sync_shared_embedding` and gradients are
-        all-reduced over the embedding group. With one stage holding both ends, no marker is needed.
+        copy marked ``shared = True`` (``shared_embedding = True`` on both copies); as in
+        megatron-core, it receives the first stage's values here (:meth:`sync_shared_embedding`, a
+        collective of the two stages) when ``pg_collection`` names the embedding group, and
+        gradients are all-reduced over that group. With one stage holding both ends, no marker is
+        needed.
         """
         if self.pre_process:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
@@ -218,6 +220,9 @@ class LanguageModule(MegatronModule):
                     weight.zero_()
             weight.shared = True
             weight.shared_embedding = True
+        embedding_group = getattr(self.pg_collection, "embd", None)
+        if torch.distributed.is_initialized() and group_size(embedding_group) > 1:
+            self.sync_shared_embedding(embedding_group)
 
     def sync_shared_embedding(self, embedding_group) -> None:
         """All-reduce (sum) the tied weight over the group of the first and last pipeline stage,
@@ -226,4 +231,8 @@ class LanguageModule(MegatronModule):
             return
         weight = self.shared_embedding_or_output_weight()
         if weight is not None and embedding_group is not None:
-            torch.distributed.all_reduce(weight.data, group=embedding_group)
+            # The model may still be on the host (built before .to(device)): reduce on the
+            # group's device and copy back.
+            on_group = weight.data.to(collective_device(embedding_group))
+            torch.distributed.all_reduce(on_group, group=embedding_group)
+            weight.data.copy_(on_group)
