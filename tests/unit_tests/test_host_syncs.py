@@ -65,12 +65,13 @@ FLAGS = TINY_MODEL + [
 
 def _caller() -> tuple:
     """(file relative to the repository, function) of the innermost repository frame outside
-    the tests."""
+    the tests and outside installed packages (a virtual environment may live in the checkout)."""
     repo = str(REPO) + "/"
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(repo) and not name.startswith(repo + "tests/"):
+        ours = name.startswith(repo) and "/site-packages/" not in name
+        if ours and not name.startswith(repo + "tests/"):
             return name[len(repo) :], frame.f_code.co_name
         frame = frame.f_back
     return "<outside the repository>", ""
