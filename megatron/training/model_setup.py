@@ -219,12 +219,8 @@ def setup_model_and_optimizer(
         optimizer.expert_parallel_group = state.group("tp-ep-pp")
         optimizer.expert_tp_rank = state.get_expert_tensor_parallel_rank()
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args=args)
-    for chunk in model:
-        # The model's dropout streams (a declared field, read as the layers run). The families'
-        # configs carry them from core_transformer_config_from_args already (also the copies
-        # T5 makes); this covers a user's model_provider that builds its own config.
-        config = get_model_config(chunk)
-        config.rng_tracker = run.rng_tracker
+    # The layers draw dropout from config.rng_tracker, else from the run's current tracker
+    # (transformer.utils.rng_tracker_of): a user's model_provider needs to set neither.
 
     iteration, flops = 0, 0.0
     if args.load is not None or getattr(args, "pretrained_checkpoint", None) is not None:

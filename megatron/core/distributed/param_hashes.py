@@ -68,14 +68,14 @@ def _compare_with_first_replica(
 ) -> Optional[Tuple[int, str]]:
     """(global rank of the group's first replica, first differing name) when this rank's
     digests differ from that replica's, else None. A collective over ``group``."""
+    group_ranks = dist.get_process_group_ranks(group) if group is not None else None
+    if group_ranks is None or len(group_ranks) < 2:
+        return None
     local = torch.tensor(
         [list(digest) for _, digest in digests] or [[0] * _DIGEST_BYTES],
         dtype=torch.uint8,
         device=device,
     )
-    group_ranks = dist.get_process_group_ranks(group) if group is not None else None
-    if group_ranks is None or len(group_ranks) < 2:
-        return None
     gathered = [torch.empty_like(local) for _ in group_ranks]
     dist.all_gather(gathered, local, group=group)
     if torch.equal(local, gathered[0]):
