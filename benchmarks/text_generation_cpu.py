@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools", "check
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import convert  # noqa: E402
 
+from megatron.core.dist_checkpointing.megatron_layout import without_extra_state  # noqa: E402
 from megatron.core.inference import (  # noqa: E402
     InferenceModelForward,
     SamplingParams,
@@ -66,7 +67,7 @@ def main():
         max_sequence_length=args.max_position_embeddings,
         share_embeddings_and_output_weights=True,
     ).eval()
-    ours.load_state_dict(state["model"], strict=True)
+    ours.load_state_dict(without_extra_state(state["model"]), strict=True)
     step = InferenceModelForward(ours, opts.vocab, opts.hidden, torch.float32)
     prompts = torch.randint(0, opts.vocab, (opts.batch, opts.prompt))
     params = SamplingParams(num_tokens_to_generate=opts.new, top_k=1)
