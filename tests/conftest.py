@@ -37,3 +37,38 @@ def fresh_globals():
     global_vars.reset_globals()
     yield
     global_vars.reset_globals()
+
+
+@pytest.fixture(scope="session")
+def bert_corpus(tmp_path_factory):
+    """The shipped corpus, sentence-split and WordPiece-tokenized by preprocess_data.py (the
+    prefix of its ``_text_sentence`` .bin/.idx pair), as BERT and T5 read it."""
+    import subprocess
+    import sys
+
+    from tests.functional_tests.runner import REPO, env_for_tests
+
+    out = tmp_path_factory.mktemp("bert_corpus") / "corpus"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "preprocess_data.py"),
+            "--input",
+            str(REPO / "tests" / "data" / "corpus.jsonl"),
+            "--output-prefix",
+            str(out),
+            "--tokenizer-type",
+            "BertWordPieceLowerCase",
+            "--vocab-file",
+            str(REPO / "tests" / "data" / "bert-vocab.txt"),
+            "--split-sentences",
+            "--workers",
+            "1",
+        ],
+        env=env_for_tests(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return f"{out}_text_sentence"

@@ -1,4 +1,4 @@
-"""pretrain_bert.py and pretrain_t5.py on the shipped corpus (sentence-split by
+"""pretrain_bert.py and pretrain_t5.py on the shipped bert_corpus (sentence-split by
 preprocess_data.py): parallel runs equal the one-process run, a torch_dist checkpoint resumes
 under another layout with the same losses, and the losses fall.
 
@@ -7,16 +7,13 @@ rank saving a torch_dist checkpoint and exiting at iteration 5; TP=2 with sequen
 resuming from it for iterations 6-10. T5, three runs: the reference; TP=2 with sequence
 parallelism saving and exiting at 5; TP=2 without it resuming for 6-10."""
 
-import subprocess
 import sys
 
-import pytest
 import torch
 
 from tests.functional_tests.runner import (
     REPO,
     assert_same_training,
-    env_for_tests,
     read_tensorboard_scalars,
     run_pretrain,
 )
@@ -24,35 +21,7 @@ from tests.functional_tests.runner import (
 VOCAB = str(REPO / "tests" / "data" / "bert-vocab.txt")
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bert_data") / "corpus"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "preprocess_data.py"),
-            "--input",
-            str(REPO / "tests" / "data" / "corpus.jsonl"),
-            "--output-prefix",
-            str(out),
-            "--tokenizer-type",
-            "BertWordPieceLowerCase",
-            "--vocab-file",
-            VOCAB,
-            "--split-sentences",
-            "--workers",
-            "1",
-        ],
-        env=env_for_tests(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return f"{out}_text_sentence"
-
-
-def _flags(corpus, tmp_path):
+def _flags(bert_corpus, tmp_path):
     return [
         "--num-layers",
         "4",
@@ -75,7 +44,7 @@ def _flags(corpus, tmp_path):
         "--train-iters",
         "10",
         "--data-path",
-        corpus,
+        bert_corpus,
         "--data-cache-path",
         str(tmp_path / "cache"),
         "--vocab-file",
@@ -133,8 +102,8 @@ def _check_conversion_round_trip(ckpt, tmp_path):
         assert torch.equal(restored[name], tensor), name
 
 
-def test_bert_layouts_and_resume_match_one_process(corpus, tmp_path):
-    flags = _flags(corpus, tmp_path)
+def test_bert_layouts_and_resume_match_one_process(bert_corpus, tmp_path):
+    flags = _flags(bert_corpus, tmp_path)
     ref_tb, ref_ckpt = tmp_path / "ref", tmp_path / "ref_ckpt"
     result = run_pretrain(
         flags
@@ -147,7 +116,7 @@ def test_bert_layouts_and_resume_match_one_process(corpus, tmp_path):
     ref = _metrics(ref_tb)
     sop = read_tensorboard_scalars(ref_tb, "sop loss")
     assert sorted(sop) == list(range(1, 11))
-    # The masked-LM loss falls from ~log(vocab) = 8.98 on the shipped corpus.
+    # The masked-LM loss falls from ~log(vocab) = 8.98 on the shipped bert_corpus.
     assert ref["loss"][10] < ref["loss"][1] - 0.5, ref["loss"]
 
     ckpt, pp_tb, tp_tb = tmp_path / "ckpt", tmp_path / "pp", tmp_path / "tp"
@@ -180,8 +149,8 @@ def test_bert_layouts_and_resume_match_one_process(corpus, tmp_path):
     )
 
 
-def _t5_flags(corpus, tmp_path):
-    flags = _flags(corpus, tmp_path)
+def _t5_flags(bert_corpus, tmp_path):
+    flags = _flags(bert_corpus, tmp_path)
     at = flags.index("--num-layers")
     del flags[at : at + 2]
     at = flags.index("--seq-length")
@@ -204,8 +173,8 @@ def _t5_flags(corpus, tmp_path):
     ]
 
 
-def test_t5_tensor_sequence_parallel_and_resume_match_one_process(corpus, tmp_path):
-    flags = _t5_flags(corpus, tmp_path)
+def test_t5_tensor_sequence_parallel_and_resume_match_one_process(bert_corpus, tmp_path):
+    flags = _t5_flags(bert_corpus, tmp_path)
     ref_tb = tmp_path / "ref"
     result = run_pretrain(flags + ["--tensorboard-dir", str(ref_tb)], script="pretrain_t5.py")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

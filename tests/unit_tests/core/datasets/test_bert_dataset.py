@@ -2,8 +2,6 @@
 sample layout, and the masking statistics over many samples (bounds stated per test)."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.masked_dataset import _uint32_stream, build_sample_mapping
 from megatron.core.datasets.utils import Split
 from megatron.core.tokenizers.bert_wordpiece import BertWordPieceLowerCase
-from tests.functional_tests.runner import REPO, env_for_tests
+from tests.functional_tests.runner import REPO
 
 VOCAB = str(REPO / "tests" / "data" / "bert-vocab.txt")
 
@@ -68,40 +66,11 @@ def test_short_targets_follow_short_seq_prob():
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """The shipped corpus, sentence-split and WordPiece-tokenized by preprocess_data.py."""
-    out = tmp_path_factory.mktemp("bert_corpus") / "corpus"
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools" / "preprocess_data.py"),
-            "--input",
-            str(REPO / "tests" / "data" / "corpus.jsonl"),
-            "--output-prefix",
-            str(out),
-            "--tokenizer-type",
-            "BertWordPieceLowerCase",
-            "--vocab-file",
-            VOCAB,
-            "--split-sentences",
-            "--workers",
-            "1",
-        ],
-        env=env_for_tests(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    return f"{out}_text_sentence"
-
-
-@pytest.fixture(scope="module")
 def tokenizer():
     return BertWordPieceLowerCase(VOCAB)
 
 
-def _dataset(corpus, tokenizer, num_samples, **overrides):
+def _dataset(bert_corpus, tokenizer, num_samples, **overrides):
     fields = dict(
         random_seed=1234,
         sequence_length=64,
@@ -111,15 +80,15 @@ def _dataset(corpus, tokenizer, num_samples, **overrides):
     )
     fields.update(overrides)
     config = BERTMaskedWordPieceDatasetConfig(**fields)
-    low = IndexedDataset(corpus)
+    low = IndexedDataset(bert_corpus)
     docs = np.arange(low.document_indices.shape[0] - 1, dtype=np.int32)
     return BERTMaskedWordPieceDataset(low, None, docs, num_samples, Split.train, config), low
 
 
-def test_sample_layout_and_determinism(corpus, tokenizer):
-    ds, low = _dataset(corpus, tokenizer, 300)
-    again, _ = _dataset(corpus, tokenizer, 300)
-    other_seed, _ = _dataset(corpus, tokenizer, 300, random_seed=99)
+def test_sample_layout_and_determinism(bert_corpus, tokenizer):
+    ds, low = _dataset(bert_corpus, tokenizer, 300)
+    again, _ = _dataset(bert_corpus, tokenizer, 300)
+    other_seed, _ = _dataset(bert_corpus, tokenizer, 300, random_seed=99)
     swapped = 0
     for idx in range(200):
         sample = ds[idx]
@@ -159,11 +128,11 @@ def test_sample_layout_and_determinism(corpus, tokenizer):
     )
 
 
-def test_masking_statistics(corpus, tokenizer):
+def test_masking_statistics(bert_corpus, tokenizer):
     """Over 2000 samples (~19k masked tokens): the masked share of the tokens is within 1 % (abs.)
     of 15 %, and the [MASK] / random / kept split within 1 % of 80 / 10 / 10. The binomial sd of
     each share at this count is <= 0.3 %, so the bound is > 3 sd."""
-    ds, _ = _dataset(corpus, tokenizer, 2000)
+    ds, _ = _dataset(bert_corpus, tokenizer, 2000)
     masked = tokens = to_mask = kept = 0
     for idx in range(2000):
         sample = ds[idx]
@@ -180,22 +149,24 @@ def test_masking_statistics(corpus, tokenizer):
     assert abs((masked - to_mask - kept) / masked - 0.1) < 0.01
 
 
-def test_index_is_cached_and_reloaded(corpus, tokenizer, tmp_path):
-    ds, _ = _dataset(corpus, tokenizer, 50, path_to_cache=str(tmp_path))
+def test_index_is_cached_and_reloaded(bert_corpus, tokenizer, tmp_path):
+    ds, _ = _dataset(bert_corpus, tokenizer, 50, path_to_cache=str(tmp_path))
     assert ds.built_anew_on_cache_miss
     files = sorted(os.listdir(tmp_path))
     assert len(files) == 2 and files[0].endswith(
         "-BERTMaskedWordPieceDataset-train-description.txt"
     )
-    again, _ = _dataset(corpus, tokenizer, 50, path_to_cache=str(tmp_path))
+    again, _ = _dataset(bert_corpus, tokenizer, 50, path_to_cache=str(tmp_path))
     assert not again.built_anew_on_cache_miss
     assert np.array_equal(ds.sample_index, again.sample_index)
-    other, _ = _dataset(corpus, tokenizer, 50, path_to_cache=str(tmp_path), masking_probability=0.2)
+    other, _ = _dataset(
+        bert_corpus, tokenizer, 50, path_to_cache=str(tmp_path), masking_probability=0.2
+    )
     assert other.built_anew_on_cache_miss  # the masking settings are part of the cache name
 
 
-def test_without_binary_head_one_segment_and_single_sentence_samples(corpus, tokenizer):
-    ds, low = _dataset(corpus, tokenizer, 300, classification_head=False)
+def test_without_binary_head_one_segment_and_single_sentence_samples(bert_corpus, tokenizer):
+    ds, low = _dataset(bert_corpus, tokenizer, 300, classification_head=False)
     single = 0
     for idx in range(100):
         sample = ds[idx]
@@ -209,7 +180,7 @@ def test_without_binary_head_one_segment_and_single_sentence_samples(corpus, tok
     assert single > 0  # one sentence suffices without the sentence-order task
 
 
-def test_blended_bert_datasets(corpus, tokenizer):
+def test_blended_bert_datasets(bert_corpus, tokenizer):
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -218,7 +189,7 @@ def test_blended_bert_datasets(corpus, tokenizer):
         random_seed=3,
         sequence_length=64,
         tokenizer=tokenizer,
-        blend=([corpus, corpus], [0.25, 0.75]),
+        blend=([bert_corpus, bert_corpus], [0.25, 0.75]),
         split="80,10,10",
     )
     train, valid, test = BlendedMegatronDatasetBuilder(
