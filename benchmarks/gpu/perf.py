@@ -7,8 +7,9 @@ a       the environment and the bf16 matrix-product rate MFU is measured against
 o       ours: GPT-2 large as check.sh's step e (36 x 1280, 20 heads, seq 1024, micro-batch 32 =
         global batch, bf16, mock data, GPT-2's vocabulary) with the issue-29 switches on
         (``--ours optimised``, OPTIMISED_FLAGS) or off (``--ours plain``, PLAIN_FLAGS):
-        ms/iteration (median of iterations 3-10), TFLOP/s by Megatron's formula, MFU, peak
-        memory; iterations 11-12 run under torch.profiler: kernel time by family (kernels.py)
+        ms/iteration (median of iterations 3-10; 3-4 on CPU), TFLOP/s by Megatron's formula,
+        MFU, peak memory; two more iterations run under torch.profiler: kernel time by family
+        (kernels.py)
 h       transformers' GPT-2 large (hf_peer.py), eager
 c       the same under torch.compile (inductor; the CPU smoke run only traces: backend "eager")
 report  the comparison table of the steps that ran (also DIR/perf.txt)
@@ -50,8 +51,8 @@ PLAIN_FLAGS = [
 # Flags (with their value) that only mean something on CUDA, left out of the CPU smoke run.
 CUDA_ONLY_FLAGS = {"--cuda-graph-impl": 1}
 
-TIMED_ITERATIONS = 10  # iterations 3..10 are timed (1-2 warm up)
-PROFILED_ITERATIONS = 2  # then 11..12 run under the profiler
+TIMED_ITERATIONS = {"gpu": 10, "cpu": 4}  # iterations 3..N are timed (1-2 warm up)
+PROFILED_ITERATIONS = 2  # then two more run under the profiler
 
 
 def ours_flags(choice: str, gpu: bool) -> List[str]:
@@ -77,7 +78,8 @@ def ours_flags(choice: str, gpu: bool) -> List[str]:
 
 def step_ours(step: Step, options) -> Tuple[bool, str, dict]:
     micro_batch = steps.gpt2_micro_batch(step)
-    total = TIMED_ITERATIONS + PROFILED_ITERATIONS
+    timed = TIMED_ITERATIONS[step.mode]
+    total = timed + PROFILED_ITERATIONS
     tb = step.log_dir / f"{step.name}-tensorboard"
     switches = ours_flags(options.ours, step.gpu)
     flags = steps.gpt2_flags(step, micro_batch, tb) + ["--train-iters", str(total)] + switches
@@ -87,14 +89,14 @@ def step_ours(step: Step, options) -> Tuple[bool, str, dict]:
     env = dict(step.device_env())
     env.update(
         PYTHONPATH=os.pathsep.join([str(inject), str(steps.REPO)]),
-        GPU_PERF_PROFILE_FIRST=str(TIMED_ITERATIONS + 1),
+        GPU_PERF_PROFILE_FIRST=str(timed + 1),
         GPU_PERF_PROFILE_COUNT=str(PROFILED_ITERATIONS),
         GPU_PERF_PROFILE_OUT=str(profile),
     )
     ok, summary, figures = steps.measure_gpt2(
-        step, flags, tb, micro_batch, total, timed_last=TIMED_ITERATIONS, env=env
+        step, flags, tb, micro_batch, total, timed_last=timed, env=env
     )
-    figures.update(ours=options.ours, switches=switches)
+    figures.update(ours=options.ours, switches=switches, profiled=[timed + 1, total])
     summary = f"{options.ours} ({' '.join(switches) or 'defaults'}): {summary}"
     if not ok:
         return False, summary, figures
@@ -136,7 +138,7 @@ def _peer(step: Step, compile_backend) -> Tuple[bool, str, dict]:
         vocab=step.sizes["gpt2_vocab"] + 1,  # GPT-2's 50,257 (NullTokenizer's V + 1)
         micro_batch=micro_batch,
         global_batch=sizes["global_batch"],
-        iterations=TIMED_ITERATIONS,
+        iterations=TIMED_ITERATIONS[step.mode],
     )
     device = torch.device("cuda", 0) if step.gpu else torch.device("cpu")
     with open(step.log("run"), "w") as log:
@@ -215,7 +217,7 @@ def comparison(results: dict, mode: str) -> str:
         where = "GPU kernel" if ours.get("kernel_device") == "cuda" else "CPU operator (self)"
         lines.append(
             f"ours: {where} time by family, per iteration (profiled iterations "
-            f"{TIMED_ITERATIONS + 1}-{TIMED_ITERATIONS + PROFILED_ITERATIONS}: "
+            f"{ours['profiled'][0]}-{ours['profiled'][1]}: "
             f"{ours['profiled_ms_per_iteration']:.1f} ms each, kernels busy "
             f"{100 * (ours.get('kernel_busy_fraction') or 0):.0f} % of it)"
         )

@@ -173,7 +173,7 @@ def test_switch_lists_pass_the_parser_and_cuda_only_flags_stay_off_cpu(
     assert perf.ours_flags("plain", gpu=False) == ["--no-rope-fusion"]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_perf_passes_every_step_in_cpu_mode(tmp_path):
     env = env_for_tests()
     env["OUT"] = str(tmp_path)
@@ -185,11 +185,17 @@ def test_perf_passes_every_step_in_cpu_mode(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=400,  # the steps' limits add up to 400 s; about 40 s on a quiet 2-core machine
+        # The CPU steps' limits add up to 500 s; about 60 s on a quiet 2-core machine, 2-3
+        # minutes on a busy one.
+        timeout=560,
     )
     summary = (tmp_path / "summary.txt").read_text()
     assert result.stdout.rstrip().endswith(summary.rstrip()), result.stdout[-3000:]
-    rows = {line[:4].strip(): line for line in summary.splitlines() if line[:4].strip() in "ohca"}
+    rows = {
+        line[:4].strip(): line
+        for line in summary.splitlines()
+        if line[:4].strip() in ("a", "o", "h", "c")
+    }
     failed = {step: row for step, row in rows.items() if row[42:50].strip() != "PASS"}
     assert sorted(rows) == sorted("aohc") and not failed, summary + result.stderr[-2000:]
     assert result.returncode == 0, summary
