@@ -6,7 +6,7 @@ PIP_INSTALL = $(PYTHON) -m pip install -q -c constraints.txt
 
 .PHONY: install install-cpu install-gpu lint test test-faults test-fast interop quickstart \
 	quickstart-mock prepare-ds-sample clean prepare-ds-sample-bert quickstart-bert quickstart-t5 \
-	gpu-check
+	gpu-check gpu-perf
 
 # A CUDA build of torch already installed (an NGC container, a cluster image) is kept: install-gpu.
 # Otherwise the pinned CPU build: install-cpu.
@@ -31,6 +31,9 @@ install-gpu:
 # Every GPU check in one command (see benchmarks/README.md); CHECK_MODE=cpu for the tiny CPU run.
 gpu-check:
 	PYTHON=$(PYTHON) bash benchmarks/gpu/check.sh
+
+gpu-perf:
+	PYTHON=$(PYTHON) bash benchmarks/gpu/perf.sh
 
 # ruff (configured in pyproject.toml): lint rules and the formatting the tree is kept in.
 lint:

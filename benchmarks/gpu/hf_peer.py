@@ -44,8 +44,12 @@ def _peak_memory_mb(device: torch.device):
     return peak, peak
 
 
-def train(shape: PeerShape, device: torch.device, print_fn=print) -> dict:
-    """Train ``shape.iterations`` iterations; ms per iteration (each), losses, peak memory."""
+def train(shape: PeerShape, device: torch.device, print_fn=print, compile_backend=None) -> dict:
+    """Train ``shape.iterations`` iterations; ms per iteration (each), losses, peak memory.
+
+    ``compile_backend``: the model under ``torch.compile(backend=...)`` ("inductor" as a user
+    compiles it; "eager" only traces, for the CPU smoke run); the first iterations compile and
+    are left out of the median."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
     config = GPT2Config(
@@ -70,6 +74,7 @@ def train(shape: PeerShape, device: torch.device, print_fn=print) -> dict:
     model.train()
     parameters = sum(p.numel() for p in model.parameters())
     print_fn(f"transformers {type(model).__name__}: {parameters:,} parameters on {device}")
+    forward = model if compile_backend is None else torch.compile(model, backend=compile_backend)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=shape.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True
     )
@@ -93,7 +98,7 @@ def train(shape: PeerShape, device: torch.device, print_fn=print) -> dict:
         total = torch.zeros((), device=device)
         for tokens in batches:
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(input_ids=tokens, labels=tokens).loss / accumulation
+                loss = forward(input_ids=tokens, labels=tokens).loss / accumulation
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -449,11 +449,26 @@ def gpt2_flags(step: Step, micro_batch: int, tensorboard_dir: Path) -> List[str]
 
 
 def step_e(step: Step) -> Tuple[bool, str, dict]:
-    sizes = dict(step.sizes["gpt2"], micro_batch=gpt2_micro_batch(step))
-    iterations = step.sizes["gpt2_iterations"]
+    micro_batch = gpt2_micro_batch(step)
     tb = step.log_dir / f"{step.name}-tensorboard"
-    flags = gpt2_flags(step, sizes["micro_batch"], tb)
-    launch = Launch("pretrain_gpt.py", flags, step.log("run"), env=step.device_env())
+    flags = gpt2_flags(step, micro_batch, tb)
+    return measure_gpt2(step, flags, tb, micro_batch, step.sizes["gpt2_iterations"])
+
+
+def measure_gpt2(
+    step: Step,
+    flags: List[str],
+    tb: Path,
+    micro_batch: int,
+    iterations: int,
+    timed_last: int = 0,
+    env: Optional[Dict[str, str]] = None,
+) -> Tuple[bool, str, dict]:
+    """Run pretrain_gpt.py with step e's ``flags`` (``iterations`` of them) and read back ms per
+    iteration (median of iterations 3..``timed_last``, default the last), TFLOP/s, MFU against
+    step a's rate and peak memory."""
+    sizes = dict(step.sizes["gpt2"], micro_batch=micro_batch)
+    launch = Launch("pretrain_gpt.py", flags, step.log("run"), env=env or step.device_env())
     code = launch.wait(step.deadline)
     if code != 0:
         return False, runs.failure_reason(launch, code), {}
@@ -461,7 +476,8 @@ def step_e(step: Step) -> Tuple[bool, str, dict]:
     metrics = launch.metrics()
     losses = metrics.get("lm loss")
     problem = runs.all_finite(losses, iterations)
-    ms = runs.median_ms(metrics.get("elapsed_ms"), 3, iterations)
+    timed_last = timed_last or iterations
+    ms = runs.median_ms(metrics.get("elapsed_ms"), 3, timed_last)
     vocab = _padded_vocab(text)
     flops = megatron_flops(
         sizes["global_batch"], sizes["seq"], sizes["layers"], sizes["hidden"], vocab
@@ -491,7 +507,7 @@ def step_e(step: Step) -> Tuple[bool, str, dict]:
         "peak_allocated_mb": peak / 2**20,
         "peak_reserved_mb": reserved / 2**20,
         "theoretical_total": theoretical,
-        "log_tflops": runs.median_ms(metrics.get("tflops_per_gpu"), 3, iterations)
+        "log_tflops": runs.median_ms(metrics.get("tflops_per_gpu"), 3, timed_last)
         if metrics.get("tflops_per_gpu")
         else None,
     }
@@ -557,19 +573,25 @@ STEPS: Dict[str, Callable[[Step], Tuple[bool, str, dict]]] = {
 }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=sorted(STEPS))
+def main(argv=None, table=None, description=None, add_arguments=None) -> int:
+    """Run one step of ``table`` (default: check.sh's) and record its figures. A step function
+    takes the Step (and, with ``add_arguments``, the parsed options as well)."""
+    table = table or STEPS
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
+    parser.add_argument("step", choices=sorted(table))
     parser.add_argument("--mode", choices=("gpu", "cpu"), default="gpu")
     parser.add_argument("--log-dir", type=Path, required=True)
     parser.add_argument("--limit", type=float, default=90.0, help="the step's time limit (s)")
+    if add_arguments:
+        add_arguments(parser)
     options = parser.parse_args(argv)
     options.log_dir.mkdir(parents=True, exist_ok=True)
     runs.kill_all_on_sigterm()
     step = Step(options.step, options.mode, options.log_dir, options.limit)
     start = time.monotonic()
     try:
-        ok, summary, figures = STEPS[options.step](step)
+        function = table[options.step]
+        ok, summary, figures = function(step, options) if add_arguments else function(step)
     except Exception as exc:  # the step's bug or the machine's: the table says which, briefly
         import traceback
 

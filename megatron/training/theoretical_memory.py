@@ -31,7 +31,9 @@ Two parts, the two that Megatron's report prints (weight and optimizer, activati
   fp32 activations double every term except the 1-byte dropout masks. Context parallelism
   divides the sequence by CP (the score term keeps the full key length). The first stage adds the
   token ids and the embedding dropout mask per micro-batch; the stage with the output layer adds
-  its input and the fp32 logits for one micro-batch (Megatron: 4*s*b*h*(1 + V/h) / TP).
+  its input and the fp32 logits for one micro-batch (Megatron: 4*s*b*h*(1 + V/h) / TP); with
+  ``--cross-entropy-loss-fusion`` the fp32 logits of one chunk of tokens instead (the chunked
+  fused loss keeps no more; see ``fused_linear_cross_entropy.chunk_rows``).
 
 Micro-batches in flight: 1 without pipelining; min(PP - rank, M) for 1F1B; with the interleaved
 schedule (warm-up + 1) model-chunk micro-batches, warm-up = 2*(PP - rank - 1) + (VP - 1)*G, which
@@ -52,6 +54,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.core.fusions.fused_linear_cross_entropy import chunk_rows
 from megatron.core.transformer.dot_product_attention import unfused_attention_runs
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
@@ -516,9 +519,16 @@ def activation_components(
         parts["embedding (token ids, dropout mask)"] = (8 * s * b + mask) * in_flight
     if pp_rank == pp - 1:
         vocab = getattr(args, "padded_vocab_size", None) or 0
-        parts["output layer and loss (input, fp32 logits)"] = (
-            4 * s * b * h / tp + 4 * s * b * vocab / tp
-        )
+        if getattr(args, "cross_entropy_loss_fusion", False) and vocab:
+            # The chunked fused loss keeps one chunk's fp32 numerator, not [s*b, V/TP] logits.
+            rows = chunk_rows(int(s * b), math.ceil(vocab / tp))
+            parts["output layer and loss (input, fp32 logits of one chunk)"] = (
+                4 * s * b * h / tp + 4 * rows * vocab / tp
+            )
+        else:
+            parts["output layer and loss (input, fp32 logits)"] = (
+                4 * s * b * h / tp + 4 * s * b * vocab / tp
+            )
     return parts
 
 

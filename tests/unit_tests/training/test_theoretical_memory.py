@@ -28,6 +28,7 @@ import torch
 from megatron.training.model_families import get_model_family
 from megatron.training.theoretical_memory import (
     NUM_BYTES_IN_MEGABYTE,
+    activation_components,
     attention_keeps_scores,
     bytes_per_parameter,
     compute_theoretical_memory,
@@ -796,3 +797,21 @@ def test_moe_parameter_count_equals_the_built_model(extra):
     assert count.total == sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert count.num_moe_layers * count.moe_experts == experts
+
+
+def test_fused_cross_entropy_counts_one_chunk_of_logits():
+    """--cross-entropy-loss-fusion keeps one chunk's fp32 numerator (the chunked fused loss), not
+    the micro-batch's [s*b, V] fp32 logits; every other part is unchanged."""
+    from megatron.core.fusions.fused_linear_cross_entropy import CHUNK_ELEMENTS
+
+    # GPT-2 large's micro-batch 32 x 1024 and vocabulary: 13 chunks, one kept.
+    gpt2 = ["--seq-length", "1024", "--max-position-embeddings", "1024", "--vocab-size", "50256"]
+    gpt2 += ["--micro-batch-size"]
+    plain = activation_components(_gpt(gpt2 + ["32"]))
+    fused = activation_components(_gpt(gpt2 + ["32", "--cross-entropy-loss-fusion"]))
+    logits = plain.pop("output layer and loss (input, fp32 logits)")
+    chunk = fused.pop("output layer and loss (input, fp32 logits of one chunk)")
+    assert fused == plain
+    s, b, h, vocab = 1024, 32, 256, 50304  # the NullTokenizer's 50,257 tokens, padded
+    assert logits == 4 * s * b * h + 4 * s * b * vocab
+    assert chunk == 4 * s * b * h + 4 * 2521 * vocab and 2521 * vocab <= CHUNK_ELEMENTS

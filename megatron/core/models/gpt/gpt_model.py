@@ -172,7 +172,8 @@ class GPTModel(LanguageModule):
         self, hidden_states: torch.Tensor, labels: torch.Tensor, weight: Optional[torch.Tensor]
     ) -> torch.Tensor:
         """``--cross-entropy-loss-fusion``: output layer + cross entropy in one autograd Function
-        (the [b, s, V] logits are never kept; see fused_linear_cross_entropy), per-token losses
+        over chunks of tokens (the [b, s, V] logits never exist at once, and no fp32 copy of them;
+        see fused_linear_cross_entropy), per-token losses
         [b, s] as the unfused path returns. Both ``--cross-entropy-fusion-impl`` values (native,
         te) run this function: there is no Transformer Engine here. Under TP the weight is this
         rank's vocab shard and the loss is the vocab-parallel one; the input mapping below is the
