@@ -4,7 +4,9 @@ CudaGraphManager in spirit; ``--enable-cuda-graph`` is its deprecated spelling).
 Each transformer layer of a block gets a :class:`LayerGraphRunner`. Its first
 ``cuda_graph_warmup_steps`` training forwards (for one input signature: the shapes, dtypes and
 ``requires_grad`` of the tensor arguments and the values of the others) run eagerly, which also
-warms cuBLAS and the allocator up. The next one captures the layer's forward and its backward
+warms cuBLAS and the allocator up. The count is of micro-batches (Megatron counts iterations:
+the same with one micro-batch per iteration, as in the one-GPU GPT-2 large run). The next one
+captures the layer's forward and its backward
 (``torch.autograd.grad`` of the outputs with respect to the tensor inputs that need a gradient
 and the layer's parameters that the forward reaches) into two graphs that share one memory pool
 per block, then replays the forward; its backward replays the backward graph. From then on a
