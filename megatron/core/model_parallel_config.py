@@ -123,7 +123,8 @@ class ModelParallelConfig:
     # ---------------------------------------------------------------- fusions / overlap
     gradient_accumulation_fusion: bool = False
     """Accumulate weight gradients straight into ``param.main_grad`` in the linear layers'
-    backward (needs a fused wgrad kernel from apex or Transformer Engine)."""
+    backward (``tensor_parallel.layers.LinearWithGradAccumulation``) instead of through ``.grad``
+    and DDP's per-param hook; only weights wrapped by DDP (that have a ``main_grad``) take it."""
 
     tp_comm_overlap: bool = False
     """Overlap tensor-parallel communication with GEMMs (Transformer Engine userbuffers)."""

@@ -13,6 +13,15 @@ same post-accumulate hook, on the last micro-batch (outside :meth:`no_sync`), ma
 ready and launches its bucket's asynchronous collective as soon as every param of the bucket has
 its gradient, while backward continues; :meth:`finish_grad_sync` waits for them.
 
+Gradient accumulation fusion (``config.gradient_accumulation_fusion``, see
+``tensor_parallel.layers.LinearWithGradAccumulation``): the linear layers add their weight
+gradients into ``main_grad`` themselves and give autograd no ``.grad``, so the hook above is never
+called for those weights. Their readiness is marked by the layer's backward, which calls
+``param.mark_main_grad_ready`` (set here on every param with ``overlap_grad_reduce``) right after
+its add: no extra autograd node or hook per weight, one Python call per fused weight per
+micro-batch only when overlapping, none otherwise. The hook stays registered on those weights for
+any use of them outside the fused layer (it then accumulates as before).
+
 With ``use_distributed_optimizer`` the buckets are padded for sharding, gradients are
 reduce-scattered (each DP rank gets the reduced gradient of its slice only) and the params live
 in a flat param buffer so that the distributed optimizer can all-gather the updated slices
@@ -189,6 +198,9 @@ class DistributedDataParallel(torch.nn.Module):
                     self._hooks.append(
                         p.register_post_accumulate_grad_hook(self._make_grad_hook(buffer))
                     )
+            if config.overlap_grad_reduce:
+                for p in buffer.params:
+                    p.mark_main_grad_ready = self._make_mark_ready(buffer)
             buffer.attach()
         self._param_gather_hooks = []
         if config.overlap_param_gather and any(b.dp_size > 1 for b in self.all_buffers):
@@ -289,13 +301,25 @@ class DistributedDataParallel(torch.nn.Module):
             ddp, buf = ddp_ref(), buffer_ref()
             if ddp is None or buf is None:  # the DDP wrapper is gone: plain autograd accumulation
                 return
-            if not buf.aliased:
+            if not buf.aliased and param.grad is not None:
                 param.main_grad.add_(param.grad)
                 param.grad = None
             if overlap and ddp.is_last_microbatch:
                 buf.param_to_bucket[param].register_grad_ready(param)
 
         return hook
+
+    def _make_mark_ready(self, buffer: ParamAndGradBuffer):
+        """Readiness only, for weights whose layer accumulated into ``main_grad`` itself (weak
+        references for the reason given in :meth:`_make_grad_hook`)."""
+        ddp_ref, buffer_ref = weakref.ref(self), weakref.ref(buffer)
+
+        def mark_ready(param: torch.nn.Parameter):
+            ddp, buf = ddp_ref(), buffer_ref()
+            if ddp is not None and buf is not None and ddp.is_last_microbatch:
+                buf.param_to_bucket[param].register_grad_ready(param)
+
+        return mark_ready
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -17,6 +17,13 @@ The linear layers return ``(output, output_bias)``, the pair Megatron's parallel
 return: with ``skip_bias_add`` the
 bias is returned for the caller to fuse into a later op, otherwise it is added (after the
 reduction for row-parallel layers) and ``output_bias`` is None.
+
+Gradient accumulation fusion (``config.gradient_accumulation_fusion``, Megatron's
+``--no-gradient-accumulation-fusion`` turns it off): when the layer's own weight has a
+``main_grad`` (DDP's gradient buffer), :class:`LinearWithGradAccumulation` adds the weight gradient
+straight into it in backward and hands autograd no ``.grad`` for the weight, so DDP's per-param
+post-accumulate hook never runs for it. A weight passed to ``forward`` (the tied output layer)
+takes the plain path: its other use (the embedding) accumulates through autograd and the hook.
 """
 
 from typing import Callable, Optional, Tuple
@@ -34,6 +41,96 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.parameters import new_constant_param, new_weight, param_device
+
+
+class LinearWithGradAccumulation(torch.autograd.Function):
+    """``F.linear(input_, weight, bias)`` whose backward adds the weight gradient into
+    ``weight.main_grad`` (Megatron's LinearWithGradAccumulationAndAsyncCommunication without its
+    communication, which the mappings around the call do here). The input and bias gradients are
+    autograd's.
+
+    The weight enters as a detached alias (``weight_data``) with the parameter itself in a tuple,
+    which autograd does not look into: the graph then has no edge to the parameter's
+    AccumulateGrad node, so neither that node nor the post-accumulate hooks on it run (an input
+    given back a None gradient would still run them).
+
+    If ``weight.mark_main_grad_ready`` is set (DDP with overlap-grad-reduce), it is called after
+    the add: the weight's gradient for this micro-batch is complete, the bucket may launch."""
+
+    @staticmethod
+    def forward(ctx, input_, weight_data, bias, weight_holder):
+        ctx.save_for_backward(input_, weight_data)
+        ctx.weight = weight_holder[0]
+        ctx.has_bias = bias is not None
+        return F.linear(input_, weight_data, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight_data = ctx.saved_tensors
+        weight = ctx.weight
+        grad_input = grad_output.matmul(weight_data) if ctx.needs_input_grad[0] else None
+        # The products autograd's linear backward computes, on the rows folded into one dim.
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        accumulate_weight_grad(weight, grad_output_2d, input_.reshape(-1, input_.shape[-1]))
+        mark_ready = getattr(weight, "mark_main_grad_ready", None)
+        if mark_ready is not None:
+            mark_ready(weight)
+        grad_bias = grad_output_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, None, grad_bias, None
+
+
+def accumulate_weight_grad(
+    weight: torch.Tensor, grad_output_2d: torch.Tensor, input_2d: torch.Tensor
+) -> None:
+    """``weight.main_grad += grad_output_2d^T @ input_2d``.
+
+    With half-precision operands and an fp32 ``main_grad`` on CUDA, one addmm with fp32 output
+    accumulates the product into ``main_grad`` without rounding it to half precision first (what
+    Megatron's fused wgrad kernel does). Elsewhere, or where this torch's CUDA addmm refuses an
+    fp32 addend (its checks run on the host before any launch; remembered on the weight), the
+    product is computed in the operands' dtype and added, which is exactly the sum autograd and
+    DDP's hook would form."""
+    main_grad = weight.main_grad
+    if (
+        main_grad.is_cuda
+        and main_grad.dtype == torch.float32
+        and grad_output_2d.dtype in (torch.bfloat16, torch.float16)
+        and getattr(weight, "mixed_dtype_addmm", True)
+    ):
+        try:
+            torch.addmm(
+                main_grad,
+                grad_output_2d.t(),
+                input_2d,
+                out_dtype=torch.float32,
+                out=main_grad,
+            )
+            return
+        except (RuntimeError, TypeError):
+            weight.mixed_dtype_addmm = False
+    main_grad.add_(grad_output_2d.t().mm(input_2d))
+
+
+def linear(
+    input_: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    accumulate_into_main_grad: bool,
+) -> torch.Tensor:
+    """``F.linear``, or with ``accumulate_into_main_grad`` and a weight that has a ``main_grad``
+    (wrapped by DDP) the fused :class:`LinearWithGradAccumulation`. Without one (no DDP; FSDP,
+    whose unsharded weights have none) the plain path runs: there is nothing to accumulate into.
+    So it does when neither the input nor the bias needs a gradient: the output would not need
+    one either, and backward would never reach the weight."""
+    if (
+        accumulate_into_main_grad
+        and weight.requires_grad
+        and getattr(weight, "main_grad", None) is not None
+        and torch.is_grad_enabled()
+        and (input_.requires_grad or (bias is not None and bias.requires_grad))
+    ):
+        return LinearWithGradAccumulation.apply(input_, weight.detach(), bias, (weight,))
+    return F.linear(input_, weight, bias)
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
@@ -195,6 +292,7 @@ class ColumnParallelLinear(torch.nn.Module):
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """``weight`` overrides the layer's own (the tied output layer passes the embedding
         shard)."""
+        fuse = weight is None and getattr(self.config, "gradient_accumulation_fusion", False)
         if weight is None:
             weight = self.weight
             if weight is None:
@@ -207,7 +305,7 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             input_ = copy_to_tensor_model_parallel_region(input_, self.tp_group)
         bias = None if self.skip_bias_add else self.bias
-        output = F.linear(input_, weight, bias)
+        output = linear(input_, weight, bias, fuse)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
@@ -275,13 +373,14 @@ class RowParallelLinear(torch.nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        fuse = getattr(self.config, "gradient_accumulation_fusion", False)
         if self.tp_size == 1:
             if self.skip_bias_add:
-                return F.linear(input_, self.weight), self.bias
-            return F.linear(input_, self.weight, self.bias), None
+                return linear(input_, self.weight, None, fuse), self.bias
+            return linear(input_, self.weight, self.bias, fuse), None
         if not self.input_is_parallel:
             input_ = scatter_to_tensor_model_parallel_region(input_, self.tp_group)
-        partial = F.linear(input_, self.weight)
+        partial = linear(input_, self.weight, None, fuse)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

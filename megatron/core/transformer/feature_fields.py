@@ -7,7 +7,8 @@ megatron-core's default. Two kinds:
   of Transformer Engine, CUDA graph details, ...): accepted at any value and without effect,
   because the feature they tune never runs here (:data:`INERT_FIELDS`);
 * switches of a feature this code base does not implement (fp8/fp4, multi-latent attention,
-  multi-token prediction, sliding-window attention, CPU offloading, CUDA graphs, ...): any value
+  multi-token prediction, sliding-window attention, CPU offloading, CUDA graphs other than
+  ``cuda_graph_impl='local'``, ...): any value
   but megatron-core's default is refused by :func:`refuse_unsupported_features`, naming the field,
   so a run never silently trains another model than the one asked for.
 
@@ -77,7 +78,6 @@ INERT_FIELDS = frozenset(
         "moe_hybridep_num_sms",
         "cuda_graph_use_single_mempool",
         "cuda_graph_retain_backward_graph",
-        "cuda_graph_warmup_steps",
         "cuda_graph_scope",
         "clone_scatter_output_in_embedding",
         "disable_parameter_transpose_cache",
@@ -95,6 +95,9 @@ INERT_FIELDS = frozenset(
 )
 
 _TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# 'local': per-layer graphs of the training step (megatron/core/transformer/cuda_graphs.py).
+_CUDA_GRAPH_IMPLS = ("none", "local")
+_CUDA_GRAPH_FIELDS = ("cuda_graph_impl", "enable_cuda_graph", "cuda_graph_warmup_steps")
 
 
 @dataclass
@@ -380,7 +383,7 @@ def refuse_unsupported_features(config) -> None:
     """ValueError naming the first field of a missing feature set to another value than
     megatron-core's default."""
     for name, default in _DEFAULTS.items():
-        if name in INERT_FIELDS:
+        if name in INERT_FIELDS or name in _CUDA_GRAPH_FIELDS:
             continue
         value = getattr(config, name)
         if value == default:
@@ -390,6 +393,16 @@ def refuse_unsupported_features(config) -> None:
         raise ValueError(
             f"TransformerConfig: {name}={value!r} is not supported here "
             f"(megatron-core's default: {default!r})"
+        )
+    if config.cuda_graph_impl not in _CUDA_GRAPH_IMPLS:
+        raise ValueError(
+            f"TransformerConfig: cuda_graph_impl={config.cuda_graph_impl!r} is not supported "
+            f"here; use one of {_CUDA_GRAPH_IMPLS}"
+        )
+    if config.enable_cuda_graph and config.cuda_graph_impl != "local":
+        raise ValueError(
+            "TransformerConfig: enable_cuda_graph (deprecated) means cuda_graph_impl='local', "
+            f"got cuda_graph_impl={config.cuda_graph_impl!r}"
         )
     if config.transformer_impl not in _TRANSFORMER_IMPLS:
         raise ValueError(

@@ -12,6 +12,7 @@ from megatron.core.pipeline_parallel.layer_split import (
 )
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.cuda_graphs import layer_graphs_for
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
@@ -123,6 +124,8 @@ class TransformerBlock(MegatronModule):
             self.final_layernorm = None
         self.input_tensor = None
         self.tp_group = pgs.tp
+        # cuda_graph_impl='local': each layer is called through its graph runner.
+        self.layer_graphs = layer_graphs_for(config, self.layers)
 
     def set_input_tensor(self, input_tensor: Optional[torch.Tensor]) -> None:
         """The activation received from the previous pipeline stage (used when not pre_process)."""
@@ -198,7 +201,8 @@ class TransformerBlock(MegatronModule):
         else:
             # Passed only when set, so layer modules without a KV cache keep working.
             cache = {} if inference_context is None else {"inference_context": inference_context}
-            for layer in self.layers:
+            graphs = self.layer_graphs
+            for layer in self.layers if graphs is None else graphs.runners:
                 hidden_states, context = layer(
                     hidden_states,
                     attention_mask=attention_mask,

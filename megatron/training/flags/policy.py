@@ -95,7 +95,7 @@ no_effect(
     _FUSED,
     """
     masked_softmax_fusion bias_dropout_fusion apply_rope_fusion no_persist_layer_norm
-    gradient_accumulation_fusion use_fused_weighted_squared_relu fused_residual_rmsnorm
+    use_fused_weighted_squared_relu fused_residual_rmsnorm
     disable_jit_fuser mla_down_proj_fusion
     """,
 )
@@ -112,11 +112,14 @@ no_effect(
 no_effect(
     _CUDA_GRAPHS,
     """
-    cuda_graph_warmup_steps enable_cuda_graph external_cuda_graph optimizer_cuda_graph
-    cuda_graph_modules cuda_graph_scope_deprecated
+    external_cuda_graph optimizer_cuda_graph cuda_graph_modules cuda_graph_scope_deprecated
     """,
 )
-no_effect(_CUDA_GRAPHS, "cuda_graph_impl", given=lambda value, args: value != "none")
+no_effect(
+    _CUDA_GRAPHS,
+    "cuda_graph_impl",
+    given=lambda value, args: value not in ("none", "local"),
+)
 no_effect(
     _TP_OVERLAP,
     """

@@ -315,6 +315,9 @@ class TrainingFlags:
     gradient_accumulation_fusion: bool = off_switch(
         "Disable fusing weight-gradient accumulation into the GEMM.",
         options="--no-gradient-accumulation-fusion",
+        honoured_at="TransformerConfig.gradient_accumulation_fusion; "
+        "core.tensor_parallel.layers.LinearWithGradAccumulation; "
+        "core.distributed.distributed_data_parallel (readiness without the hook)",
     )
     deprecated_use_mcore_models: bool = switch(
         "Deprecated and ignored: core models are the only models.",
@@ -337,9 +340,19 @@ class TrainingFlags:
         "none",
         "CUDA graph capture implementation.",
         choices=["none", "local", "transformer_engine", "full_iteration"],
+        honoured_at="local: core.transformer.cuda_graphs (per-layer graphs of the training "
+        "step); rules/layer.validate_cuda_graphs",
     )
-    cuda_graph_warmup_steps: int = flag(3, "Warm-up steps before graph capture.")
-    enable_cuda_graph: bool = switch("Deprecated: use --cuda-graph-impl local.")
+    cuda_graph_warmup_steps: int = flag(
+        3,
+        "Warm-up steps before graph capture.",
+        honoured_at="core.transformer.cuda_graphs.LayerGraphRunner (eager training forwards of "
+        "each layer before its capture)",
+    )
+    enable_cuda_graph: bool = switch(
+        "Deprecated: use --cuda-graph-impl local.",
+        honoured_at="rules/deprecated.py: becomes --cuda-graph-impl local",
+    )
     external_cuda_graph: bool = switch("Deprecated: use --cuda-graph-impl transformer_engine.")
     batch_invariant_mode: bool = switch(
         "Results that do not depend on the batch composition (batch-invariant kernels)."

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from megatron.core.fusions.fused_bias_gelu import gelu_tanh
 from megatron.core.tensor_parallel import collectives as C
+from megatron.core.tensor_parallel import layers
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes, shard_of
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.parameters import new_constant_param, param_device
@@ -134,11 +135,16 @@ class SequentialMLP(torch.nn.Module):
         (a partial sum over ETP when ETP > 1)."""
         if self.grouped:
             return self._forward_grouped(tokens, tokens_per_expert)
+        # Gradient accumulation fusion: each expert's weights accumulate into their main_grad in
+        # the products' backward (the grouped path's stacked weights take autograd and DDP's hook).
+        fuse = getattr(self.config, "gradient_accumulation_fusion", False)
         outputs = []
         for expert, chunk in zip(self.local_experts, torch.split(tokens, tokens_per_expert)):
-            hidden = F.linear(chunk, expert.linear_fc1.weight, expert.linear_fc1.bias)
+            hidden = layers.linear(chunk, expert.linear_fc1.weight, expert.linear_fc1.bias, fuse)
             outputs.append(
-                F.linear(self._activation(hidden), expert.linear_fc2.weight, self._fc2_bias(expert))
+                layers.linear(
+                    self._activation(hidden), expert.linear_fc2.weight, self._fc2_bias(expert), fuse
+                )
             )
         if not outputs:
             return tokens[:0]

@@ -1,4 +1,4 @@
-"""Step 17: how a layer computes: --deterministic-mode and --cp-comm-type."""
+"""Step 17: how a layer computes: --deterministic-mode, --cp-comm-type and --cuda-graph-impl."""
 
 from megatron.core.transformer.config_rules import CP_COMM_TYPES, cp_comm_types_fit
 
@@ -6,6 +6,7 @@ from .base import check
 
 
 def validate_layer(args):
+    validate_cuda_graphs(args)
     if args.deterministic_mode:
         check(
             not args.use_flash_attn, "--deterministic-mode cannot be combined with --use-flash-attn"
@@ -27,3 +28,47 @@ def validate_layer(args):
         f"--cp-comm-type takes one value or "
         f"one per layer ({args.num_layers}), got {len(args.cp_comm_type)}",
     )
+
+
+def validate_cuda_graphs(args):
+    """What the per-layer graphs of ``--cuda-graph-impl local`` cannot replay (see
+    megatron/core/transformer/cuda_graphs.py): one line naming the flag in the way."""
+    if args.cuda_graph_impl != "local":
+        return
+    import torch
+
+    what = "--cuda-graph-impl local"
+    check(
+        args.cuda_graph_warmup_steps >= 1,
+        f"--cuda-graph-warmup-steps must be at least 1 with {what}",
+    )
+    for ok, why in (
+        (
+            args.pipeline_model_parallel_size == 1,
+            "--pipeline-model-parallel-size > 1 (several micro-batches in flight per layer)",
+        ),
+        (
+            args.tensor_model_parallel_size == 1,
+            "--tensor-model-parallel-size > 1 (collectives inside a layer)",
+        ),
+        (
+            args.context_parallel_size == 1,
+            "--context-parallel-size > 1 (collectives inside a layer)",
+        ),
+        (not args.num_experts, "--num-experts (MoE routing has data-dependent shapes)"),
+        (
+            args.hidden_dropout == 0 and args.attention_dropout == 0,
+            "dropout (the RNG tracker swaps generator states on the host; pass "
+            "--hidden-dropout 0 --attention-dropout 0)",
+        ),
+        (
+            args.recompute_granularity is None,
+            "--recompute-granularity (recompute replays forwards inside backward)",
+        ),
+        (
+            not args.overlap_grad_reduce,
+            "--overlap-grad-reduce (its readiness calls from backward would not replay)",
+        ),
+    ):
+        check(ok, f"{what} does not support {why}")
+    check(torch.cuda.is_available(), f"{what} needs CUDA (no GPU is visible here)")

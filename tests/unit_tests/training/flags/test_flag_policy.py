@@ -139,7 +139,7 @@ SPECIAL_VALUES = {
         "8",
     ],
     "cp_comm_type": ["--cp-comm-type", "a2a"],
-    "cuda_graph_impl": ["--cuda-graph-impl", "local"],
+    "cuda_graph_impl": ["--cuda-graph-impl", "transformer_engine"],
     "cross_entropy_fusion_impl": ["--cross-entropy-fusion-impl", "te"],
     "transformer_impl": ["--transformer-impl", "transformer_engine"],
     "gradient_accumulation_fusion": ["--no-gradient-accumulation-fusion"],

@@ -74,6 +74,21 @@ CASES = [
         ["--check-weight-hash-across-dp-replicas-interval cannot be used with FSDP2"],
     ),
     case(
+        "cuda_graphs_warmup",
+        ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", 0],
+        ["--cuda-graph-warmup-steps must be at least 1 with --cuda-graph-impl local"],
+    ),
+    case(
+        "cuda_graphs_without_dropout",
+        ["--cuda-graph-impl", "local", "--hidden-dropout", 0.1],
+        ["--cuda-graph-impl local does not support dropout"],
+    ),
+    case(
+        "cuda_graphs_need_cuda",
+        ["--enable-cuda-graph", "--hidden-dropout", 0, "--attention-dropout", 0],
+        ["--cuda-graph-impl local needs CUDA"],
+    ),
+    case(
         "cp_comm_type_known",
         ["--cp-comm-type", "ring"],
         ["--cp-comm-type: unknown value 'ring'", "p2p, a2a, allgather, a2a+p2p"],
