@@ -69,6 +69,7 @@ def initialize_megatron(
     if note:
         print_rank_0(f" > {note}")
     _apply_process_settings(args)
+    check_flags_against_the_machine(args)
 
     _initialize_distributed(args, watch_collectives=watch_collectives)
     _note_cpu_memory_statistics(args)
@@ -115,6 +116,19 @@ def initialize_megatron(
     args = freeze_args(args, global_vars.get_run().state)
     global_vars.set_args(args)
     return args
+
+
+def check_flags_against_the_machine(args) -> None:
+    """Flags that are valid but need hardware this process lacks: one ``error:`` line and exit
+    code 2, as for bad flags (validation itself stays machine-independent, so that the dry run
+    validates a GPU command line on a laptop)."""
+    if getattr(args, "cuda_graph_impl", "none") == "local" and not torch.cuda.is_available():
+        print(
+            "error: --cuda-graph-impl local needs CUDA (no GPU is visible here)",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(2)
 
 
 def configure_logging() -> None:

@@ -144,10 +144,18 @@ def test_the_core_refuses_what_a_replay_cannot_serve(extra, message):
 
 
 @pytest.mark.parametrize("argv", [["--cuda-graph-impl", "local"], ["--enable-cuda-graph"]])
-def test_the_command_line_refuses_graphs_without_cuda(argv, monkeypatch):
+def test_start_up_refuses_graphs_without_cuda(argv, monkeypatch, capsys):
+    from megatron.training.initialize import check_flags_against_the_machine
+
+    args = tiny_args(*argv, *NO_DROPOUT)  # valid flags: the dry run accepts them on a CPU
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ArgumentValidationError, match="^--cuda-graph-impl local needs CUDA"):
-        tiny_args(*argv, *NO_DROPOUT)
+    with pytest.raises(SystemExit, match="^2$"):  # the exit code of bad flags
+        check_flags_against_the_machine(args)
+    assert capsys.readouterr().err == (
+        "error: --cuda-graph-impl local needs CUDA (no GPU is visible here)\n"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_flags_against_the_machine(args)  # returns
 
 
 @pytest.mark.parametrize(

@@ -84,11 +84,6 @@ CASES = [
         ["--cuda-graph-impl local does not support dropout"],
     ),
     case(
-        "cuda_graphs_need_cuda",
-        ["--enable-cuda-graph", "--hidden-dropout", 0, "--attention-dropout", 0],
-        ["--cuda-graph-impl local needs CUDA"],
-    ),
-    case(
         "cp_comm_type_known",
         ["--cp-comm-type", "ring"],
         ["--cp-comm-type: unknown value 'ring'", "p2p, a2a, allgather, a2a+p2p"],
