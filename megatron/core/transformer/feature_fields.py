@@ -46,7 +46,6 @@ INERT_FIELDS = frozenset(
         "mtp_loss_scaling_factor",
         "qk_clip_alpha",
         "qk_clip_threshold",
-        "test_mode",
         "dsa_indexer_n_heads",
         "dsa_indexer_head_dim",
         "dsa_indexer_topk",
@@ -193,8 +192,6 @@ class UnsupportedFeatureFields:
     """Track the largest attention logit."""
     attention_output_gate: Any = False
     """A gate on the attention output."""
-    test_mode: Any = False
-    """megatron-core's own test switch."""
     multi_latent_attention: Any = False
     """Multi-latent attention (MLATransformerConfig)."""
     no_rope_freq: Any = None
