@@ -1,4 +1,6 @@
-"""Tensor, sequence and context parallel training through torchrun equals the one-process run."""
+"""Tensor, sequence and context parallel training through torchrun equals the one-process run
+(context parallelism also as Megatron's hierarchical a2a+p2p: CP 4 as 2 x 2, which runs as the p2p
+ring and says so at start-up)."""
 
 import pytest
 
@@ -23,6 +25,19 @@ LLAMA_LIKE = [
     "--num-query-groups",
     "2",
 ]
+HIERARCHICAL_CP = [
+    "--context-parallel-size",
+    "4",
+    "--cp-comm-type",
+    "a2a+p2p",
+    "--hierarchical-context-parallel-sizes",
+    "2",
+    "2",
+]
+HIERARCHICAL_CP_LINE = (
+    " > context parallelism: --cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes "
+    "2 2 runs as the p2p ring over all 4 context-parallel ranks (the same attention)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +54,20 @@ def references(tmp_path_factory):
         ("gpt", ["--tensor-model-parallel-size", "2"]),
         ("gpt", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("gpt", ["--context-parallel-size", "2"]),
+        ("gpt", HIERARCHICAL_CP),
         ("llama", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ],
 )
 def test_layout_matches_single_process(references, model, layout, tmp_path):
     extra = LLAMA_LIKE if model == "llama" else []
+    nproc = 4 if layout is HIERARCHICAL_CP else 2
     result = run_pretrain(
-        TINY_MODEL + NO_DROPOUT + extra + layout + ["--tensorboard-dir", str(tmp_path)], nproc=2
+        TINY_MODEL + NO_DROPOUT + extra + layout + ["--tensorboard-dir", str(tmp_path)],
+        nproc=nproc,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    if layout is HIERARCHICAL_CP:
+        assert result.stdout.splitlines().count(HIERARCHICAL_CP_LINE) == 1, result.stdout[:3000]
     got = {
         "loss": read_tensorboard_scalars(tmp_path, "lm loss"),
         "norm": read_tensorboard_scalars(tmp_path, "grad-norm"),
