@@ -1,6 +1,7 @@
-"""Tensor, sequence and context parallel training through torchrun equals the one-process run
-(context parallelism also as Megatron's hierarchical a2a+p2p: CP 4 as 2 x 2, which runs as the p2p
-ring and says so at start-up)."""
+"""Tensor, sequence and context parallel training through torchrun equals the one-process run:
+tensor parallelism also with QK layernorm under --test-mode, context parallelism also as
+Megatron's hierarchical a2a+p2p (CP 4 as 2 x 2, which runs as the p2p ring and says so at
+start-up)."""
 
 import pytest
 
@@ -25,6 +26,9 @@ LLAMA_LIKE = [
     "--num-query-groups",
     "2",
 ]
+# QK layernorm under TP: each rank normalizes its own heads, so the norms' gradients are summed
+# over TP; --test-mode checks at every forward that their replicas stay equal.
+QK_TEST_MODE = ["--qk-layernorm", "--test-mode"]
 HIERARCHICAL_CP = [
     "--context-parallel-size",
     "4",
@@ -44,7 +48,7 @@ HIERARCHICAL_CP_LINE = (
 def references(tmp_path_factory):
     return {
         name: one_process_metrics(TINY_MODEL + NO_DROPOUT + extra, tmp_path_factory)
-        for name, extra in (("gpt", []), ("llama", LLAMA_LIKE))
+        for name, extra in (("gpt", []), ("llama", LLAMA_LIKE), ("qk", QK_TEST_MODE))
     }
 
 
@@ -56,10 +60,11 @@ def references(tmp_path_factory):
         ("gpt", ["--context-parallel-size", "2"]),
         ("gpt", HIERARCHICAL_CP),
         ("llama", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        ("qk", ["--tensor-model-parallel-size", "2"]),
     ],
 )
 def test_layout_matches_single_process(references, model, layout, tmp_path):
-    extra = LLAMA_LIKE if model == "llama" else []
+    extra = {"gpt": [], "llama": LLAMA_LIKE, "qk": QK_TEST_MODE}[model]
     nproc = 4 if layout is HIERARCHICAL_CP else 2
     result = run_pretrain(
         TINY_MODEL + NO_DROPOUT + extra + layout + ["--tensorboard-dir", str(tmp_path)],

@@ -71,6 +71,11 @@ class SelfAttention(MegatronModule):
         if config.qk_layernorm:
             q_layernorm = build_norm(config, self.hidden_size_per_attention_head)
             k_layernorm = build_norm(config, self.hidden_size_per_attention_head)
+            # Replicated over TP but applied to this rank's heads only: like the norms under
+            # sequence parallelism, their gradients are summed over TP (Megatron does the same
+            # for q/k_layernorm in finalize_model_grads, with or without sequence parallelism).
+            for param in (*q_layernorm.parameters(), *k_layernorm.parameters()):
+                param.sequence_parallel = tp > 1
         core_attention = DotProductAttention(
             config, layer_number, attn_mask_type, pg_collection=pg_collection
         )

@@ -21,6 +21,14 @@ from typing import Any
 # Fields whose value has no effect here (see the module docstring).
 INERT_FIELDS = frozenset(
     {
+        # Megatron-core picks deterministic Transformer Engine kernels by it; the layers here
+        # choose no kernel by it. The command line's --deterministic-mode switches the process
+        # to torch's deterministic algorithms (training/flags/rules/layer.py).
+        "deterministic_mode",
+        # Overlap of one micro-batch's expert all-to-all with another's computation (speed only:
+        # the command line names them in its start-up note and checks Megatron's rules).
+        "overlap_moe_expert_parallel_comm",
+        "delay_wgrad_compute",
         "max_seqlen_per_dp_cp_rank",
         "async_tensor_model_parallel_allreduce",
         "tp_comm_bulk_wgrad",
