@@ -216,3 +216,158 @@ def test_megatron_test_case_trains_shrunk_on_cpu(name, tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert sorted(parse_log_lines(result.stdout)) == [1, 2, 3]
     assert "not supported yet" not in result.stdout + result.stderr
+
+
+# The DeepSeek proxies among the test configurations of these flags: EP overlap with
+# --delay-wgrad-compute (moe/deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap) and per-token loss with
+# the sequence aux loss (moe/deepseek_proxy_mfsdp_v2_ep2_mb2_per_token_loss). Both use
+# multi-latent attention (refused) and Megatron-FSDP with expert parallelism (a rule refuses
+# it), which are issues of their own; without those flags they pass validation.
+DEEPSEEK_PROXY = {
+    "bf16": True,
+    "distributed_timeout_minutes": 60,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "expert_model_parallel_size": 2,
+    "context_parallel_size": 1,
+    "expert_tensor_parallel_size": 1,
+    "overlap_grad_reduce": True,
+    "overlap_param_gather": True,
+    "attention_backend": "unfused",
+    "use_megatron_fsdp": True,
+    "data_parallel_sharding_strategy": "optim_grads_params",
+    "outer_dp_sharding_strategy": "no_shard",
+    "deterministic_mode": True,
+    "ckpt_format": "fsdp_dtensor",
+    "no_gradient_accumulation_fusion": True,
+    "use_mcore_models": True,
+    "sequence_parallel": True,
+    "disable_bias_linear": True,
+    "train_iters": 50,
+    "exit_duration_in_mins": 60,
+    "no_check_for_nan_in_loss_and_grad": True,
+    "no_rope_fusion": True,
+    "manual_gc": True,
+    "manual_gc_interval": 100,
+    "transformer_impl": "transformer_engine",
+    "seq_length": 1024,
+    "data_cache_path": PLACEHOLDERS["data_cache_path"],
+    "data_path": PLACEHOLDERS["data_path"],
+    "vocab_file": PLACEHOLDERS["vocab_file"],
+    "merge_file": PLACEHOLDERS["merge_file"],
+    "split": "949,50,1",
+    "hidden_size": 512,
+    "ffn_hidden_size": 2048,
+    "num_attention_heads": 8,
+    "kv_channels": 128,
+    "max_position_embeddings": 1024,
+    "position_embedding_type": "rope",
+    "rotary_base": 10000,
+    "make_vocab_size_divisible_by": 64,
+    "normalization": "RMSNorm",
+    "norm_epsilon": 1e-6,
+    "swiglu": True,
+    "untie_embeddings_and_output_weights": True,
+    "multi_latent_attention": True,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "clip_grad": 1.0,
+    "weight_decay": 0.1,
+    "qk_layernorm": True,
+    "lr_warmup_fraction": ".01",
+    "lr": 0.00015,
+    "min_lr": 1.0e-5,
+    "lr_decay_style": "cosine",
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.95,
+    "num_experts": 8,
+    "moe_ffn_hidden_size": 1024,
+    "moe_shared_expert_intermediate_size": 1024,
+    "moe_router_load_balancing_type": "seq_aux_loss",
+    "moe_router_topk": 4,
+    "moe_token_dispatcher_type": "alltoall",
+    "moe_router_pre_softmax": True,
+    "moe_grouped_gemm": True,
+    "moe_aux_loss_coeff": 1e-4,
+    "moe_router_group_topk": 2,
+    "moe_router_num_groups": 4,
+    "moe_router_topk_scaling_factor": 2.0,
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_bias_update_rate": 1e-3,
+    "moe_router_dtype": "fp32",
+    "moe_permute_fusion": True,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 128,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+    "rotary_scaling_factor": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "eval_iters": 10,
+    "eval_interval": 200,
+    "save_interval": 25,
+    "init_method_std": 0.02,
+    "log_timers_to_tensorboard": True,
+    "log_memory_to_tensorboard": True,
+    "log_num_zeros_in_grad": True,
+    "log_params_norm": True,
+    "log_validation_ppl_to_tensorboard": True,
+    "log_throughput": True,
+    "log_interval": 1,
+    "logging_level": 10,
+    "tensorboard_dir": PLACEHOLDERS["tensorboard_dir"],
+    "exit_interval": 50,
+}
+DEEPSEEK_CASES = {
+    "deepseek_ep_overlap": {
+        **DEEPSEEK_PROXY,
+        "overlap_moe_expert_parallel_comm": True,
+        "delay_wgrad_compute": True,
+        "use_distributed_optimizer": True,
+        "num_distributed_optimizer_instances": 1,
+        "micro_batch_size": 4,
+        "global_batch_size": 32,
+        "num_layers": 2,
+        "moe_layer_freq": "([0]*1+[1]*1)",
+    },
+    "deepseek_per_token_loss": {
+        **DEEPSEEK_PROXY,
+        "calculate_per_token_loss": True,
+        "eod_mask_loss": True,
+        "micro_batch_size": 32,
+        "global_batch_size": 512,
+        "num_layers": 8,
+        "moe_layer_freq": "([0]*3+[1]*5)",
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(DEEPSEEK_CASES))
+def test_deepseek_proxies_are_stopped_by_mla_and_megatron_fsdp_only(name, monkeypatch):
+    from megatron.training.flag_policy import REFUSED, given_flags
+    from megatron.training.flags.policy import ROWS
+
+    config = DEEPSEEK_CASES[name]
+    mla = {
+        dest for dest, rule in ROWS.items() if rule.reason == ROWS["multi_latent_attention"].reason
+    }
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    refused = {dest for dest, _, _ in given_flags(parse_args(argv=argv_of(config)), REFUSED)}
+    assert refused <= mla, refused - mla
+    fsdp = {
+        "use_megatron_fsdp",
+        "data_parallel_sharding_strategy",
+        "outer_dp_sharding_strategy",
+        "ckpt_format",  # fsdp_dtensor needs Megatron-FSDP
+        "overlap_param_gather",  # the per-token proxy's needs Megatron-FSDP (no dist. optimizer)
+    }
+    others = {dest: value for dest, value in config.items() if dest not in mla | fsdp}
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        args = validate_args(parse_args(argv=argv_of(others)))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert "--transformer-impl transformer_engine (" in args.no_effect_note
