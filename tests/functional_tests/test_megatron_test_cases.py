@@ -15,6 +15,10 @@ only flags that change speed (Transformer Engine, fused kernels, the overlap, th
 writer). Shrunk to CPU sizes (2 layers, hidden 64, sequence 64, 3 iterations, mock data, and
 fewer ranks: TP 2 for the test-mode case, TP 2 x EP 2 for the overlap, CP 4 = 2 x 2 without
 the pipeline for the hierarchical case), each trains through torchrun and logs every iteration.
+
+The other configurations with these flags, DeepSeek proxies (EP overlap with
+--delay-wgrad-compute; per-token loss with the sequence aux loss), are stopped only by
+multi-latent attention and Megatron-FSDP with expert parallelism, issues of their own.
 """
 
 import pytest
@@ -219,7 +223,8 @@ def test_megatron_test_case_trains_shrunk_on_cpu(name, tmp_path):
 
 
 # The DeepSeek proxies among the test configurations of these flags: EP overlap with
-# --delay-wgrad-compute (moe/deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap) and per-token loss with
+# --delay-wgrad-compute (moe/deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap and, with Megatron-FSDP
+# v2, moe/deepseek_proxy_mfsdp_v2_ep2_ep_overlap) and per-token loss with
 # the sequence aux loss (moe/deepseek_proxy_mfsdp_v2_ep2_mb2_per_token_loss). Both use
 # multi-latent attention (refused) and Megatron-FSDP with expert parallelism (a rule refuses
 # it), which are issues of their own; without those flags they pass validation.
@@ -332,8 +337,19 @@ DEEPSEEK_CASES = {
         "num_layers": 2,
         "moe_layer_freq": "([0]*1+[1]*1)",
     },
+    "deepseek_mfsdp_v2_ep_overlap": {
+        **DEEPSEEK_PROXY,
+        "overlap_moe_expert_parallel_comm": True,
+        "delay_wgrad_compute": True,
+        "megatron_fsdp_version": 2,
+        "micro_batch_size": 32,
+        "global_batch_size": 256,
+        "num_layers": 8,
+        "moe_layer_freq": "([0]*3+[1]*5)",
+    },
     "deepseek_per_token_loss": {
         **DEEPSEEK_PROXY,
+        "megatron_fsdp_version": 2,
         "calculate_per_token_loss": True,
         "eod_mask_loss": True,
         "micro_batch_size": 32,
