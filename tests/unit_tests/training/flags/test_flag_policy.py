@@ -99,12 +99,6 @@ SPECIAL_VALUES = {
     "expert_model_parallel_size": ["--expert-model-parallel-size", "2", "--num-experts", "4"],
     "log_memory_interval": ["--log-memory-interval", "200"],
     "mtp_num_layers": ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-    "hierarchical_context_parallel_sizes": [
-        "--hierarchical-context-parallel-sizes",
-        "1",
-        "--context-parallel-size",
-        "1",
-    ],
     "num_distributed_optimizer_instances": [
         "--num-distributed-optimizer-instances",
         "2",
