@@ -441,7 +441,6 @@ def initialize_model_parallel(
     """
     global _CURRENT
     unsupported = {
-        "hierarchical_context_parallel_sizes": hierarchical_context_parallel_sizes is not None,
         "hybrid_context_parallel": bool(hybrid_context_parallel),
         "num_distributed_optimizer_instances": num_distributed_optimizer_instances != 1,
         "get_embedding_ranks": get_embedding_ranks is not None,
@@ -463,7 +462,50 @@ def initialize_model_parallel(
         order,
         timeout,
     )
+    if hierarchical_context_parallel_sizes:
+        _add_hierarchical_cp_groups(_CURRENT, list(hierarchical_context_parallel_sizes), timeout)
     return _CURRENT
+
+
+def hierarchical_cp_ranks(cp_ranks: List[int], sizes: List[int]) -> List[List[List[int]]]:
+    """Megatron's hierarchical context-parallel groups of one CP group: for each level, the
+    groups of ``sizes[level]`` ranks whose position in ``cp_ranks`` differs only in that level's
+    digit (level 0 varies fastest: consecutive ranks; level 1 by strides of ``sizes[0]``; ...).
+    The product of ``sizes`` must be the CP size."""
+    total = 1
+    for size in sizes:
+        total *= size
+    if total != len(cp_ranks):
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes {sizes} multiply to {total}, not the "
+            f"context-parallel size {len(cp_ranks)}"
+        )
+    levels, inner = [], 1
+    for size in sizes:
+        outer = inner * size
+        levels.append(
+            [
+                [cp_ranks[start + j + i * inner] for i in range(size)]
+                for start in range(0, len(cp_ranks), outer)
+                for j in range(inner)
+            ]
+        )
+        inner = outer
+    return levels
+
+
+def _add_hierarchical_cp_groups(state: ParallelState, sizes: List[int], timeout) -> None:
+    """Groups ``hcp0``, ``hcp1``... of :func:`hierarchical_cp_ranks`, every CP group's in turn (all
+    ranks create all groups in one order)."""
+    initialized = dist.is_available() and dist.is_initialized()
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    for cp_ranks in state.layout.all_group_ranks()["cp"]:
+        for level, groups in enumerate(hierarchical_cp_ranks(cp_ranks, sizes)):
+            for ranks in groups:
+                group = dist.new_group(ranks=ranks, **kwargs) if initialized else None
+                if state.rank in ranks:
+                    state.groups[f"hcp{level}"] = group
+                    state.ranks[f"hcp{level}"] = ranks
 
 
 def destroy_model_parallel() -> None:
@@ -638,6 +680,20 @@ def get_context_parallel_rank() -> int:
 
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> List[int]:
     return list(_state().ranks["cp"])
+
+
+def get_hierarchical_context_parallel_groups(check_initialized: bool = True) -> list:
+    """The groups of the levels of ``hierarchical_context_parallel_sizes`` holding this rank,
+    innermost first (empty without hierarchical sizes)."""
+    state = _state()
+    return [state.group(f"hcp{level}") for level in range(_hcp_levels(state))]
+
+
+def _hcp_levels(state: ParallelState) -> int:
+    level = 0
+    while f"hcp{level}" in state.ranks:
+        level += 1
+    return level
 
 
 def get_tensor_and_context_parallel_group(check_initialized: bool = True):

@@ -82,6 +82,9 @@ def initialize_megatron(
             args, "virtual_pipeline_model_parallel_size", None
         ),
         context_parallel_size=args.context_parallel_size,
+        hierarchical_context_parallel_sizes=getattr(
+            args, "hierarchical_context_parallel_sizes", None
+        ),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         order=TP_PP_DP_ORDER if getattr(args, "use_tp_pp_dp_mapping", False) else DEFAULT_ORDER,

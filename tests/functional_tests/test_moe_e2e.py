@@ -106,3 +106,26 @@ def test_moe_layout_matches_single_process(reference, nproc, layout, tmp_path):
     assert_same_training(got, reference, ITERATIONS)
     for it in ITERATIONS:
         assert got["balance"][it] == pytest.approx(reference["balance"][it], rel=1e-5), it
+
+
+def test_per_token_loss_with_aux_losses_matches_single_process(tmp_path):
+    """--calculate-per-token-loss with the load-balancing and z-losses (Megatron scales each by
+    the micro-batch's tokens): context parallelism 2 with the experts split over 2 ranks equals
+    the one-process run. Each CP rank holds half of every sequence, so a loss scaled by the
+    rank's own tokens only (not the whole sequences') would halve the auxiliary gradients
+    there and move the grad norm."""
+    per_token = MOE + ["--calculate-per-token-loss", "--eod-mask-loss"]
+    runs = {}
+    for name, nproc, layout in (
+        ("one", None, []),
+        ("cp2-ep2", 2, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    ):
+        tb = tmp_path / name
+        result = run_pretrain(
+            TINY_MODEL + per_token + layout + ["--tensorboard-dir", str(tb)], nproc
+        )
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        runs[name] = _metrics(tb)
+    assert_same_training(runs["cp2-ep2"], runs["one"], ITERATIONS)
+    for it in ITERATIONS:
+        assert runs["cp2-ep2"]["balance"][it] == pytest.approx(runs["one"]["balance"][it], rel=1e-5)

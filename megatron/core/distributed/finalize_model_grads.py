@@ -74,7 +74,7 @@ def finalize_model_grads(
        sum(loss) / total tokens;
     4. with sequence parallelism, the gradients of the parameters replicated over TP whose
        input was split along the sequence (norms, row-parallel biases, MoE routers) summed over
-       TP;
+       TP; with QK layernorm (each TP rank normalizes its own heads) its norms' too;
     5. MoE aux-loss-free balancing: each router's expert bias moved by this step's token counts,
        summed over TP x DP x CP (every rank then holds the same bias); the routers' global-batch
        token counts (``global_aux_loss``) start afresh for the next step.
@@ -135,7 +135,8 @@ def _reduce_across_model_parallel_groups(model_chunks, parallel_state, num_token
         scale = dp_cp / max(1, int(num_tokens.item()))
         for chunk in model_chunks:
             chunk.scale_gradients(scale)
-    if get_model_config(model_chunks[0]).sequence_parallel:
+    config = get_model_config(model_chunks[0])
+    if config.sequence_parallel or getattr(config, "qk_layernorm", False):
         t = timer("layernorm-grads-all-reduce")
         if t:
             t.start()

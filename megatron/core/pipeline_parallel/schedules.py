@@ -123,7 +123,9 @@ def forward_step(
     if getattr(config, "num_moe_experts", None):
         # On the chunk being run: under virtual stages each chunk's routers get theirs in turn.
         unwrap_model(model).set_moe_aux_loss_scale(
-            ctx.moe_aux_loss_scale(num_microbatches, cp_size)
+            ctx.moe_aux_loss_scale(
+                num_microbatches, cp_size, getattr(config, "calculate_per_token_loss", False)
+            )
         )
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     num_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())

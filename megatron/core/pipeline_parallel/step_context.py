@@ -67,13 +67,22 @@ class StepContext:
         """The level-2 timer ``name``, or None without timers."""
         return self.timers(name, log_level=2) if self.timers is not None else None
 
-    def moe_aux_loss_scale(self, num_microbatches: int, cp_size: int) -> Union[float, torch.Tensor]:
+    def moe_aux_loss_scale(
+        self, num_microbatches: int, cp_size: int, per_token_loss: bool = False
+    ) -> Union[float, torch.Tensor]:
         """The factor the routers' auxiliary losses take in backward: the one a micro-batch's
         loss gets in the schedule's forward step (and the fp16 loss scale its backward step
         applies), as if added to it. With a loss scaler a device tensor (in float64, the
         arithmetic of a Python float): reading the loss scale on the host would wait for the
-        device at every micro-batch."""
+        device at every micro-batch.
+
+        ``per_token_loss``: the model config's ``calculate_per_token_loss``, which the routers
+        read too (Megatron's schedule and routers both read the model's). Then the main loss is
+        not divided (the finalization divides every gradient by the iteration's token count),
+        so only the loss scale is left: the routers multiply their losses by the micro-batch's
+        token count instead (Megatron's scaling, see TopKRouter)."""
+        factor = 1.0 if per_token_loss else cp_size / num_microbatches
         if self.grad_scale_func is None:
-            return cp_size / num_microbatches
+            return factor
         one = torch.ones(1, device=compute_device())
-        return self.grad_scale_func(one).double() * cp_size / num_microbatches
+        return self.grad_scale_func(one).double() * factor

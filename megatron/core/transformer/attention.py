@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron.core.tensor_parallel import collectives as C
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -70,6 +71,11 @@ class SelfAttention(MegatronModule):
         if config.qk_layernorm:
             q_layernorm = build_norm(config, self.hidden_size_per_attention_head)
             k_layernorm = build_norm(config, self.hidden_size_per_attention_head)
+            # Replicated over TP but applied to this rank's heads only: like the norms under
+            # sequence parallelism, their gradients are summed over TP (Megatron does the same
+            # for q/k_layernorm in finalize_model_grads, with or without sequence parallelism).
+            for param in (*q_layernorm.parameters(), *k_layernorm.parameters()):
+                param.sequence_parallel = tp > 1
         core_attention = DotProductAttention(
             config, layer_number, attn_mask_type, pg_collection=pg_collection
         )
@@ -88,6 +94,8 @@ class SelfAttention(MegatronModule):
         self.linear_qkv = linear_qkv
         self.q_layernorm = q_layernorm
         self.k_layernorm = k_layernorm
+        # --test-mode's replica checks (run_realtime_tests) compare over these groups.
+        self._replica_groups = (("DP", pg_collection.dp), ("TP", tp_group))
         self.recompute_core_attention = (
             config.recompute_granularity == "selective"
             and "core_attn"
@@ -120,7 +128,41 @@ class SelfAttention(MegatronModule):
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
             key = self.k_layernorm(key)
+        if self.config.test_mode:
+            self.run_realtime_tests()
         return query, key, value
+
+    @torch.no_grad()
+    def run_realtime_tests(self) -> None:
+        """``--test-mode`` (megatron-core's check): the Q and K layernorm parameters must be
+        bitwise equal on every data-parallel and every tensor-parallel rank, which silent
+        corruption (a bad checkpoint read, a corrupted transfer) would break. Without QK
+        layernorm there is nothing to check. A mismatch ends the run naming the parameter."""
+        if self.q_layernorm is None:
+            return
+        named = [
+            (f"{norm_name}.{name}", param)
+            for norm_name, norm in (
+                ("q_layernorm", self.q_layernorm),
+                ("k_layernorm", self.k_layernorm),
+            )
+            for name, param in norm.named_parameters()
+        ]
+        local = torch.stack([param.detach().float() for _, param in named])
+        for parallelism, group in self._replica_groups:
+            size = C.group_size(group)
+            if size == 1:
+                continue
+            gathered = [torch.empty_like(local) for _ in range(size)]
+            torch.distributed.all_gather(gathered, local, group=group)
+            for other, theirs in enumerate(gathered):
+                for (name, _), mine, its in zip(named, local, theirs):
+                    if not torch.equal(mine, its):
+                        raise RuntimeError(
+                            f"--test-mode: layer {self.layer_number} {name} differs between "
+                            f"{parallelism} ranks {other} and {C.group_rank(group)} "
+                            f"(norm of the difference {torch.norm(mine - its).item():.3e})"
+                        )
 
     def forward(
         self,

@@ -65,13 +65,9 @@ class DotProductAttention(MegatronModule):
         self.cp_group = self.pg_collection.cp
         self.cp_size = self.pg_collection.cp_size
         if self.cp_size > 1:
-            cp_comm_type = getattr(config, "cp_comm_type", None) or "p2p"
-            types = {cp_comm_type} if isinstance(cp_comm_type, str) else set(cp_comm_type)
-            if not types <= {"p2p"}:
-                raise ValueError(
-                    f"cp_comm_type {sorted(types)} is not supported (--cp-comm-type); "
-                    "this implementation has 'p2p' (ring attention)"
-                )
+            # Every cp_comm_type (p2p, a2a, allgather, a2a+p2p over the hierarchical groups)
+            # computes the same attention; here it always runs as the p2p ring over the whole
+            # CP group (TransformerConfig checks the values, the start-up log names the ring).
             if attn_mask_type != AttnMaskType.causal:
                 raise ValueError(
                     f"context parallelism supports causal attention only, got {attn_mask_type}"

@@ -22,6 +22,14 @@ from typing import Any
 # Fields whose value has no effect here (see the module docstring).
 INERT_FIELDS = frozenset(
     {
+        # Megatron-core picks deterministic Transformer Engine kernels by it; the layers here
+        # choose no kernel by it. The command line's --deterministic-mode switches the process
+        # to torch's deterministic algorithms (training/flags/rules/layer.py).
+        "deterministic_mode",
+        # Overlap of one micro-batch's expert all-to-all with another's computation (speed only:
+        # the command line names them in its start-up note and checks Megatron's rules).
+        "overlap_moe_expert_parallel_comm",
+        "delay_wgrad_compute",
         "max_seqlen_per_dp_cp_rank",
         "async_tensor_model_parallel_allreduce",
         "tp_comm_bulk_wgrad",
@@ -47,7 +55,6 @@ INERT_FIELDS = frozenset(
         "mtp_loss_scaling_factor",
         "qk_clip_alpha",
         "qk_clip_threshold",
-        "test_mode",
         "dsa_indexer_n_heads",
         "dsa_indexer_head_dim",
         "dsa_indexer_topk",
@@ -196,8 +203,6 @@ class UnsupportedFeatureFields:
     """Track the largest attention logit."""
     attention_output_gate: Any = False
     """A gate on the attention output."""
-    test_mode: Any = False
-    """megatron-core's own test switch."""
     multi_latent_attention: Any = False
     """Multi-latent attention (MLATransformerConfig)."""
     no_rope_freq: Any = None

@@ -113,6 +113,10 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
 
     qk_layernorm: bool = False
     """Normalize each query and key head (over the head dim) before RoPE (``--qk-layernorm``)."""
+    test_mode: bool = False
+    """Real-time consistency checks while training: every forward of an attention layer with QK
+    layernorm checks that its Q/K layernorm parameters are identical on all data-parallel and
+    tensor-parallel ranks (``--test-mode``; SelfAttention.run_realtime_tests)."""
 
     # ---------------------------------------------------------------- linear layers / MLP
     add_bias_linear: bool = True

@@ -242,6 +242,8 @@ class DistributedFlags:
         None,
         "Sizes of the hierarchical context-parallel levels (product = context-parallel size).",
         nargs="+",
+        honoured_at="rules/parallel.py (validation, the exchange named at start-up); "
+        "initialize.initialize_megatron: parallel_state.get_hierarchical_context_parallel_groups",
     )
     nccl_communicator_config_path: Optional[str] = flag(
         None, "YAML file with NCCL communicator settings."

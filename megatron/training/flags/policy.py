@@ -146,6 +146,12 @@ no_effect(
     """,
 )
 no_effect(
+    "overlaps one micro-batch's expert-parallel all-to-all with another's computation (and "
+    "defers the expert weight-gradient GEMMs to fill the gaps); the same arithmetic runs "
+    "unoverlapped here",
+    "overlap_moe_expert_parallel_comm delay_wgrad_compute",
+)
+no_effect(
     "context parallelism here always exchanges keys and values in a p2p ring; the other "
     "exchanges compute the same attention",
     "cp_comm_type",
@@ -237,7 +243,6 @@ refused(
     moe_enable_routing_replay moe_dispatch_fwd_dtype
     moe_combine_bwd_dtype moe_expert_rank_capacity_factor
     moe_pad_experts_for_cuda_graph_inference
-    overlap_moe_expert_parallel_comm delay_wgrad_compute
     overlap_dispatch_backward_with_experts_wgrad ep_overlap_early_attn_memory_release
     high_priority_a2a_comm_stream moe_paged_stash moe_paged_stash_page_size
     moe_paged_stash_buffer_size_factor_cuda moe_paged_stash_buffer_size_factor_cpu
@@ -351,7 +356,7 @@ refused(
 refused(
     f"this parallel layout is {_NYI}",
     """
-    pipeline_model_parallel_layout hierarchical_context_parallel_sizes max_seqlen_per_dp_cp_rank
+    pipeline_model_parallel_layout max_seqlen_per_dp_cp_rank
     hybrid_context_parallel tensor_parallel_num_weight_shards outer_dp_sharding_strategy
     enable_full_sharding_in_hsdp gtp_remat_reduce_scatter_with_fp32_accumulation
     gtp_remat_nccl_ub gtp_expert_remat_nccl_ub gtp_remat_opt_in_modules fake_process_group
@@ -418,7 +423,7 @@ refused(
     phase_transition_iterations per_dataset_sequences_path dataloader_inter_document_masking
     object_storage_cache_path allow_ambiguous_pad_tokens dataloader_fast_cache_load
     step_batch_size_schedule iterations_to_skip full_validation multiple_validation_sets
-    validation_set_names start_eval_at_iter test_mode
+    validation_set_names start_eval_at_iter
     """,
 )
 refused(

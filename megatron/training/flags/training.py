@@ -396,7 +396,11 @@ class ValidationFlags:
     eval_micro_batch_size: Optional[int] = flag(
         None, "Micro batch size for evaluation.", honoured_at="evaluation.evaluate"
     )
-    test_mode: bool = switch("Run the real-time tests alongside the experiment.")
+    test_mode: bool = switch(
+        "Run the real-time tests alongside the experiment.",
+        honoured_at="TransformerConfig.test_mode; core.transformer.attention.SelfAttention"
+        ".run_realtime_tests",
+    )
     skip_train: bool = switch(
         "Skip training; only evaluate (if requested) and exit.", honoured_at="training._pretrain"
     )

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from megatron.core.parallel_state import ParallelLayout, RankGenerator
+from megatron.core.parallel_state import ParallelLayout, RankGenerator, hierarchical_cp_ranks
 from tests.unit_tests.dist_utils import run_distributed
 
 
@@ -124,3 +124,22 @@ def _check_groups(rank, world_size):
 
 def test_groups_in_gloo_world():
     run_distributed(_check_groups, world_size=4)
+
+
+def test_hierarchical_context_parallel_groups_are_megatrons():
+    """Megatron's create_hierarchical_groups: level 0 (the a2a level of a2a+p2p) groups
+    consecutive members of the CP group, level 1 (p2p) members a level-0 size apart."""
+    cp_ranks = [1, 3, 5, 7, 9, 11, 13, 15]  # a CP group of 8 at TP 2
+    a2a, p2p = hierarchical_cp_ranks(cp_ranks, [2, 4])
+    assert a2a == [[1, 3], [5, 7], [9, 11], [13, 15]]
+    assert p2p == [[1, 5, 9, 13], [3, 7, 11, 15]]
+    levels = hierarchical_cp_ranks(list(range(8)), [2, 2, 2])
+    assert levels == [
+        [[0, 1], [2, 3], [4, 5], [6, 7]],
+        [[0, 2], [1, 3], [4, 6], [5, 7]],
+        [[0, 4], [1, 5], [2, 6], [3, 7]],
+    ]
+    with pytest.raises(
+        ValueError, match=r"\[2, 2\] multiply to 4, not the context-parallel size 8"
+    ):
+        hierarchical_cp_ranks(list(range(8)), [2, 2])

@@ -147,6 +147,13 @@ class TopKRouter(torch.nn.Module):
         cfg = self.config
         scale = self.aux_loss_scale
         parts = C.group_size(self.tp_cp_group)
+        if getattr(cfg, "calculate_per_token_loss", False):
+            # Megatron's scaling: the finalization divides every gradient by the step's token
+            # count, so each loss is multiplied by the micro-batch's tokens and its gradient
+            # stays the mean over micro-batches and data-parallel ranks. The tokens are those of
+            # the whole sequences (every TP x CP part's): the parts' losses add up to the
+            # sequences' loss, so the gradient does not depend on the layout.
+            scale = scale * routing_map.shape[0] * parts
         for kind, coeff in zip(self.types, self.coeffs):
             if kind not in ("aux_loss", "seq_aux_loss", "global_aux_loss") or coeff == 0:
                 continue

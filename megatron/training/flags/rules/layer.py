@@ -2,7 +2,7 @@
 
 from megatron.core.transformer.config_rules import CP_COMM_TYPES, cp_comm_types_fit
 
-from .base import check
+from .base import check, info
 
 
 def validate_layer(args):
@@ -28,6 +28,7 @@ def validate_layer(args):
         f"--cp-comm-type takes one value or "
         f"one per layer ({args.num_layers}), got {len(args.cp_comm_type)}",
     )
+    _name_the_cp_exchange(args)
 
 
 def validate_cuda_graphs(args):
@@ -72,3 +73,23 @@ def validate_cuda_graphs(args):
     # That it needs a GPU is a fact of the machine, not of the flags: checked at start-up
     # (initialize.check_flags_against_the_machine), so that a dry run on a CPU validates a GPU
     # command line.
+
+
+def _name_the_cp_exchange(args):
+    """One start-up line naming the exchange context parallelism actually runs, when the flags
+    ask for another (a2a, allgather, a2a+p2p over --hierarchical-context-parallel-sizes): every
+    exchange computes the same attention, and here it is always the p2p ring over the whole
+    context-parallel group."""
+    cp = args.context_parallel_size
+    asked = sorted(set(args.cp_comm_type) - {"p2p"})
+    if cp == 1 or not asked:
+        return
+    levels = args.hierarchical_context_parallel_sizes
+    hierarchy = ""
+    if "a2a+p2p" in asked:
+        hierarchy = f" with --hierarchical-context-parallel-sizes {' '.join(map(str, levels))}"
+    info(
+        args,
+        f" > context parallelism: --cp-comm-type {' '.join(args.cp_comm_type)}{hierarchy} runs "
+        f"as the p2p ring over all {cp} context-parallel ranks (the same attention)",
+    )

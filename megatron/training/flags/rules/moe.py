@@ -39,12 +39,6 @@ def validate_moe(args):
             moe_layer_pattern_covers_layers(freq, args.num_layers),
             f"--moe-layer-freq lists {len(freq)} layers, --num-layers is {args.num_layers}",
         )
-    losses = any(c for c in coeffs) or bool(args.moe_z_loss_coeff)
-    check(
-        not (losses and args.calculate_per_token_loss),
-        "--calculate-per-token-loss with MoE auxiliary losses (--moe-aux-loss-coeff / "
-        "--moe-z-loss-coeff) is not supported yet",
-    )
     check(
         capacity_padding_has_capacity(
             args.moe_pad_expert_input_to_capacity, args.moe_expert_capacity_factor

@@ -44,6 +44,10 @@ def validate_parallel_sizes(args):
     sizes = args.hierarchical_context_parallel_sizes
     if sizes:
         check(
+            all(size >= 1 for size in sizes),
+            f"--hierarchical-context-parallel-sizes must be >= 1 (got {sizes})",
+        )
+        check(
             math.prod(sizes) == cp,
             f"--hierarchical-context-parallel-sizes {sizes} multiply "
             f"to {math.prod(sizes)}, not --context-parallel-size ({cp})",

@@ -1,4 +1,5 @@
-"""Step 7: the pipeline split (virtual and uneven stages) and the schedule it allows."""
+"""Step 7: the pipeline split (virtual and uneven stages) and the schedule it allows (with the
+overlap of expert-parallel communication across its micro-batches)."""
 
 from .base import check, warn
 
@@ -100,6 +101,7 @@ def validate_pipeline(args):
         args.align_param_gather = False
     if args.pipeline_model_parallel_layout is None:
         _validate_layer_split(args)
+    _validate_moe_overlap(args)
 
 
 def _validate_layer_split(args):
@@ -150,4 +152,44 @@ def _validate_uneven_pipeline(args, pp):
         f"--num-layers ({args.num_layers}) minus the first/last stage layers "
         f"({first}/{last}) = {rest} cannot be split evenly over the other {middle_stages} "
         f"pipeline stages",
+    )
+
+
+def _validate_moe_overlap(args):
+    """Megatron's rules for ``--overlap-moe-expert-parallel-comm`` and ``--delay-wgrad-compute``
+    (TransformerConfig's), once the virtual pipeline size is settled. The overlap itself changes
+    speed only (the flag policy's note says so). Megatron's limit of one multi-token-prediction
+    layer is moot: --mtp-num-layers is refused here."""
+    if args.delay_wgrad_compute:
+        check(
+            args.overlap_moe_expert_parallel_comm,
+            "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm",
+        )
+    if not args.overlap_moe_expert_parallel_comm:
+        return
+    flag = "--overlap-moe-expert-parallel-comm"
+    if args.pipeline_model_parallel_size > 1:
+        check(
+            args.virtual_pipeline_model_parallel_size is not None,
+            f"{flag} with --pipeline-model-parallel-size > 1 needs virtual pipeline stages "
+            "(--num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank)",
+        )
+    check(
+        args.expert_model_parallel_size > 1,
+        f"{flag} needs expert parallelism (--expert-model-parallel-size > 1)",
+    )
+    check(
+        args.moe_token_dispatcher_type in ("alltoall", "flex"),
+        f"{flag} needs --moe-token-dispatcher-type alltoall or flex "
+        f"(got {args.moe_token_dispatcher_type})",
+    )
+    check(args.recompute_granularity != "full", f"{flag} cannot be combined with full recompute")
+    check(args.recompute_method is None, f"{flag} cannot be combined with --recompute-method")
+    check(
+        args.recompute_num_layers is None, f"{flag} cannot be combined with --recompute-num-layers"
+    )
+    check(args.bf16 or args.fp16, f"{flag} needs --bf16 or --fp16")
+    check(
+        not args.moe_shared_expert_overlap,
+        f"{flag} cannot be combined with --moe-shared-expert-overlap",
     )

@@ -6,7 +6,9 @@ and a config that carries none of those, once with the same callables set on the
 Megatron Core way (no context). Both must give the same gradients bit for bit, the same
 finalization call and the same timer calls, and match an independent reference: one backward of
 the loss sum times the loss scale, with the routers' auxiliary losses taking the scale the
-schedule applies to a micro-batch (loss scale / micro-batches)."""
+schedule applies to a micro-batch: with per-token loss (Megatron's scaling, which the model
+config's ``calculate_per_token_loss`` turns on in the routers) the loss scale times the
+micro-batch's token count, set by hand on routers that do not scale themselves."""
 
 import copy
 import functools
@@ -43,8 +45,9 @@ class RecordingTimers:
         return _Timer()
 
 
-def moe_gpt():
+def moe_gpt(per_token_loss=True):
     config = tiny_transformer_config(
+        calculate_per_token_loss=per_token_loss,
         num_layers=2,
         hidden_size=16,
         ffn_hidden_size=32,
@@ -118,11 +121,14 @@ def run_schedule(model, step_context):
 
 def reference_grads(model):
     """One backward of Σ loss-scale × (masked loss sum), the routers' losses scaled by
-    loss-scale / M, set on the routers by hand."""
+    loss-scale × the micro-batch's tokens (MBS × SEQ), set by hand on a model whose routers do
+    not scale by tokens themselves (per-token loss off in its config)."""
     model.zero_grad()
+    model.config.calculate_per_token_loss = False
     for module in model.modules():
         if isinstance(module, TopKRouter):
-            module.aux_loss_scale = LOSS_SCALE / M
+            assert not module.config.calculate_per_token_loss
+            module.aux_loss_scale = LOSS_SCALE * MBS * SEQ
     total = 0.0
     for b in batches():
         losses = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
@@ -138,7 +144,7 @@ def test_the_schedule_takes_the_trainer_channels_from_the_step_context():
     reference = copy.deepcopy(model)
     config = model.config
     assert config.grad_scale_func is None and config.finalize_model_grads_func is None
-    assert config.timers is None and not config.calculate_per_token_loss
+    assert config.timers is None and config.calculate_per_token_loss
 
     grads, finalized, timer_calls = run_schedule(model, step_context=True)
     # Nothing was written on the config, and the routers got the micro-batch scale as a device
@@ -149,7 +155,7 @@ def test_the_schedule_takes_the_trainer_channels_from_the_step_context():
     for router in routers:
         assert torch.is_tensor(router.aux_loss_scale)
         assert router.aux_loss_scale.dtype == torch.float64
-        assert router.aux_loss_scale.item() == LOSS_SCALE / M
+        assert router.aux_loss_scale.item() == LOSS_SCALE
 
     tokens = sum(int(b["loss_mask"].sum()) for b in batches())
     assert len(finalized) == 1

@@ -99,12 +99,6 @@ SPECIAL_VALUES = {
     "expert_model_parallel_size": ["--expert-model-parallel-size", "2", "--num-experts", "4"],
     "log_memory_interval": ["--log-memory-interval", "200"],
     "mtp_num_layers": ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-    "hierarchical_context_parallel_sizes": [
-        "--hierarchical-context-parallel-sizes",
-        "1",
-        "--context-parallel-size",
-        "1",
-    ],
     "num_distributed_optimizer_instances": [
         "--num-distributed-optimizer-instances",
         "2",
@@ -139,6 +133,27 @@ SPECIAL_VALUES = {
         "8",
     ],
     "cp_comm_type": ["--cp-comm-type", "a2a"],
+    "overlap_moe_expert_parallel_comm": [
+        "--overlap-moe-expert-parallel-comm",
+        "--expert-model-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--bf16",
+    ],
+    "delay_wgrad_compute": [
+        "--delay-wgrad-compute",
+        "--overlap-moe-expert-parallel-comm",
+        "--expert-model-parallel-size",
+        "2",
+        "--num-experts",
+        "4",
+        "--moe-token-dispatcher-type",
+        "alltoall",
+        "--bf16",
+    ],
     "cuda_graph_impl": ["--cuda-graph-impl", "transformer_engine"],
     "cross_entropy_fusion_impl": ["--cross-entropy-fusion-impl", "te"],
     "transformer_impl": ["--transformer-impl", "transformer_engine"],
@@ -153,6 +168,8 @@ WORLD = {
     "overlap_param_gather_with_optimizer_step": 4,
     "expert_tensor_parallel_size": 2,
     "expert_model_parallel_size": 2,
+    "overlap_moe_expert_parallel_comm": 2,
+    "delay_wgrad_compute": 2,
 }
 # Validation rules refuse these combinations first, with their own message (torch_dcp needs
 # FSDP2, which cannot save yet): the policy row is checked on the parsed flags alone.
