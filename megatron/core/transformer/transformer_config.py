@@ -228,7 +228,8 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
     (``--no-bias-gelu-fusion``/``--no-bias-swiglu-fusion`` turn it off). Megatron's fused bias-GeLU
     kernel (and Transformer Engine's GeLU) is the tanh approximation, so with this flag on,
     add_bias_linear on and activation_func F.gelu, the MLP uses F.gelu(approximate='tanh') to
-    reproduce Megatron's numerics. Other activations are exact."""
+    reproduce Megatron's numerics: a torch.compile'd kernel on CUDA, a hand-written function on
+    CPU (megatron/core/fusions/fused_bias_gelu.py). Other activations are exact and unfused."""
 
     masked_softmax_fusion: bool = False
     """Fused scale-mask-softmax kernel (``--no-masked-softmax-fusion``). Stored only (SDPA is
@@ -241,8 +242,10 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
     """Apex memory-efficient LayerNorm. Stored only."""
 
     bias_dropout_fusion: bool = False
-    """Fused bias + dropout + residual add (``--no-bias-dropout-fusion``). Stored only: the
-    unfused ops compute the same result."""
+    """Fused bias + dropout + residual add (``--no-bias-dropout-fusion``): one torch.compile'd
+    kernel on CUDA, the unfused ops elsewhere (megatron/core/fusions/fused_bias_dropout.py). The
+    same function; on CUDA its dropout masks are drawn by ``bernoulli_`` from the same generator
+    instead of aten's fused dropout kernel."""
 
     apply_rope_fusion: bool = False
     """Fused RoPE kernel (``--no-rope-fusion``). Stored only: the plain RoPE is identical math."""

@@ -94,7 +94,7 @@ no_effect(_TE, "use_te_activation_func", "use_transformer_engine_op_fuser")
 no_effect(
     _FUSED,
     """
-    masked_softmax_fusion bias_dropout_fusion apply_rope_fusion no_persist_layer_norm
+    masked_softmax_fusion apply_rope_fusion no_persist_layer_norm
     gradient_accumulation_fusion use_fused_weighted_squared_relu fused_residual_rmsnorm
     disable_jit_fuser mla_down_proj_fusion
     """,

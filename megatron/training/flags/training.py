@@ -241,7 +241,9 @@ class TrainingFlags:
         honoured_at="TransformerConfig.bias_activation_fusion",
     )
     bias_dropout_fusion: bool = off_switch(
-        "Disable the bias+dropout fusion.", options="--no-bias-dropout-fusion"
+        "Disable the bias+dropout fusion.",
+        options="--no-bias-dropout-fusion",
+        honoured_at="TransformerConfig.bias_dropout_fusion",
     )
     apply_rope_fusion: bool = off_switch(
         "Disable the fused RoPE kernel.", options="--no-rope-fusion"

@@ -1,0 +1,136 @@
+"""The torch.compile'd fusions (what ``--bias-gelu-fusion`` and ``--bias-dropout-fusion`` run on
+CUDA) against the unfused aten chains, compiled here on CPU: the tests make the functions take
+their CUDA branch on CPU (``_compiles``), which is the same code with only the device differing.
+
+* the compiled functions equal the aten chain in float64, forward and backward, and the fused
+  dropout draws the mask that F.dropout draws from the same generator state (and leaves the
+  generator where F.dropout leaves it);
+* a few training iterations of a tiny float64 GPT with the compiled fusions give the losses of
+  the plain path.
+
+Each test compiles two small graphs (about 15-20 s each on one core): the whole cost of the
+compiled fusions in ``make test``.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.fusions import fused_bias_dropout, fused_bias_gelu
+from megatron.core.fusions.fused_bias_dropout import bias_dropout_add
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_tanh
+from tests.unit_tests.tiny_configs import (
+    TINY_SEQ,
+    TINY_VOCAB,
+    tiny_gpt_model,
+    tiny_transformer_config,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+# float64, the same function: only the rounding of reordered or contracted (FMA) float64
+# operations can differ, a few ulps.
+TIGHT = dict(rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """The fused functions take their compiled (CUDA) branch on CPU too; returns how often each
+    compiled function was called."""
+    calls = {}
+    for module, getter in (
+        (fused_bias_gelu, "_compiled_bias_gelu_tanh"),
+        (fused_bias_dropout, "_compiled_bias_mask_add"),
+    ):
+        monkeypatch.setattr(module, "_compiles", lambda x: not torch.compiler.is_compiling())
+        compiled = getattr(module, getter)()
+
+        def counted(*args, _compiled=compiled, _name=getter):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _compiled(*args)
+
+        monkeypatch.setattr(module, getter, lambda _counted=counted: _counted)
+    return calls
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def test_compiled_functions_equal_the_aten_chain_in_float64(compiled_on_cpu):
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(6, 2, 40, generator=g, dtype=torch.float64) * 3 for _ in "xr")
+    bias = torch.randn(40, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(6, 2, 40, generator=g, dtype=torch.float64)
+
+    # bias-GELU (tanh approximation)
+    fused_in, plain_in = _leaves(x, bias), _leaves(x, bias)
+    fused = bias_gelu_tanh(*fused_in)
+    plain = F.gelu(plain_in[0] + plain_in[1], approximate="tanh")
+    torch.testing.assert_close(fused, plain, **TIGHT)
+    fused_grads = torch.autograd.grad(fused, fused_in, grad_out)
+    plain_grads = torch.autograd.grad(plain, plain_in, grad_out)
+    for a, e in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(a, e, **TIGHT)
+
+    # bias-dropout-add: the same mask from the same generator state, the generator left alike.
+    p = 0.3
+    fused_in, plain_in = _leaves(x, bias, residual), _leaves(x, bias, residual)
+    torch.manual_seed(5)
+    fused = bias_dropout_add(*fused_in, p, training=True, fused=True)
+    state_after_fused = torch.get_rng_state()
+    torch.manual_seed(5)
+    plain = plain_in[2] + F.dropout(plain_in[0] + plain_in[1], p=p, training=True)
+    assert torch.equal(torch.get_rng_state(), state_after_fused)
+    dropped = plain == plain_in[2]
+    assert 0 < dropped.sum() < dropped.numel()
+    assert torch.equal(fused == fused_in[2], dropped)
+    torch.testing.assert_close(fused, plain, **TIGHT)
+    fused_grads = torch.autograd.grad(fused, fused_in, grad_out)
+    plain_grads = torch.autograd.grad(plain, plain_in, grad_out)
+    for a, e in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(a, e, **TIGHT)
+    assert compiled_on_cpu == {"_compiled_bias_gelu_tanh": 1, "_compiled_bias_mask_add": 1}
+
+
+def _losses(config, iterations=3):
+    """Per-iteration mean losses of a tiny float64 GPT trained with plain SGD."""
+    model = tiny_gpt_model(config, seed=3).double()
+    model.train()
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, TINY_VOCAB, (2, TINY_SEQ + 1), generator=g)
+    position_ids = torch.arange(TINY_SEQ).expand(2, -1)
+    torch.manual_seed(7)  # the dropout masks
+    losses = []
+    for _ in range(iterations):
+        loss = model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).mean()
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for param in model.parameters():
+                param -= 0.5 * param.grad
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def test_training_with_the_compiled_fusions_equals_the_plain_path(compiled_on_cpu):
+    """Switches on (the compiled CUDA functions) against switches off. Off, Megatron's MLP runs
+    the erf GELU instead of the tanh one; the plain run is given the tanh GELU as its activation
+    so that both compute the same function, and the float64 losses then agree to rounding. With
+    dropout on, equal losses also mean equal masks."""
+    common = dict(hidden_dropout=0.2, ffn_hidden_size=48, add_bias_linear=True)
+    fused = _losses(
+        tiny_transformer_config(bias_activation_fusion=True, bias_dropout_fusion=True, **common)
+    )
+    plain = _losses(
+        tiny_transformer_config(
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            activation_func=lambda t: F.gelu(t, approximate="tanh"),
+            **common,
+        )
+    )
+    # 2 layers x 3 iterations: one compiled bias-GELU per MLP, two bias-dropout-adds per layer.
+    assert compiled_on_cpu == {"_compiled_bias_gelu_tanh": 6, "_compiled_bias_mask_add": 12}
+    assert fused[-1] < fused[0]  # it trains
+    torch.testing.assert_close(fused, plain, **TIGHT)
