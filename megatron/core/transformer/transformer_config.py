@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.config_rules import (
     CP_COMM_TYPES,
+    compiled_layers_dropout_fits,
+    compiled_layers_without_recompute,
     cp_comm_types_fit,
     heads_split_into_query_groups,
     heads_split_over_tp,
@@ -250,6 +252,12 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
     apply_rope_fusion: bool = False
     """Fused RoPE kernel (``--no-rope-fusion``). Stored only: the plain RoPE is identical math."""
 
+    compile_transformer_layers: bool = False
+    """Compile each transformer layer's forward (and so its backward) with torch.compile
+    (``--compile-transformer-layers``, an extension of this project: Megatron-LM has no such
+    switch). The layers of a model share one compiled graph. Not with activation recompute, nor
+    with dropout under tensor parallelism (config_rules.compiled_layers_*)."""
+
     cross_entropy_loss_fusion: bool = False
     """Fuse the output layer with the cross entropy (``--cross-entropy-loss-fusion``): the logits
     are never kept; their softmax numerator becomes the gradient in place. Used when labels are
@@ -366,6 +374,7 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1) (--{name.replace('_', '-')}), got {p}")
+        self._check_compiled_layers()
         if self.layernorm_epsilon <= 0:
             raise ValueError(
                 f"layernorm_epsilon must be positive (--norm-epsilon), got {self.layernorm_epsilon}"
@@ -417,6 +426,23 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
             self.softmax_scale = numerator / self.kv_channels**self.mup_attn_scale_power
         if self.mup_output_mult == 1.0 and width_mult != 1.0:
             self.mup_output_mult = 1.0 / width_mult
+
+    def _check_compiled_layers(self):
+        compiled = self.compile_transformer_layers
+        if not compiled_layers_without_recompute(compiled, self.recompute_granularity):
+            raise ValueError(
+                "compile_transformer_layers (--compile-transformer-layers) cannot be combined "
+                f"with recompute_granularity {self.recompute_granularity!r} "
+                "(--recompute-granularity)"
+            )
+        if not compiled_layers_dropout_fits(
+            compiled, self.tensor_model_parallel_size, self.hidden_dropout, self.attention_dropout
+        ):
+            raise ValueError(
+                "compile_transformer_layers (--compile-transformer-layers) needs hidden_dropout "
+                "and attention_dropout 0 (--hidden-dropout, --attention-dropout) under "
+                "tensor_model_parallel_size > 1"
+            )
 
     def _set_init_methods(self):
         if self.embedding_init_method_std is None:

@@ -109,6 +109,11 @@ class TransformerLayer(MegatronModule):
         self.recompute_mlp = selective and "mlp" in modules
         # 'layernorm': the norms' outputs are freed once used and recomputed in backward.
         self.recompute_norms = selective and "layernorm" in modules
+        if config.compile_transformer_layers:
+            # Compiled on the first call. Parameters are graph inputs (torch.compile's default
+            # for modules), so all layers of one shape share the graph instead of compiling
+            # one each.
+            self.compile()
 
     def _bias_dropout_add(self, output_with_bias, residual: torch.Tensor) -> torch.Tensor:
         output, bias = output_with_bias

@@ -245,6 +245,12 @@ class TrainingFlags:
         options="--no-bias-dropout-fusion",
         honoured_at="TransformerConfig.bias_dropout_fusion",
     )
+    compile_transformer_layers: bool = switch(
+        "Compile each transformer layer with torch.compile (this project's flag; Megatron-LM has "
+        "none). Not with --recompute-granularity, nor with dropout under tensor parallelism.",
+        honoured_at="TransformerConfig.compile_transformer_layers",
+        extension=True,
+    )
     apply_rope_fusion: bool = off_switch(
         "Disable the fused RoPE kernel.", options="--no-rope-fusion"
     )

@@ -6,10 +6,12 @@ their CUDA branch on CPU (``_compiles``), which is the same code with only the d
   dropout draws the mask that F.dropout draws from the same generator state (and leaves the
   generator where F.dropout leaves it);
 * a few training iterations of a tiny float64 GPT with the compiled fusions give the losses of
-  the plain path.
+  the plain path;
+* ``compile_transformer_layers`` compiles each layer, into one graph for all, that trains as the
+  eager layers; it refuses recompute and dropout under TP.
 
-Each test compiles two small graphs (about 15-20 s each on one core): the whole cost of the
-compiled fusions in ``make test``.
+The first two tests compile two small graphs each (about 10-20 s each on one core); the third
+captures the layer without inductor's code generation (about 15 s).
 """
 
 import pytest
@@ -93,9 +95,11 @@ def test_compiled_functions_equal_the_aten_chain_in_float64(compiled_on_cpu):
     assert compiled_on_cpu == {"_compiled_bias_gelu_tanh": 1, "_compiled_bias_mask_add": 1}
 
 
-def _losses(config, iterations=3):
+def _losses(config, iterations=3, prepare=None):
     """Per-iteration mean losses of a tiny float64 GPT trained with plain SGD."""
     model = tiny_gpt_model(config, seed=3).double()
+    if prepare is not None:
+        prepare(model)
     model.train()
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, TINY_VOCAB, (2, TINY_SEQ + 1), generator=g)
@@ -134,3 +138,48 @@ def test_training_with_the_compiled_fusions_equals_the_plain_path(compiled_on_cp
     assert compiled_on_cpu == {"_compiled_bias_gelu_tanh": 6, "_compiled_bias_mask_add": 12}
     assert fused[-1] < fused[0]  # it trains
     torch.testing.assert_close(fused, plain, **TIGHT)
+
+
+def test_compiled_transformer_layers_train_as_the_eager_ones():
+    """compile_transformer_layers: both layers share one captured graph, with no graph break,
+    and its forward and backward (AOT autograd's) give the eager losses in float64. Without
+    dropout: in a compiled graph the compiler draws the masks its own way.
+
+    The graph is run by torch.compile's 'aot_eager' backend: capturing and differentiating the
+    layer is what this project's code decides; inductor's code generation for the captured
+    graph (about a minute here for one layer) is torch's, and the two tests above run it on CPU
+    for the fused functions."""
+    from torch._dynamo.utils import counters
+
+    common = dict(ffn_hidden_size=48, add_bias_linear=True, bias_dropout_fusion=True)
+    eager = _losses(tiny_transformer_config(**common))
+
+    def compile_with_aot_eager(model):
+        for layer in model.decoder.layers:
+            assert layer._compiled_call_impl is not None  # the switch compiled it
+            layer.compile(backend="aot_eager")
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _losses(
+        tiny_transformer_config(compile_transformer_layers=True, **common),
+        prepare=compile_with_aot_eager,
+    )
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    torch.testing.assert_close(compiled, eager, **TIGHT)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(recompute_granularity="selective"), "cannot be combined with recompute_granularity"),
+        (
+            dict(tensor_model_parallel_size=2, hidden_dropout=0.1),
+            "needs hidden_dropout and attention_dropout 0",
+        ),
+    ],
+)
+def test_compiled_layers_refuse_what_they_cannot_do(settings, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_transformer_config(compile_transformer_layers=True, **settings)

@@ -917,6 +917,23 @@ CASES = [
         ["--cp-comm-type", "p2p", "p2p"],
         ["--cp-comm-type takes one value or one per layer (4), got 2"],
     ),
+    case(
+        "compiled_layers_without_recompute",
+        ["--compile-transformer-layers", "--recompute-activations"],
+        ["--compile-transformer-layers cannot be combined with --recompute-granularity selective"],
+    ),
+    case(
+        "compiled_layers_without_dropout_under_tp",
+        [
+            "--compile-transformer-layers",
+            "--tensor-model-parallel-size",
+            2,
+            "--hidden-dropout",
+            0.1,
+        ],
+        ["--compile-transformer-layers needs --hidden-dropout 0 and --attention-dropout 0"],
+        world_size=2,
+    ),
 ]
 
 # Each tokenizer type and the files it cannot do without.
