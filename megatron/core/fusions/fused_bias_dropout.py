@@ -3,8 +3,10 @@ of a transformer layer,
 
     out = residual + dropout(x + bias, p)
 
-Unfused this is three element-wise passes over the activation (and two more in backward). Fused
-(``fused=True``) on CUDA it is one ``torch.compile``'d function: the dropout mask is drawn first,
+Unfused this is up to three element-wise passes over the activation (our linear layers add
+their bias inside the matrix product, so ``bias`` is None unless a layer is built with
+``skip_bias_add``: then dropout and the residual add are two). Fused (``fused=True``) on CUDA it
+is one ``torch.compile``'d function: the dropout mask is drawn first,
 in eager mode, by ``bernoulli_`` from the device's current generator (so the RNG tracker's
 forked stream that the caller has entered decides it, as it decides the unfused ``F.dropout``),
 and the add, the masking and the residual add are one generated kernel forward and one
@@ -16,7 +18,7 @@ the same generator, and every TP/PP layout draws them alike). On CPU aten's ``F.
 itself ``bernoulli_`` on a tensor of the input's shape: the fused function, compiled on CPU in
 the tests, draws the same mask from the same generator state.
 
-Elsewhere (CPU, where the unfused chain is what the default runs and is not slower) and inside a
+Elsewhere (CPU: the default path there is never compiled and keeps its numerics) and inside a
 region that torch.compile is already tracing (``--compile-transformer-layers``: the compiler
 fuses the plain chain itself), the plain chain runs whatever ``fused`` says.
 """

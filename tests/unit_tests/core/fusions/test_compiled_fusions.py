@@ -183,3 +183,20 @@ def test_compiled_transformer_layers_train_as_the_eager_ones():
 def test_compiled_layers_refuse_what_they_cannot_do(settings, message):
     with pytest.raises(ValueError, match=message):
         tiny_transformer_config(compile_transformer_layers=True, **settings)
+
+
+def test_the_default_cpu_path_compiles_nothing(monkeypatch):
+    """Both fusions on (Megatron's defaults): on CPU a training step runs the eager code."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile called on the default CPU path")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    for module in (fused_bias_gelu, fused_bias_dropout):
+        for name in ("_compiled_bias_gelu_tanh", "_compiled_bias_mask_add"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, refuse)
+    config = tiny_transformer_config(
+        bias_activation_fusion=True, bias_dropout_fusion=True, hidden_dropout=0.2
+    )
+    assert _losses(config, iterations=1).isfinite().all()
