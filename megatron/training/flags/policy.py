@@ -100,6 +100,9 @@ no_effect(
     """,
 )
 no_effect(_FUSED, "cross_entropy_fusion_impl", given=lambda value, args: value == "te")
+# On: the torch.compile'd bias-dropout-add of CUDA runs (TransformerConfig.bias_dropout_fusion);
+# off: the unfused ops, which CPU runs either way.
+no_effect(_FUSED, "bias_dropout_fusion", given=lambda value, args: not value)
 no_effect(
     "selects a FlashAttention release; attention here runs torch's kernels",
     "flash_attention_version",
