@@ -10,8 +10,8 @@ their CUDA branch on CPU (``_compiles``), which is the same code with only the d
 * ``compile_transformer_layers`` compiles each layer, into one graph for all, that trains as the
   eager layers; it refuses recompute and dropout under TP.
 
-The first two tests compile two small graphs each (about 10-20 s each on one core); the third
-captures the layer without inductor's code generation (about 15 s).
+The first two tests share two small compiled graphs (about 10-20 s each to compile on one core);
+the third captures the layer without inductor's code generation (about 10 s).
 """
 
 import pytest
@@ -33,6 +33,11 @@ pytestmark = pytest.mark.timeout(300)
 # float64, the same function: only the rounding of reordered or contracted (FMA) float64
 # operations can differ, a few ulps.
 TIGHT = dict(rtol=1e-12, atol=1e-12)
+
+# The tiny GPT of the training tests: [s, b, h] and the MLP's [s, b, ffn]; its hidden dropout.
+BATCH, HIDDEN, FFN, DROPOUT = 2, 32, 48, 0.2
+ACTIVATION = (TINY_SEQ, BATCH, HIDDEN)
+MLP_ACTIVATION = (TINY_SEQ, BATCH, FFN)
 
 
 @pytest.fixture
@@ -60,33 +65,35 @@ def _leaves(*tensors):
 
 
 def test_compiled_functions_equal_the_aten_chain_in_float64(compiled_on_cpu):
+    """The shapes, dtype and dropout probability of the training test below, and no bias (our
+    linear layers add theirs in the matrix product), so that both tests run the same two
+    compiled graphs: each compiles once in the file."""
     g = torch.Generator().manual_seed(0)
-    x, residual = (torch.randn(6, 2, 40, generator=g, dtype=torch.float64) * 3 for _ in "xr")
-    bias = torch.randn(40, generator=g, dtype=torch.float64)
-    grad_out = torch.randn(6, 2, 40, generator=g, dtype=torch.float64)
+    x, residual = (torch.randn(*ACTIVATION, generator=g, dtype=torch.float64) * 3 for _ in "xr")
+    grad_out = torch.randn(*ACTIVATION, generator=g, dtype=torch.float64)
+    h = torch.randn(*MLP_ACTIVATION, generator=g, dtype=torch.float64) * 3
+    grad_h = torch.randn(*MLP_ACTIVATION, generator=g, dtype=torch.float64)
 
-    # bias-GELU (tanh approximation)
-    fused_in, plain_in = _leaves(x, bias), _leaves(x, bias)
-    fused = bias_gelu_tanh(*fused_in)
-    plain = F.gelu(plain_in[0] + plain_in[1], approximate="tanh")
+    # GELU (tanh approximation)
+    (fused_in,), (plain_in,) = _leaves(h), _leaves(h)
+    fused = bias_gelu_tanh(fused_in, None)
+    plain = F.gelu(plain_in, approximate="tanh")
     torch.testing.assert_close(fused, plain, **TIGHT)
-    fused_grads = torch.autograd.grad(fused, fused_in, grad_out)
-    plain_grads = torch.autograd.grad(plain, plain_in, grad_out)
-    for a, e in zip(fused_grads, plain_grads):
-        torch.testing.assert_close(a, e, **TIGHT)
+    (fused_grad,) = torch.autograd.grad(fused, fused_in, grad_h)
+    (plain_grad,) = torch.autograd.grad(plain, plain_in, grad_h)
+    torch.testing.assert_close(fused_grad, plain_grad, **TIGHT)
 
-    # bias-dropout-add: the same mask from the same generator state, the generator left alike.
-    p = 0.3
-    fused_in, plain_in = _leaves(x, bias, residual), _leaves(x, bias, residual)
+    # dropout-add: the same mask from the same generator state, the generator left alike.
+    fused_in, plain_in = _leaves(x, residual), _leaves(x, residual)
     torch.manual_seed(5)
-    fused = bias_dropout_add(*fused_in, p, training=True, fused=True)
+    fused = bias_dropout_add(fused_in[0], None, fused_in[1], DROPOUT, training=True, fused=True)
     state_after_fused = torch.get_rng_state()
     torch.manual_seed(5)
-    plain = plain_in[2] + F.dropout(plain_in[0] + plain_in[1], p=p, training=True)
+    plain = plain_in[1] + F.dropout(plain_in[0], p=DROPOUT, training=True)
     assert torch.equal(torch.get_rng_state(), state_after_fused)
-    dropped = plain == plain_in[2]
+    dropped = plain == plain_in[1]
     assert 0 < dropped.sum() < dropped.numel()
-    assert torch.equal(fused == fused_in[2], dropped)
+    assert torch.equal(fused == fused_in[1], dropped)
     torch.testing.assert_close(fused, plain, **TIGHT)
     fused_grads = torch.autograd.grad(fused, fused_in, grad_out)
     plain_grads = torch.autograd.grad(plain, plain_in, grad_out)
@@ -102,8 +109,8 @@ def _losses(config, iterations=3, prepare=None):
         prepare(model)
     model.train()
     g = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, TINY_VOCAB, (2, TINY_SEQ + 1), generator=g)
-    position_ids = torch.arange(TINY_SEQ).expand(2, -1)
+    tokens = torch.randint(0, TINY_VOCAB, (BATCH, TINY_SEQ + 1), generator=g)
+    position_ids = torch.arange(TINY_SEQ).expand(BATCH, -1)
     torch.manual_seed(7)  # the dropout masks
     losses = []
     for _ in range(iterations):
@@ -122,7 +129,9 @@ def test_training_with_the_compiled_fusions_equals_the_plain_path(compiled_on_cp
     the erf GELU instead of the tanh one; the plain run is given the tanh GELU as its activation
     so that both compute the same function, and the float64 losses then agree to rounding. With
     dropout on, equal losses also mean equal masks."""
-    common = dict(hidden_dropout=0.2, ffn_hidden_size=48, add_bias_linear=True)
+    common = dict(
+        hidden_size=HIDDEN, hidden_dropout=DROPOUT, ffn_hidden_size=FFN, add_bias_linear=True
+    )
     fused = _losses(
         tiny_transformer_config(bias_activation_fusion=True, bias_dropout_fusion=True, **common)
     )
@@ -151,7 +160,7 @@ def test_compiled_transformer_layers_train_as_the_eager_ones():
     for the fused functions."""
     from torch._dynamo.utils import counters
 
-    common = dict(ffn_hidden_size=48, add_bias_linear=True, bias_dropout_fusion=True)
+    common = dict(ffn_hidden_size=FFN, add_bias_linear=True, bias_dropout_fusion=True)
     eager = _losses(tiny_transformer_config(**common))
 
     def compile_with_aot_eager(model):
