@@ -100,3 +100,21 @@ def mup_width_mult_matches(
     """A width multiplier given besides the base hidden size must be the ratio they make."""
     derived = hidden_size / (mup_base_hidden_size or hidden_size)
     return mup_width_mult == 1.0 or math.isclose(mup_width_mult, derived)
+
+
+def compiled_layers_without_recompute(compiled: bool, recompute_granularity: Optional[str]) -> bool:
+    """Compiled layers recompute nothing: the recompute paths (checkpointed layers, discarded
+    norm outputs) hand tensors between autograd and hooks that torch.compile does not trace."""
+    return not compiled or recompute_granularity is None
+
+
+def compiled_layers_dropout_fits(
+    compiled: bool, tensor_model_parallel_size: int, hidden_dropout: float, attention_dropout: float
+) -> bool:
+    """In a compiled layer the compiler draws the dropout masks with its own generator, which is
+    not proven to follow the RNG tracker's per-TP-rank streams: no dropout under TP."""
+    return (
+        not compiled
+        or tensor_model_parallel_size == 1
+        or (hidden_dropout == 0.0 and attention_dropout == 0.0)
+    )

@@ -5,7 +5,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions.fused_bias_gelu import gelu_tanh
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_tanh, gelu_tanh
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
@@ -51,6 +51,9 @@ class MLP(MegatronModule):
         ):
             # Megatron's fused bias-GeLU (and TE's GeLU) is the tanh approximation.
             self.activation_func = gelu_tanh
+        # gelu(x + bias) in one function (one compiled kernel on CUDA). fc1 adds its bias inside
+        # its matrix product (no skip_bias_add), so the bias it hands over is None.
+        self.bias_gelu = self.activation_func is gelu_tanh and not self.gated
         self.linear_fc2 = RowParallelLinear(
             ffn,
             config.hidden_size,
@@ -66,6 +69,8 @@ class MLP(MegatronModule):
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """[s, b, h] -> (output [s, b, h], bias or None)."""
         intermediate, bias = self.linear_fc1(hidden_states)
+        if self.bias_gelu:
+            return self.linear_fc2(bias_gelu_tanh(intermediate, bias))
         if bias is not None:
             intermediate = intermediate + bias
         if self.gated:

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.config_rules import (
     CP_COMM_TYPES,
+    compiled_layers_dropout_fits,
+    compiled_layers_without_recompute,
     cp_comm_types_fit,
     heads_split_into_query_groups,
     heads_split_over_tp,
@@ -232,7 +234,8 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
     (``--no-bias-gelu-fusion``/``--no-bias-swiglu-fusion`` turn it off). Megatron's fused bias-GeLU
     kernel (and Transformer Engine's GeLU) is the tanh approximation, so with this flag on,
     add_bias_linear on and activation_func F.gelu, the MLP uses F.gelu(approximate='tanh') to
-    reproduce Megatron's numerics. Other activations are exact."""
+    reproduce Megatron's numerics: a torch.compile'd kernel on CUDA, a hand-written function on
+    CPU (megatron/core/fusions/fused_bias_gelu.py). Other activations are exact and unfused."""
 
     masked_softmax_fusion: bool = False
     """Fused scale-mask-softmax kernel (``--no-masked-softmax-fusion``). Stored only (SDPA is
@@ -245,11 +248,19 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
     """Apex memory-efficient LayerNorm. Stored only."""
 
     bias_dropout_fusion: bool = False
-    """Fused bias + dropout + residual add (``--no-bias-dropout-fusion``). Stored only: the
-    unfused ops compute the same result."""
+    """Fused bias + dropout + residual add (``--no-bias-dropout-fusion``): one torch.compile'd
+    kernel on CUDA, the unfused ops elsewhere (megatron/core/fusions/fused_bias_dropout.py). The
+    same function; on CUDA its dropout masks are drawn by ``bernoulli_`` from the same generator
+    instead of aten's fused dropout kernel."""
 
     apply_rope_fusion: bool = False
     """Fused RoPE kernel (``--no-rope-fusion``). Stored only: the plain RoPE is identical math."""
+
+    compile_transformer_layers: bool = False
+    """Compile each transformer layer's forward (and so its backward) with torch.compile
+    (``--compile-transformer-layers``, an extension of this project: Megatron-LM has no such
+    switch). The layers of a model share one compiled graph. Not with activation recompute, nor
+    with dropout under tensor parallelism (config_rules.compiled_layers_*)."""
 
     cross_entropy_loss_fusion: bool = False
     """Fuse the output layer with the cross entropy (``--cross-entropy-loss-fusion``): the logits
@@ -367,6 +378,7 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"{name} must be in [0, 1) (--{name.replace('_', '-')}), got {p}")
+        self._check_compiled_layers()
         if self.layernorm_epsilon <= 0:
             raise ValueError(
                 f"layernorm_epsilon must be positive (--norm-epsilon), got {self.layernorm_epsilon}"
@@ -418,6 +430,23 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
             self.softmax_scale = numerator / self.kv_channels**self.mup_attn_scale_power
         if self.mup_output_mult == 1.0 and width_mult != 1.0:
             self.mup_output_mult = 1.0 / width_mult
+
+    def _check_compiled_layers(self):
+        compiled = self.compile_transformer_layers
+        if not compiled_layers_without_recompute(compiled, self.recompute_granularity):
+            raise ValueError(
+                "compile_transformer_layers (--compile-transformer-layers) cannot be combined "
+                f"with recompute_granularity {self.recompute_granularity!r} "
+                "(--recompute-granularity)"
+            )
+        if not compiled_layers_dropout_fits(
+            compiled, self.tensor_model_parallel_size, self.hidden_dropout, self.attention_dropout
+        ):
+            raise ValueError(
+                "compile_transformer_layers (--compile-transformer-layers) needs hidden_dropout "
+                "and attention_dropout 0 (--hidden-dropout, --attention-dropout) under "
+                "tensor_model_parallel_size > 1"
+            )
 
     def _set_init_methods(self):
         if self.embedding_init_method_std is None:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 
+from megatron.core.fusions.fused_bias_dropout import bias_dropout_add
 from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import IdentityOp, ModuleSpec, build_module
@@ -101,6 +101,7 @@ class TransformerLayer(MegatronModule):
 
         self.residual_from_norm = config.apply_residual_connection_post_layernorm
         self.fp32_residual = config.fp32_residual_connection
+        self.sequence_parallel = config.sequence_parallel
         modules = (
             config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
         )
@@ -108,18 +109,27 @@ class TransformerLayer(MegatronModule):
         self.recompute_mlp = selective and "mlp" in modules
         # 'layernorm': the norms' outputs are freed once used and recomputed in backward.
         self.recompute_norms = selective and "layernorm" in modules
+        if config.compile_transformer_layers:
+            # Compiled on the first call. Parameters are graph inputs (torch.compile's default
+            # for modules), so all layers of one shape share the graph instead of compiling
+            # one each.
+            self.compile()
 
     def _bias_dropout_add(self, output_with_bias, residual: torch.Tensor) -> torch.Tensor:
         output, bias = output_with_bias
-        if bias is not None:
-            output = output + bias
-        if self.training and self.hidden_dropout > 0.0:
-            # Under sequence parallelism each TP rank holds a different slice of the sequence.
-            with model_parallel_rng(self.config, split_across_tp=self.config.sequence_parallel):
-                output = F.dropout(output, p=self.hidden_dropout, training=True)
         if self.fp32_residual and residual.dtype != torch.float32:
             residual = residual.float()
-        return residual + output
+        dropout = self.training and self.hidden_dropout > 0.0
+        # Under sequence parallelism each TP rank holds a different slice of the sequence.
+        with model_parallel_rng(self.config, split_across_tp=dropout and self.sequence_parallel):
+            return bias_dropout_add(
+                output,
+                bias,
+                residual,
+                self.hidden_dropout,
+                self.training,
+                fused=self.config.bias_dropout_fusion,
+            )
 
     def forward(
         self,

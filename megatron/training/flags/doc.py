@@ -135,13 +135,22 @@ def _class_and_where(field: dataclasses.Field):
     rule = POLICY[field.name]
     where = field.metadata["flag"].honoured_at
     if rule.kind == HONOURED:
-        return "honoured", where
+        return ("honoured, extension" if field.metadata["flag"].extension else "honoured"), where
     if rule.given is None:
         return _CLASS[rule.kind], rule.reason
     text = f"some values: {rule.reason}"
     if where:
         text += f"; the others: {where}"
     return f"{_CLASS[rule.kind]} (some values)", text
+
+
+def _extensions() -> List[str]:
+    return [
+        options_of(field)[0]
+        for group in GROUPS
+        for field in dataclasses.fields(group)
+        if field.metadata["flag"].extension
+    ]
 
 
 def render() -> str:
@@ -160,7 +169,8 @@ def render() -> str:
         "named in one start-up line; `--help` ends the text of both with their class and "
         "reason. *Honoured at* names the config field or the functions that take the value; "
         "*rules* the steps of the validation pass (megatron/training/flags/rules/, in the "
-        "order of `RULES`) that read it.",
+        "order of `RULES`) that read it. The class *extension* marks a flag of this project "
+        "that Megatron-LM does not have: " + ", ".join(f"`{o}`" for o in _extensions()) + ".",
         "",
     ]
     for group in GROUPS:

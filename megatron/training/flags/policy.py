@@ -94,12 +94,15 @@ no_effect(_TE, "use_te_activation_func", "use_transformer_engine_op_fuser")
 no_effect(
     _FUSED,
     """
-    masked_softmax_fusion bias_dropout_fusion apply_rope_fusion no_persist_layer_norm
+    masked_softmax_fusion apply_rope_fusion no_persist_layer_norm
     use_fused_weighted_squared_relu fused_residual_rmsnorm
     disable_jit_fuser mla_down_proj_fusion
     """,
 )
 no_effect(_FUSED, "cross_entropy_fusion_impl", given=lambda value, args: value == "te")
+# On: the torch.compile'd bias-dropout-add of CUDA runs (TransformerConfig.bias_dropout_fusion);
+# off: the unfused ops, which CPU runs either way.
+no_effect(_FUSED, "bias_dropout_fusion", given=lambda value, args: not value)
 no_effect(
     "selects a FlashAttention release; attention here runs torch's kernels",
     "flash_attention_version",

@@ -69,6 +69,8 @@ class FlagSpec:
     """Hidden older spellings writing into the same dest (no default of their own)."""
     negation: Optional[Tuple[str, str]] = None
     """(spelling, help) of a store_false flag sharing a SWITCH's dest."""
+    extension: bool = False
+    """A flag of this project that Megatron-LM does not have (docs/FLAGS.md says so)."""
     honoured_at: Optional[str] = None
     """Where the value takes effect: a config field (``TransformerConfig.x``) or the functions
     that read it (``module.function``, relative to megatron/training/; ``core.`` for
@@ -141,10 +143,18 @@ def switch(
     options=None,
     negation: Optional[Tuple[str, str]] = None,
     honoured_at: Optional[str] = None,
+    extension: bool = False,
 ):
-    """``--x`` stores True (argparse's store_true)."""
+    """``--x`` stores True (argparse's store_true). ``extension``: a flag of this project, not
+    Megatron-LM's."""
     spec = FlagSpec(
-        SWITCH, help, _spellings(options), None, negation=negation, honoured_at=honoured_at
+        SWITCH,
+        help,
+        _spellings(options),
+        None,
+        negation=negation,
+        honoured_at=honoured_at,
+        extension=extension,
     )
     return _field(default, spec)
 
@@ -243,14 +253,15 @@ def add_group(parser: argparse.ArgumentParser, group) -> argparse.ArgumentParser
     container = parser.add_argument_group(title=group.TITLE)
     hints = typing.get_type_hints(group)
 
-    def added(action):
+    def added(action, extension=False):
         action.home_module = group.__module__
+        action.extension = extension
         return action
 
     for field in dataclasses.fields(group):
         spec: FlagSpec = field.metadata["flag"]
         kwargs = _argparse_kwargs(field, hints[field.name], _default(field))
-        added(container.add_argument(*_options(field.name, spec), **kwargs))
+        added(container.add_argument(*_options(field.name, spec), **kwargs), spec.extension)
         if spec.negation is not None:
             spelling, help_text = spec.negation
             negation = container.add_argument(

@@ -241,7 +241,15 @@ class TrainingFlags:
         honoured_at="TransformerConfig.bias_activation_fusion",
     )
     bias_dropout_fusion: bool = off_switch(
-        "Disable the bias+dropout fusion.", options="--no-bias-dropout-fusion"
+        "Disable the bias+dropout fusion.",
+        options="--no-bias-dropout-fusion",
+        honoured_at="TransformerConfig.bias_dropout_fusion",
+    )
+    compile_transformer_layers: bool = switch(
+        "Compile each transformer layer with torch.compile (this project's flag; Megatron-LM has "
+        "none). Not with --recompute-granularity, nor with dropout under tensor parallelism.",
+        honoured_at="TransformerConfig.compile_transformer_layers",
+        extension=True,
     )
     apply_rope_fusion: bool = off_switch(
         "Disable the fused RoPE kernel.", options="--no-rope-fusion"

@@ -88,17 +88,29 @@ def test_every_megatron_option_parses_as_in_megatron(parser):
 
 
 def test_no_option_of_our_own(parser):
-    """Every option is Megatron's, a removed-flag hint, or a hidden older spelling."""
+    """Every option is Megatron's, a removed-flag hint, a hidden older spelling or one of the
+    extensions declared as such (listed in docs/FLAGS.md; test_the_extensions below)."""
     megatron = {flag for row in ROWS for flag in row["flags"]}
     extra = [
         flag
         for action in parser._actions
         if not isinstance(action, (RemovedFlagAction, argparse._HelpAction))
         and action.help != argparse.SUPPRESS
+        and not action.extension
         for flag in action.option_strings
         if flag not in megatron
     ]
     assert extra == []
+
+
+def test_the_extensions(parser):
+    """The flags of this project that Megatron-LM lacks: none of them is Megatron's."""
+    megatron = {flag for row in ROWS for flag in row["flags"]}
+    extensions = [
+        f for a in parser._actions if getattr(a, "extension", False) for f in a.option_strings
+    ]
+    assert extensions == ["--compile-transformer-layers"]
+    assert not megatron.intersection(extensions)
 
 
 def test_typed_values_parse_like_megatron():

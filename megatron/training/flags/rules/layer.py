@@ -1,6 +1,12 @@
-"""Step 17: how a layer computes: --deterministic-mode, --cp-comm-type and --cuda-graph-impl."""
+"""Step 17: how a layer computes: --deterministic-mode, --cp-comm-type, --cuda-graph-impl and
+--compile-transformer-layers."""
 
-from megatron.core.transformer.config_rules import CP_COMM_TYPES, cp_comm_types_fit
+from megatron.core.transformer.config_rules import (
+    CP_COMM_TYPES,
+    compiled_layers_dropout_fits,
+    compiled_layers_without_recompute,
+    cp_comm_types_fit,
+)
 
 from .base import check, info
 
@@ -27,6 +33,19 @@ def validate_layer(args):
         cp_comm_types_fit(len(args.cp_comm_type), args.num_layers),
         f"--cp-comm-type takes one value or "
         f"one per layer ({args.num_layers}), got {len(args.cp_comm_type)}",
+    )
+    compiled = args.compile_transformer_layers
+    check(
+        compiled_layers_without_recompute(compiled, args.recompute_granularity),
+        "--compile-transformer-layers cannot be combined with --recompute-granularity "
+        f"{args.recompute_granularity} (or --recompute-activations)",
+    )
+    check(
+        compiled_layers_dropout_fits(
+            compiled, args.tensor_model_parallel_size, args.hidden_dropout, args.attention_dropout
+        ),
+        "--compile-transformer-layers needs --hidden-dropout 0 and --attention-dropout 0 with "
+        "--tensor-model-parallel-size > 1",
     )
     _name_the_cp_exchange(args)
 
@@ -67,6 +86,10 @@ def validate_cuda_graphs(args):
         (
             not args.overlap_grad_reduce,
             "--overlap-grad-reduce (its readiness calls from backward would not replay)",
+        ),
+        (
+            not args.compile_transformer_layers,
+            "--compile-transformer-layers (a capture of compiled layers is not proven here)",
         ),
     ):
         check(ok, f"{what} does not support {why}")

@@ -84,6 +84,12 @@ CASES = [
         ["--cuda-graph-impl local does not support dropout"],
     ),
     case(
+        "cuda_graphs_not_of_compiled_layers",
+        ["--cuda-graph-impl", "local", "--hidden-dropout", 0, "--attention-dropout", 0]
+        + ["--compile-transformer-layers"],
+        ["--cuda-graph-impl local does not support --compile-transformer-layers"],
+    ),
+    case(
         "cp_comm_type_known",
         ["--cp-comm-type", "ring"],
         ["--cp-comm-type: unknown value 'ring'", "p2p, a2a, allgather, a2a+p2p"],
@@ -1057,6 +1063,23 @@ CASES = [
         "cp_comm_type_per_layer",
         ["--cp-comm-type", "p2p", "p2p"],
         ["--cp-comm-type takes one value or one per layer (4), got 2"],
+    ),
+    case(
+        "compiled_layers_without_recompute",
+        ["--compile-transformer-layers", "--recompute-activations"],
+        ["--compile-transformer-layers cannot be combined with --recompute-granularity selective"],
+    ),
+    case(
+        "compiled_layers_without_dropout_under_tp",
+        [
+            "--compile-transformer-layers",
+            "--tensor-model-parallel-size",
+            2,
+            "--hidden-dropout",
+            0.1,
+        ],
+        ["--compile-transformer-layers needs --hidden-dropout 0 and --attention-dropout 0"],
+        world_size=2,
     ),
 ]
 
