@@ -147,6 +147,9 @@ def model_sharded_state_dict(
             forced_replica = False
             if tied and local_key == TIED_OUTPUT_KEY:
                 key, forced_replica = TIED_EMBEDDING_KEY, True
+            elif getattr(tensor, "shared", False) and key == TIED_EMBEDDING_KEY:
+                # The last stage's copy of the embedding (multi-token prediction's).
+                forced_replica = True
             if key in entries:
                 raise ValueError(f"two tensors of this rank map to the checkpoint key {key}")
             data = tensor.detach()
