@@ -132,3 +132,40 @@ def test_forward_output_is_the_main_heads():
     with_mtp = model(tokens, None, None, labels=labels)
     model.eval()
     assert torch.equal(with_mtp, model(tokens, None, None, labels=labels))
+
+
+def test_flops_count_mtp_as_torch_counts_them():
+    """--log-throughput's FLOPs with MTP (megatron/training/flops.py, Megatron's formula) equal
+    torch.utils.flop_counter's count of one forward and backward of a tiny model with 2 depths,
+    but for the MTP norms (6 * B * s * D * 3h, elementwise: not counted by torch)."""
+    import argparse
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.training.flops import num_floating_point_operations
+
+    depths = 2
+    model = _model(depths, ffn_hidden_size=48)
+    model.set_mtp_loss_scale(1.0)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, None, None, labels=tokens).sum().backward()
+    args = argparse.Namespace(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        group_query_attention=False,
+        num_query_groups=None,
+        kv_channels=None,
+        seq_length=SEQ,
+        ffn_hidden_size=48,
+        swiglu=False,
+        padded_vocab_size=VOCAB,
+        num_experts=None,
+        mtp_num_layers=depths,
+    )
+    norms = 6 * BATCH * SEQ * depths * 3 * 32
+    assert num_floating_point_operations(args, BATCH) - norms == counter.get_total_flops()
+    args.mtp_num_layers = None
+    without = num_floating_point_operations(args, BATCH)
+    assert without < counter.get_total_flops()  # MTP is counted at all
