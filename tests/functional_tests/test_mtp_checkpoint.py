@@ -51,7 +51,19 @@ def test_both_formats_save_mtp_and_resume(tmp_path):
         for k in range(2):
             for name in MTP_NAMES:
                 assert f"mtp.layers.{k}.{name}" in keys, (fmt, sorted(keys))
-        assert any(key.startswith("mtp.layers.1.transformer_layer.") for key in keys), fmt
+        # Within the transformer layer: the module names (torch), Megatron's fused names with
+        # the linear layers' extra state (torch_dist), as for the decoder's layers.
+        inner = "mtp.layers.1.transformer_layer."
+        if fmt == "torch":
+            expected = [inner + "input_layernorm.weight", "mtp.layers.1.eh_proj._extra_state"]
+        else:
+            expected = [
+                inner + "self_attention.linear_qkv.layer_norm_weight",
+                inner + "mlp.linear_fc1.layer_norm_weight",
+                inner + "mlp.linear_fc2._extra_state/shard_0_1",
+                "mtp.layers.1.eh_proj._extra_state/shard_0_1",
+            ]
+        assert set(expected) <= keys, (fmt, sorted(k for k in keys if k.startswith("mtp")))
         resumed, _ = _train(MODEL + ["--load", ckpt, "--ckpt-step", "3", "--ckpt-format", fmt])
         # The same layout and data: the continuation is the straight run's, bit for bit.
         _assert_same(_losses(resumed, 4), _losses(straight, 4), 0.0)

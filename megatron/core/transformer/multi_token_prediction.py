@@ -156,6 +156,9 @@ class MultiTokenPredictionBlock(MegatronModule):
     (each micro-batch's mean loss, summed over micro-batches), read and cleared by the trainer
     (:meth:`mtp_metrics`, :meth:`reset_mtp_metrics`)."""
 
+    is_mtp_block = True
+    """Checkpoints key its layers one by one (``mtp.layers.<k>.``, Megatron's layout)."""
+
     def __init__(self, config, layer_spec: ModuleSpec, pg_collection=None):
         super().__init__(config)
         num = config.mtp_num_layers
