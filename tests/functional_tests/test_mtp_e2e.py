@@ -1,8 +1,10 @@
 """Multi-token prediction trains the one-process model at every layout (issue #30): over 10
 iterations the lm loss and each ``mtp_k loss`` (within 1e-6) and the grad norm (within 1e-5,
-relative) of TP2+SP, DP2, PP2, PP2 with virtual stages and CP2 (a dense GPT, tied embeddings),
-EP2 and PP2 (a MoE GPT whose MTP layers are MoE layers, untied embeddings) equal the one-process
-run's; the printed line shows them, and TensorBoard holds ``mtp_1 loss`` and ``mtp_2 loss``.
+relative) of TP2+SP, DP2, PP2, PP2 with virtual stages and CP2 (a dense GPT, tied embeddings;
+CP2 also with --calculate-per-token-loss), EP2 and PP2 (a MoE GPT whose MTP layers are MoE
+layers, untied embeddings; its load-balancing loss averages the MTP layers' in, as Megatron's
+does) equal the one-process run's; the printed line shows them, and TensorBoard holds
+``mtp_1 loss`` and ``mtp_2 loss``.
 
 The one-process runs are in this process, the layouts in one spawned world of 2 processes (see
 test_log_line_parity.py, whose helpers this reuses)."""
@@ -47,6 +49,11 @@ CASES = {
         },
     ),
     "moe": (GPT + MOE, {"ep2": ["--expert-model-parallel-size", "2"], "pp2": PP2}),
+    # Per-token loss: the MTP losses weighted by their own token counts (summed over CP).
+    "dense-per-token": (
+        GPT + ["--calculate-per-token-loss"],
+        {"cp2": ["--context-parallel-size", "2"]},
+    ),
 }
 RTOL = {"loss": 1e-6, "grad norm": 1e-5}
 MTP_KEYS = {"mtp_1 loss", "mtp_2 loss"}

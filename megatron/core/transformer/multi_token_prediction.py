@@ -192,6 +192,20 @@ class MultiTokenPredictionBlock(MegatronModule):
         for router in self._moe_routers():
             router.tracked.clear()
 
+    def moe_metrics(self, names: Sequence[str]) -> torch.Tensor:
+        """[len(names), mtp_num_layers]: what each depth's router tracked (0 for a dense one)."""
+        values = torch.zeros(
+            len(names), len(self.layers), dtype=torch.float32, device=compute_device()
+        )
+        for depth, layer in enumerate(self.layers):
+            router = getattr(getattr(layer.transformer_layer, "mlp", None), "router", None)
+            if not isinstance(router, TopKRouter):
+                continue
+            for i, name in enumerate(names):
+                if name in router.tracked:
+                    values[i, depth] = router.tracked[name].to(values.device)
+        return values
+
     # -------------------------------------------------------------------------- logging
     def mtp_metrics(self) -> torch.Tensor:
         """[mtp_num_layers] float32: this step's per-depth loss sums on this rank."""

@@ -142,11 +142,17 @@ class LanguageModule(MegatronModule):
     def moe_metrics(self, names: Sequence[str], num_layers: int) -> torch.Tensor:
         """[len(names), num_layers] float32: the auxiliary losses the MoE routers of this model
         (chunk) tracked under ``names`` (Megatron's log names), this step's sums on this rank,
-        at each MoE layer's global layer number - 1; 0 for the other layers. The caller reduces
-        them across ranks and micro-batches."""
+        at each MoE layer's global layer number - 1; 0 for the other layers. With multi-token
+        prediction D more columns hold the MTP depths'. The caller reduces them across ranks and
+        micro-batches."""
         values = torch.zeros(len(names), num_layers, dtype=torch.float32, device=compute_device())
         for block in self._transformer_blocks():
             values += block.moe_metrics(names, num_layers)
+        depths = getattr(self.config, "mtp_num_layers", None) or 0
+        if depths:  # the MTP depths' MoE layers follow the model's (Megatron's tracker)
+            mtp = getattr(self, "mtp", None)
+            extra = torch.zeros(len(names), depths, dtype=torch.float32, device=values.device)
+            values = torch.cat([values, extra if mtp is None else mtp.moe_metrics(names)], 1)
         return values
 
     def reset_moe_metrics(self) -> None:
