@@ -96,6 +96,11 @@ class GPTModel(LanguageModule):
             raise ValueError(
                 "GPTModel: multi-token prediction (mtp_block_spec) needs config.mtp_num_layers >= 1"
             )
+        if mtp_block_spec is not None and position_embedding_type not in ("rope", "none"):
+            raise ValueError(
+                "GPTModel: multi-token prediction needs position_embedding_type rope or none "
+                f"(--position-embedding-type), got {position_embedding_type!r}"
+            )
         if transformer_layer_spec is None:
             raise ValueError(
                 "GPTModel needs a transformer_layer_spec, e.g. get_gpt_layer_local_spec() or "

@@ -63,6 +63,15 @@ def test_parameter_names_are_megatrons():
     assert "mtp.layers.2.enorm.weight" not in keys
 
 
+def test_refusals_name_the_setting():
+    config = tiny_transformer_config(mtp_num_layers=1)
+    spec = get_gpt_layer_local_spec()
+    with pytest.raises(ValueError, match="position_embedding_type rope or none"):
+        GPTModel(config, spec, VOCAB, SEQ, mtp_block_spec=spec)
+    with pytest.raises(ValueError, match="needs config.mtp_num_layers >= 1"):
+        GPTModel(tiny_transformer_config(), spec, VOCAB, SEQ, mtp_block_spec=spec)
+
+
 def test_roll_tensor_one_process():
     t = torch.arange(1, 7).view(1, 6)
     rolled, total = roll_tensor(t)
