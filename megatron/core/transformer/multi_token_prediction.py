@@ -38,7 +38,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.utils import init_rng_scope
+from megatron.core.transformer.utils import init_rng_scope, recompute
 
 MTP_INIT_KEY = 3 << 20
 """Base of the init-RNG keys of the MTP layers (depth k uses MTP_INIT_KEY + k): apart from the
@@ -237,9 +237,23 @@ class MultiTokenPredictionBlock(MegatronModule):
             input_ids, _ = roll_tensor(input_ids, cp_group=self.cp_group)
             # MTP runs with RoPE or no position embedding: the embedding reads no positions.
             decoder_input = embedding(input_ids, None)
-            hidden_states = layer(hidden_states, decoder_input, attention_mask, rotary_pos_emb)
+            args = (hidden_states, decoder_input, attention_mask, rotary_pos_emb)
+            if self._recomputes():
+                hidden_states = recompute(self.config, layer, *args, tp_group=layer.tp_group)
+            else:
+                hidden_states = layer(*args)
             outputs.append(hidden_states)
         return outputs
+
+    def _recomputes(self) -> bool:
+        """Megatron recomputes each depth with ``--recompute-granularity full`` and the uniform
+        method (its 'block' method is not implemented for MTP and skips it, as here)."""
+        config = self.config
+        return (
+            self.training
+            and config.recompute_granularity == "full"
+            and config.recompute_method == "uniform"
+        )
 
     def attach_losses(
         self,
