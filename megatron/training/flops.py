@@ -5,7 +5,9 @@ Per iteration, forward + backward (3x the forward), with 2 FLOPs per multiply-ad
     attention = (1 + g/a + s/h) * (d*a/h)     (QKV and output projections, scores and context)
     mlp       = (L_dense * f + L_moe * (f_moe * k + f_shared)) / (L * h) * (3/2 if SwiGLU else 1)
     logits    = V / (2 * L * h)
-with B the global batch size, s the sequence length, L layers, h hidden size, a heads, g query
+with B the global batch size, s the sequence length, L layers (with ``--mtp-num-layers`` D
+each multi-token-prediction depth adds a layer like the last one, its eh_proj and norms,
+6 * B * s * (3h + 2h^2), and an output layer: logits times D + 1), h hidden size, a heads, g query
 groups, d the head dimension (kv channels), f the FFN size and V the padded vocabulary. With
 experts, L_moe of the layers (``--moe-layer-freq``) run k = ``--moe-router-topk`` experts of
 width f_moe (``--moe-ffn-hidden-size``) and a shared expert of width f_shared per token; the
@@ -39,8 +41,14 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     kv_channels = args.kv_channels or args.hidden_size // heads
     query_ratio = kv_channels * heads / args.hidden_size
     gated = 1.5 if args.swiglu else 1.0
-    h, s, L = args.hidden_size, args.seq_length, args.num_layers
+    h, s = args.hidden_size, args.seq_length
     moe_layers = _num_moe_layers(args)
+    # Multi-token prediction: each depth is one more layer like the model's last, an eh_proj
+    # [2h -> h] and its norms, and one more output layer (Megatron's count).
+    mtp = getattr(args, "mtp_num_layers", None) or 0
+    if moe_layers and _last_layer_is_moe(args):
+        moe_layers += mtp
+    L = args.num_layers + mtp
     mlp_width = (L - moe_layers) * args.ffn_hidden_size
     if moe_layers:
         moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
@@ -56,9 +64,9 @@ def num_floating_point_operations(args, batch_size: int) -> float:
         * (
             (1 + groups / heads + s / h) * query_ratio
             + mlp_width / (L * h) * gated
-            + args.padded_vocab_size / (2.0 * L * h)
+            + args.padded_vocab_size * (mtp + 1) / (2.0 * L * h)
         )
-    )
+    ) + 6.0 * batch_size * s * mtp * (3 * h + 2 * h * h)
 
 
 def _num_moe_layers(args) -> int:
@@ -68,6 +76,13 @@ def _num_moe_layers(args) -> int:
     if isinstance(freq, (list, tuple)):
         return sum(1 for v in freq if v)
     return len(range(0, args.num_layers, freq))
+
+
+def _last_layer_is_moe(args) -> bool:
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, (list, tuple)):
+        return bool(freq[-1])
+    return (args.num_layers - 1) % freq == 0
 
 
 def peak_tflops_per_device() -> Optional[float]:

@@ -66,6 +66,10 @@ def moe_loss_scalars(per_layer: Dict[str, torch.Tensor], config) -> Dict[str, to
     """name -> mean over the MoE layers (the log line's values), a 0-d tensor on the device:
     training_log reads it on the host only when it prints or writes it."""
     moe_layers = [i for i in range(config.num_layers) if is_moe_layer(config, i)]
+    depths = getattr(config, "mtp_num_layers", None) or 0
+    if depths and is_moe_layer(config, config.num_layers - 1):
+        # MTP depths are MoE layers like the model's last: Megatron averages over them too.
+        moe_layers += [config.num_layers + k for k in range(depths)]
     if not moe_layers or not per_layer:  # no balancing loss nor z-loss is tracked
         return {}
     # Basic indexing: a tensor of indices would be a host-to-device copy, which waits.

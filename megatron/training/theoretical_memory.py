@@ -91,6 +91,15 @@ class ParameterCount:
     """The routed experts of one MoE layer (all of them), split over EP x ETP."""
     expert_shards: int = 1
     """EP x ETP: the ranks the experts of a layer are spread over."""
+    mtp_layers: int = 0
+    """Multi-token-prediction depths (``--mtp-num-layers``), on the last pipeline stage: each a
+    transformer layer like the model's last, plus ``mtp_extra``."""
+    mtp_is_moe: bool = False
+    """Whether the MTP layers are MoE layers (the model's last layer is)."""
+    mtp_extra: int = 0
+    """One depth's enorm, hnorm, final norm and eh_proj [h, 2h]."""
+    mtp_extra_replicated: int = 0
+    """The part of ``mtp_extra`` every TP rank holds whole (the norms)."""
 
     @property
     def total(self) -> int:
@@ -101,6 +110,8 @@ class ParameterCount:
             + self.num_moe_layers * self.moe_layer
             + self.final_norm
             + self.output_layer
+            + self.mtp_layers * (self.moe_layer if self.mtp_is_moe else self.per_layer)
+            + self.mtp_layers * self.mtp_extra
         )
 
     def layer_on_tp_rank(self, tp: int) -> int:
@@ -135,9 +146,15 @@ class ParameterCount:
             count += self.final_norm
             if self.output_layer:
                 count += self.output_layer // tp
-            elif pp > 1:
-                count += self.embedding // tp
+            if pp > 1 and (not self.output_layer or self.mtp_layers):
+                count += self.embedding // tp  # the last stage's copy of the word embedding
+            count += self.mtp_layers * self._mtp_layer_on_rank(tp)
         return count
+
+    def _mtp_layer_on_rank(self, tp: int) -> int:
+        layer = self.moe_layer_on_rank(tp) if self.mtp_is_moe else self.layer_on_tp_rank(tp)
+        split = self.mtp_extra - self.mtp_extra_replicated
+        return layer + split // tp + self.mtp_extra_replicated
 
     def largest_rank(self, tp: int, pp: int) -> int:
         """Parameters on the most loaded (tensor, pipeline) rank with an even layer split."""
@@ -178,6 +195,15 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
     )
     if getattr(args, "num_experts", None):
         _add_experts(count, args, hidden, bias, qkv + proj + norms)
+    if getattr(args, "mtp_num_layers", None):
+        count.mtp_layers = args.mtp_num_layers
+        freq = getattr(args, "moe_layer_freq", 1)
+        last = args.num_layers - 1
+        count.mtp_is_moe = bool(count.num_moe_layers) and bool(
+            freq[-1] if isinstance(freq, (list, tuple)) else last % freq == 0
+        )
+        count.mtp_extra_replicated = 3 * _norm_size(args, hidden)
+        count.mtp_extra = count.mtp_extra_replicated + 2 * hidden * hidden
     return count
 
 

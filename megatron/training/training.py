@@ -42,6 +42,7 @@ from .model_setup import (
     uses_torch_fsdp2,
 )
 from .moe_logging import collect_moe_losses, moe_loss_scalars, write_per_layer
+from .mtp_logging import collect_mtp_losses
 from .params_norm import params_l2_norm
 from .progress_log import log_job_start
 from .replica_check import ReplicaMismatchError, check_weight_hashes_if_due
@@ -401,6 +402,7 @@ def train_step(
     if state.is_pipeline_last_stage():
         loss_reduced = _reduce_losses(losses_reduced, state)
         loss_reduced.update(moe_loss_scalars(moe_per_layer, config))
+        loss_reduced.update(collect_mtp_losses(model, state, num_microbatches))
     writer = run.tensorboard
     iteration = run.state.iteration + 1
     if (

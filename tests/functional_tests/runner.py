@@ -22,7 +22,7 @@ LOG_LINE = re.compile(
     r"(?: throughput per GPU \(TFLOP/s/GPU\): \d+\.\d \|)?"
     r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d{2}) \|"
     r" global batch size: +(?P<gbs>\d+) \|"
-    r"(?P<losses>(?: [a-z][a-z _-]*: \d\.\d{6}E[+-]\d{2} \|)*)"
+    r"(?P<losses>(?: [a-z][a-z0-9 _-]*: \d\.\d{6}E[+-]\d{2} \|)*)"
     r" loss scale: (?P<loss_scale>\d+\.\d) \|"
     r"(?: grad norm: (?P<grad_norm>\d+\.\d{3}) \|)?"
     r"(?: num zeros: (?P<num_zeros>\d+) \|)?"
@@ -190,7 +190,7 @@ def parse_log_lines(stdout):
             d = m.groupdict()
             d["losses"] = {
                 k.strip(): float(v)
-                for k, v in re.findall(r" ([a-z][a-z _-]*): (\S+) \|", d["losses"])
+                for k, v in re.findall(r" ([a-z][a-z0-9 _-]*): (\S+) \|", d["losses"])
             }
             result[int(d["iteration"])] = d
     return result

@@ -98,6 +98,22 @@ EXTRA_STATE_MODULES: Tuple[str, ...] = (
     "mlp.shared_experts.linear_fc2",
 )
 
+# A multi-token-prediction depth (``mtp.layers.<k>.``, always keyed layer by layer) holds a
+# transformer layer under ``transformer_layer.``, named within as the decoder's layers are, and
+# its column-parallel ``eh_proj``.
+MTP_INNER_LAYER = "transformer_layer."
+LAYER_RENAMES = LAYER_RENAMES + tuple(
+    Rename(
+        MTP_INNER_LAYER + r.ours,
+        MTP_INNER_LAYER + r.megatron,
+        tuple(MTP_INNER_LAYER + k for k in r.requires),
+    )
+    for r in LAYER_RENAMES
+)
+EXTRA_STATE_MODULES = (
+    EXTRA_STATE_MODULES + tuple(MTP_INNER_LAYER + m for m in EXTRA_STATE_MODULES) + ("eh_proj",)
+)
+
 
 class ExpertAxis(NamedTuple):
     """A list of experts in a layer that Megatron stores with an expert axis."""
@@ -113,6 +129,11 @@ class ExpertAxis(NamedTuple):
 
 EXPERT_AXES: Tuple[ExpertAxis, ...] = (
     ExpertAxis("mlp.experts.local_experts.", "mlp.experts.experts.", ("linear_fc1", "linear_fc2")),
+    ExpertAxis(
+        MTP_INNER_LAYER + "mlp.experts.local_experts.",
+        MTP_INNER_LAYER + "mlp.experts.experts.",
+        ("linear_fc1", "linear_fc2"),
+    ),
 )
 
 # What megatron-core stores for the extra state of a linear layer without fp8 metadata.
@@ -275,6 +296,7 @@ LINEAR_MODULE_NAMES: Tuple[str, ...] = (
     "linear_proj",
     "linear_fc1",
     "linear_fc2",
+    "eh_proj",  # a multi-token-prediction depth's
 )
 
 

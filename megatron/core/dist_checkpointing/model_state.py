@@ -34,15 +34,20 @@ from .megatron_layout import (
     to_megatron_layout,
 )
 
+MTP_LAYERS = "mtp.layers."
+"""The multi-token-prediction depths: Megatron keys them one by one (``mtp.layers.<k>.``)."""
 TIED_OUTPUT_KEY = "output_layer.weight"
 TIED_EMBEDDING_KEY = "embedding.word_embeddings.weight"
 
 
 def _blocks(chunk: torch.nn.Module) -> List[Tuple[str, int, int]]:
     """(state-dict prefix of a layer list, number of model layers before it, number of layers of
-    the whole model) for each block, longest prefix first."""
+    the whole model) for each block, longest prefix first; the MTP depths form a block."""
     found = []
     for name, module in chunk.named_modules():
+        if (name + ".layers.").endswith(MTP_LAYERS) and getattr(module, "is_mtp_block", False):
+            found.append((name + ".layers.", 0, len(module.layers)))
+            continue
         offset = getattr(module, "layer_number_offset", None)
         if isinstance(offset, int) and isinstance(
             getattr(module, "layers", None), torch.nn.ModuleList
@@ -147,6 +152,9 @@ def model_sharded_state_dict(
             forced_replica = False
             if tied and local_key == TIED_OUTPUT_KEY:
                 key, forced_replica = TIED_EMBEDDING_KEY, True
+            elif getattr(tensor, "shared", False) and key == TIED_EMBEDDING_KEY:
+                # The last stage's copy of the embedding (multi-token prediction's).
+                forced_replica = True
             if key in entries:
                 raise ValueError(f"two tensors of this rank map to the checkpoint key {key}")
             data = tensor.detach()
@@ -175,8 +183,8 @@ def model_sharded_state_dict(
         layer_by_layer={
             prefix
             for chunk in chunks
-            if _has_mixed_layers(chunk)
             for prefix, _, _ in _blocks(chunk)
+            if _has_mixed_layers(chunk) or prefix.endswith(MTP_LAYERS)
         },
     )
     for chunk in chunks:

@@ -31,7 +31,11 @@ def get_shared_embedding_weight(
     if not (is_first_stage or is_last_stage) or (is_first_stage and is_last_stage):
         return None
     inner = unwrap_model(model_chunks[0] if is_first_stage else model_chunks[-1])
-    if not getattr(inner, "share_embeddings_and_output_weights", False):
+    on_both_ends = getattr(inner, "_embedding_on_both_ends", None)  # LanguageModule's
+    if on_both_ends is not None:
+        if not on_both_ends():
+            return None
+    elif not getattr(inner, "share_embeddings_and_output_weights", False):
         return None
     if getattr(inner, "pre_process", False) and getattr(inner, "post_process", False):
         return None

@@ -127,6 +127,10 @@ def forward_step(
                 num_microbatches, cp_size, getattr(config, "calculate_per_token_loss", False)
             )
         )
+    if getattr(config, "mtp_num_layers", None):
+        set_mtp_scale = getattr(unwrap_model(model), "set_mtp_loss_scale", None)
+        if set_mtp_scale is not None:
+            set_mtp_scale(ctx.mtp_loss_scale(num_microbatches, cp_size))
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     num_tokens = torch.tensor(0, dtype=torch.int, device=compute_device())
     if not is_last_stage:

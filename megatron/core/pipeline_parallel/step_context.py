@@ -67,6 +67,16 @@ class StepContext:
         """The level-2 timer ``name``, or None without timers."""
         return self.timers(name, log_level=2) if self.timers is not None else None
 
+    def mtp_loss_scale(self, num_microbatches: int, cp_size: int) -> Union[float, torch.Tensor]:
+        """The factor the multi-token-prediction losses take in backward: the main loss's (its
+        loss scale; with per-token loss nothing more, the trainer divides by the token count;
+        else cp_size / num_microbatches, as the schedule's forward step gives the main loss)."""
+        factor = 1.0 if self.calculate_per_token_loss else cp_size / num_microbatches
+        if self.grad_scale_func is None:
+            return factor
+        one = torch.ones(1, device=compute_device())
+        return self.grad_scale_func(one).double() * factor
+
     def moe_aux_loss_scale(
         self, num_microbatches: int, cp_size: int, per_token_loss: bool = False
     ) -> Union[float, torch.Tensor]:

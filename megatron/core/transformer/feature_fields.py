@@ -7,7 +7,7 @@ megatron-core's default. Two kinds:
   of Transformer Engine, CUDA graph details, ...): accepted at any value and without effect,
   because the feature they tune never runs here (:data:`INERT_FIELDS`);
 * switches of a feature this code base does not implement (fp8/fp4, multi-latent attention,
-  multi-token prediction, sliding-window attention, CPU offloading, CUDA graphs other than
+  sliding-window attention, CPU offloading, CUDA graphs other than
   ``cuda_graph_impl='local'``, ...): any value
   but megatron-core's default is refused by :func:`refuse_unsupported_features`, naming the field,
   so a run never silently trains another model than the one asked for.
@@ -52,7 +52,6 @@ INERT_FIELDS = frozenset(
         "cpu_offloading_activations",
         "cpu_offloading_weights",
         "cpu_offloading_double_buffering",
-        "mtp_loss_scaling_factor",
         "qk_clip_alpha",
         "qk_clip_threshold",
         "dsa_indexer_n_heads",
@@ -173,10 +172,6 @@ class UnsupportedFeatureFields:
     """Offload weights (with cpu_offloading)."""
     cpu_offloading_double_buffering: Any = False
     """Double-buffer the offloaded tensors."""
-    mtp_num_layers: Any = None
-    """Multi-token prediction layers (None: none)."""
-    mtp_loss_scaling_factor: Any = 0.1
-    """Weight of the multi-token prediction loss."""
     pipeline_model_parallel_layout: Any = None
     """An explicit layer layout over the pipeline stages."""
     softmax_type: Any = "vanilla"

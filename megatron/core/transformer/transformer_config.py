@@ -274,6 +274,11 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
     calculate_per_token_loss: bool = False
     """Divide the summed loss by the number of tokens of the whole global batch instead of per
     micro-batch (``--calculate-per-token-loss``). Read by the training loop / schedules."""
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction depths (``--mtp-num-layers``; None: none), built on the last
+    pipeline stage (megatron.core.transformer.multi_token_prediction)."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the mean of the MTP depths' losses (``--mtp-loss-scaling-factor``)."""
 
     # ---------------------------------------------------------------- activation recompute
     recompute_granularity: Optional[str] = None

@@ -221,8 +221,16 @@ class NetworkSizeFlags:
     )
     attention_output_gate: bool = switch("Gate the attention output with a sigmoid.")
     multi_latent_attention: bool = switch("Use multi-latent attention (see the mla group).")
-    mtp_num_layers: Optional[int] = flag(None, "Number of multi-token-prediction layers.")
-    mtp_loss_scaling_factor: float = flag(0.1, "Weight of the multi-token-prediction loss.")
+    mtp_num_layers: Optional[int] = flag(
+        None,
+        "Number of multi-token-prediction layers.",
+        honoured_at="TransformerConfig.mtp_num_layers; model_families.gpt.model.model_provider",
+    )
+    mtp_loss_scaling_factor: float = flag(
+        0.1,
+        "Weight of the multi-token-prediction loss.",
+        honoured_at="TransformerConfig.mtp_loss_scaling_factor",
+    )
     mtp_standalone: bool = switch("Place the multi-token-prediction layers on their own stage.")
     mtp_use_repeated_layer: bool = switch("Reuse one multi-token-prediction layer for every depth.")
     mtp_detach_heads: bool = switch("Detach the multi-token-prediction heads from the trunk.")

@@ -290,7 +290,7 @@ refused(
 refused(
     f"multi-token prediction is {_NYI}",
     """
-    mtp_num_layers mtp_loss_scaling_factor mtp_standalone mtp_use_repeated_layer
+    mtp_standalone mtp_use_repeated_layer
     mtp_detach_heads mtp_hsm mtp_hybrid_override_pattern
     """,
 )

@@ -95,6 +95,7 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.tensor_parallel import ProcessGroupCollection
     from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.multi_token_prediction import mtp_layer_spec
     from megatron.training.configs import (
         core_transformer_config_from_args,
         ddp_config_from_args,
@@ -102,10 +103,11 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
     )
 
     config = core_transformer_config_from_args(args)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     torch.manual_seed(0)
     model = GPTModel(
         config,
-        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -114,6 +116,7 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
         position_embedding_type=args.position_embedding_type,
         num_layers=num_layers,
         pg_collection=state,
+        mtp_block_spec=mtp_layer_spec(spec) if getattr(args, "mtp_num_layers", None) else None,
     )
     if args.fp16 or args.bf16:
         model = Float16Module(config, model)
@@ -142,7 +145,8 @@ def build_and_step(args, pre_process=True, post_process=True, num_layers=None, s
     if not pre_process:
         hidden = torch.randn(s, b, args.hidden_size, generator=g, requires_grad=True)
         ddp.module.set_input_tensor(hidden.to(config.params_dtype))
-        tokens = None
+        if not getattr(args, "mtp_num_layers", None):  # MTP embeds the tokens on the last stage
+            tokens = None
     output = ddp(tokens, position_ids, None, labels=labels if post_process else None)
     output.float().mean().backward()
     ddp.finish_grad_sync()
@@ -815,3 +819,24 @@ def test_fused_cross_entropy_counts_one_chunk_of_logits():
     s, b, h, vocab = 1024, 32, 256, 50304  # the NullTokenizer's 50,257 tokens, padded
     assert logits == 4 * s * b * h + 4 * s * b * vocab
     assert chunk == 4 * s * b * h + 4 * 2521 * vocab and 2521 * vocab <= CHUNK_ELEMENTS
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--untie-embeddings-and-output-weights"], ["--num-experts", "4"]],
+    ids=["tied", "untied", "moe"],
+)
+def test_multi_token_prediction_parameters_are_counted_on_the_last_stage(extra):
+    """--mtp-num-layers 2 at PP=2: the last stage holds the MTP depths (a layer like the last
+    one, whose kind follows the model's last layer, plus enorm, hnorm, eh_proj, final norm) and
+    its copy of the word embedding, tied or not; each stage's count is the built stage's."""
+    mtp = ["--mtp-num-layers", "2", "--position-embedding-type", "rope"]
+    flags = TINY + ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--bf16"]
+    args = make_args(flags + mtp + extra, world_size=2)
+    for rank, (pre, post) in enumerate([(True, False), (False, True)]):
+        report = compute_theoretical_memory(args, pp_rank=rank)
+        model, _ = build_and_step(args, pre_process=pre, post_process=post, num_layers=2)
+        from megatron.core.utils import unwrap_model
+
+        assert hasattr(unwrap_model(model), "mtp") == post
+        assert sum(p.numel() for p in model.parameters()) == report.parameters, rank

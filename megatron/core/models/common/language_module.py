@@ -136,21 +136,31 @@ class LanguageModule(MegatronModule):
     def set_moe_aux_loss_scale(self, scale) -> None:
         for block in self._transformer_blocks():
             block.set_moe_aux_loss_scale(scale)
+        if getattr(self, "mtp", None) is not None:  # MoE layers of multi-token prediction
+            self.mtp.set_moe_aux_loss_scale(scale)
 
     def moe_metrics(self, names: Sequence[str], num_layers: int) -> torch.Tensor:
         """[len(names), num_layers] float32: the auxiliary losses the MoE routers of this model
         (chunk) tracked under ``names`` (Megatron's log names), this step's sums on this rank,
-        at each MoE layer's global layer number - 1; 0 for the other layers. The caller reduces
-        them across ranks and micro-batches."""
+        at each MoE layer's global layer number - 1; 0 for the other layers. With multi-token
+        prediction D more columns hold the MTP depths'. The caller reduces them across ranks and
+        micro-batches."""
         values = torch.zeros(len(names), num_layers, dtype=torch.float32, device=compute_device())
         for block in self._transformer_blocks():
             values += block.moe_metrics(names, num_layers)
+        depths = getattr(self.config, "mtp_num_layers", None) or 0
+        if depths:  # the MTP depths' MoE layers follow the model's (Megatron's tracker)
+            mtp = getattr(self, "mtp", None)
+            extra = torch.zeros(len(names), depths, dtype=torch.float32, device=values.device)
+            values = torch.cat([values, extra if mtp is None else mtp.moe_metrics(names)], 1)
         return values
 
     def reset_moe_metrics(self) -> None:
         """Start the next step's sums (after :meth:`moe_metrics` has been read)."""
         for block in self._transformer_blocks():
             block.reset_moe_metrics()
+        if getattr(self, "mtp", None) is not None:
+            self.mtp.reset_moe_metrics()
 
     def compute_language_model_loss(
         self, labels: torch.Tensor, logits: torch.Tensor
@@ -176,8 +186,10 @@ class LanguageModule(MegatronModule):
         return logits * config.mup_output_mult
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
-        """The word embedding on the first stage, else the output layer's weight."""
-        if self.pre_process:
+        """The word embedding on the first stage (and on the stage of multi-token prediction,
+        which holds the embedding and, tied, no output weight of its own), else the output
+        layer's weight."""
+        if self.pre_process or getattr(self, "mtp_process", False):
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
@@ -209,12 +221,12 @@ class LanguageModule(MegatronModule):
                 embedding_class.append(self.output_layer.weight)
             for param in embedding_class:
                 param.is_embedding_parameter = True
-        if not self.share_embeddings_and_output_weights:
+        if not self._embedding_on_both_ends():
             return
         if self.pre_process and not self.post_process:
             self.embedding.word_embeddings.weight.shared_embedding = True
         if self.post_process and not self.pre_process:
-            weight = self.output_layer.weight
+            weight = self.shared_embedding_or_output_weight()
             if weight.device.type != "meta":
                 with torch.no_grad():
                     weight.zero_()
@@ -224,10 +236,17 @@ class LanguageModule(MegatronModule):
         if torch.distributed.is_initialized() and group_size(embedding_group) > 1:
             self.sync_shared_embedding(embedding_group)
 
+    def _embedding_on_both_ends(self) -> bool:
+        """Whether the last pipeline stage holds a copy of the word embedding: tied output
+        weights, or multi-token prediction (Megatron's ``mtp_num_layers``), which embeds there."""
+        return bool(
+            self.share_embeddings_and_output_weights or getattr(self.config, "mtp_num_layers", None)
+        )
+
     def sync_shared_embedding(self, embedding_group) -> None:
         """All-reduce (sum) the tied weight over the group of the first and last pipeline stage,
         copying the first stage's initial values into the last stage's zeroed copy."""
-        if not self.share_embeddings_and_output_weights or (self.pre_process and self.post_process):
+        if not self._embedding_on_both_ends() or (self.pre_process and self.post_process):
             return
         weight = self.shared_embedding_or_output_weight()
         if weight is not None and embedding_group is not None:

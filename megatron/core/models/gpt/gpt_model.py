@@ -13,6 +13,7 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 from megatron.core.transformer.context_parallel import cp_chunk_indices
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -91,8 +92,15 @@ class GPTModel(LanguageModule):
             )
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-        if mtp_block_spec is not None:
-            raise ValueError("GPTModel: multi-token prediction (mtp_block_spec) is not supported")
+        if mtp_block_spec is not None and not config.mtp_num_layers:
+            raise ValueError(
+                "GPTModel: multi-token prediction (mtp_block_spec) needs config.mtp_num_layers >= 1"
+            )
+        if mtp_block_spec is not None and position_embedding_type not in ("rope", "none"):
+            raise ValueError(
+                "GPTModel: multi-token prediction needs position_embedding_type rope or none "
+                f"(--position-embedding-type), got {position_embedding_type!r}"
+            )
         if transformer_layer_spec is None:
             raise ValueError(
                 "GPTModel needs a transformer_layer_spec, e.g. get_gpt_layer_local_spec() or "
@@ -106,8 +114,10 @@ class GPTModel(LanguageModule):
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = share_embeddings_and_output_weights
         self.position_embedding_type = position_embedding_type
+        # Multi-token prediction sits on the last (virtual) stage and needs the word embedding.
+        self.mtp_process = mtp_block_spec is not None and post_process
 
-        if pre_process:
+        if pre_process or self.mtp_process:
             with init_rng_scope(config.init_seed, EMBEDDING_INIT_KEY):
                 self.embedding = LanguageModelEmbedding(
                     config,
@@ -141,13 +151,17 @@ class GPTModel(LanguageModule):
             num_layers=num_layers,
             layer_number_offset=layer_number_offset,
         )
+        if self.mtp_process:
+            self.mtp = MultiTokenPredictionBlock(
+                config, mtp_block_spec, pg_collection=self.pg_collection
+            )
         if post_process:
             with init_rng_scope(config.init_seed, OUTPUT_LAYER_INIT_KEY):
                 self.output_layer = self._build_output_layer(
                     config,
                     vocab_size,
                     parallel_output,
-                    pre_process,
+                    pre_process or self.mtp_process,
                     share_embeddings_and_output_weights,
                 )
         self.setup_embeddings_and_output_layer()
@@ -277,8 +291,8 @@ class GPTModel(LanguageModule):
 
         Returns logits [b, s, V] when ``labels`` is None, else per-token losses [b, s] (fp32 unless
         ``fp16_lm_cross_entropy``). Stages without ``post_process`` return hidden states [s, b, h].
-        Argument order is Megatron's: pass ``labels`` by keyword. ``loss_mask`` is accepted for
-        call compatibility and not used (the caller applies it to the returned losses).
+        Argument order is Megatron's: pass ``labels`` by keyword. ``loss_mask`` [b, s] is used only
+        by multi-token prediction (the caller applies it to the returned main losses).
 
         ``inference_context`` (a ``StaticInferenceContext``): generation with a KV cache; the
         inputs are the tokens after the cached ones (``position_ids`` continue from the cache's
@@ -331,6 +345,17 @@ class GPTModel(LanguageModule):
         if not self.post_process:
             return hidden_states
 
+        if self.mtp_process and labels is not None and self.training:
+            hidden_states = self._attach_mtp_losses(
+                input_ids, hidden_states, attention_mask, rotary, labels, loss_mask
+            )
+        return self._output_layer_and_loss(hidden_states, labels)
+
+    def _output_layer_and_loss(
+        self, hidden_states: torch.Tensor, labels: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """The head: hidden states [s, b, h] -> logits [b, s, V] (``labels`` None) or per-token
+        losses [b, s]."""
         weight = (
             self.shared_embedding_or_output_weight()
             if self.share_embeddings_and_output_weights
@@ -356,3 +381,27 @@ class GPTModel(LanguageModule):
         if labels is None:
             return logits
         return self.compute_language_model_loss(labels, logits)
+
+    # ------------------------------------------------------------ multi-token prediction
+    def set_mtp_loss_scale(self, scale) -> None:
+        """The factor the MTP losses take in backward (the schedule's, per micro-batch)."""
+        if self.mtp_process:
+            self.mtp.set_mtp_loss_scale(scale)
+
+    def _attach_mtp_losses(
+        self, input_ids, hidden_states, attention_mask, rotary, labels, loss_mask
+    ) -> torch.Tensor:
+        """Run the MTP depths on the decoder's output and attach their losses, computed by the
+        main head's own loss function, to the main head's input (for backward)."""
+        if input_ids is None:
+            raise ValueError("GPTModel with multi-token prediction needs input_ids")
+        mtp_hidden = self.mtp(
+            input_ids,
+            hidden_states,
+            self.embedding,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary,
+        )
+        return self.mtp.attach_losses(
+            hidden_states, mtp_hidden, labels, loss_mask, self._output_layer_and_loss
+        )

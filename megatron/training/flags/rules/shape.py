@@ -113,6 +113,11 @@ def validate_model_shape(args):
     else:
         # Biases everywhere include the QKV bias.
         args.add_qkv_bias = True
+    if args.mtp_num_layers is not None:
+        check(
+            args.mtp_num_layers >= 0,
+            f"--mtp-num-layers must be >= 0 (got {args.mtp_num_layers})",
+        )
     if args.mtp_num_layers:
         check(
             args.position_embedding_type in ("rope", "none"),

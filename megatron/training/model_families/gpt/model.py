@@ -5,6 +5,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
 )
+from megatron.core.transformer.multi_token_prediction import mtp_layer_spec
 from megatron.core.transformer.spec_utils import import_spec
 from megatron.training import get_args, get_parallel_state, print_rank_0
 from megatron.training.configs import core_transformer_config_from_args
@@ -23,6 +24,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         transformer_layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     else:
         transformer_layer_spec = get_gpt_layer_local_spec()
+    mtp_block_spec = mtp_layer_spec(transformer_layer_spec) if args.mtp_num_layers else None
     return GPTModel(
         config=config,
         transformer_layer_spec=transformer_layer_spec,
@@ -38,6 +40,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
         rope_scaling_factor=args.rope_scaling_factor,
+        mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
         pg_collection=get_parallel_state(),
     )

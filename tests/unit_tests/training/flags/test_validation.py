@@ -399,6 +399,11 @@ CASES = [
         ["--position-embedding-type mrope needs --mrope-section"],
     ),
     case(
+        "mtp_layers_not_negative",
+        ["--mtp-num-layers", -1, "--position-embedding-type", "rope"],
+        ["--mtp-num-layers must be >= 0 (got -1)"],
+    ),
+    case(
         "mtp_needs_rope_or_none",
         ["--mtp-num-layers", 1],
         ["--mtp-num-layers", "--position-embedding-type rope or none", "learned_absolute"],
