@@ -1,0 +1,144 @@
+"""Multi-latent attention against transformers' ``DeepseekV3ForCausalLM`` (an independent
+implementation) on the same weights, the Hugging Face <-> Megatron weight mapping's round trip,
+and generation with the KV cache (keys/values or, with ``cache_mla_latents``, the latents)
+against full recompute."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "tools" / "checkpoint"))
+import hf_deepseek_v3  # noqa: E402
+
+VOCAB = 96
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 0.8,
+    "mscale_all_dim": 0.6,
+}
+
+
+def _hf_model(q_lora_rank, rope_parameters, rope_interleave=True):
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=6,
+        v_head_dim=10,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rope_parameters=rope_parameters,
+        rope_interleave=rope_interleave,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+    )
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1 so that a missing or misplaced norm shows
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def _megatron_model(hf_config: dict, **extra):
+    kwargs = hf_deepseek_v3.megatron_config_kwargs(hf_config)
+    config = MLATransformerConfig(
+        **kwargs,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        init_seed=1,
+        activation_func=torch.nn.functional.silu,
+        **extra,
+    )
+    return GPTModel(
+        config,
+        get_gpt_layer_local_spec(multi_latent_attention=True),
+        vocab_size=VOCAB,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+    ).eval()
+
+
+@pytest.mark.parametrize(
+    "q_lora_rank,rope,interleave",
+    [
+        (16, YARN, True),
+        (None, YARN, True),
+        (16, {"rope_type": "default", "rope_theta": 500.0}, False),
+    ],
+    ids=["q_lora_yarn", "full_q_yarn", "q_lora_rope_not_interleaved"],
+)
+def test_logits_match_transformers_and_round_trip_is_exact(q_lora_rank, rope, interleave):
+    hf = _hf_model(q_lora_rank, rope, interleave)
+    hf_config = hf.config.to_dict()
+    hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    state = hf_deepseek_v3.hf_to_megatron(hf_state, hf_config)
+    model = _megatron_model(hf_config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected
+    assert all(
+        k.endswith("linear_proj.bias") or "mlp.linear_fc" in k and "bias" in k for k in missing
+    ), missing
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(tokens, None, None)
+        theirs = hf(tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+    back = hf_deepseek_v3.megatron_to_hf(state, hf_config)
+    assert back.keys() == hf_state.keys()
+    for key, value in hf_state.items():
+        assert torch.equal(back[key], value), key
+
+
+@pytest.mark.parametrize("cache_latents", [False, True], ids=["kv_cache", "latent_cache"])
+def test_generation_with_the_cache_equals_full_recompute(cache_latents):
+    hf = _hf_model(16, YARN)
+    model = _megatron_model(hf.config.to_dict(), cache_mla_latents=cache_latents)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    context = StaticInferenceContext(max_batch_size=2, max_sequence_length=16)
+    tokens = prompt
+    with torch.no_grad():
+        logits = model(prompt, None, None, inference_context=context)
+        context.advance(prompt.shape[1])
+        for _ in range(5):
+            full = model(tokens, None, None)
+            assert (full[:, -1] - logits[:, -1]).abs().max().item() < 1e-5
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, nxt], dim=1)
+            logits = model(nxt, None, None, inference_context=context)
+            context.advance(1)
+    cached = context.key_value_memory_dict[1][0]
+    # the normalized latents [s, b, kv_lora_rank], or per-head keys [s, b, heads, 8 + 6]
+    assert tuple(cached.shape[2:]) == ((24,) if cache_latents else (4, 14))
+
+
+def test_mla_config_refuses_bad_dims():
+    with pytest.raises(ValueError, match="qk_pos_emb_head_dim"):
+        MLATransformerConfig(
+            num_layers=1, hidden_size=8, num_attention_heads=2, qk_pos_emb_head_dim=3
+        )
