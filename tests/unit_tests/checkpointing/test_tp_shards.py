@@ -3,10 +3,11 @@ the trainer's (megatron.core.dist_checkpointing.model_state, from the layers' pa
 attributes), so that the two cannot drift apart.
 
 Tiny GPT (SwiGLU with biases, q/k layernorm, untied output), MoE (SwiGLU experts over expert TP),
-multi-latent attention (with and without the low-rank query), BERT and T5 models are built at
-TP=2 in a 2-process gloo world. For every tensor, the global tensor the runtime's chunks assemble
-from both ranks must be what ``merge_shards`` makes of the two local tensors, and ``split_full`` of it must give each rank's local tensor back. The tensors
-the converters refuse are exactly T5's cross-attention ones (T5 checkpoints are not converted).
+multi-latent attention (with and without the low-rank query), BERT and T5 models are built at TP=2
+in a 2-process gloo world. For every tensor, the global tensor the runtime's chunks assemble from
+both ranks must be what ``merge_shards`` makes of the two local tensors, and ``split_full`` of it
+must give each rank's local tensor back. The tensors the converters refuse are exactly T5's cross-
+attention ones (T5 checkpoints are not converted).
 """
 
 import torch
