@@ -13,7 +13,10 @@ adjacent pairs (2i, 2i+1); Megatron rotates pairs (i, i + p/2). The rows produci
 permuted ([0, 2, 4, ..., 1, 3, 5, ...]) on the way in and back on the way out, so q.k is the
 same and the round trip is exact.
 
-Not covered yet: MoE layers (``first_k_dense_replace`` must equal ``num_hidden_layers``) and MTP.
+MoE layers (from ``first_k_dense_replace`` on): ``mlp.gate.weight`` / ``e_score_correction_bias``
+-> ``mlp.router.weight`` / ``expert_bias``; transformers 5's fused experts ``gate_up_proj[e]`` /
+``down_proj[e]`` -> ``mlp.experts.local_experts.<e>.linear_fc1`` / ``linear_fc2``; the shared
+experts like a dense MLP under ``mlp.shared_experts``. Not covered: multi-token prediction layers.
 """
 
 from __future__ import annotations
@@ -44,19 +47,46 @@ def _rope_orders(config: dict, to_megatron: bool):
     return order if to_megatron else torch.argsort(order)
 
 
-def check_dense(config: dict) -> None:
-    layers = config["num_hidden_layers"]
-    if config.get("first_k_dense_replace", 0) < layers and config.get("n_routed_experts"):
-        raise ValueError(
-            "hf_deepseek_v3: MoE layers are not converted yet (first_k_dense_replace "
-            f"{config.get('first_k_dense_replace')} < num_hidden_layers {layers})"
-        )
+def is_moe(config: dict, layer: int) -> bool:
+    return bool(config.get("n_routed_experts")) and layer >= config.get("first_k_dense_replace", 0)
+
+
+def _dense_mlp_in(hf, src: str, dst: str, out: dict) -> None:
+    out[dst + "linear_fc1.weight"] = torch.cat(
+        [hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]]
+    )
+    out[dst + "linear_fc2.weight"] = hf[src + "down_proj.weight"]
+
+
+def _dense_mlp_out(state, src: str, dst: str, out: dict) -> None:
+    gate, up = torch.chunk(state[src + "linear_fc1.weight"], 2)
+    out[dst + "gate_proj.weight"] = gate
+    out[dst + "up_proj.weight"] = up
+    out[dst + "down_proj.weight"] = state[src + "linear_fc2.weight"]
+
+
+def _moe_in(hf, src: str, dst: str, out: dict, experts: int) -> None:
+    out[dst + "router.weight"] = hf[src + "gate.weight"]
+    out[dst + "router.expert_bias"] = hf[src + "gate.e_score_correction_bias"]
+    for e in range(experts):
+        expert = f"{dst}experts.local_experts.{e}."
+        out[expert + "linear_fc1.weight"] = hf[src + "experts.gate_up_proj"][e]
+        out[expert + "linear_fc2.weight"] = hf[src + "experts.down_proj"][e]
+    _dense_mlp_in(hf, src + "shared_experts.", dst + "shared_experts.", out)
+
+
+def _moe_out(state, src: str, dst: str, out: dict, experts: int) -> None:
+    out[dst + "gate.weight"] = state[src + "router.weight"]
+    out[dst + "gate.e_score_correction_bias"] = state[src + "router.expert_bias"]
+    local = [f"{src}experts.local_experts.{e}." for e in range(experts)]
+    out[dst + "experts.gate_up_proj"] = torch.stack([state[x + "linear_fc1.weight"] for x in local])
+    out[dst + "experts.down_proj"] = torch.stack([state[x + "linear_fc2.weight"] for x in local])
+    _dense_mlp_out(state, src + "shared_experts.", dst + "shared_experts.", out)
 
 
 def hf_to_megatron(hf: Dict[str, torch.Tensor], config: dict) -> Dict[str, torch.Tensor]:
     """Megatron's GPTModel state dict (multi-latent attention, --qk-layernorm, SwiGLU, RMSNorm,
     untied output) from a Hugging Face DeepSeek-V3 state dict."""
-    check_dense(config)
     heads, nope, rope = (
         config["num_attention_heads"],
         config["qk_nope_head_dim"],
@@ -89,16 +119,15 @@ def hf_to_megatron(hf: Dict[str, torch.Tensor], config: dict) -> Dict[str, torch
         out[mla + "linear_proj.weight"] = hf[att + "o_proj.weight"]
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-        )
-        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+        if is_moe(config, i):
+            _moe_in(hf, src + "mlp.", dst + "mlp.", out, config["n_routed_experts"])
+        else:
+            _dense_mlp_in(hf, src + "mlp.", dst + "mlp.", out)
     return out
 
 
 def megatron_to_hf(state: Dict[str, torch.Tensor], config: dict) -> Dict[str, torch.Tensor]:
     """The inverse of :func:`hf_to_megatron`."""
-    check_dense(config)
     heads, nope, rope = (
         config["num_attention_heads"],
         config["qk_nope_head_dim"],
@@ -131,10 +160,10 @@ def megatron_to_hf(state: Dict[str, torch.Tensor], config: dict) -> Dict[str, to
         out[att + "o_proj.weight"] = state[mla + "linear_proj.weight"]
         out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
-        gate, up = torch.chunk(state[src + "mlp.linear_fc1.weight"], 2)
-        out[dst + "mlp.gate_proj.weight"] = gate
-        out[dst + "mlp.up_proj.weight"] = up
-        out[dst + "mlp.down_proj.weight"] = state[src + "mlp.linear_fc2.weight"]
+        if is_moe(config, i):
+            _moe_out(state, src + "mlp.", dst + "mlp.", out, config["n_routed_experts"])
+        else:
+            _dense_mlp_out(state, src + "mlp.", dst + "mlp.", out)
     return out
 
 
@@ -159,6 +188,37 @@ def megatron_config_kwargs(config: dict) -> dict:
         add_bias_linear=False,
         rotary_base=params.get("rope_theta", config.get("rope_theta", 10000.0)),
     )
+    if (
+        config.get("n_routed_experts")
+        and config.get("first_k_dense_replace", 0) < kwargs["num_layers"]
+    ):
+        if config.get("scoring_func", "sigmoid") != "sigmoid" or not config.get(
+            "norm_topk_prob", True
+        ):
+            raise ValueError(
+                "hf_deepseek_v3: only the sigmoid router with norm_topk_prob is mapped"
+            )
+        experts, topk = config["n_routed_experts"], config["num_experts_per_tok"]
+        group_topk = config.get("topk_group")
+        if group_topk and topk // group_topk != 2:
+            raise ValueError(
+                "hf_deepseek_v3: Hugging Face scores a group by its best 2 experts, Megatron "
+                f"by its best topk // topk_group = {topk // group_topk}"
+            )
+        kwargs.update(
+            num_moe_experts=experts,
+            moe_router_topk=topk,
+            moe_ffn_hidden_size=config["moe_intermediate_size"],
+            moe_shared_expert_intermediate_size=config["moe_intermediate_size"]
+            * config.get("n_shared_experts", 1),
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_topk_scaling_factor=config.get("routed_scaling_factor", 1.0),
+            moe_router_num_groups=config.get("n_group"),
+            moe_router_group_topk=group_topk,
+            moe_router_dtype="fp32",
+            moe_layer_freq=[int(is_moe(config, i)) for i in range(kwargs["num_layers"])],
+        )
     if kind == "yarn":
         kwargs.update(
             rope_type="yarn",

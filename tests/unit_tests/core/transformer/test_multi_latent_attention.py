@@ -12,7 +12,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "tools" / "checkpoint"))
@@ -31,9 +31,22 @@ YARN = {
 }
 
 
-def _hf_model(q_lora_rank, rope_parameters, rope_interleave=True):
+MOE = dict(
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+)
+
+
+def _hf_model(q_lora_rank, rope_parameters, rope_interleave=True, **moe):
     torch.manual_seed(0)
-    config = DeepseekV3Config(
+    settings = dict(
         vocab_size=VOCAB,
         hidden_size=48,
         intermediate_size=64,
@@ -55,11 +68,17 @@ def _hf_model(q_lora_rank, rope_parameters, rope_interleave=True):
         tie_word_embeddings=False,
         attention_dropout=0.0,
     )
-    model = DeepseekV3ForCausalLM(config).eval()
+    settings.update(moe)
+    model = DeepseekV3ForCausalLM(DeepseekV3Config(**settings)).eval()
     with torch.no_grad():  # norms away from 1 so that a missing or misplaced norm shows
         for name, param in model.named_parameters():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+            if name.endswith("gate.weight"):  # routers start at zero: give them preferences
+                param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(0.0, 0.1)
     return model
 
 
@@ -67,6 +86,7 @@ def _megatron_model(hf_config: dict, **extra):
     kwargs = hf_deepseek_v3.megatron_config_kwargs(hf_config)
     config = MLATransformerConfig(
         **kwargs,
+        moe_token_dispatcher_type="alltoall",
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=torch.float32,
@@ -76,7 +96,7 @@ def _megatron_model(hf_config: dict, **extra):
     )
     return GPTModel(
         config,
-        get_gpt_layer_local_spec(multi_latent_attention=True),
+        get_gpt_decoder_block_spec(config, use_transformer_engine=False),
         vocab_size=VOCAB,
         max_sequence_length=64,
         position_embedding_type="rope",
@@ -85,25 +105,25 @@ def _megatron_model(hf_config: dict, **extra):
 
 
 @pytest.mark.parametrize(
-    "q_lora_rank,rope,interleave",
+    "q_lora_rank,rope,interleave,moe",
     [
-        (16, YARN, True),
-        (None, YARN, True),
-        (16, {"rope_type": "default", "rope_theta": 500.0}, False),
+        (16, YARN, True, {}),
+        (None, YARN, True, {}),
+        (16, {"rope_type": "default", "rope_theta": 500.0}, False, {}),
+        (16, YARN, True, MOE),
     ],
-    ids=["q_lora_yarn", "full_q_yarn", "q_lora_rope_not_interleaved"],
+    ids=["q_lora_yarn", "full_q_yarn", "q_lora_rope_not_interleaved", "moe_dense_first"],
 )
-def test_logits_match_transformers_and_round_trip_is_exact(q_lora_rank, rope, interleave):
-    hf = _hf_model(q_lora_rank, rope, interleave)
+def test_logits_match_transformers_and_round_trip_is_exact(q_lora_rank, rope, interleave, moe):
+    """MoE: a dense first layer, then sigmoid routing with expert bias, group-limited top-k
+    (4 groups, 2 chosen), scaling 2.5 and two shared experts."""
+    hf = _hf_model(q_lora_rank, rope, interleave, **moe)
     hf_config = hf.config.to_dict()
     hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     state = hf_deepseek_v3.hf_to_megatron(hf_state, hf_config)
     model = _megatron_model(hf_config)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected
-    assert all(
-        k.endswith("linear_proj.bias") or "mlp.linear_fc" in k and "bias" in k for k in missing
-    ), missing
+    assert not unexpected and not missing, (missing, unexpected)
     tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours = model(tokens, None, None)
