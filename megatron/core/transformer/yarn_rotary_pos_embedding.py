@@ -57,7 +57,8 @@ class YarnRotaryEmbedding(RotaryEmbedding):
     ):
         super().__init__(kv_channels, rotary_base=rotary_base)
         dim = self.dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim
+        host = torch.device("cpu")  # host: fp64 frequencies, as the parent's inv_freq
+        exponents = torch.arange(0, dim, 2, dtype=torch.float64, device=host) / dim
         extrapolated = 1.0 / (rotary_base**exponents)
         interpolated = 1.0 / (scaling_factor * rotary_base**exponents)
         low, high = yarn_correction_range(
@@ -70,7 +71,8 @@ class YarnRotaryEmbedding(RotaryEmbedding):
         )
         if low == high:
             high += 0.001  # Megatron's guard against a zero-width ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        pairs = torch.arange(dim // 2, dtype=torch.float64, device=host)
+        ramp = ((pairs - low) / (high - low)).clamp(0, 1)
         keep = 1.0 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
         self.inv_freq = interpolated * (1 - keep) + extrapolated * keep
         self.concentration = yarn_get_mscale(scaling_factor, mscale) / yarn_get_mscale(
