@@ -162,3 +162,43 @@ def test_mla_config_refuses_bad_dims():
         MLATransformerConfig(
             num_layers=1, hidden_size=8, num_attention_heads=2, qk_pos_emb_head_dim=3
         )
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q_lora", "full_q"])
+def test_flops_formula_counts_what_the_layer_runs(q_lora_rank):
+    """--log-throughput's MLA term against torch's FlopCounterMode over one layer's forward
+    (the norms and RoPE, which the formula leaves out, are not matmuls and not counted there)."""
+    import argparse
+
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.training.flops import mla_attention_macs, num_floating_point_operations
+
+    hf = _hf_model(q_lora_rank, YARN)
+    model = _megatron_model(hf.config.to_dict())
+    attention = model.decoder.layers[0].self_attention
+    s, b = 20, 3
+    hidden = torch.randn(s, b, 48)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        attention(hidden)
+    args = argparse.Namespace(
+        hidden_size=48,
+        num_attention_heads=4,
+        seq_length=s,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=24,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=6,
+        v_head_dim=10,
+        multi_latent_attention=True,
+        num_layers=2,
+        ffn_hidden_size=64,
+        swiglu=True,
+        padded_vocab_size=VOCAB,
+        num_experts=None,
+        kv_channels=None,
+    )
+    assert counter.get_total_flops() == 2 * s * b * mla_attention_macs(args)
+    # One training step: 3x the forward of every layer's attention and MLP, and the logits.
+    per_token = 2 * (2 * mla_attention_macs(args) + 2 * 3 * 48 * 64) + 2 * 48 * VOCAB
+    assert num_floating_point_operations(args, b) == pytest.approx(3 * b * s * per_token, rel=1e-12)
