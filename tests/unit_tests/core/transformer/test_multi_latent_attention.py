@@ -202,3 +202,38 @@ def test_flops_formula_counts_what_the_layer_runs(q_lora_rank):
     # One training step: 3x the forward of every layer's attention and MLP, and the logits.
     per_token = 2 * (2 * mla_attention_macs(args) + 2 * 3 * 48 * 64) + 2 * 48 * VOCAB
     assert num_floating_point_operations(args, b) == pytest.approx(3 * b * s * per_token, rel=1e-12)
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q_lora", "full_q"])
+def test_parameter_count_of_the_memory_report_is_the_models(q_lora_rank):
+    import argparse
+
+    from megatron.training.theoretical_memory import count_parameters
+
+    hf = _hf_model(q_lora_rank, YARN)
+    model = _megatron_model(hf.config.to_dict())
+    args = argparse.Namespace(
+        hidden_size=48,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        kv_channels=12,
+        num_query_groups=4,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        swiglu=True,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        position_embedding_type="rope",
+        max_position_embeddings=64,
+        untie_embeddings_and_output_weights=True,
+        num_layers=2,
+        num_experts=None,
+        multi_latent_attention=True,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=24,
+        qk_head_dim=8,
+        qk_pos_emb_head_dim=6,
+        v_head_dim=10,
+    )
+    count = count_parameters(args, VOCAB)
+    assert count.total == sum(p.numel() for p in model.parameters())
