@@ -8,14 +8,21 @@ Every layout initializes the one-process model's weights, so each number is comp
 one-process runs in this process, the layouts one after another in one spawned world of 2
 processes. The MLA model exercises the low-rank query (--q-lora-rank), the latent norms
 (--qk-layernorm), YaRN (the default --rope-type of MLA, with mscale) and values narrower than
-queries/keys; TP2 splits the down projections' outputs too (Megatron's local spec).
+queries/keys; TP2 splits the down projections' outputs too (Megatron's local spec). The same
+world then generates at TP=2 with both KV caches (test_multi_latent_attention.py's check).
 """
 
 import json
 import os
 
+import torch
+
 from tests.functional_tests.runner import TINY_MODEL
 from tests.functional_tests.test_log_line_parity import _train
+from tests.unit_tests.core.transformer.test_multi_latent_attention import (
+    tensor_parallel_generation_reference,
+    tp2_generation,
+)
 from tests.unit_tests.dist_utils import run_distributed
 
 ITERATIONS = 10
@@ -73,7 +80,7 @@ CASES = {
 RTOL = {"loss": 1e-6, "grad norm": 1e-5}
 
 
-def _layouts(rank, world_size, path):
+def _layouts(rank, world_size, path, generation_path):
     results = {}
     for model, (flags, layouts) in CASES.items():
         for layout, extra in layouts.items():
@@ -82,13 +89,19 @@ def _layouts(rank, world_size, path):
     if rank == world_size - 1:  # the rank that logs
         with open(path, "w") as f:
             json.dump(results, f)
+    tp2_generation(rank, world_size, generation_path)  # this world serves that check too
 
 
 def test_mla_layouts_equal_the_one_process_run(tmp_path):
     references = {model: _train(flags)[0] for model, (flags, _) in CASES.items()}
     assert set(references["mla-moe"][0]["losses"]) == {"lm loss", "load_balancing_loss"}
     path = os.path.join(tmp_path, "layouts.json")
-    run_distributed(_layouts, 2, path)
+    generation_path = os.path.join(tmp_path, "generation.pt")
+    run_distributed(_layouts, 2, path, generation_path)
+    # Generation at TP=2 with either cache (keys/values, --cache-mla-latents) equals one process.
+    reference = tensor_parallel_generation_reference()
+    for latents, logits in torch.load(generation_path).items():
+        assert (logits - reference).abs().max().item() < 1e-5, latents
     with open(path) as f:
         results = json.load(f)
     assert len(results) == sum(len(layouts) for _, layouts in CASES.values())

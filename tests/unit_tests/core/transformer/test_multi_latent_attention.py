@@ -1,7 +1,7 @@
 """Multi-latent attention against transformers' ``DeepseekV3ForCausalLM`` (an independent
 implementation) on the same weights, the Hugging Face <-> Megatron weight mapping's round trip,
 and generation with the KV cache (keys/values or, with ``cache_mla_latents``, the latents)
-against full recompute."""
+against full recompute (at TP=2 in tests/functional_tests/test_mla_layouts.py's world)."""
 
 import sys
 from pathlib import Path
@@ -82,7 +82,7 @@ def _hf_model(q_lora_rank, rope_parameters, rope_interleave=True, **moe):
     return model
 
 
-def _megatron_model(hf_config: dict, **extra):
+def _megatron_model(hf_config: dict, pg_collection=None, **extra):
     kwargs = hf_deepseek_v3.megatron_config_kwargs(hf_config)
     config = MLATransformerConfig(
         **kwargs,
@@ -101,6 +101,7 @@ def _megatron_model(hf_config: dict, **extra):
         max_sequence_length=64,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
+        pg_collection=pg_collection,
     ).eval()
 
 
@@ -237,3 +238,56 @@ def test_parameter_count_of_the_memory_report_is_the_models(q_lora_rank):
     )
     count = count_parameters(args, VOCAB)
     assert count.total == sum(p.numel() for p in model.parameters())
+
+
+def _generate(model, prompt, steps):
+    """Greedy generation with the KV cache: the logits of the prompt's last token and of each
+    new token."""
+    context = StaticInferenceContext(max_batch_size=prompt.shape[0], max_sequence_length=16)
+    out = []
+    with torch.no_grad():
+        logits = model(prompt, None, None, inference_context=context)
+        context.advance(prompt.shape[1])
+        for _ in range(steps):
+            out.append(logits[:, -1])
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            logits = model(nxt, None, None, inference_context=context)
+            context.advance(1)
+    return torch.stack(out)
+
+
+def tp2_generation(rank, world_size, path):
+    """Generation at TP=2 with the key/value cache and with the latent cache, saved by rank 0."""
+    from megatron.core.parallel_state import initialize_model_parallel
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    state = initialize_model_parallel(tensor_model_parallel_size=2)
+    hf = _hf_model(16, YARN)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    results = {}
+    for latents in (False, True):
+        model = _megatron_model(
+            hf.config.to_dict(),
+            cache_mla_latents=latents,
+            tensor_model_parallel_size=2,
+            pg_collection=state,
+        )
+
+        class Gathered(torch.nn.Module):  # the vocab-parallel logits, whole on every rank
+            def forward(self, *args, **kwargs):
+                return gather_from_tensor_model_parallel_region(
+                    model(*args, **kwargs), state.get_tensor_model_parallel_group()
+                )
+
+        results[latents] = _generate(Gathered(), prompt, 4)
+    if rank == 0:
+        torch.save(results, path)
+
+
+def tensor_parallel_generation_reference():
+    """What ``_tp2_generation`` must give: the one-process model's generation logits (the TP=2
+    model holds the same weights: initialization does not depend on the layout). Run in
+    tests/functional_tests/test_mla_layouts.py's 2-process world, which the TP2 check joins."""
+    hf = _hf_model(16, YARN)
+    prompt = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    return _generate(_megatron_model(hf.config.to_dict()), prompt, 4)
