@@ -49,6 +49,22 @@ _FORCED_CHECKPOINT_ARGS = (
     "normalization",
     "qk_layernorm",
     "layernorm_epsilon",
+    # Multi-latent attention: its shape and its positions (a server built without them would
+    # not load the checkpoint, or would rotate differently).
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_correction_range_round_to_int",
 )
 _UNSET_CHECKPOINT_ARGS = (
     "num_layers",

@@ -52,6 +52,12 @@ _SPLITS = {
     "self_attention.linear_qkv.weight": COLUMN,
     "self_attention.linear_qkv.bias": COLUMN,
     "self_attention.linear_proj.weight": ROW,
+    # Multi-latent attention: every projection but linear_proj is column-parallel.
+    "self_attention.linear_q_proj.weight": COLUMN,
+    "self_attention.linear_q_down_proj.weight": COLUMN,
+    "self_attention.linear_q_up_proj.weight": COLUMN,
+    "self_attention.linear_kv_down_proj.weight": COLUMN,
+    "self_attention.linear_kv_up_proj.weight": COLUMN,
     "mlp.linear_fc2.weight": ROW,
     "embedding.position_embeddings.weight": REPLICATED,
     "mlp.router.weight": REPLICATED,
@@ -93,7 +99,7 @@ def tp_split(name: str, swiglu: bool) -> TPSplit:
         return REPLICATED
     raise ConversionError(
         f"tensor '{name}' is not one the converter knows how to reshard "
-        "(cross-attention layers and multi-latent attention are not supported yet)"
+        "(cross-attention layers are not supported yet)"
     )
 
 

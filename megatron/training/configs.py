@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 from megatron.core.transformer.enums import AttnBackend
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.utils import openai_gelu, squared_relu
 
 from . import global_vars
@@ -71,9 +71,30 @@ def core_transformer_config_from_args(args, config_class=TransformerConfig) -> T
         overrides["activation_func"] = F.gelu
     if args.init_method_xavier_uniform:
         overrides["init_method"] = torch.nn.init.xavier_uniform_
+    if getattr(args, "multi_latent_attention", False) and config_class is TransformerConfig:
+        config_class = MLATransformerConfig
+        overrides.update(_mla_overrides(args))
     names = {f.name for f in dataclasses.fields(config_class)}
     overrides = {k: v for k, v in overrides.items() if k in names}
     return _from_args(config_class, args, **overrides)
+
+
+def _mla_overrides(args) -> dict:
+    """MLATransformerConfig's fields whose flags are named differently; an unset flag leaves the
+    config's default (Megatron-LM: --rope-type defaults to yarn under MLA)."""
+    pairs = {
+        "rope_type": "rope_type",
+        "original_max_position_embeddings": "yarn_original_max_position_embeddings",
+        "beta_fast": "yarn_beta_fast",
+        "beta_slow": "yarn_beta_slow",
+        "yarn_correction_range_round_to_int": "yarn_correction_range_round_to_int",
+    }
+    defaults = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)}
+    out = {}
+    for field, flag in pairs.items():
+        value = getattr(args, flag, None)
+        out[field] = defaults[field] if value is None else value
+    return out
 
 
 def optimizer_config_from_args(args, timers=None) -> OptimizerConfig:

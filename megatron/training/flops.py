@@ -14,6 +14,12 @@ width f_moe (``--moe-ffn-hidden-size``) and a shared expert of width f_shared pe
 router's small GEMM (h x E) is not counted and causal masking is not discounted (the scores term
 is s/h, not s/2h). Megatron's formula leaves out the router GEMM and counts the full score matrix
 too, so the figure is comparable with Megatron's logs.
+
+With multi-latent attention the attention term is replaced by its multiply-adds per token and
+layer, M = q + kv + s*a*(dq + dv) + a*dv*h (6 * B * s * L * M FLOPs), where q = h*a*dq, or
+r_q*(h + a*dq) with --q-lora-rank r_q; kv = h*(r_kv + p) + r_kv*a*(dn + dv); dq = dn + p
+(--qk-head-dim dn, --qk-pos-emb-head-dim p), dv = --v-head-dim, r_kv = --kv-lora-rank. The norms
+and RoPE are not counted; the full score matrix is, as above.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ def num_floating_point_operations(args, batch_size: int) -> float:
         moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
         shared = getattr(args, "moe_shared_expert_intermediate_size", None) or 0
         mlp_width += moe_layers * (moe_ffn * args.moe_router_topk + shared)
+    if getattr(args, "multi_latent_attention", False):
+        attention = mla_attention_macs(args) / (2.0 * h * h)
+    else:
+        attention = (1 + groups / heads + s / h) * query_ratio
     return (
         12.0
         * batch_size
@@ -62,11 +72,25 @@ def num_floating_point_operations(args, batch_size: int) -> float:
         * h
         * h
         * (
-            (1 + groups / heads + s / h) * query_ratio
+            attention
             + mlp_width / (L * h) * gated
             + args.padded_vocab_size * (mtp + 1) / (2.0 * L * h)
         )
     ) + 6.0 * batch_size * s * mtp * (3 * h + 2 * h * h)
+
+
+def mla_attention_macs(args) -> float:
+    """Multiply-adds per token of one multi-latent attention layer's forward (module doc)."""
+    h, a, s = args.hidden_size, args.num_attention_heads, args.seq_length
+    dq = args.qk_head_dim + args.qk_pos_emb_head_dim
+    dv = args.v_head_dim
+    if args.q_lora_rank is None:
+        q = h * a * dq
+    else:
+        q = args.q_lora_rank * (h + a * dq)
+    kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim)
+    kv += args.kv_lora_rank * a * (args.qk_head_dim + dv)
+    return float(q + kv + s * a * (dq + dv) + a * dv * h)
 
 
 def _num_moe_layers(args) -> int:

@@ -179,6 +179,8 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
         norms += 2 * _norm_size(args, args.kv_channels)
     qkv = hidden * (query_width + 2 * kv_width) + (query_width + 2 * kv_width if qkv_bias else 0)
     proj = query_width * hidden
+    if getattr(args, "multi_latent_attention", False):
+        qkv, proj, norms = _mla_sizes(args)
     fc1 = hidden * fc1_rows + (fc1_rows if bias else 0)
     fc2 = ffn * hidden
     row_biases = 2 * hidden if bias else 0
@@ -205,6 +207,21 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
         count.mtp_extra_replicated = 3 * _norm_size(args, hidden)
         count.mtp_extra = count.mtp_extra_replicated + 2 * hidden * hidden
     return count
+
+
+def _mla_sizes(args):
+    """(projections before attention, output projection, norms) of a multi-latent attention
+    layer: q (or its down/up pair), kv down and up, the latent norms with --qk-layernorm."""
+    hidden, heads = args.hidden_size, args.num_attention_heads
+    q_width = heads * (args.qk_head_dim + args.qk_pos_emb_head_dim)
+    rank_q, rank_kv = args.q_lora_rank, args.kv_lora_rank
+    q = hidden * q_width if rank_q is None else rank_q * (hidden + q_width)
+    kv = hidden * (rank_kv + args.qk_pos_emb_head_dim)
+    kv += rank_kv * heads * (args.qk_head_dim + args.v_head_dim)
+    norms = 2 * _norm_size(args, hidden)
+    if args.qk_layernorm:
+        norms += _norm_size(args, rank_kv) + (_norm_size(args, rank_q) if rank_q else 0)
+    return q + kv, heads * args.v_head_dim * hidden, norms
 
 
 def _mlp_size(hidden: int, ffn: int, gated: bool, bias: bool) -> int:

@@ -58,6 +58,38 @@ LLAMA3_8B_BF16 = """
 --tp-comm-overlap --use-nccl-ub
 """
 
+# DeepSeek-V3 (a proxy) as Megatron's MoE model zoo launches it, without its --mtp-num-layers 1
+# --mtp-loss-scaling-factor 0.1 (multi-token prediction is not built yet) and with 16 layers
+# instead of 14 (14 do not split over its 8 pipeline stages; validate_args refuses that).
+DEEPSEEK_V3_PROXY = """
+--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 8
+--expert-model-parallel-size 32 --context-parallel-size 1 --expert-tensor-parallel-size 1
+--use-distributed-optimizer --use-mcore-models --sequence-parallel --use-flash-attn
+--disable-bias-linear --micro-batch-size 1 --global-batch-size 1024 --train-samples 585937500
+--exit-duration-in-mins 220 --no-check-for-nan-in-loss-and-grad --cross-entropy-loss-fusion
+--cross-entropy-fusion-impl native --manual-gc --manual-gc-interval 10
+--transformer-impl transformer_engine --seq-length 4096 --tokenizer-type NullTokenizer
+--vocab-size 129280 --mock-data --split 99,1,0 --no-mmap-bin-files
+--no-create-attention-mask-in-dataloader --num-workers 6 --num-layers 16 --hidden-size 7168
+--ffn-hidden-size 18432 --num-attention-heads 128 --kv-channels 128
+--max-position-embeddings 4096 --position-embedding-type rope --rotary-base 10000
+--make-vocab-size-divisible-by 3232 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu
+--untie-embeddings-and-output-weights --multi-latent-attention --attention-dropout 0.0
+--hidden-dropout 0.0 --clip-grad 1.0 --weight-decay 0.1 --qk-layernorm
+--lr-decay-samples 584765624 --lr-warmup-samples 1536000 --lr-warmup-init 3.9e-7 --lr 3.9e-6
+--min-lr 3.9e-7 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 --num-experts 64
+--moe-layer-freq ([0]*3+[1]*13) --moe-ffn-hidden-size 2048
+--moe-shared-expert-intermediate-size 2048 --moe-router-load-balancing-type seq_aux_loss
+--moe-router-topk 8 --moe-token-dispatcher-type flex --moe-enable-deepep
+--moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff 1e-4 --moe-router-group-topk 4
+--moe-router-num-groups 8 --moe-router-topk-scaling-factor 2.5 --moe-router-score-function sigmoid
+--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32
+--moe-permute-fusion --q-lora-rank 1536 --kv-lora-rank 512 --qk-head-dim 128
+--qk-pos-emb-head-dim 64 --v-head-dim 128 --rotary-scaling-factor 40 --mscale 1.0
+--mscale-all-dim 1.0 --eval-iters 32 --eval-interval 200 --save-interval 500 --init-method-std 0.02
+--log-throughput --log-interval 1 --bf16
+"""
+
 
 @pytest.mark.parametrize(
     "flags, world_size, no_effect",
@@ -76,8 +108,9 @@ LLAMA3_8B_BF16 = """
                 "--profile",
             ],
         ),
+        (DEEPSEEK_V3_PROXY, 256, ["--moe-enable-deepep", "--moe-permute-fusion"]),
     ],
-    ids=["gpt3_175b", "llama3_8b_bf16"],
+    ids=["gpt3_175b", "llama3_8b_bf16", "deepseek_v3_proxy"],
 )
 def test_megatron_launch_flags_pass_validation(flags, world_size, no_effect, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from protocol import ConversionError, new_metadata, put, put_metadata
+from protocol import MLA_FIELDS, ConversionError, mla_shapes, new_metadata, put, put_metadata
 
 from megatron.checkpointing.saved_args import saved_value
 
@@ -121,7 +121,17 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
         hf_config=getattr(a, "hf_config", None),
         num_experts=getattr(a, "num_experts", None),
         moe_router_topk=getattr(a, "moe_router_topk", None),
+        mla=_mla_settings(a),
     )
+
+
+def _mla_settings(a):
+    """``md.mla`` of a checkpoint's args: its multi-latent attention flags, or None."""
+    if not getattr(a, "multi_latent_attention", False):
+        return None
+    settings = {name: getattr(a, name, None) for name in MLA_FIELDS}
+    settings["latent_norms"] = bool(getattr(a, "qk_layernorm", False))
+    return settings
 
 
 def send_model(queue, reader, md, alive=None) -> None:
@@ -135,10 +145,14 @@ def send_model(queue, reader, md, alive=None) -> None:
         p = f"decoder.layers.{i}."
         msg = {
             "input norm weight": t(p + "input_layernorm.weight"),
-            "qkv weight": t(p + "self_attention.linear_qkv.weight"),
             "dense weight": t(p + "self_attention.linear_proj.weight"),
             "post norm weight": t(p + "pre_mlp_layernorm.weight"),
         }
+        if md.mla:
+            for name in mla_shapes(md):
+                msg["mla " + name] = t(p + "self_attention." + name)
+        else:
+            msg["qkv weight"] = t(p + "self_attention.linear_qkv.weight")
         if md.num_experts:
             msg["router weight"] = t(p + "mlp.router.weight")
             for e in range(md.num_experts):
@@ -152,7 +166,7 @@ def send_model(queue, reader, md, alive=None) -> None:
         if md.norm_has_bias:
             msg["input norm bias"] = t(p + "input_layernorm.bias")
             msg["post norm bias"] = t(p + "pre_mlp_layernorm.bias")
-        if md.qkv_bias:
+        if md.qkv_bias and not md.mla:
             msg["qkv bias"] = t(p + "self_attention.linear_qkv.bias")
         if md.linear_bias:
             msg["dense bias"] = t(p + "self_attention.linear_proj.bias")

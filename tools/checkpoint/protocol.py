@@ -7,7 +7,9 @@ The loader puts, in this order, on one queue:
    with learned positions, ``position embeddings`` [P, h];
 3. ``"transformer layer N"`` for N = 0 .. num_layers-1, full (unsharded) tensors in Megatron's
    layout: ``input norm weight`` (+ ``bias``), ``qkv weight`` [ng*(np/ng+2)*d, h] in the grouped
-   QKV layout (+ ``qkv bias``), ``dense weight`` [h, np*d] (+ ``dense bias``), ``post norm
+   QKV layout (+ ``qkv bias``) or, with multi-latent attention (``md.mla``), its tensors under
+   ``mla <name within self_attention>`` (:func:`mla_shapes`), ``dense weight`` [h, np*d] (d:
+   v_head_dim under MLA) (+ ``dense bias``), ``post norm
    weight`` (+ ``bias``), ``mlp l0 weight`` [ffn, h] or, with SwiGLU, ``mlp l0 weight W`` (gate)
    and ``mlp l0 weight V`` (up) (biases likewise), ``mlp l1 weight`` [h, ffn] (+ ``mlp l1 bias``);
    with ``num_experts`` (MoE, SwiGLU experts without biases) instead of the MLP: ``router
@@ -73,6 +75,26 @@ METADATA_FIELDS = (
     "hf_config",
     "num_experts",
     "moe_router_topk",
+    "mla",
+)
+
+# Multi-latent attention settings carried in ``md.mla`` (None: ordinary attention); the flag of
+# each is ``--`` + its name with dashes. ``latent_norms``: the q/kv latent norms (--qk-layernorm).
+MLA_FIELDS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_correction_range_round_to_int",
+    "latent_norms",
 )
 
 # Activations the protocol knows: what the MLP computes (Megatron's fused bias-GeLU is 'gelu_tanh').
@@ -247,6 +269,30 @@ def resize_vocab(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([weight, pad], dim=0)
 
 
+def mla_shapes(md) -> Dict[str, tuple]:
+    """The multi-latent attention tensors of a layer (names within ``self_attention``) and their
+    full shapes."""
+    mla, h, heads = md.mla, md.hidden_size, md.num_attention_heads
+    q_width = heads * (mla["qk_head_dim"] + mla["qk_pos_emb_head_dim"])
+    rank_q, rank_kv = mla["q_lora_rank"], mla["kv_lora_rank"]
+    shapes = {}
+    if rank_q is None:
+        shapes["linear_q_proj.weight"] = (q_width, h)
+    else:
+        shapes["linear_q_down_proj.weight"] = (rank_q, h)
+        shapes["linear_q_up_proj.weight"] = (q_width, rank_q)
+    shapes["linear_kv_down_proj.weight"] = (rank_kv + mla["qk_pos_emb_head_dim"], h)
+    shapes["linear_kv_up_proj.weight"] = (heads * (mla["qk_head_dim"] + mla["v_head_dim"]), rank_kv)
+    if mla["latent_norms"]:
+        norms = {"kv_layernorm": rank_kv} if rank_q is None else {"q_layernorm": rank_q}
+        norms["kv_layernorm"] = rank_kv
+        for norm, width in norms.items():
+            shapes[f"{norm}.weight"] = (width,)
+            if md.norm_has_bias:
+                shapes[f"{norm}.bias"] = (width,)
+    return shapes
+
+
 def _receive_experts(msg, md, prefix: str, out: Dict[str, torch.Tensor]) -> None:
     """Router and experts of one MoE layer (global expert numbers in the names)."""
     h, ffn = md.hidden_size, md.ffn_hidden_size
@@ -292,12 +338,18 @@ def receive_model(
         bias = take_optional(msg, "input norm bias", md.norm_has_bias, (h,))
         if bias is not None:
             out[p + "input_layernorm.bias"] = bias
-        out[p + "self_attention.linear_qkv.weight"] = take(msg, "qkv weight", (qkv_rows, h))
-        bias = take_optional(msg, "qkv bias", md.qkv_bias, (qkv_rows,))
-        if bias is not None:
-            out[p + "self_attention.linear_qkv.bias"] = bias
+        mla = getattr(md, "mla", None)
+        if mla:
+            for name, shape in mla_shapes(md).items():
+                out[p + "self_attention." + name] = take(msg, "mla " + name, shape)
+        else:
+            out[p + "self_attention.linear_qkv.weight"] = take(msg, "qkv weight", (qkv_rows, h))
+            bias = take_optional(msg, "qkv bias", md.qkv_bias, (qkv_rows,))
+            if bias is not None:
+                out[p + "self_attention.linear_qkv.bias"] = bias
+        value_width = mla["v_head_dim"] if mla else d
         out[p + "self_attention.linear_proj.weight"] = take(
-            msg, "dense weight", (h, md.num_attention_heads * d)
+            msg, "dense weight", (h, md.num_attention_heads * value_width)
         )
         bias = take_optional(msg, "dense bias", md.linear_bias, (h,))
         if bias is not None:

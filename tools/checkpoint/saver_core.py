@@ -82,6 +82,7 @@ def model_flags(md, tp: int, pp: int, vpp, ep: int = 1) -> list:
     ]
     if md.kv_channels != md.hidden_size // md.num_attention_heads:
         flags += ["--kv-channels", md.kv_channels]
+    flags += mla_flags(getattr(md, "mla", None))
     if md.num_query_groups != md.num_attention_heads:
         flags += ["--group-query-attention", "--num-query-groups", md.num_query_groups]
     flags += [
@@ -138,6 +139,22 @@ def model_flags(md, tp: int, pp: int, vpp, ep: int = 1) -> list:
             if value is not None:
                 flags += ["--" + dest.replace("_", "-"), value]
     return [str(f) for f in flags]
+
+
+def mla_flags(mla) -> list:
+    """The multi-latent attention flags of ``md.mla`` (none for ordinary attention)."""
+    if not mla:
+        return []
+    flags = ["--multi-latent-attention"]
+    for name, value in mla.items():
+        if name == "latent_norms":
+            flags += ["--qk-layernorm"] if value else []
+        elif name == "yarn_correction_range_round_to_int":
+            if value is not None:
+                flags += ["--" + ("" if value else "no-") + name.replace("_", "-")]
+        elif value is not None:
+            flags += ["--" + name.replace("_", "-"), value]
+    return flags
 
 
 def build_args(

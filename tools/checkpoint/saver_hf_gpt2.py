@@ -18,6 +18,10 @@ def add_arguments(parser):
 
 def check_gpt2(md):
     problems = []
+    if getattr(md, "mla", None):
+        problems.append(
+            "multi-latent attention (DeepSeek weights: tools/checkpoint/hf_deepseek_v3.py)"
+        )
     if md.position_embedding_type != "learned_absolute":
         problems.append(
             f"position embeddings are {md.position_embedding_type!r} (GPT-2 has learned ones)"

@@ -57,6 +57,10 @@ def choose_model_type(md, requested: str) -> str:
 
 def check_llama(md):
     problems = []
+    if getattr(md, "mla", None):
+        problems.append(
+            "multi-latent attention (DeepSeek weights: tools/checkpoint/hf_deepseek_v3.py)"
+        )
     if md.position_embedding_type != "rope" or md.rotary_percent != 1.0:
         problems.append("position embeddings are not full RoPE")
     if md.normalization != "RMSNorm":

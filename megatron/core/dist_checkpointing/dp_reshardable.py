@@ -141,8 +141,15 @@ _IN_LAYER = (
     # Attention builds linear_proj before SelfAttention adds linear_qkv and the q/k norms.
     "self_attention.linear_proj.",
     "self_attention.linear_qkv.",
+    # MLASelfAttention's projections, then its latent norms.
+    "self_attention.linear_q_proj.",
+    "self_attention.linear_q_down_proj.",
+    "self_attention.linear_q_up_proj.",
+    "self_attention.linear_kv_down_proj.",
+    "self_attention.linear_kv_up_proj.",
     "self_attention.q_layernorm.",
     "self_attention.k_layernorm.",
+    "self_attention.kv_layernorm.",
     "pre_mlp_layernorm.",
     "mlp.linear_fc1.",
     "mlp.linear_fc2.",

@@ -82,6 +82,28 @@ LAYER_RENAMES: Tuple[Rename, ...] = (
         "self_attention.linear_qkv.layer_norm_bias",
         ("self_attention.linear_qkv.weight",),
     ),
+    # Multi-latent attention: Megatron's Transformer Engine spec fuses the latent norms into the
+    # up projections.
+    Rename(
+        "self_attention.q_layernorm.weight",
+        "self_attention.linear_q_up_proj.layer_norm_weight",
+        ("self_attention.linear_q_up_proj.weight",),
+    ),
+    Rename(
+        "self_attention.q_layernorm.bias",
+        "self_attention.linear_q_up_proj.layer_norm_bias",
+        ("self_attention.linear_q_up_proj.weight",),
+    ),
+    Rename(
+        "self_attention.kv_layernorm.weight",
+        "self_attention.linear_kv_up_proj.layer_norm_weight",
+        ("self_attention.linear_kv_up_proj.weight",),
+    ),
+    Rename(
+        "self_attention.kv_layernorm.bias",
+        "self_attention.linear_kv_up_proj.layer_norm_bias",
+        ("self_attention.linear_kv_up_proj.weight",),
+    ),
     Rename("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", _HAS_MLP),
     Rename("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias", _HAS_MLP),
 )
@@ -89,6 +111,11 @@ LAYER_RENAMES: Tuple[Rename, ...] = (
 EXTRA_STATE_MODULES: Tuple[str, ...] = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
+    "self_attention.linear_q_proj",
+    "self_attention.linear_q_down_proj",
+    "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj",
     "cross_attention.linear_q",
     "cross_attention.linear_kv",
     "cross_attention.linear_proj",
@@ -293,6 +320,11 @@ LINEAR_MODULE_NAMES: Tuple[str, ...] = (
     "linear_qkv",
     "linear_q",
     "linear_kv",
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
     "linear_proj",
     "linear_fc1",
     "linear_fc2",

@@ -62,10 +62,11 @@ class StaticInferenceContext:
                 raise ValueError(
                     f"layer {layer_number} has no KV cache for this batch at offset {start}"
                 )
-            shape = (self.max_sequence_length, b) + tuple(key.shape[2:])
+            # Keys and values may differ in width (multi-latent attention).
+            rows = (self.max_sequence_length, b)
             cache = (
-                torch.empty(shape, dtype=key.dtype, device=key.device),
-                torch.empty(shape, dtype=value.dtype, device=value.device),
+                torch.empty(rows + tuple(key.shape[2:]), dtype=key.dtype, device=key.device),
+                torch.empty(rows + tuple(value.shape[2:]), dtype=value.dtype, device=value.device),
             )
             self.key_value_memory_dict[layer_number] = cache
         keys, values = cache

@@ -131,11 +131,18 @@ def ring_attention(
     reads group j // (np/ng)) -> context [s_local, b, np * d] in the query's dtype.
     """
     cp_size, cp_rank = C.group_size(cp_group), C.group_rank(cp_group)
-    s_local, b, np_, d = query.shape
+    s_local, b, np_, _ = query.shape
     if s_local % 2 != 0:
         raise ValueError(f"ring attention needs an even local sequence length, got {s_local}")
     half = s_local // 2
     heads_per_group = np_ // key.shape[2]
+    dv = value.shape[-1]
+    width = max(dv, key.shape[-1])
+    if dv != key.shape[-1]:
+        # Keys and values of different widths (multi-latent attention) travel zero-padded to
+        # one width in the one ring buffer: zero query/key dims add nothing to the scores, and
+        # the zero value dims' outputs are cut off below.
+        query, key, value = (F.pad(t, (0, width - t.shape[-1])) for t in (query, key, value))
     q = query.permute(1, 2, 0, 3)  # [b, np, s, d]
     q_second = q[:, :, half:]
     kv = torch.stack([key, value]).permute(0, 2, 3, 1, 4)  # [2, b, ng, s, d]
@@ -164,5 +171,5 @@ def ring_attention(
         else:
             o, lse = _block(q_second, k, v, softmax_scale, False, dropout_p, training)
             out_second, lse_second = _merge(out_second, lse_second, o, lse)
-    context = torch.cat([out_first, out_second], dim=2).to(query.dtype)  # [b, np, s, d]
-    return context.permute(2, 0, 1, 3).reshape(s_local, b, np_ * d)
+    context = torch.cat([out_first, out_second], dim=2)[..., :dv].to(query.dtype)  # [b,np,s,dv]
+    return context.permute(2, 0, 1, 3).reshape(s_local, b, np_ * dv)

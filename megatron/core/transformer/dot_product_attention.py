@@ -118,7 +118,9 @@ class DotProductAttention(MegatronModule):
                 return ring_attention(
                     query, key, value, self.cp_group, self.softmax_scale, dropout_p, self.training
                 )
-            if self._use_unfused(query, key, attention_mask, mask_type):
+            if value.shape[-1] == key.shape[-1] and self._use_unfused(
+                query, key, attention_mask, mask_type
+            ):
                 return blocked_attention(
                     query,
                     key,
@@ -133,7 +135,7 @@ class DotProductAttention(MegatronModule):
 
     def _sdpa(self, query, key, value, attention_mask, mask_type, dropout_p) -> torch.Tensor:
         """torch's scaled_dot_product_attention on [b, heads, s, d] views -> [sq, b, np * d]."""
-        sq, b, np_, d = query.shape
+        sq, b, np_, _ = query.shape
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
@@ -163,11 +165,12 @@ class DotProductAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != np_,
         )
-        # [b, np, sq, d] -> [sq, b, np * d]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * d)
+        # [b, np, sq, dv] -> [sq, b, np * dv] (dv = d but for multi-latent attention)
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * v.shape[-1])
 
     def _use_unfused(self, query, key, attention_mask, mask_type) -> bool:
-        """Whether the unfused path of blocked_attention.py runs this call (see the module doc)."""
+        """Whether the unfused path of blocked_attention.py runs this call (see the module doc).
+        Keys and values of different widths (multi-latent attention) take SDPA."""
         maskless = attention_mask is None and (
             mask_type == AttnMaskType.no_mask
             or (mask_type == AttnMaskType.causal and key.shape[0] == query.shape[0])

@@ -389,7 +389,12 @@ def refuse_unsupported_features(config) -> None:
         if value == default:
             continue
         if name == "multi_latent_attention":
-            raise ValueError("multi-latent attention is not supported yet (multi_latent_attention)")
+            if hasattr(config, "kv_lora_rank"):
+                continue  # an MLATransformerConfig
+            raise ValueError(
+                "multi_latent_attention=True needs an MLATransformerConfig (its kv_lora_rank, "
+                "qk_head_dim, ... fields)"
+            )
         raise ValueError(
             f"TransformerConfig: {name}={value!r} is not supported here "
             f"(megatron-core's default: {default!r})"

@@ -536,8 +536,8 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
 @dataclass
 class MLATransformerConfig(TransformerConfig):
     """megatron-core's configuration of multi-latent attention models (DeepSeek-V2/V3 style),
-    with its fields and defaults. Multi-latent attention is not implemented here yet, so
-    constructing one raises rather than build a model with ordinary attention."""
+    with its fields and defaults (see multi_latent_attention.py and
+    yarn_rotary_pos_embedding.py)."""
 
     multi_latent_attention: bool = True
     normalization: str = "RMSNorm"
@@ -555,7 +555,28 @@ class MLATransformerConfig(TransformerConfig):
     beta_slow: float = 1
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
     cache_mla_latents: bool = False
 
     def __post_init__(self):
-        raise ValueError("MLATransformerConfig: multi-latent attention is not supported yet")
+        super().__post_init__()
+        if not self.multi_latent_attention:
+            raise ValueError("MLATransformerConfig needs multi_latent_attention=True")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} must be a positive integer ({flag}), got {value!r}")
+        if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+            raise ValueError(
+                f"q_lora_rank must be None or positive (--q-lora-rank), got {self.q_lora_rank}"
+            )
+        if self.qk_pos_emb_head_dim % 2:
+            raise ValueError(
+                "qk_pos_emb_head_dim (--qk-pos-emb-head-dim) must be even (RoPE rotates pairs), "
+                f"got {self.qk_pos_emb_head_dim}"
+            )
+        if self.rope_type not in ("rope", "yarn"):
+            raise ValueError(
+                f"rope_type must be 'rope' or 'yarn' (--rope-type), got {self.rope_type!r}"
+            )

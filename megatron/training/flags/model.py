@@ -95,13 +95,20 @@ class NetworkSizeFlags:
         honoured_at="pretrain_*.model_provider",
     )
     yarn_original_max_position_embeddings: Optional[int] = flag(
-        None, "YaRN: the context length the model was trained with."
+        None,
+        "YaRN: the context length the model was trained with.",
+        honoured_at="YarnRotaryEmbedding (multi-latent attention)",
     )
-    yarn_beta_fast: Optional[float] = flag(None, "YaRN: fast rotation boundary.")
-    yarn_beta_slow: Optional[float] = flag(None, "YaRN: slow rotation boundary.")
+    yarn_beta_fast: Optional[float] = flag(
+        None, "YaRN: fast rotation boundary.", honoured_at="YarnRotaryEmbedding"
+    )
+    yarn_beta_slow: Optional[float] = flag(
+        None, "YaRN: slow rotation boundary.", honoured_at="YarnRotaryEmbedding"
+    )
     yarn_correction_range_round_to_int: Optional[bool] = switch(
         "YaRN: round the correction range to integers.",
         default=None,
+        honoured_at="YarnRotaryEmbedding",
         negation=(
             "--no-yarn-correction-range-round-to-int",
             "YaRN: keep the correction range fractional.",
@@ -220,7 +227,10 @@ class NetworkSizeFlags:
         100, "Largest attention logit before QK-clip rescales the weights."
     )
     attention_output_gate: bool = switch("Gate the attention output with a sigmoid.")
-    multi_latent_attention: bool = switch("Use multi-latent attention (see the mla group).")
+    multi_latent_attention: bool = switch(
+        "Use multi-latent attention (see the mla group).",
+        honoured_at="configs.core_transformer_config_from_args; MLASelfAttention",
+    )
     mtp_num_layers: Optional[int] = flag(
         None,
         "Number of multi-token-prediction layers.",
@@ -243,16 +253,35 @@ class NetworkSizeFlags:
 @flag_group("mla")
 class MLAFlags:
     q_lora_rank: Optional[int] = flag(
-        None, "Rank of the low-rank query projection (None: full rank)."
+        None,
+        "Rank of the low-rank query projection (None: full rank).",
+        honoured_at="MLASelfAttention",
     )
-    kv_lora_rank: int = flag(32, "Rank of the low-rank key/value projection.")
-    qk_head_dim: int = flag(128, "Query/key head dimension without the positional part.")
-    qk_pos_emb_head_dim: int = flag(64, "Query/key head dimension carrying RoPE.")
-    v_head_dim: int = flag(128, "Value head dimension.")
-    rotary_scaling_factor: float = flag(1.0, "YaRN rotary scaling factor.")
-    mscale: float = flag(1.0, "YaRN mscale.")
-    mscale_all_dim: float = flag(0.0, "YaRN mscale applied to all dimensions.")
-    cache_mla_latents: bool = switch("Cache the compressed latents instead of keys and values.")
+    kv_lora_rank: int = flag(
+        32, "Rank of the low-rank key/value projection.", honoured_at="MLASelfAttention"
+    )
+    qk_head_dim: int = flag(
+        128,
+        "Query/key head dimension without the positional part.",
+        honoured_at="MLASelfAttention",
+    )
+    qk_pos_emb_head_dim: int = flag(
+        64, "Query/key head dimension carrying RoPE.", honoured_at="MLASelfAttention"
+    )
+    v_head_dim: int = flag(128, "Value head dimension.", honoured_at="MLASelfAttention")
+    rotary_scaling_factor: float = flag(
+        1.0, "YaRN rotary scaling factor.", honoured_at="YarnRotaryEmbedding; MLASelfAttention"
+    )
+    mscale: float = flag(1.0, "YaRN mscale.", honoured_at="YarnRotaryEmbedding")
+    mscale_all_dim: float = flag(
+        0.0,
+        "YaRN mscale applied to all dimensions.",
+        honoured_at="YarnRotaryEmbedding; MLASelfAttention",
+    )
+    cache_mla_latents: bool = switch(
+        "Cache the compressed latents instead of keys and values.",
+        honoured_at="MLASelfAttention.forward",
+    )
     mla_down_proj_fusion: bool = switch("Fuse the query and key/value down projections.")
 
 

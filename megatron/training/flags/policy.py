@@ -197,7 +197,6 @@ no_effect(
 
 # ----------------------------------------------------------------------------- refused
 _MOE = f"mixture of experts is {_NYI}"
-_MLA = f"multi-latent attention is {_NYI}"
 _HYBRID = f"hybrid (Mamba) and linear-attention models are {_NYI}"
 _FP8 = "fp8/fp4 training needs Transformer Engine, which this code base does not use"
 _BERT_T5 = f"T5 relative position buckets and BERT embedders are {_NYI}"
@@ -254,13 +253,6 @@ refused(
     """,
 )
 refused(
-    _MLA,
-    """
-    multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim v_head_dim
-    rotary_scaling_factor mscale mscale_all_dim cache_mla_latents
-    """,
-)
-refused(
     _HYBRID,
     """
     is_hybrid_model hybrid_layer_pattern hybrid_override_pattern mamba_state_dim mamba_head_dim
@@ -278,8 +270,7 @@ refused(
     f"this layer or attention variant is {_NYI}",
     """
     softmax_type window_size window_attn_skip_freq no_rope_freq
-    rotary_seq_len_interpolation_factor mrope_section yarn_original_max_position_embeddings
-    yarn_beta_fast yarn_beta_slow yarn_correction_range_round_to_int quick_geglu
+    rotary_seq_len_interpolation_factor mrope_section quick_geglu
     glu_linear_offset activation_func_clamp_value qk_l2_norm qk_clip qk_clip_alpha
     qk_clip_threshold attention_output_gate enable_mhc_connections mhc_num_residual_streams
     mhc_sinkhorn_iterations mhc_init_gating_factor mhc_recompute_layer_num
@@ -299,7 +290,19 @@ refused(
     "position_embedding_type",
     given=lambda value, args: value in ("yarn", "mrope", "relative"),
 )
-refused(f"YaRN is {_NYI}", "rope_type", given=lambda value, args: value == "yarn")
+refused(
+    f"YaRN outside multi-latent attention is {_NYI}",
+    "rope_type",
+    given=lambda value, args: value == "yarn" and not args.multi_latent_attention,
+)
+refused(
+    f"YaRN outside multi-latent attention (--multi-latent-attention) is {_NYI}",
+    """
+    yarn_original_max_position_embeddings yarn_beta_fast yarn_beta_slow
+    yarn_correction_range_round_to_int
+    """,
+    given=lambda value, args: value is not None and not args.multi_latent_attention,
+)
 refused(
     _BERT_T5,
     """

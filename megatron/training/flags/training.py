@@ -255,7 +255,10 @@ class TrainingFlags:
         "Disable the fused RoPE kernel.", options="--no-rope-fusion"
     )
     rope_type: Optional[str] = flag(
-        None, "RoPE variant (MLA defaults to yarn).", choices=["rope", "yarn"]
+        None,
+        "RoPE variant (MLA defaults to yarn).",
+        choices=["rope", "yarn"],
+        honoured_at="MLATransformerConfig.rope_type",
     )
     use_fused_weighted_squared_relu: bool = switch("Fused kernel for the weighted squared ReLU.")
     fused_residual_rmsnorm: bool = switch("Fuse the residual add into RMSNorm.")

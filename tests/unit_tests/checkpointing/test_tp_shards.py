@@ -3,10 +3,11 @@ the trainer's (megatron.core.dist_checkpointing.model_state, from the layers' pa
 attributes), so that the two cannot drift apart.
 
 Tiny GPT (SwiGLU with biases, q/k layernorm, untied output), MoE (SwiGLU experts over expert TP),
-BERT and T5 models are built at TP=2 in a 2-process gloo world. For every tensor, the global
-tensor the runtime's chunks assemble from both ranks must be what ``merge_shards`` makes of the
-two local tensors, and ``split_full`` of it must give each rank's local tensor back. The tensors
-the converters refuse are exactly T5's cross-attention ones (T5 checkpoints are not converted).
+multi-latent attention (with and without the low-rank query), BERT and T5 models are built at TP=2
+in a 2-process gloo world. For every tensor, the global tensor the runtime's chunks assemble from
+both ranks must be what ``merge_shards`` makes of the two local tensors, and ``split_full`` of it
+must give each rank's local tensor back. The tensors the converters refuse are exactly T5's cross-
+attention ones (T5 checkpoints are not converted).
 """
 
 import torch
@@ -50,6 +51,27 @@ def _config(**overrides):
     return TransformerConfig(**settings)
 
 
+def _mla_config(**overrides):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    settings = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=TP,
+        kv_lora_rank=12,
+        qk_head_dim=4,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        qk_layernorm=True,
+    )
+    settings.update(overrides)
+    return MLATransformerConfig(**settings)
+
+
 def _models(state):
     """{family: (builder, whether fc1 is SwiGLU's [gate; up])}."""
     from megatron.core.models.bert.bert_model import BertModel
@@ -80,6 +102,28 @@ def _models(state):
                     sequence_parallel=True,
                 ),
                 get_gpt_layer_local_spec(num_experts=4),
+                vocab_size=64,
+                max_sequence_length=16,
+                position_embedding_type="rope",
+                pg_collection=state,
+            ),
+            True,
+        ),
+        "mla": (
+            lambda: GPTModel(
+                _mla_config(**swiglu, q_lora_rank=8, sequence_parallel=True),
+                get_gpt_layer_local_spec(multi_latent_attention=True),
+                vocab_size=64,
+                max_sequence_length=16,
+                position_embedding_type="rope",
+                pg_collection=state,
+            ),
+            True,
+        ),
+        "mla-full-q": (
+            lambda: GPTModel(
+                _mla_config(**swiglu, q_lora_rank=None),
+                get_gpt_layer_local_spec(multi_latent_attention=True),
                 vocab_size=64,
                 max_sequence_length=16,
                 position_embedding_type="rope",
@@ -179,10 +223,18 @@ def _compare(rank, world_size):
         for i in range(2)
         for name in cross + ("linear_proj.weight",)
     }
-    assert refused == {"gpt": set(), "moe": set(), "bert": set(), "t5": t5_refused}, refused
+    assert refused == {
+        "gpt": set(),
+        "moe": set(),
+        "mla": set(),
+        "mla-full-q": set(),
+        "bert": set(),
+        "t5": t5_refused,
+    }, refused
     # Every kind of split was met (the comparison above did check something).
     assert kinds["gpt"] == {COLUMN, ROW, GATED_COLUMN, REPLICATED}, kinds
     assert kinds["moe"] == {COLUMN, ROW, GATED_COLUMN, REPLICATED}, kinds
+    assert kinds["mla"] == kinds["mla-full-q"] == {COLUMN, ROW, GATED_COLUMN, REPLICATED}, kinds
     assert kinds["bert"] == kinds["t5"] == {COLUMN, ROW, REPLICATED}, kinds
 
 

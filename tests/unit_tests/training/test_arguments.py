@@ -1222,7 +1222,7 @@ def test_checkpoint_formats(capsys):
         ),
         (["--recompute-activations", "--recompute-modules", "moe"], "--recompute-modules moe"),
         (["--moe-use-upcycling"], "--moe-use-upcycling"),
-        (["--multi-latent-attention"], "--multi-latent-attention"),
+        (["--yarn-beta-fast", 16], "--yarn-beta-fast 16.0"),
         (["--fp8-format", "hybrid", "--bf16"], "--fp8-format hybrid"),
         (["--optimizer", "lion"], "--optimizer lion"),
         (["--yaml-cfg", "cfg.yaml"], "--yaml-cfg cfg.yaml"),

@@ -10,8 +10,10 @@ The modules read most choices from the ``TransformerConfig`` they are built with
 (as megatron-core's torch-norm fallback does), biases, activation, grouped-query attention,
 QK-norm and grouped expert GEMMs. The specs' arguments of the same name must therefore agree with
 the config (Megatron-LM derives both from the same flags); arguments naming a feature this code
-base does not have (multi-latent attention, QK L2 norm, Kitchen, Transformer Engine's op fuser)
-are refused with an error naming them.
+base does not have (QK L2 norm, Kitchen, Transformer Engine's op fuser) are refused with an
+error naming them. ``multi_latent_attention=True`` builds ``MLASelfAttention`` (its modules:
+``linear_q_proj`` or ``linear_q_down_proj``/``linear_q_up_proj``, ``linear_kv_down_proj``,
+``linear_kv_up_proj``, ``q_layernorm``/``kv_layernorm``, ``linear_proj``).
 """
 
 from typing import Optional
@@ -21,6 +23,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_config import is_moe_layer
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -34,8 +37,6 @@ _NORMALIZATIONS = (None, "LayerNorm", "RMSNorm")
 
 def _refuse_unsupported(spec_name: str, **requested) -> None:
     wanted = sorted(name for name, value in requested.items() if value)
-    if "multi_latent_attention" in wanted:
-        raise ValueError(f"{spec_name}: multi-latent attention is not supported yet")
     if wanted:
         raise ValueError(f"{spec_name}: {', '.join(wanted)} not supported here")
 
@@ -60,7 +61,6 @@ def get_gpt_layer_local_spec(
     del fp8, moe_grouped_gemm, kitchen_attention_backend
     _refuse_unsupported(
         "get_gpt_layer_local_spec",
-        multi_latent_attention=multi_latent_attention,
         moe_use_legacy_grouped_gemm=moe_use_legacy_grouped_gemm,
         qk_l2_norm=qk_l2_norm,
         use_kitchen=use_kitchen,
@@ -72,13 +72,18 @@ def get_gpt_layer_local_spec(
             f"{_NORMALIZATIONS}"
         )
     attention_params = {"attn_mask_type": AttnMaskType.causal}
-    if qk_layernorm:
-        attention_params["qk_layernorm"] = True
+    if multi_latent_attention:
+        # The q/kv latent norms follow config.qk_layernorm, as in megatron-core's local spec.
+        attention = ModuleSpec(module=MLASelfAttention, params=attention_params)
+    else:
+        if qk_layernorm:
+            attention_params["qk_layernorm"] = True
+        attention = ModuleSpec(module=SelfAttention, params=attention_params)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=build_norm,
-            self_attention=ModuleSpec(module=SelfAttention, params=attention_params),
+            self_attention=attention,
             pre_mlp_layernorm=build_norm,
             mlp=MoELayer if num_experts else MLP,
         ),
@@ -137,6 +142,7 @@ def get_gpt_decoder_block_spec(
         layer_specs=[
             get_gpt_layer_local_spec(
                 num_experts=config.num_moe_experts if is_moe_layer(config, i) else None,
+                multi_latent_attention=config.multi_latent_attention,
                 normalization=normalization,
                 qk_l2_norm=qk_l2_norm,
             )

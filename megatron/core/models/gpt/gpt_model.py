@@ -127,7 +127,8 @@ class GPTModel(LanguageModule):
                     scatter_to_sequence_parallel=scatter_embedding_sequence_parallel,
                     pg_collection=self.pg_collection,
                 )
-        if position_embedding_type == "rope":
+        # Multi-latent attention rotates its own positional dims (multi_latent_attention.py).
+        if position_embedding_type == "rope" and not config.multi_latent_attention:
             self.rotary_pos_emb = RotaryEmbedding(
                 kv_channels=config.kv_channels,
                 rotary_percent=rotary_percent,
@@ -272,7 +273,7 @@ class GPTModel(LanguageModule):
     def _activation_dtype(self) -> torch.dtype:
         # The dtype the attention sees is the parameters' (a Float16Module may have cast them).
         if len(self.decoder.layers):
-            return self.decoder.layers[0].self_attention.linear_qkv.weight.dtype
+            return self.decoder.layers[0].self_attention.linear_proj.weight.dtype
         return self.config.params_dtype
 
     def forward(

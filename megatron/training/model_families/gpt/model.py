@@ -23,7 +23,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     elif config.num_moe_experts:
         transformer_layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     else:
-        transformer_layer_spec = get_gpt_layer_local_spec()
+        transformer_layer_spec = get_gpt_layer_local_spec(
+            multi_latent_attention=config.multi_latent_attention
+        )
     mtp_block_spec = mtp_layer_spec(transformer_layer_spec) if args.mtp_num_layers else None
     return GPTModel(
         config=config,

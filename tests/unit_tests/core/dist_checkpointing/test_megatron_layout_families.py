@@ -139,6 +139,52 @@ def _moe_config():
     )
 
 
+def _mla_config():
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        q_lora_rank=8,
+        kv_lora_rank=12,
+        qk_head_dim=4,
+        qk_pos_emb_head_dim=4,
+        v_head_dim=6,
+        qk_layernorm=True,
+        add_bias_linear=False,
+    )
+
+
+def test_mla_gpt_writes_megatron_keys():
+    # Megatron's Transformer Engine spec fuses the latent norms into the up projections; the
+    # input norm stays a module of its own (no linear_qkv to fuse it into).
+    model = tiny_gpt_model(_mla_config())
+    entries, _ = dc.model_sharded_state_dict([model])
+    shapes = {e.key: e.global_shape for e in entries.values() if isinstance(e, dc.ShardedTensor)}
+    attention = {k: v for k, v in shapes.items() if k.startswith("decoder.layers.self_attention.")}
+    assert attention == {
+        "decoder.layers.self_attention.linear_proj.weight": (2, 32, 24),
+        "decoder.layers.self_attention.linear_q_down_proj.weight": (2, 8, 32),
+        "decoder.layers.self_attention.linear_q_up_proj.weight": (2, 32, 8),
+        "decoder.layers.self_attention.linear_q_up_proj.layer_norm_weight": (2, 8),
+        "decoder.layers.self_attention.linear_kv_down_proj.weight": (2, 16, 32),
+        "decoder.layers.self_attention.linear_kv_up_proj.weight": (2, 40, 12),
+        "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight": (2, 12),
+    }
+    assert "decoder.layers.input_layernorm.weight" in shapes
+    objects = {e.unique_key for e in entries.values() if isinstance(e, dc.ShardedObject)}
+    modules = ["linear_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj"]
+    modules += ["linear_kv_up_proj"]
+    assert {
+        f"decoder.layers.self_attention.{m}._extra_state/shard_{layer}_2"
+        for m in modules
+        for layer in (0, 1)
+    } <= objects
+
+
 def test_moe_gpt_writes_megatron_keys():
     model = tiny_gpt_model(_moe_config())
     entries, by_param = dc.model_sharded_state_dict([model])
@@ -192,6 +238,11 @@ RESUME_MODELS = {
         _moe_config,
         "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
         "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+    ),
+    "mla": (
+        _mla_config,
+        "decoder.layers.1.self_attention.kv_layernorm.weight",
+        "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight",
     ),
 }
 

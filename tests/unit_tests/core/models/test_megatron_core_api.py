@@ -178,8 +178,9 @@ def test_transformer_engine_spec_is_the_local_one_and_missing_features_are_refus
     assert get_gpt_layer_with_transformer_engine_spec(
         num_experts=4, qk_layernorm=True
     ) == get_gpt_layer_local_spec(num_experts=4, qk_layernorm=True)
-    with pytest.raises(ValueError, match="multi-latent attention is not supported yet"):
-        get_gpt_layer_local_spec(multi_latent_attention=True)
+    assert get_gpt_layer_local_spec(
+        multi_latent_attention=True
+    ).submodules.self_attention.module.__name__ == ("MLASelfAttention")
     with pytest.raises(ValueError, match="qk_l2_norm not supported here"):
         get_gpt_layer_with_transformer_engine_spec(qk_l2_norm=True)
     with pytest.raises(ValueError, match="use_te_op_fuser not supported here"):
@@ -218,10 +219,11 @@ def test_quickstart_config_constructs_with_megatron_core_fields_and_refuses_abse
         TransformerConfig(**QUICKSTART_CONFIG, fp8="hybrid")
     with pytest.raises(ValueError, match=r"window_size=\(4, 0\) is not supported here"):
         TransformerConfig(**QUICKSTART_CONFIG, window_size=(4, 0))
-    with pytest.raises(ValueError, match="multi-latent attention is not supported yet"):
+    with pytest.raises(
+        ValueError, match="multi_latent_attention=True needs an MLATransformerConfig"
+    ):
         TransformerConfig(**QUICKSTART_CONFIG, multi_latent_attention=True)
-    with pytest.raises(ValueError, match="MLATransformerConfig: multi-latent attention"):
-        MLATransformerConfig(**QUICKSTART_CONFIG)
+    assert MLATransformerConfig(**QUICKSTART_CONFIG).multi_latent_attention
 
 
 def _perturb(model):
