@@ -1235,7 +1235,6 @@ def test_checkpoint_formats(capsys):
         (["--step-batch-size-schedule", "0:16"], "--step-batch-size-schedule 0:16"),
         (["--async-save", "--ckpt-format", "torch"], "--async-save"),
         (["--use-pytorch-profiler"], "--use-pytorch-profiler"),
-        (["--fim-data"], "--fim-data"),
         (["--record-memory-history"], "--record-memory-history"),
     ],
 )

@@ -876,6 +876,31 @@ CASES = [
         ["--num-dataset-builder-threads", 0],
         ["--num-dataset-builder-threads must be > 0 (got 0)"],
     ),
+    case("fim_no_mock", ["--fim-data"], ["--fim-data does not work with --mock-data"]),
+    case(
+        "fim_rate_nonzero",
+        ["--fim-data", "--data-path", "d", "--fim-rate", 0],
+        ["--fim-data needs a non-zero --fim-rate"],
+        drop=["--mock-data"],
+    ),
+    case(
+        "fim_spm_rate_nonzero",
+        ["--fim-data", "--data-path", "d", "--fim-spm-rate", 0],
+        ["--fim-data needs a non-zero --fim-spm-rate"],
+        drop=["--mock-data"],
+    ),
+    case(
+        "fim_rate_probability",
+        ["--fim-data", "--data-path", "d", "--fim-fragment-rate", 1.5],
+        ["--fim-fragment-rate is a probability, between 0 and 1 (got 1.5)"],
+        drop=["--mock-data"],
+    ),
+    case(
+        "fim_split_needs_fragment_rate",
+        ["--fim-data", "--data-path", "d", "--fim-split-sample", "x"],
+        ["--fim-split-sample needs --fim-fragment-rate"],
+        drop=["--mock-data"],
+    ),
     # ------------------------------------------------------------ logging and exits
     case("log_interval_positive", ["--log-interval", 0], ["--log-interval must be > 0 (got 0)"]),
     case(
