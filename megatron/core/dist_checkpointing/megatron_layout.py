@@ -169,6 +169,7 @@ def _stacked(
         entry.replica,
         name_suffix=suffix,
         expert=entry.expert,
+        dp_sharded=entry.dp_sharded,
     )
 
 

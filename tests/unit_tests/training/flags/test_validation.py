@@ -492,22 +492,12 @@ CASES = [
         ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
         ["--use-torch-fsdp2 does not support gradient accumulation fusion"],
     ),
-    case(
-        "fsdp2_without_tied_embeddings",
-        ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"],
-        ["--use-torch-fsdp2 does not support tied embeddings"],
-    ),
     case("fsdp2_without_fp16", FSDP2 + ["--fp16"], ["--use-torch-fsdp2 does not support --fp16"]),
     case(
         "fsdp2_without_one_connection",
         FSDP2,
         ["--use-torch-fsdp2 does not support CUDA_DEVICE_MAX_CONNECTIONS=1"],
         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
-    ),
-    case(
-        "fsdp2_without_checkpoints",
-        FSDP2 + ["--load", "/nonexistent/ckpt"],
-        ["--use-torch-fsdp2 does not support saving or loading checkpoints"],
     ),
     case(
         "fsdp2_without_params_norm",
