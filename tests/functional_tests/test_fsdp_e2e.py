@@ -1,7 +1,8 @@
 """FSDP2 (--use-torch-fsdp2) through torchrun on CPU/gloo, over 10 iterations:
 
 * DP=2 equals the one-process run (no sharding), loss within 1e-6 and grad norm within 1e-5
-  relative, with tied embeddings (the tied weight is one FSDP2 parameter);
+  relative, with tied embeddings (the tied weight is one FSDP2 parameter), and so does its
+  params norm (--log-params-norm);
 * its torch_dist checkpoint (saved at iteration 5) resumes with the one-process run's next losses
   at another DP size (DP=4) and without FSDP (one process), and a checkpoint written without FSDP
   resumes under FSDP2 at DP=2 likewise.
@@ -34,6 +35,7 @@ BASE = MODEL + [
     "--train-iters",
     str(ITERS),
     "--no-gradient-accumulation-fusion",
+    "--log-params-norm",
 ]
 FSDP2 = ["--use-torch-fsdp2"]
 
@@ -55,8 +57,14 @@ def test_fsdp2_dp2_with_tied_embeddings_matches_one_process(tied):
     # 8 sequences per step at DP=2 with micro-batches of 2: two micro-batches per rank, so the
     # gradient accumulation under no_sync is exercised too. (Untied embeddings add a parameter
     # to the same FSDP unit; Megatron's FSDP2 configurations tie them.)
-    _, reference, fsdp = tied
+    root, reference, fsdp = tied
     assert_same_training(fsdp, reference, range(1, ITERS + 1))
+    # The params norm counts every shard once (summed over the FSDP group).
+    want = read_tensorboard_scalars(root / "tb_plain", "params-norm")
+    got = read_tensorboard_scalars(root / "tb_fsdp", "params-norm")
+    assert sorted(got) == list(range(1, ITERS + 1))
+    for it in got:
+        assert abs(got[it] - want[it]) <= LOSS_RTOL * want[it], (it, got, want)
 
 
 def _resumed_losses(args, nproc, load, tb):

@@ -149,6 +149,5 @@ def _validate_fsdp2(args, what, one_connection):
         ),
         (not args.fp16, "--fp16"),
         (not one_connection, "CUDA_DEVICE_MAX_CONNECTIONS=1"),
-        (not args.log_params_norm, "--log-params-norm yet"),
     ):
         check(ok, f"{what} does not support {why}")

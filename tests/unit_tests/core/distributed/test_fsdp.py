@@ -261,9 +261,6 @@ def test_fsdp_flag_errors_name_the_flags(monkeypatch):
         "--data-parallel-sharding-strategy no_shard cannot be used with --use-torch-fsdp2"
         in _error(monkeypatch, *_FSDP2, "--data-parallel-sharding-strategy", "no_shard")
     )
-    assert "--use-torch-fsdp2 does not support --log-params-norm" in _error(
-        monkeypatch, *_FSDP2, "--log-params-norm"
-    )
     assert "--use-torch-fsdp2 does not support pipeline parallelism" in _error(
         monkeypatch, *_FSDP2, "--pipeline-model-parallel-size", "2"
     )

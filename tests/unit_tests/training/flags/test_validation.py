@@ -500,11 +500,6 @@ CASES = [
         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
     ),
     case(
-        "fsdp2_without_params_norm",
-        FSDP2 + ["--log-params-norm"],
-        ["--use-torch-fsdp2 does not support --log-params-norm"],
-    ),
-    case(
         "fsdp2_without_distributed_optimizer",
         FSDP2 + ["--use-distributed-optimizer"],
         ["--use-torch-fsdp2 does not support --use-distributed-optimizer"],
