@@ -26,12 +26,16 @@ the workers, ranks or order of reads. The draws within a sample are Megatron's, 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.utils import log_single_rank
+
+logger = logging.getLogger(__name__)
 
 FIM_TOKEN_FLAGS = {
     "prefix": "--fim-prefix-token",
@@ -65,17 +69,38 @@ class GPTFIMDatasetConfig(GPTDatasetConfig):
     """Segments whose text starts with this string are never transformed."""
 
 
+def _unknown_id(tokenizer: Any, vocab: Dict[str, int]) -> Optional[int]:
+    """The id Megatron-LM's (Hugging Face based) tokenizers give a token missing from their
+    vocabulary: the unknown token's; GPT-2's unknown token is ``<|endoftext|>``."""
+    inner = getattr(tokenizer, "tokenizer", None)
+    unk = getattr(inner, "unk_token_id", None)
+    if isinstance(unk, (int, np.integer)):
+        return int(unk)
+    return vocab.get("<|endoftext|>")
+
+
 def token_id(tokenizer: Any, token: str, flag: str) -> int:
-    """The id of one special token: from the tokenizer's string vocabulary, or, for a tokenizer
-    without one (NullTokenizer: the token is its id written out), by tokenizing it."""
+    """The id of one special token: from the tokenizer's string vocabulary (a token missing from
+    it maps to the unknown token, as in Megatron-LM: with GPT-2's vocabulary the default FIM
+    tokens all become ``<|endoftext|>``), or, for a tokenizer without one (NullTokenizer: the
+    token is its id written out), by tokenizing it."""
     try:
         vocab = tokenizer.vocab
     except NotImplementedError:
         vocab = None
     if vocab is not None:
-        if token not in vocab:
+        if token in vocab:
+            return int(vocab[token])
+        unk = _unknown_id(tokenizer, vocab)
+        if unk is None:
             raise ValueError(f"{flag} {token!r} is not a token of the tokenizer's vocabulary")
-        return int(vocab[token])
+        log_single_rank(
+            logger,
+            logging.WARNING,
+            f"{flag} {token!r} is not in the tokenizer's vocabulary: it is the unknown token "
+            f"(id {unk}), as in Megatron-LM",
+        )
+        return unk
     try:
         ids = tokenizer.tokenize(token)
     except ValueError as exc:

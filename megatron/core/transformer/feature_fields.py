@@ -22,6 +22,9 @@ from typing import Any
 INERT_FIELDS = frozenset(
     {
         "max_seqlen_per_dp_cp_rank",
+        # The local kernels have no non-deterministic variant to turn off; --deterministic-mode
+        # also calls torch.use_deterministic_algorithms (megatron/training/flags/rules/layer.py).
+        "deterministic_mode",
         "async_tensor_model_parallel_allreduce",
         "tp_comm_bulk_wgrad",
         "tp_comm_bulk_dgrad",

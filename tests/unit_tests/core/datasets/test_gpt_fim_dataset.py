@@ -4,6 +4,7 @@ over 2,000 samples, and a sample order independent of the order, process and wor
 
 import math
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +18,10 @@ from megatron.core.datasets.gpt_fim_dataset import (
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron.core.datasets.utils import Split
+from megatron.core.tokenizers.gpt2_bpe import GPT2BPETokenizer
 from megatron.core.tokenizers.null_tokenizer import NullTokenizer
 
+DATA = Path(__file__).resolve().parents[3] / "data"
 SPECIALS = {"<eod>": 0, "<pre>": 30, "<mid>": 31, "<suf>": 32, "<pad>": 33, "|": 34}
 EXTRA = {"prefix": "<pre>", "middle": "<mid>", "suffix": "<suf>", "pad": "<pad>", "eod": "<eod>"}
 EOD, PRE, MID, SUF, PAD, BAR = (
@@ -161,6 +164,11 @@ def test_special_token_ids_and_their_errors():
     assert token_id(NullTokenizer(100), "42", "--fim-pad-token") == 42
     with pytest.raises(ValueError, match="--fim-prefix-token '<fim_prefix>' is not a token"):
         token_id(CharTokenizer(), "<fim_prefix>", "--fim-prefix-token")
+    # A token missing from a vocabulary with an unknown token is that token (Megatron-LM's
+    # Hugging Face tokenizers): GPT-2's is <|endoftext|>.
+    gpt2 = GPT2BPETokenizer(str(DATA / "gpt2-vocab.json"), str(DATA / "gpt2-merges.txt"))
+    eod = gpt2.vocab["<|endoftext|>"]
+    assert token_id(gpt2, "<fim_prefix>", "--fim-prefix-token") == eod == gpt2.eod
     with pytest.raises(ValueError, match="--fim-eod-token '1 2' is 2 tokens, not one"):
         token_id(NullTokenizer(100), "1 2", "--fim-eod-token")
     with pytest.raises(ValueError, match="--fim-suffix-token '<x>': NullTokenizer expects"):
