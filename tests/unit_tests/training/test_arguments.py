@@ -943,12 +943,6 @@ RULES = [
         ["--use-torch-fsdp2 does not support --use-distributed-optimizer"],
     ),
     (
-        "fsdp2_tied",
-        ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"],
-        1,
-        ["--use-torch-fsdp2 does not support tied embeddings"],
-    ),
-    (
         "fsdp2_grad_fusion",
         ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
         1,
