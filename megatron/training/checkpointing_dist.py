@@ -56,6 +56,9 @@ from megatron.core.dist_checkpointing.optimizer_state import (
     state_key,
     state_names,
 )
+from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+    TorchFullyShardedDataParallel,
+)
 from megatron.core.utils import unwrap_model
 
 from . import checkpoint_rng_state, global_vars
@@ -123,7 +126,8 @@ def _all_gather_object(obj) -> list:
 
 
 def _sharded_model(model, state, megatron_layout: bool = True):
-    chunks = [unwrap_model(c) for c in (model if isinstance(model, list) else [model])]
+    wrapped = model if isinstance(model, list) else [model]
+    chunks = [unwrap_model(c) for c in wrapped]
     entries, by_param = dc.model_sharded_state_dict(
         chunks,
         state.get_tensor_model_parallel_rank(),
@@ -132,6 +136,13 @@ def _sharded_model(model, state, megatron_layout: bool = True):
         state.get_expert_tensor_parallel_world_size(),
         megatron_layout=megatron_layout,
     )
+    # FSDP2: the optimizer steps plain tensors aliasing the parameters' shards; their state is
+    # keyed and sharded like the parameters.
+    for chunk in wrapped:
+        if isinstance(chunk, TorchFullyShardedDataParallel):
+            for param, local in chunk.shard_aliases():
+                if id(param) in by_param:
+                    by_param[id(local)] = by_param[id(param)]
     return chunks, entries, by_param
 
 

@@ -177,15 +177,6 @@ def setup_model_and_optimizer(
     run = run or global_vars.get_run()
     args, state, timers = run.args, run.parallel_state, run.timers
     fsdp2 = uses_torch_fsdp2(args)
-    if fsdp2 and (
-        args.load is not None
-        or getattr(args, "pretrained_checkpoint", None) is not None
-        or args.save is not None
-    ):
-        raise ValueError(
-            "checkpoints of FSDP2-sharded models (--use-torch-fsdp2 / --use-megatron-fsdp) "
-            "cannot be saved or loaded yet: drop --save/--load/--pretrained-checkpoint"
-        )
     model = get_model(model_provider, model_type, run=run)
     stats_group = state.get_model_parallel_group() if state.size("mp") > 1 else None
     if fsdp2:

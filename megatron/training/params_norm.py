@@ -10,7 +10,9 @@ pipeline group for expert parameters (``allreduce = False``).
 With --bf16 the norm is that of the fp32 main params the optimizer keeps (the bf16 model params
 are their rounding), as Megatron's; under the distributed optimizer each rank holds a slice of
 them, whose sums of squares are first added over the slices' (expert-)data-parallel group. With
---fp16 and fp32 it is that of the model params, as Megatron's.
+--fp16 and fp32 it is that of the model params, as Megatron's. Under FSDP2 each rank holds a
+shard of every parameter (and of its main param): their sums of squares are first added over the
+FSDP group.
 """
 
 from __future__ import annotations
@@ -47,12 +49,18 @@ def params_l2_norm(model, optimizer, state, use_main_params: bool) -> float:
     # one kind share their data-parallel group).
     parts: Dict[Tuple[bool, bool], _Part] = {}
     for chunk in model:
-        for param in chunk.parameters():
+        # FSDP2: the tensors the optimizer steps (its main params' keys) are this rank's shards,
+        # which make up the params over the chunk's data-parallel (x context-parallel) group.
+        fsdp = hasattr(chunk, "local_shards")
+        params = chunk.local_shards().parameters() if fsdp else chunk.parameters()
+        for param in params:
             expert = not getattr(param, "allreduce", True)
             if not param_is_counted_once(param, etp_rank if expert else tp_rank):
                 continue
             copy: Optional[MainParamCopy] = copies.get(param)
             group = None if copy is None else copy.shard_group
+            if fsdp:
+                group = chunk.data_parallel_group
             data = param if copy is None else copy.data
             part = parts.setdefault((expert, group is not None), _Part(group))
             if part.shard_group is not group:

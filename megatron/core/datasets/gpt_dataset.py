@@ -225,6 +225,15 @@ class GPTDataset(MegatronDataset):
     def _query_document_sample_shuffle_indices(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
         """Tokens (int64, ``sequence_length + extra``, padded) and the document ids of one
         sample."""
+        text, document_ids = self._read_sample(idx)
+        want = self.config.sequence_length + self._extra
+        if len(text) < want:
+            text = np.concatenate([text, np.full(want - len(text), self._pad_token_id, np.int64)])
+        return text, document_ids
+
+    def _read_sample(self, idx: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The tokens of sample ``idx`` as stored (int64; shorter than ``sequence_length +
+        extra`` only for the last partial validation sample) and its document ids."""
         if not 0 <= int(idx) < len(self):
             raise IndexError(
                 f"sample {idx} out of range for a {self.index_split.name} split "
@@ -233,7 +242,6 @@ class GPTDataset(MegatronDataset):
         j = int(self.shuffle_index[idx])
         doc_beg, offset_beg = (int(v) for v in self.sample_index[j])
         doc_end, offset_end = (int(v) for v in self.sample_index[j + 1])
-        want = self.config.sequence_length + self._extra
         document_ids: List[int] = []
         parts: List[np.ndarray] = []
         if doc_beg == doc_end:
@@ -251,9 +259,6 @@ class GPTDataset(MegatronDataset):
                 offset = offset_beg if position == doc_beg else 0
                 length = offset_end + self._extra if position == doc_end else None
                 parts.append(self.dataset.get(doc, offset=offset, length=length))
-        length = sum(len(p) for p in parts)
-        if length < want:
-            parts.append(np.full(want - length, self._pad_token_id, dtype=np.int64))
         return np.concatenate(parts).astype(np.int64, copy=False), np.array(
             document_ids, dtype=np.int64
         )

@@ -52,6 +52,9 @@ class ShardedTensor:
     optional: bool = False
     """A second key for a tensor saved under another key too (megatron-core's T5 keeps such
     aliases): saved, and loaded only where the checkpoint has it."""
+    dp_sharded: bool = False
+    """Each data-parallel rank holds its own rows of ``data`` (an FSDP2 shard): saved by every
+    DP rank, never spread over them as a replicated tensor is."""
     local_shape: Optional[Tuple[int, ...]] = None
     """The shape the model holds ``data`` in, where ``data`` is a view of another shape (a layer
     of a stacked tensor has a leading layer axis of 1): what ``dist_checkpointing.load`` returns
@@ -90,6 +93,7 @@ class ShardedTensor:
             self.replica if replica is None else replica,
             self.name_suffix,
             self.expert,
+            dp_sharded=self.dp_sharded,
         )
 
 
@@ -170,6 +174,34 @@ def tensor_parallel_sharded(
         piece[partition_dim] = block
         chunks.append(Chunk(tuple(g_off), tuple(l_off), tuple(piece)))
     return ShardedTensor(key, tensor, tuple(global_shape), tuple(chunks), replica)
+
+
+def rows_of(entry: ShardedTensor, start: int, rows: torch.Tensor) -> ShardedTensor:
+    """``entry`` (of a tensor this rank would hold whole) cut to the rows ``start .. start +
+    len(rows)`` of its dim 0, which ``rows`` holds: an FSDP2 shard of a (TP-local) parameter."""
+    stop = start + rows.shape[0]
+    chunks = []
+    for c in entry.chunks:
+        lo, hi = max(c.local_offset[0], start), min(c.local_offset[0] + c.shape[0], stop)
+        if lo >= hi:
+            continue
+        chunks.append(
+            Chunk(
+                (c.global_offset[0] + lo - c.local_offset[0],) + c.global_offset[1:],
+                (lo - start,) + c.local_offset[1:],
+                (hi - lo,) + c.shape[1:],
+            )
+        )
+    return ShardedTensor(
+        entry.key,
+        rows,
+        entry.global_shape,
+        tuple(chunks),
+        entry.replica,
+        entry.name_suffix,
+        entry.expert,
+        dp_sharded=True,
+    )
 
 
 def chunk_volume(chunk: Chunk) -> int:

@@ -217,6 +217,7 @@ def _stacked(
         entry.replica,
         name_suffix=suffix,
         expert=entry.expert,
+        dp_sharded=entry.dp_sharded,
     )
 
 

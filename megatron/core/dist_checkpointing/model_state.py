@@ -11,6 +11,8 @@ The global name of a tensor is its key in the whole model at TP=1, PP=1:
 * an MoE layer's experts (``experts.local_experts.<i>``, local index i on this expert-parallel
   rank) are numbered globally, shifted by the experts module's ``local_expert_offset``; they
   are split over the expert-tensor-parallel ranks instead of TP and marked ``expert``;
+* an FSDP2 parameter (a DTensor sharded on dim 0 over DP x CP) gives the rows of the tensor above
+  that this rank's shard holds (``dp_sharded``: every DP rank saves its own);
 * with tied input/output embeddings, the last stage's ``output_layer.weight`` is a copy of the
   first stage's ``embedding.word_embeddings.weight``: loaded from that key, never saved.
 
@@ -26,8 +28,9 @@ import re
 from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
-from .mapping import ShardedObject, ShardedTensor, replicated, tensor_parallel_sharded
+from .mapping import ShardedObject, ShardedTensor, replicated, rows_of, tensor_parallel_sharded
 from .megatron_layout import (
     EMPTY_EXTRA_STATE,
     EXTRA_STATE_SUFFIX,
@@ -170,6 +173,8 @@ def model_sharded_state_dict(
                 )
             else:
                 entry = replicated(key, data, replica=forced_replica or tp_rank != 0)
+            if isinstance(data, DTensor):
+                entry = _fsdp_rows(entry, data)
             entries[key] = entry
             by_param[id(tensor)] = entry
     if not megatron_layout:
@@ -193,7 +198,12 @@ def model_sharded_state_dict(
             if ours in stacked:
                 entry = stacked[ours]
                 stacked[alias] = ShardedTensor(
-                    alias, entry.data, entry.global_shape, entry.chunks, entry.replica
+                    alias,
+                    entry.data,
+                    entry.global_shape,
+                    entry.chunks,
+                    entry.replica,
+                    dp_sharded=entry.dp_sharded,
                 )
                 stacked[alias].optional = True
         for module in getattr(type(chunk), "TOP_LEVEL_EXTRA_STATE", ()):
@@ -225,6 +235,22 @@ def _expert_entry(key: str, tensor: torch.Tensor, etp_rank: int, etp_size: int) 
     return entry
 
 
+def _fsdp_rows(entry: ShardedTensor, param: DTensor) -> ShardedTensor:
+    """The entry of an FSDP2 parameter: the rows of dim 0 that this rank's shard holds (FSDP2
+    cuts dim 0 as ``torch.chunk`` does: ceil(rows / DP) rows per rank, the last ones fewer)."""
+    if len(param.placements) != 1 or not isinstance(param.placements[0], Shard):
+        raise ValueError(f"{entry.key}: FSDP2 parameter placed {param.placements}, not Shard(0)")
+    if param.placements[0].dim != 0:
+        raise ValueError(f"{entry.key}: FSDP2 parameter sharded on dim {param.placements[0].dim}")
+    rows = param.shape[0]
+    per_rank = -(-rows // param.device_mesh.size())
+    start = min(rows, param.device_mesh.get_local_rank() * per_rank)
+    local = param.to_local()
+    if local.shape[0] != min(rows, start + per_rank) - start:
+        raise ValueError(f"{entry.key}: FSDP2 shard of {local.shape[0]} rows at row {start}")
+    return rows_of(entry, start, local)
+
+
 def spread_writes(
     entries: Dict[str, ShardedTensor], dp_rank: int, dp_size: int, fully_parallel: bool = True
 ) -> None:
@@ -235,8 +261,10 @@ def spread_writes(
         return
     if not fully_parallel:
         for entry in entries.values():
-            entry.replica = entry.replica or dp_rank != 0
+            if not getattr(entry, "dp_sharded", False):
+                entry.replica = entry.replica or dp_rank != 0
         return
+    entries = {k: e for k, e in entries.items() if not getattr(e, "dp_sharded", False)}
     load = [0] * dp_size
     order = sorted(
         (k for k, e in entries.items() if not e.replica), key=lambda k: (-_nbytes(entries[k]), k)

@@ -168,6 +168,11 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         """The tensors the optimizer updates (see the module docstring)."""
         return LocalShards([(name, local) for name, _, local in self._shards])
 
+    def shard_aliases(self) -> List[Tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """(DTensor parameter, the local tensor the optimizer steps for it) pairs: checkpoints
+        key the optimizer state of the second by the first."""
+        return [(param, local) for _, param, local in self._shards]
+
     @contextmanager
     def no_sync(self):
         """Micro-batches run inside keep unsharded gradients; the last one reduces them all."""

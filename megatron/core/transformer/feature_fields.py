@@ -31,6 +31,9 @@ INERT_FIELDS = frozenset(
         "overlap_moe_expert_parallel_comm",
         "delay_wgrad_compute",
         "max_seqlen_per_dp_cp_rank",
+        # The local kernels have no non-deterministic variant to turn off; --deterministic-mode
+        # also calls torch.use_deterministic_algorithms (megatron/training/flags/rules/layer.py).
+        "deterministic_mode",
         "async_tensor_model_parallel_allreduce",
         "tp_comm_bulk_wgrad",
         "tp_comm_bulk_dgrad",

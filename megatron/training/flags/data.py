@@ -4,6 +4,9 @@ from typing import List, Optional
 
 from megatron.training.flags.spec import add_group, flag, flag_group, off_switch, switch
 
+# Read by GPT's dataset provider (megatron/training/model_families/gpt/data.py).
+_FIM = "pretrain_gpt.train_valid_test_datasets_provider"
+
 
 @flag_group(
     "data and dataloader",
@@ -156,17 +159,25 @@ class DataFlags:
     dataloader_defer_npy_index_mmap: bool = switch(
         "Memory-map the cached indices only when first used."
     )
-    fim_data: bool = switch("Apply fill-in-the-middle transformations to samples.")
-    fim_rate: float = flag(0.5, "Probability of a FIM transformation.")
-    fim_spm_rate: float = flag(0.5, "Probability of SPM (vs PSM) ordering for FIM.")
-    fim_split_sample: Optional[str] = flag(None, "Token at which FIM splits samples.")
-    fim_fragment_rate: Optional[float] = flag(None, "FIM rate per fragment.")
-    fim_no_prefix: Optional[str] = flag(None, "Do not apply FIM to samples with this prefix.")
-    fim_prefix_token: str = flag("<fim_prefix>", "FIM prefix token.")
-    fim_middle_token: str = flag("<fim_middle>", "FIM middle token.")
-    fim_suffix_token: str = flag("<fim_suffix>", "FIM suffix token.")
-    fim_pad_token: str = flag("<fim_pad>", "FIM pad token.")
-    fim_eod_token: str = flag("<|endoftext|>", "FIM eod token.")
+    fim_data: bool = switch(
+        "Apply fill-in-the-middle transformations to samples.", honoured_at=_FIM
+    )
+    fim_rate: float = flag(0.5, "Probability of a FIM transformation.", honoured_at=_FIM)
+    fim_spm_rate: float = flag(
+        0.5, "Probability of SPM (vs PSM) ordering for FIM.", honoured_at=_FIM
+    )
+    fim_split_sample: Optional[str] = flag(
+        None, "Token at which FIM splits samples.", honoured_at=_FIM
+    )
+    fim_fragment_rate: Optional[float] = flag(None, "FIM rate per fragment.", honoured_at=_FIM)
+    fim_no_prefix: Optional[str] = flag(
+        None, "Do not apply FIM to samples with this prefix.", honoured_at=_FIM
+    )
+    fim_prefix_token: str = flag("<fim_prefix>", "FIM prefix token.", honoured_at=_FIM)
+    fim_middle_token: str = flag("<fim_middle>", "FIM middle token.", honoured_at=_FIM)
+    fim_suffix_token: str = flag("<fim_suffix>", "FIM suffix token.", honoured_at=_FIM)
+    fim_pad_token: str = flag("<fim_pad>", "FIM pad token.", honoured_at=_FIM)
+    fim_eod_token: str = flag("<|endoftext|>", "FIM eod token.", honoured_at=_FIM)
 
 
 @flag_group("tokenizer", removed={"--tiktoken-special-tokens": "use --tokenizer-special-tokens"})

@@ -438,13 +438,6 @@ refused(
     given=lambda value, args: value == "external",
 )
 refused(
-    f"fill-in-the-middle data is {_NYI}",
-    """
-    fim_data fim_rate fim_spm_rate fim_split_sample fim_fragment_rate fim_no_prefix
-    fim_prefix_token fim_middle_token fim_suffix_token fim_pad_token fim_eod_token
-    """,
-)
-refused(
     f"SFT training is {_NYI}",
     """
     sft sft_tokenizer_prompt_format chat_template

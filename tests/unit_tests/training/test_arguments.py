@@ -943,12 +943,6 @@ RULES = [
         ["--use-torch-fsdp2 does not support --use-distributed-optimizer"],
     ),
     (
-        "fsdp2_tied",
-        ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"],
-        1,
-        ["--use-torch-fsdp2 does not support tied embeddings"],
-    ),
-    (
         "fsdp2_grad_fusion",
         ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
         1,
@@ -1235,7 +1229,6 @@ def test_checkpoint_formats(capsys):
         (["--step-batch-size-schedule", "0:16"], "--step-batch-size-schedule 0:16"),
         (["--async-save", "--ckpt-format", "torch"], "--async-save"),
         (["--use-pytorch-profiler"], "--use-pytorch-profiler"),
-        (["--fim-data"], "--fim-data"),
         (["--record-memory-history"], "--record-memory-history"),
     ],
 )

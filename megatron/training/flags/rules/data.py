@@ -61,8 +61,27 @@ def validate_data(args):
             if getattr(args, dest) is None
         ]
         check(not missing, f"--tokenizer-type {args.tokenizer_type} needs {' and '.join(missing)}")
+    if args.fim_data:
+        _validate_fim(args)
     args.consumed_train_samples = 0
     args.skipped_train_samples = 0
     args.consumed_valid_samples = 0
     # Fixed-length samples: the pipeline never has to exchange sequence lengths.
     args.variable_seq_lengths = False
+
+
+def _validate_fim(args):
+    # Megatron's rules (a zero --fim-rate or --fim-spm-rate is refused there too).
+    check(not args.mock_data, "--fim-data does not work with --mock-data (it rewrites text)")
+    check(args.fim_rate, "--fim-data needs a non-zero --fim-rate")
+    check(args.fim_spm_rate, "--fim-data needs a non-zero --fim-spm-rate")
+    for dest in ("fim_rate", "fim_spm_rate", "fim_fragment_rate"):
+        value = getattr(args, dest)
+        check(
+            value is None or 0.0 <= value <= 1.0,
+            f"{flag_name(dest)} is a probability, between 0 and 1 (got {value})",
+        )
+    check(
+        args.fim_split_sample is None or args.fim_fragment_rate is not None,
+        "--fim-split-sample needs --fim-fragment-rate (the FIM rate of each fragment)",
+    )

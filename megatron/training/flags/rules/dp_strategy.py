@@ -137,7 +137,9 @@ def validate_data_parallel_strategy(args):
 
 def _validate_fsdp2(args, what, one_connection):
     """The limits Megatron puts on its FSDP paths, for --use-torch-fsdp2 and for
-    --use-megatron-fsdp with optim_grads_params (which runs on FSDP2 here)."""
+    --use-megatron-fsdp with optim_grads_params (which runs on FSDP2 here). Megatron-LM also
+    asks for --untie-embeddings-and-output-weights; FSDP2 shards the tied weight as one
+    parameter here (embedding and output layer are in the same FSDP unit), so it is allowed."""
     for ok, why in (
         (args.pipeline_model_parallel_size == 1, "pipeline parallelism"),
         (args.expert_model_parallel_size == 1, "expert parallelism"),
@@ -145,16 +147,7 @@ def _validate_fsdp2(args, what, one_connection):
             not args.gradient_accumulation_fusion,
             "gradient accumulation fusion (pass --no-gradient-accumulation-fusion)",
         ),
-        (
-            args.untie_embeddings_and_output_weights,
-            "tied embeddings (pass --untie-embeddings-and-output-weights)",
-        ),
         (not args.fp16, "--fp16"),
         (not one_connection, "CUDA_DEVICE_MAX_CONNECTIONS=1"),
-        (
-            not (args.save or args.load or args.pretrained_checkpoint),
-            "saving or loading checkpoints yet (--save/--load/--pretrained-checkpoint)",
-        ),
-        (not args.log_params_norm, "--log-params-norm yet"),
     ):
         check(ok, f"{what} does not support {why}")

@@ -337,10 +337,12 @@ def test_value_dependent_rules_honour_the_other_values():
 
 def test_refusal_lists_every_offender_on_one_line(capsys):
     with pytest.raises(SystemExit, match="^2$"):
-        parse_and_validate_args(argv=BASE + ["--moe-use-upcycling", "--fim-data", "--sft"])
+        parse_and_validate_args(
+            argv=BASE + ["--moe-use-upcycling", "--use-pytorch-profiler", "--sft"]
+        )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: not supported yet: --moe-use-upcycling (")
-    assert err[0].count("; ") == 2 and "--fim-data (" in err[0] and "--sft (" in err[0]
+    assert err[0].count("; ") == 2 and "--use-pytorch-profiler (" in err[0] and "--sft (" in err[0]
 
 
 def test_help_names_the_class_of_refused_and_no_effect_flags(capsys):

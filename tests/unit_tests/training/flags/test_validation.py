@@ -644,27 +644,12 @@ CASES = [
         ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
         ["--use-torch-fsdp2 does not support gradient accumulation fusion"],
     ),
-    case(
-        "fsdp2_without_tied_embeddings",
-        ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"],
-        ["--use-torch-fsdp2 does not support tied embeddings"],
-    ),
     case("fsdp2_without_fp16", FSDP2 + ["--fp16"], ["--use-torch-fsdp2 does not support --fp16"]),
     case(
         "fsdp2_without_one_connection",
         FSDP2,
         ["--use-torch-fsdp2 does not support CUDA_DEVICE_MAX_CONNECTIONS=1"],
         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
-    ),
-    case(
-        "fsdp2_without_checkpoints",
-        FSDP2 + ["--load", "/nonexistent/ckpt"],
-        ["--use-torch-fsdp2 does not support saving or loading checkpoints"],
-    ),
-    case(
-        "fsdp2_without_params_norm",
-        FSDP2 + ["--log-params-norm"],
-        ["--use-torch-fsdp2 does not support --log-params-norm"],
     ),
     case(
         "fsdp2_without_distributed_optimizer",
@@ -1027,6 +1012,31 @@ CASES = [
         "dataset_builder_threads_positive",
         ["--num-dataset-builder-threads", 0],
         ["--num-dataset-builder-threads must be > 0 (got 0)"],
+    ),
+    case("fim_no_mock", ["--fim-data"], ["--fim-data does not work with --mock-data"]),
+    case(
+        "fim_rate_nonzero",
+        ["--fim-data", "--data-path", "d", "--fim-rate", 0],
+        ["--fim-data needs a non-zero --fim-rate"],
+        drop=["--mock-data"],
+    ),
+    case(
+        "fim_spm_rate_nonzero",
+        ["--fim-data", "--data-path", "d", "--fim-spm-rate", 0],
+        ["--fim-data needs a non-zero --fim-spm-rate"],
+        drop=["--mock-data"],
+    ),
+    case(
+        "fim_rate_probability",
+        ["--fim-data", "--data-path", "d", "--fim-fragment-rate", 1.5],
+        ["--fim-fragment-rate is a probability, between 0 and 1 (got 1.5)"],
+        drop=["--mock-data"],
+    ),
+    case(
+        "fim_split_needs_fragment_rate",
+        ["--fim-data", "--data-path", "d", "--fim-split-sample", "x"],
+        ["--fim-split-sample needs --fim-fragment-rate"],
+        drop=["--mock-data"],
     ),
     # ------------------------------------------------------------ logging and exits
     case("log_interval_positive", ["--log-interval", 0], ["--log-interval must be > 0 (got 0)"]),
