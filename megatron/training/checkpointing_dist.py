@@ -310,7 +310,8 @@ def _dp_reshardable_entries(optimizer, state) -> dict:
     )
     by_param = distributed_state_by_param(optimizer)
     common = dc.optimizer_common_state(optimizer)
-    replica = optimizer.dp_rank != 0
+    # DP rank 0 of distributed-optimizer instance 0 writes (every instance holds the same state).
+    replica = optimizer.dp_rank != 0 or getattr(optimizer, "instance_rank", 0) != 0
     out = dpr.layout_objects(buffers, mp_index, replica)
     for name in ("optimizer", "grad_scaler"):
         if name in common:
@@ -318,7 +319,7 @@ def _dp_reshardable_entries(optimizer, state) -> dict:
                 dpr.object_key(mp_index, name), common[name], (1,), (0,), replica=replica
             )
             out[entry.name] = entry
-    if by_param is not None:
+    if by_param is not None and getattr(optimizer, "instance_rank", 0) == 0:
         names = (MAIN_PARAM,) + state_names(optimizer)
         out.update(dpr.bucket_state_entries(buffers, mp_index, by_param, names))
     return out

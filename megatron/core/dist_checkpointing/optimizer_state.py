@@ -274,6 +274,8 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
     if state is None:
         return {}
     out: Dict[str, ShardedTensor] = {}
+    # Every distributed-optimizer instance gathers the same state: instance 0 writes it.
+    other_instance = getattr(optimizer, "instance_rank", 0) != 0
     for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
         entry = by_param.get(id(param))
         if entry is None or gbuf_idx not in state:  # another rank gathered that buffer
@@ -282,7 +284,8 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
             value = flats[bucket_id][start : start + param.numel()].view(entry.data.shape)
             # "param" (the fp32 main weight) is written for every parameter, as megatron-core's
             # fully_reshardable loader asks for it.
-            _add(out, entry.with_data(state_key(name, entry.key), value))
+            replica = entry.replica or other_instance
+            _add(out, entry.with_data(state_key(name, entry.key), value, replica=replica))
     return out
 
 

@@ -105,11 +105,6 @@ SPECIAL_VALUES = {
         "--context-parallel-size",
         "1",
     ],
-    "num_distributed_optimizer_instances": [
-        "--num-distributed-optimizer-instances",
-        "2",
-        "--use-distributed-optimizer",
-    ],
     "inprocess_active_world_size": ["--inprocess-active-world-size", "3"],
     "non_persistent_ckpt_type": [
         "--non-persistent-ckpt-type",
