@@ -47,6 +47,10 @@ _GROUP_SETTINGS = (
     "is_expert_parallel",
     "max_lr",
     "min_lr",
+    # How this run steps (optimizer_step_impl), not state: a checkpoint written on another
+    # device (fused off on CPU) must not switch this run's fused step off.
+    "fused",
+    "foreach",
 )
 _SIGNATURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
