@@ -56,3 +56,21 @@ def test_one_process_state_resumes_with_the_layer_wise_optimizer_at_tp2_dp2(refe
     first = train_metrics(BASE + save, None, tmp_path / "one")
     joined = _resume(first, (4, LAYER_WISE + TP2), ckpt, tmp_path)
     assert_same_training(joined, reference, range(1, 11))
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
+MOE += ["--moe-aux-loss-coeff", "0.01", "--swiglu"]
+
+
+def test_layer_wise_with_experts_at_ep2_equals_one_process_and_resumes_at_ep1(tmp_path):
+    # The experts are shared out over expert DP (the ranks holding the same experts), the dense
+    # params over DP; the state resumes on one process (EP=1) without the layer-wise optimizer.
+    reference = train_metrics(BASE + MOE, None, tmp_path / "one")
+    ckpt = tmp_path / "ckpt"
+    save = ["--save", str(ckpt), "--save-interval", "5"]
+    ep2 = ["--expert-model-parallel-size", "2"]
+    straight = train_metrics(BASE + MOE + LAYER_WISE + ep2 + save, 2, tmp_path / "ep2")
+    assert_same_training(straight, reference, range(1, 11))
+    load = ["--load", str(ckpt), "--ckpt-step", "5"]
+    resumed = train_metrics(BASE + MOE + load, None, tmp_path / "resumed")
+    assert_same_training(resumed, reference, range(6, 11))

@@ -75,7 +75,7 @@ def is_distributed(optimizer) -> bool:
 def is_layer_wise(optimizer) -> bool:
     """Muon's layer-wise distributed optimizer: each DP rank holds the whole state of the params
     it owns (in its ``mixed_precision`` optimizer), and writes it."""
-    return hasattr(optimizer, "params_by_owner") and hasattr(optimizer, "mixed_precision")
+    return hasattr(optimizer, "is_owned") and hasattr(optimizer, "mixed_precision")
 
 
 def _holder(optimizer):
