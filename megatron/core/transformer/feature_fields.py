@@ -21,6 +21,9 @@ from typing import Any
 # Fields whose value has no effect here (see the module docstring).
 INERT_FIELDS = frozenset(
     {
+        # The layers here choose no kernel by it (the trainer's --deterministic-mode sets
+        # torch.use_deterministic_algorithms, flags/rules/layer.py).
+        "deterministic_mode",
         "max_seqlen_per_dp_cp_rank",
         "async_tensor_model_parallel_allreduce",
         "tp_comm_bulk_wgrad",
