@@ -11,9 +11,9 @@ a note). Then, for every pipeline stage, Megatron's line
 
 and its breakdown (weights, gradients, optimizer state, activations by component) are printed.
 Stage 0's line is the one rank 0 prints when training starts. Memory features that this code
-base does not run yet (``--num-distributed-optimizer-instances``) are accounted as Megatron would
-and noted on stderr, so a plan can be checked before the feature lands; other refused flags are
-errors. Exit status 0, or 2 with ``error: <message>`` on stderr.
+base does not run yet (``--overlap-param-gather-with-optimizer-step``) are accounted as Megatron
+would and noted on stderr, so a plan can be checked before the feature lands; other refused flags
+are errors. Exit status 0, or 2 with ``error: <message>`` on stderr.
 """
 
 import os
@@ -42,7 +42,6 @@ GPT = get_model_family("gpt")  # the flags are pretrain_gpt.py's
 # accounts for them), so a planned run can be checked.
 ACCOUNTED_BEFORE_THEY_RUN = frozenset(
     {
-        "num_distributed_optimizer_instances",
         "overlap_param_gather_with_optimizer_step",
     }
 )

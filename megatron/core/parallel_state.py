@@ -115,6 +115,10 @@ class ParallelLayout:
     """Model chunks per pipeline rank (interleaved schedule), or None."""
     use_tp_pp_dp_mapping: bool = False
     """Use the order tp-cp-ep-pp-dp instead of tp-cp-ep-dp-pp."""
+    num_distributed_optimizer_instances: int = 1
+    """Distributed-optimizer instances: the DP x CP ranks (and the expert-DP ranks) split into
+    this many contiguous blocks; the optimizer state is sharded within a block and replicated
+    across blocks."""
 
     def __post_init__(self):
         if self.expert_tensor_parallel_size is None:
@@ -143,6 +147,19 @@ class ParallelLayout:
                 f"({self.expert_model_parallel_size}) x pipeline-model-parallel size "
                 f"({self.pipeline_model_parallel_size})"
             )
+        instances = self.num_distributed_optimizer_instances
+        if instances < 1:
+            raise ValueError(f"num_distributed_optimizer_instances ({instances}) must be >= 1")
+        dp_cp = self.data_parallel_size * self.context_parallel_size
+        for what, size in (
+            ("data-parallel x context-parallel size", dp_cp),
+            ("expert-data-parallel size", self.expert_data_parallel_size),
+        ):
+            if size % instances != 0:
+                raise ValueError(
+                    f"{what} ({size}) is not divisible by num_distributed_optimizer_instances "
+                    f"({instances})"
+                )
 
     @property
     def order(self) -> str:
@@ -210,12 +227,46 @@ class ParallelLayout:
             position_embedding.append([pp_ranks[0]])
         groups["embedding"] = embedding
         groups["position-embedding"] = position_embedding
+        if self.num_distributed_optimizer_instances > 1:
+            groups.update(self._distributed_optimizer_instance_ranks(groups))
         # The expert grid must agree with the dense one on pipeline groups.
         if sorted(map(sorted, expert.get_ranks("pp"))) != sorted(map(sorted, groups["pp"])):
             raise ValueError(
                 "expert and dense grids disagree on pipeline groups; check the parallel sizes"
             )
         return groups
+
+    def _distributed_optimizer_instance_ranks(self, groups) -> Dict[str, List[List[int]]]:
+        """Megatron's partial distributed-optimizer groups: each DP x CP group (and each
+        expert-DP group) cut into N contiguous blocks ("intra-dp-cp", "intra-expert-dp"); the
+        ranks at the same place of every block ("inter-dist-opt", "inter-expert-dp"; Megatron
+        uses the expert one for both, the same ranks whenever both exist); and every rank of one
+        block of the whole grid ("intra-dist-opt")."""
+        n = self.num_distributed_optimizer_instances
+
+        def blocks(rank_lists):
+            size = len(rank_lists[0]) // n
+            intra = [ranks[i * size : (i + 1) * size] for ranks in rank_lists for i in range(n)]
+            inter = [ranks[j::size] for ranks in rank_lists for j in range(size)]
+            return intra, inter
+
+        intra_dp_cp, inter_dense = blocks(groups["dp-cp"])
+        intra_expert_dp, inter_expert = blocks(groups["expert-dp"])
+        instance_of = {}
+        for ranks in groups["expert-dp"]:
+            size = len(ranks) // n
+            for position, rank in enumerate(ranks):
+                instance_of[rank] = position // size
+        intra_dist_opt = [
+            [r for r in range(self.world_size) if instance_of[r] == i] for i in range(n)
+        ]
+        return {
+            "intra-dp-cp": intra_dp_cp,
+            "inter-dist-opt": inter_dense,
+            "intra-expert-dp": intra_expert_dp,
+            "inter-expert-dp": inter_expert,
+            "intra-dist-opt": intra_dist_opt,
+        }
 
 
 @dataclass
@@ -296,6 +347,32 @@ class ParallelState:
     def get_model_parallel_group(self):
         return self.group("mp")
 
+    @property
+    def num_distributed_optimizer_instances(self) -> int:
+        return self.layout.num_distributed_optimizer_instances
+
+    def _partial(self, name: str, whole: str) -> str:
+        return name if self.num_distributed_optimizer_instances > 1 else whole
+
+    def get_intra_partial_data_parallel_group(self):
+        """The DP x CP ranks of this rank's distributed-optimizer instance (the whole DP x CP
+        group with one instance)."""
+        return self.group(self._partial("intra-dp-cp", "dp-cp"))
+
+    def get_intra_partial_expert_data_parallel_group(self):
+        return self.group(self._partial("intra-expert-dp", "expert-dp"))
+
+    def get_inter_distributed_optimizer_instance_group(self):
+        """The ranks holding this rank's shard in the other instances (None with one)."""
+        if self.num_distributed_optimizer_instances == 1:
+            return None
+        return self.group("inter-dist-opt")
+
+    def get_inter_expert_distributed_optimizer_instance_group(self):
+        if self.num_distributed_optimizer_instances == 1:
+            return None
+        return self.group("inter-expert-dp")
+
     def get_embedding_group(self):
         return self.group("embedding")
 
@@ -339,6 +416,7 @@ def _new_parallel_state(
     expert_tensor_parallel_size: Optional[int],
     order: str,
     timeout: Optional[timedelta],
+    num_distributed_optimizer_instances: int = 1,
 ) -> ParallelState:
     """Create every process group of one layout; every rank creates every group in the same order
     (torch.distributed requires it). Without an initialized default group: a single-process state
@@ -360,6 +438,7 @@ def _new_parallel_state(
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         use_tp_pp_dp_mapping=order == TP_PP_DP_ORDER,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
     state = ParallelState(layout=layout, rank=rank)
     if virtual_pipeline_model_parallel_size is not None:
@@ -442,7 +521,6 @@ def initialize_model_parallel(
     global _CURRENT
     unsupported = {
         "hybrid_context_parallel": bool(hybrid_context_parallel),
-        "num_distributed_optimizer_instances": num_distributed_optimizer_instances != 1,
         "get_embedding_ranks": get_embedding_ranks is not None,
         "get_position_embedding_ranks": get_position_embedding_ranks is not None,
     }
@@ -461,6 +539,7 @@ def initialize_model_parallel(
         expert_tensor_parallel_size,
         order,
         timeout,
+        num_distributed_optimizer_instances,
     )
     if hierarchical_context_parallel_sizes:
         _add_hierarchical_cp_groups(_CURRENT, list(hierarchical_context_parallel_sizes), timeout)
@@ -546,11 +625,6 @@ def _state() -> ParallelState:
             "megatron.core.parallel_state.initialize_model_parallel(...) first"
         )
     return _CURRENT
-
-
-def _no_partial(partial: bool, what: str) -> None:
-    if partial:
-        raise ValueError(f"{what}: partial data parallelism is not supported here")
 
 
 # Tensor parallel
@@ -639,27 +713,52 @@ def _dp_name(with_context_parallel: bool) -> str:
     return "dp-cp" if with_context_parallel else "dp"
 
 
+def _dp_group_name(with_context_parallel: bool, partial_data_parallel: bool) -> str:
+    if partial_data_parallel:
+        if not with_context_parallel:
+            raise ValueError("the partial data-parallel group includes context parallelism")
+        return _state()._partial("intra-dp-cp", "dp-cp")
+    return _dp_name(with_context_parallel)
+
+
 def get_data_parallel_group(
     with_context_parallel: bool = False,
     partial_data_parallel: bool = False,
     independent_all_gather: bool = False,
 ):
-    _no_partial(partial_data_parallel, "get_data_parallel_group")
-    return _state().group(_dp_name(with_context_parallel))
+    """``partial_data_parallel``: the DP x CP ranks of this distributed-optimizer instance."""
+    return _state().group(_dp_group_name(with_context_parallel, partial_data_parallel))
 
 
 def get_data_parallel_world_size(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> int:
-    _no_partial(partial_data_parallel, "get_data_parallel_world_size")
-    return _state().size(_dp_name(with_context_parallel))
+    return _state().size(_dp_group_name(with_context_parallel, partial_data_parallel))
 
 
 def get_data_parallel_rank(
     with_context_parallel: bool = False, partial_data_parallel: bool = False
 ) -> int:
-    _no_partial(partial_data_parallel, "get_data_parallel_rank")
-    return _state().group_rank(_dp_name(with_context_parallel))
+    return _state().group_rank(_dp_group_name(with_context_parallel, partial_data_parallel))
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True):
+    """Every rank of this rank's distributed-optimizer instance (the world with one)."""
+    state = _state()
+    if state.num_distributed_optimizer_instances == 1:
+        return dist.group.WORLD if dist.is_initialized() else None
+    return state.group("intra-dist-opt")
+
+
+def get_inter_distributed_optimizer_instance_group(check_initialized: bool = True):
+    """The ranks at this rank's place in the other distributed-optimizer instances."""
+    group = _state().get_inter_expert_distributed_optimizer_instance_group()
+    if group is None and check_initialized:
+        raise RuntimeError(
+            "the inter distributed-optimizer instance group exists only with "
+            "num_distributed_optimizer_instances > 1"
+        )
+    return group
 
 
 def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
@@ -792,21 +891,24 @@ def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = Tr
     return _state().group("tp-ep-pp")
 
 
+def _expert_dp_name(partial_expert_data_parallel: bool) -> str:
+    if partial_expert_data_parallel:
+        return _state()._partial("intra-expert-dp", "expert-dp")
+    return "expert-dp"
+
+
 def get_expert_data_parallel_group(
     check_initialized: bool = True, partial_expert_data_parallel: bool = False
 ):
-    _no_partial(partial_expert_data_parallel, "get_expert_data_parallel_group")
-    return _state().group("expert-dp")
+    return _state().group(_expert_dp_name(partial_expert_data_parallel))
 
 
 def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
-    _no_partial(partial_expert_data_parallel, "get_expert_data_parallel_world_size")
-    return _state().size("expert-dp")
+    return _state().size(_expert_dp_name(partial_expert_data_parallel))
 
 
 def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
-    _no_partial(partial_expert_data_parallel, "get_expert_data_parallel_rank")
-    return _state().group_rank("expert-dp")
+    return _state().group_rank(_expert_dp_name(partial_expert_data_parallel))
 
 
 def live_gloo_worker_threads() -> int:

@@ -151,18 +151,33 @@ def _merged_optimizer_common(optimizer) -> dict:
     groups that rank 0 lacks, e.g. a decoupled LR for the output layer)."""
     common = dc.optimizer_common_state(optimizer)
     # Without the fp32 copies (fp32 optimizer) megatron-core keeps the groups at the top level.
-    groups = common.get("optimizer", common)["param_groups"]
+    inner = common.get("optimizer", common)
+    groups = inner["param_groups"]
+    # Muon's layer-wise distributed optimizer: a rank may own no param that counts steps (Muon's
+    # own update keeps no step): the step is the largest any rank counted.
+    steps = inner.get("state", {})
     merged, seen = [], set()
-    for other in _all_gather_object(groups):
+    largest_step = None
+    for other, step in _all_gather_object((groups, steps.get("common_step"))):
+        if step is not None and (largest_step is None or step > largest_step):
+            largest_step = step
         for group in other:
             signature = tuple(
                 group.get(k)
-                for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+                for k in (
+                    "wd_mult",
+                    "lr_mult",
+                    "is_expert_parallel",
+                    "is_decoupled_lr",
+                    "optimizer",
+                )
             )
             if signature not in seen:
                 seen.add(signature)
                 merged.append(group)
     groups[:] = merged
+    if "state" in inner and largest_step is not None:
+        inner["state"]["common_step"] = largest_step
     return common
 
 
@@ -203,7 +218,9 @@ def save_checkpoint_dist(
     # Model weights (and the optimizer state of a non-distributed optimizer) are replicated over
     # DP x CP, experts over expert DP: one replica saves each of them.
     over_dp = dict(entries)
-    if save_optim and not is_distributed(optimizer):
+    # The layer-wise distributed optimizer's state exists on the DP rank owning the param only:
+    # that rank writes it.
+    if save_optim and not is_distributed(optimizer) and not dc.is_layer_wise(optimizer):
         over_dp.update(optim_entries)
     fully_parallel = getattr(args, "ckpt_fully_parallel_save", True)
     dc.spread_writes(
@@ -321,7 +338,8 @@ def _dp_reshardable_entries(optimizer, state) -> dict:
     )
     by_param = distributed_state_by_param(optimizer)
     common = dc.optimizer_common_state(optimizer)
-    replica = optimizer.dp_rank != 0
+    # DP rank 0 of distributed-optimizer instance 0 writes (every instance holds the same state).
+    replica = optimizer.dp_rank != 0 or getattr(optimizer, "instance_rank", 0) != 0
     out = dpr.layout_objects(buffers, mp_index, replica)
     for name in ("optimizer", "grad_scaler"):
         if name in common:
@@ -329,7 +347,7 @@ def _dp_reshardable_entries(optimizer, state) -> dict:
                 dpr.object_key(mp_index, name), common[name], (1,), (0,), replica=replica
             )
             out[entry.name] = entry
-    if by_param is not None:
+    if by_param is not None and getattr(optimizer, "instance_rank", 0) == 0:
         names = (MAIN_PARAM,) + state_names(optimizer)
         out.update(dpr.bucket_state_entries(buffers, mp_index, by_param, names))
     return out

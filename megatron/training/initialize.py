@@ -88,6 +88,7 @@ def initialize_megatron(
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         order=TP_PP_DP_ORDER if getattr(args, "use_tp_pp_dp_mapping", False) else DEFAULT_ORDER,
+        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
     )
     _set_random_seed(args, state)
 

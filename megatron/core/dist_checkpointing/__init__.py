@@ -16,6 +16,7 @@ from .optimizer_state import (
     OptimizerLoad,
     UnreadableOptimizerState,
     content_metadata,
+    is_layer_wise,
     optimizer_common_state,
     optimizer_sharded_state_dict,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "OptimizerLoad",
     "UnreadableOptimizerState",
     "content_metadata",
+    "is_layer_wise",
     "optimizer_common_state",
     "optimizer_sharded_state_dict",
     "COMMON_FILE",

@@ -47,8 +47,19 @@ _GROUP_SETTINGS = (
     "is_expert_parallel",
     "max_lr",
     "min_lr",
+    # How this run steps (optimizer_step_impl), not state: a checkpoint written on another
+    # device (fused off on CPU) must not switch this run's fused step off.
+    "fused",
+    "foreach",
 )
-_SIGNATURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+# "optimizer": Muon's groups name the update they take (muon, adam or lion); groups of
+# different updates never match.
+_SIGNATURE = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr", "optimizer")
+_MUON_STATE = {
+    "muon": ("momentum_buffer",),
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "lion": ("exp_avg",),
+}
 
 
 def state_key(name: str, param_key: str) -> str:
@@ -61,6 +72,24 @@ def is_distributed(optimizer) -> bool:
     )
 
 
+def is_layer_wise(optimizer) -> bool:
+    """Muon's layer-wise distributed optimizer: each DP rank holds the whole state of the params
+    it owns (in its ``mixed_precision`` optimizer), and writes it."""
+    return hasattr(optimizer, "is_owned") and hasattr(optimizer, "mixed_precision")
+
+
+def _holder(optimizer):
+    """The optimizer that holds the per-parameter state and the fp32 copies."""
+    return optimizer.mixed_precision if is_layer_wise(optimizer) else optimizer
+
+
+def _names_of(optimizer, group: dict) -> Tuple[str, ...]:
+    """The state tensors of the params of ``group`` (Muon's groups each name their update)."""
+    if "optimizer" in group and group["optimizer"] in _MUON_STATE:
+        return _MUON_STATE[group["optimizer"]]
+    return state_names(optimizer)
+
+
 def state_names(optimizer) -> Tuple[str, ...]:
     """Per-parameter state tensors the inner torch optimizer keeps."""
     inner = optimizer.optimizer
@@ -71,17 +100,28 @@ def state_names(optimizer) -> Tuple[str, ...]:
     raise ValueError(f"cannot checkpoint the state of {type(inner).__name__} in torch_dist format")
 
 
-def _main_params(optimizer) -> List[Tuple[torch.Tensor, torch.Tensor, bool]]:
+def _main_params(optimizer) -> List[Tuple[torch.Tensor, torch.Tensor, bool, Tuple[str, ...]]]:
     """(model param, the param the inner optimizer updates, whether that is a separate fp32
-    copy)."""
+    copy, the names of its state tensors)."""
+    names = [_names_of(optimizer, group) for group in optimizer.param_groups]
     if hasattr(optimizer, "fp32_from_float16_groups"):
         pairs = [
-            (p, m, True)
-            for halves, masters in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+            (p, m, True, names[g])
+            for g, (halves, masters) in enumerate(
+                zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+            )
             for p, m in zip(halves, masters)
         ]
-        return pairs + [(p, p, False) for group in optimizer.fp32_from_fp32_groups for p in group]
-    return [(p, p, False) for group in optimizer.param_groups for p in group["params"]]
+        return pairs + [
+            (p, p, False, names[g])
+            for g, group in enumerate(optimizer.fp32_from_fp32_groups)
+            for p in group
+        ]
+    return [
+        (p, p, False, names[g])
+        for g, group in enumerate(optimizer.param_groups)
+        for p in group["params"]
+    ]
 
 
 def _main_to_group(optimizer) -> Dict[int, int]:
@@ -109,6 +149,7 @@ def optimizer_common_state(optimizer) -> Dict[str, Any]:
       "grad_scaler"}``;
     * fp32: ``{"state": {"common_step"}, "param_groups"}``.
     """
+    optimizer = _holder(optimizer)
     scaler = getattr(optimizer, "grad_scaler", None)
     scaler_state = {"grad_scaler": scaler.state_dict()} if scaler is not None else {}
     if is_distributed(optimizer):
@@ -193,6 +234,7 @@ def load_optimizer_common_state(optimizer, common: Dict[str, Any]) -> int:
     :func:`normalized_common_state` reads). Call before loading the per-parameter state.
     Returns the step count (0: the optimizer had not stepped)."""
     common = normalized_common_state(common)
+    optimizer = _holder(optimizer)
     saved = _aligned_groups(optimizer.param_groups, common["param_groups"])
     scaler_state = common["grad_scaler"]
     step = common["step"]
@@ -240,9 +282,9 @@ def optimizer_sharded_state_dict(
     optimizer, whose entries then exist on DP rank 0 only)."""
     if is_distributed(optimizer):
         return _distributed_sharded_state_dict(optimizer, by_param)
-    names = state_names(optimizer)
+    optimizer = _holder(optimizer)  # layer-wise: the params this DP rank owns
     out: Dict[str, ShardedTensor] = {}
-    for param, main, separate in _main_params(optimizer):
+    for param, main, separate, names in _main_params(optimizer):
         entry = by_param.get(id(param))
         if entry is None:
             continue
@@ -274,6 +316,8 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
     if state is None:
         return {}
     out: Dict[str, ShardedTensor] = {}
+    # Every distributed-optimizer instance gathers the same state: instance 0 writes it.
+    other_instance = getattr(optimizer, "instance_rank", 0) != 0
     for gbuf_idx, dtype_key, param, bucket_id, start in _param_slices(optimizer):
         entry = by_param.get(id(param))
         if entry is None or gbuf_idx not in state:  # another rank gathered that buffer
@@ -282,7 +326,8 @@ def _distributed_sharded_state_dict(optimizer, by_param) -> Dict[str, ShardedTen
             value = flats[bucket_id][start : start + param.numel()].view(entry.data.shape)
             # "param" (the fp32 main weight) is written for every parameter, as megatron-core's
             # fully_reshardable loader asks for it.
-            _add(out, entry.with_data(state_key(name, entry.key), value))
+            replica = entry.replica or other_instance
+            _add(out, entry.with_data(state_key(name, entry.key), value, replica=replica))
     return out
 
 
@@ -326,20 +371,19 @@ class OptimizerLoad:
         self.targets: Dict[str, ShardedTensor] = {}
         self._buffers: Dict[Tuple[int, str], torch.Tensor] = {}
         self._has_key = has_key
-        names = state_names(optimizer)
         if bucket_state is not None:
             self.targets.update(bucket_state.targets)
         elif is_distributed(optimizer):
-            self._prepare_distributed(by_param, names)
+            self._prepare_distributed(by_param, state_names(optimizer))
         else:
-            self._prepare_local(by_param, names)
+            self._prepare_local(by_param)
 
     def _target(self, entry: ShardedTensor, name: str, data: torch.Tensor) -> None:
         _add(self.targets, entry.with_data(state_key(name, entry.key), data, replica=False))
 
-    def _prepare_local(self, by_param, names) -> None:
+    def _prepare_local(self, by_param) -> None:
         self._reload_masters = []
-        for param, main, separate in _main_params(self.optimizer):
+        for param, main, separate, names in _main_params(_holder(self.optimizer)):
             entry = by_param.get(id(param))
             if entry is None:
                 continue
@@ -387,7 +431,7 @@ class OptimizerLoad:
             return
         for param, main in self._reload_masters:
             main.copy_(param.detach().view_as(main))
-        _set_steps(self.optimizer, self.step)
+        _set_steps(_holder(self.optimizer), self.step)
 
     def _finish_distributed(self) -> None:
         optimizer = self.optimizer

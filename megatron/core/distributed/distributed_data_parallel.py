@@ -84,6 +84,10 @@ class DistributedDataParallelConfig:
     local gradient norm before its reduction, through the rerun state machine when one is set
     (:meth:`DistributedDataParallel.set_rerun_state_machine`); otherwise raise if a reduced
     gradient holds NaN/Inf."""
+    num_distributed_optimizer_instances: int = 1
+    """Split the DP ranks into this many contiguous instances of the distributed optimizer:
+    gradients are reduce-scattered within an instance and the slices all-reduced across
+    instances (``--num-distributed-optimizer-instances``)."""
     check_for_large_grads: bool = False
     """Flag a bucket whose local gradient norm is >= 10x the largest of its first 100 norms, as a
     non-fatal result for the rerun state machine (``--check-for-large-grads``)."""
@@ -93,6 +97,10 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "--overlap-param-gather needs --use-distributed-optimizer (only sharded params "
                 "are all-gathered)"
+            )
+        if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
+            raise ValueError(
+                "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"
             )
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"--ddp-bucket-size must be positive, got {self.bucket_size}")
@@ -146,6 +154,10 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             data_parallel_group = dist.group.WORLD if dist.is_initialized() else None
             expert_data_parallel_group = None
+        self.intra_dp_cp_group, self.inter_dist_opt_group = data_parallel_group, None
+        self.intra_expt_dp_group, self.inter_expt_dist_opt_group = expert_data_parallel_group, None
+        if ddp_config.num_distributed_optimizer_instances > 1:
+            self._set_instance_groups(pg_collection, state)
         self.data_parallel_group = data_parallel_group
         self.dp_size = collectives.group_size(data_parallel_group)
         self.dp_rank = collectives.group_rank(data_parallel_group)
@@ -171,7 +183,9 @@ class DistributedDataParallel(torch.nn.Module):
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
             by_dtype = dense if getattr(param, "allreduce", True) else expert
             by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
-        self.buffers = self._make_buffers(dense, data_parallel_group, None)
+        self.buffers = self._make_buffers(
+            dense, self.intra_dp_cp_group, None, self.inter_dist_opt_group
+        )
         """Buffers of the dense parameters, reduced over ``data_parallel_group``."""
         self.expert_parallel_buffers = []
         """Buffers of the expert parameters (``allreduce = False``), reduced over
@@ -189,7 +203,7 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 expert_scaling = 1.0 / self.dp_size
             self.expert_parallel_buffers = self._make_buffers(
-                expert, expert_data_parallel_group, expert_scaling
+                expert, self.intra_expt_dp_group, expert_scaling, self.inter_expt_dist_opt_group
             )
         self._hooks = []
         for buffer in self.all_buffers:
@@ -247,7 +261,25 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.all_buffers:
             buffer.check_local_grads = check
 
-    def _make_buffers(self, params_by_dtype, group, gradient_scaling_factor):
+    def _set_instance_groups(self, pg_collection, state) -> None:
+        """Several distributed-optimizer instances: the buffers shard over the DP ranks of this
+        rank's instance and all-reduce their slices across instances (Megatron's partial
+        distributed optimizer)."""
+        source = pg_collection
+        if source is None or source.intra_dp_cp is None:
+            if state is None or state.num_distributed_optimizer_instances == 1:
+                raise ValueError(
+                    "num_distributed_optimizer_instances > 1 needs its groups: pass "
+                    "pg_collection with intra_dp_cp, intra_expt_dp and inter_dist_opt, or "
+                    "initialize_model_parallel(num_distributed_optimizer_instances=...)"
+                )
+            source = ProcessGroupCollection.from_parallel_state(state)
+        self.intra_dp_cp_group = source.intra_dp_cp
+        self.inter_dist_opt_group = source.inter_dist_opt
+        self.intra_expt_dp_group = source.intra_expt_dp
+        self.inter_expt_dist_opt_group = source.inter_expt_dist_opt or source.inter_dist_opt
+
+    def _make_buffers(self, params_by_dtype, group, gradient_scaling_factor, inter_group=None):
         config = self.ddp_config
         return [
             ParamAndGradBuffer(
@@ -260,6 +292,7 @@ class DistributedDataParallel(torch.nn.Module):
                 config.average_in_collective,
                 config.overlap_grad_reduce,
                 gradient_scaling_factor=gradient_scaling_factor,
+                inter_group=inter_group,
             )
             for (param_dtype, grad_dtype), params in params_by_dtype.items()
         ]

@@ -15,6 +15,11 @@ Gradients are pre-scaled by the buffer's ``gradient_scaling_factor`` (1/DP for d
 summed, or, with ``average_in_collective``, averaged by the collective itself (the backend's AVG
 when it has one; otherwise summed, then divided by the group size).
 
+With several distributed-optimizer instances (``inter_group``) the buffer's group is the DP
+ranks of one instance: the reduce-scattered slice is then all-reduced over the ranks holding the
+same slice in the other instances (with one rank per instance, the whole bucket is), so that it
+sums the gradients of every DP rank.
+
 With the distributed optimizer each bucket also all-gathers the updated param slices after the
 optimizer step; with ``--overlap-param-gather`` those gathers are launched asynchronously and
 the DDP wrapper waits for a bucket in a forward pre-hook of the first module using its params.
@@ -161,14 +166,16 @@ class Bucket:
             buf.check_local_grads(self.index, self.grad_data)
         if buf.gradient_scaling_factor != 1.0:
             self.grad_data.mul_(buf.gradient_scaling_factor)
-        if buf.dp_size == 1:
+        if buf.dp_size * buf.inter_size == 1:
             self.finished = True
             return
-        op = dist.ReduceOp.SUM
-        if buf.average_in_collective and buf.native_avg:
-            op = dist.ReduceOp.AVG
+        op = buf.reduce_op()
         async_op = buf.overlap
-        if buf.use_distributed_optimizer:
+        if buf.dp_size == 1:  # one rank per instance: the instances reduce the whole bucket
+            self.work = collectives.all_reduce(
+                self.grad_data, buf.inter_group, op=op, async_op=True
+            )
+        elif buf.use_distributed_optimizer:
             # The output is a separate tensor: not every backend accepts an output that aliases
             # the input; it is copied into this rank's slice when the collective is done.
             self._scratch = torch.empty(
@@ -195,14 +202,14 @@ class Bucket:
             self.work.wait()
             self.work = None
         buf = self.buffer
-        if buf.dp_size == 1:
-            return
         target = self.local_grad_shard() if buf.use_distributed_optimizer else self.grad_data
         if self._scratch is not None:
             target.copy_(self._scratch)
             self._scratch = None
+            if buf.inter_size > 1:
+                collectives.all_reduce(target, buf.inter_group, op=buf.reduce_op())
         if buf.average_in_collective and not buf.native_avg:
-            target.mul_(1.0 / buf.dp_size)
+            target.mul_(1.0 / (buf.dp_size * buf.inter_size))
 
     # ---------------------------------------------------------------- param all-gather
     @torch.no_grad()
@@ -252,7 +259,9 @@ class ParamAndGradBuffer:
     all-gathered in place.
 
     ``gradient_scaling_factor`` multiplies the gradients before the collective; None means
-    1/DP (``dp_group``'s size), or 1 with ``average_in_collective``.
+    1/DP (``dp_group``'s size times ``inter_group``'s), or 1 with ``average_in_collective``.
+    ``inter_group``: with several distributed-optimizer instances, the ranks holding this rank's
+    slice in the other instances (``dp_group`` is then the DP ranks of one instance).
     """
 
     def __init__(
@@ -266,6 +275,7 @@ class ParamAndGradBuffer:
         average_in_collective: bool,
         overlap: bool,
         gradient_scaling_factor: Optional[float] = None,
+        inter_group=None,
     ):
         self.params = params
         self.param_dtype = param_dtype
@@ -275,12 +285,20 @@ class ParamAndGradBuffer:
         self.dp_rank = collectives.group_rank(dp_group)
         self.use_distributed_optimizer = use_distributed_optimizer
         self.average_in_collective = average_in_collective
-        self.native_avg = collectives.has_avg_op(dp_group)
+        self.inter_group = inter_group
+        self.inter_size = collectives.group_size(inter_group)
+        if self.inter_size > 1 and not use_distributed_optimizer:
+            raise ValueError("distributed-optimizer instances need the distributed optimizer")
+        self.native_avg = collectives.has_avg_op(dp_group) and (
+            self.inter_size == 1 or collectives.has_avg_op(inter_group)
+        )
         self.check_local_grads: Optional[Callable[[int, torch.Tensor], None]] = None
         """Called with (bucket index, bucket gradients) before each bucket's reduction: the
         DDP's result validation (NaN/Inf and large gradients, through the rerun machine)."""
         if gradient_scaling_factor is None:
-            gradient_scaling_factor = 1.0 if average_in_collective else 1.0 / self.dp_size
+            gradient_scaling_factor = (
+                1.0 if average_in_collective else 1.0 / (self.dp_size * self.inter_size)
+            )
         self.gradient_scaling_factor = gradient_scaling_factor
         self.overlap = overlap
         self.param_index_map = {}
@@ -322,6 +340,12 @@ class ParamAndGradBuffer:
                 )
             )
         self.param_to_bucket = {p: self.buckets[self.param_index_map[p][2]] for p in params}
+
+    def reduce_op(self):
+        """SUM, or AVG when the collectives average and the backend has it."""
+        if self.average_in_collective and self.native_avg:
+            return dist.ReduceOp.AVG
+        return dist.ReduceOp.SUM
 
     @property
     def data(self) -> torch.Tensor:

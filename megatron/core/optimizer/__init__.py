@@ -289,6 +289,15 @@ def _groups_from_parallel_state(model_parallel_group, tp_rank, tp_group, data_pa
     )
 
 
+def _expert_data_parallel_group(chunk):
+    """The group over which ``chunk``'s expert parameters are replicated: its DDP wrapper's, else
+    the current parallel_state's (None: one rank)."""
+    if hasattr(chunk, "expert_data_parallel_group"):
+        return chunk.expert_data_parallel_group
+    state = parallel_state.current_parallel_state()
+    return state.get_expert_data_parallel_group() if state is not None else None
+
+
 def get_megatron_optimizer(
     config: OptimizerConfig,
     model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]],
@@ -336,6 +345,7 @@ def get_megatron_optimizer(
                 data_parallel_group,
                 model_parallel_group,
                 tp_rank,
+                _expert_data_parallel_group(model_chunks[0]),
             )
         inner = _muon(config, param_groups, model_chunks, tp_group)
         if config.bf16:

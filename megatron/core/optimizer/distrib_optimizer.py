@@ -103,9 +103,15 @@ class DistributedOptimizer(MegatronOptimizer):
         self.model_chunks = list(model_chunks)
         self.grad_scaler = grad_scaler
         self.optimizer_name = "adam" if issubclass(optimizer_cls, torch.optim.AdamW) else "sgd"
-        self.data_parallel_group = self.model_chunks[0].data_parallel_group
+        # With several distributed-optimizer instances the state is sharded over the DP ranks of
+        # this rank's instance only (and replicated across instances).
+        first = self.model_chunks[0]
+        self.data_parallel_group = getattr(first, "intra_dp_cp_group", first.data_parallel_group)
         self.dp_size = collectives.group_size(self.data_parallel_group)
         self.dp_rank = collectives.group_rank(self.data_parallel_group)
+        self.instance_rank = collectives.group_rank(getattr(first, "inter_dist_opt_group", None))
+        """This rank's distributed-optimizer instance (0 with one): the state roots of instance
+        0 write checkpoints, every instance's roots read them."""
         # All (chunk, buffer) pairs in order: Megatron's gbuf index. The dense buffers come first,
         # then the expert ones (Megatron's two chained optimizers, dense then expert).
         dense = [buffer for chunk in self.model_chunks for buffer in chunk.buffers]
@@ -522,6 +528,8 @@ class DistributedOptimizer(MegatronOptimizer):
     def parameter_state_for_file(self) -> Optional[Any]:
         """What this rank writes to ``distrib_optim.pt`` (None: nothing); a collective."""
         state = self.get_parameter_state_dp_zero()
+        if self.instance_rank != 0:  # the same state as instance 0's, which writes it
+            return None
         if not self._has_expert_buffers():
             return state
         if state is None:

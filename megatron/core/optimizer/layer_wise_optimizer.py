@@ -8,7 +8,13 @@ state for those only; its step updates them, and every rank broadcasts the param
 that all replicas agree again. Grad norm, clipping, zero counts and the inf/NaN check span all
 ranks (``stats_group`` must be the world): each parameter is owned, and so counted, once.
 
-Checkpoints of this optimizer are not implemented yet (the arguments refuse --save/--load).
+Experts (MoE, ``allreduce = False``): the ranks of the DP group hold different experts, so the
+expert parameters are shared out, and broadcast, over the expert-data-parallel group (the
+ranks holding the same experts) instead.
+
+Checkpoints: in torch_dist only, where each rank writes the state of the params it owns
+(dist_checkpointing/optimizer_state.py reads its ``mixed_precision`` optimizer); the torch
+format's whole-optimizer state dict is not implemented (the arguments refuse it).
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class LayerWiseDistributedOptimizer(MegatronOptimizer):
         data_parallel_group,
         stats_group=None,
         tp_rank: int = 0,
+        expert_data_parallel_group=None,
     ):
         if config.fp16:
             raise ValueError("the layer-wise distributed optimizer does not support --fp16")
@@ -60,12 +67,28 @@ class LayerWiseDistributedOptimizer(MegatronOptimizer):
         self.dp_size = collectives.group_size(data_parallel_group)
         self.dp_rank = collectives.group_rank(data_parallel_group)
         params = [p for group in param_groups for p in group["params"]]
-        owners = assign_owners(params, self.dp_size)
-        self.owner = {p: rank for p, rank in zip(params, owners)}
+        dense = [p for p in params if getattr(p, "allreduce", True)]
+        experts = [p for p in params if not getattr(p, "allreduce", True)]
+        self.shares: List[Tuple[Any, int, List[List[torch.Tensor]]]] = []
+        """(group, this rank's place in it, the params each of its ranks owns): the dense
+        params over DP, the expert params over expert DP."""
+        self.is_owned: Dict[torch.Tensor, bool] = {}
+        for share_params, group in (
+            (dense, data_parallel_group),
+            (experts, expert_data_parallel_group),
+        ):
+            if not share_params:
+                continue
+            size, rank = collectives.group_size(group), collectives.group_rank(group)
+            owners = assign_owners(share_params, size)
+            by_owner = [[p for p, o in zip(share_params, owners) if o == r] for r in range(size)]
+            self.shares.append((group, rank, by_owner))
+            for p, o in zip(share_params, owners):
+                self.is_owned[p] = o == rank
         # Every group stays, possibly empty on this rank: the scheduler and logs see the same
         # groups on every rank.
         owned_groups = [
-            {**group, "params": [p for p in group["params"] if self.owner[p] == self.dp_rank]}
+            {**group, "params": [p for p in group["params"] if self.is_owned[p]]}
             for group in param_groups
         ]
         inner = build_inner(owned_groups)
@@ -78,9 +101,6 @@ class LayerWiseDistributedOptimizer(MegatronOptimizer):
             )
         else:
             self.mixed_precision = FP32Optimizer(inner, config, stats_group, tp_rank)
-        self.params_by_owner: List[List[torch.Tensor]] = [
-            [p for p in params if self.owner[p] == rank] for rank in range(self.dp_size)
-        ]
         super().__init__(inner, config, stats_group, tp_rank)
 
     def get_loss_scale(self) -> torch.Tensor:
@@ -91,18 +111,18 @@ class LayerWiseDistributedOptimizer(MegatronOptimizer):
         DP rank has its master there (each param is whole on exactly one DP rank)."""
         owned = self.mixed_precision.main_param_copies()
         return {
-            p: MainParamCopy(owned[p].data if p in owned else None, self.data_parallel_group)
-            for params in self.params_by_owner
+            p: MainParamCopy(owned[p].data if p in owned else None, group)
+            for group, _rank, by_owner in self.shares
+            for params in by_owner
             for p in params
             if p.dtype in (torch.float16, torch.bfloat16)
         }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.mixed_precision.zero_grad(set_to_none)
-        for rank, params in enumerate(self.params_by_owner):
-            if rank != self.dp_rank:
-                for p in params:
-                    p.grad = None
+        for p, owned in self.is_owned.items():
+            if not owned:
+                p.grad = None
 
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
         update_successful, grad_norm, num_zeros = self.mixed_precision.step()
@@ -114,18 +134,19 @@ class LayerWiseDistributedOptimizer(MegatronOptimizer):
     def _broadcast_params(self) -> None:
         """Every rank sends the params it updated to the other DP ranks (one flat tensor each)."""
         timer = self._start("params-all-gather")
-        for rank, params in enumerate(self.params_by_owner):
-            if not params or self.dp_size == 1:
-                continue
-            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-            for p in params:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for group in by_dtype.values():
-                flat = _flatten_dense_tensors([p.detach() for p in group])
-                collectives.broadcast(flat, rank, self.data_parallel_group)
-                if rank != self.dp_rank:
-                    for p, value in zip(group, _unflatten_dense_tensors(flat, group)):
-                        p.copy_(value)
+        for process_group, my_rank, by_owner in self.shares:
+            for rank, params in enumerate(by_owner):
+                if not params or len(by_owner) == 1:
+                    continue
+                by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+                for p in params:
+                    by_dtype.setdefault(p.dtype, []).append(p)
+                for group in by_dtype.values():
+                    flat = _flatten_dense_tensors([p.detach() for p in group])
+                    collectives.broadcast(flat, rank, process_group)
+                    if rank != my_rank:
+                        for p, value in zip(group, _unflatten_dense_tensors(flat, group)):
+                            p.copy_(value)
         timer.stop()
 
     def reload_model_params(self) -> None:

@@ -48,6 +48,19 @@ class ProcessGroupCollection:
     """Expert-data-parallel group: the ranks holding the same experts (their gradients are
     summed over it)."""
 
+    intra_dp_cp: Any = None
+    """With several distributed-optimizer instances: the DP x CP ranks of this rank's instance,
+    over which the distributed optimizer shards."""
+
+    intra_expt_dp: Any = None
+    """The same for the expert-data-parallel ranks."""
+
+    inter_dist_opt: Any = None
+    """The ranks at this rank's place in the other distributed-optimizer instances."""
+
+    inter_expt_dist_opt: Any = None
+    """The same for the expert buffers (Megatron uses one group for both: the same ranks)."""
+
     embd: Any = None
     """Embedding group: the first and last pipeline stages, which hold the two copies of a tied
     word embedding (a model built with it copies the first into the second, as megatron-core's)."""
@@ -68,6 +81,10 @@ class ProcessGroupCollection:
             dp_cp=state.get_data_parallel_group(with_context_parallel=True),
             expt_dp=state.get_expert_data_parallel_group(),
             embd=state.get_embedding_group(),
+            intra_dp_cp=state.get_intra_partial_data_parallel_group(),
+            intra_expt_dp=state.get_intra_partial_expert_data_parallel_group(),
+            inter_dist_opt=state.get_inter_distributed_optimizer_instance_group(),
+            inter_expt_dist_opt=state.get_inter_expert_distributed_optimizer_instance_group(),
         )
 
     @classmethod

@@ -160,7 +160,10 @@ class DistributedFlags:
         "model_setup.setup_model_and_optimizer",
     )
     num_distributed_optimizer_instances: int = flag(
-        1, "Distributed optimizer copies across the data-parallel domain."
+        1,
+        "Distributed optimizer copies across the data-parallel domain.",
+        honoured_at="parallel_state.ParallelLayout.num_distributed_optimizer_instances; "
+        "DistributedDataParallelConfig.num_distributed_optimizer_instances",
     )
     nccl_ub: bool = switch(
         "Register NCCL user buffers for DP communication.", options="--use-nccl-ub"

@@ -370,10 +370,6 @@ refused(
     """,
 )
 refused(
-    f"several distributed-optimizer instances are {_NYI}",
-    "num_distributed_optimizer_instances",
-)
-refused(
     f"this checkpoint option is {_NYI}",
     """
     load_main_params_from_ckpt override_ckpt_iteration non_persistent_save_interval

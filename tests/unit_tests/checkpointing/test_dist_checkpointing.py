@@ -428,6 +428,30 @@ def test_optimizer_common_state_of_megatron_core_and_of_earlier_checkpoints_is_r
         normalized_common_state({"param_state_sharding_type": "dp_reshardable"})
 
 
+def test_loaded_common_state_keeps_how_this_run_steps():
+    # A checkpoint written on CPU (foreach, fused off) resumed where the run steps fused: the
+    # hyperparameters come from the checkpoint, the step implementation stays this run's.
+    from megatron.core.dist_checkpointing.optimizer_state import (
+        load_optimizer_common_state,
+        optimizer_common_state,
+    )
+    from megatron.core.optimizer import FP32Optimizer, OptimizerConfig
+
+    def optimizer(**impl):
+        param = torch.nn.Parameter(torch.ones(2))
+        inner = torch.optim.AdamW([{"params": [param], "wd_mult": 1.0}], lr=0.1, **impl)
+        return FP32Optimizer(inner, OptimizerConfig(lr=0.1), None, 0)
+
+    saved = optimizer(foreach=True)
+    saved.param_groups[0]["betas"] = (0.5, 0.6)
+    running = optimizer(foreach=False, fused=None)
+    running.param_groups[0]["fused"] = True  # as torch.optim keeps it on a fused device
+    load_optimizer_common_state(running, optimizer_common_state(saved))
+    group = running.param_groups[0]
+    assert group["betas"] == (0.5, 0.6)
+    assert group["fused"] is True and group["foreach"] is False
+
+
 def test_torch_format_model_entries_carry_megatron_extra_state(tmp_path):
     # megatron-core 0.16.1's local-spec GPT state_dict() holds an _extra_state (None) for each
     # layer's linear_qkv, linear_proj, linear_fc1, linear_fc2 and for output_layer (even tied);

@@ -267,7 +267,11 @@ def _module_level_getters(rank):
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-3), [chunk])
     assert optimizer.model_parallel_group is ps.get_model_parallel_group()
     assert optimizer.tp_rank == rank
-    with pytest.raises(ValueError, match="partial data parallelism"):
+    # One distributed-optimizer instance: its DP x CP ranks are the whole DP x CP group.
+    assert ps.get_data_parallel_group(
+        with_context_parallel=True, partial_data_parallel=True
+    ) is ps.get_data_parallel_group(with_context_parallel=True)
+    with pytest.raises(ValueError, match="includes context parallelism"):
         ps.get_data_parallel_group(partial_data_parallel=True)
 
     ps.destroy_model_parallel()

@@ -143,3 +143,31 @@ def test_hierarchical_context_parallel_groups_are_megatrons():
         ValueError, match=r"\[2, 2\] multiply to 4, not the context-parallel size 8"
     ):
         hierarchical_cp_ranks(list(range(8)), [2, 2])
+
+
+def test_distributed_optimizer_instances_split_dp_into_contiguous_blocks():
+    # Megatron's partial distributed optimizer: each DP x CP group cut into N contiguous blocks
+    # (the shards of one instance); the ranks at the same place of each block exchange the
+    # reduced slices; an instance of the whole grid holds every rank with its DP index in a block.
+    groups = ParallelLayout(
+        world_size=8, tensor_model_parallel_size=2, num_distributed_optimizer_instances=2
+    ).all_group_ranks()
+    assert groups["dp-cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["intra-dp-cp"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert groups["inter-dist-opt"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert groups["intra-dist-opt"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # With experts over EP=2 the dense and the expert inter-instance groups are the same ranks
+    # (Megatron builds one group for both).
+    groups = ParallelLayout(
+        world_size=8, expert_model_parallel_size=2, num_distributed_optimizer_instances=2
+    ).all_group_ranks()
+    assert groups["intra-dp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["intra-expert-dp"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert sorted(groups["inter-dist-opt"]) == sorted(groups["inter-expert-dp"])
+    assert "intra-dp-cp" not in ParallelLayout(world_size=8).all_group_ranks()
+    with pytest.raises(ValueError, match=re.escape("expert-data-parallel size (2) is not")):
+        ParallelLayout(
+            world_size=4,
+            expert_model_parallel_size=2,
+            num_distributed_optimizer_instances=4,
+        )

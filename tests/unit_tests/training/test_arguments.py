@@ -1210,10 +1210,6 @@ def test_checkpoint_formats(capsys):
 @pytest.mark.parametrize(
     "extra, flag",
     [
-        (
-            ["--num-distributed-optimizer-instances", 2, "--use-distributed-optimizer"],
-            "--num-distributed-optimizer-instances 2",
-        ),
         (["--recompute-activations", "--recompute-modules", "moe"], "--recompute-modules moe"),
         (["--moe-use-upcycling"], "--moe-use-upcycling"),
         (["--yarn-beta-fast", 16], "--yarn-beta-fast 16.0"),
@@ -1235,6 +1231,25 @@ def test_checkpoint_formats(capsys):
 def test_not_supported_features(extra, flag):
     message = error_of(*extra)
     assert message.startswith(f"not supported yet: {flag} ("), message
+
+
+def test_distributed_optimizer_instances_are_validated_as_megatron_does():
+    args = run(
+        "--num-distributed-optimizer-instances", 2, "--use-distributed-optimizer", world_size=4
+    )
+    assert args.num_distributed_optimizer_instances == 2
+    from megatron.training.configs import ddp_config_from_args
+
+    assert ddp_config_from_args(args).num_distributed_optimizer_instances == 2
+    assert error_of("--num-distributed-optimizer-instances", 2, world_size=4) == (
+        "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"
+    )
+    assert error_of(
+        "--num-distributed-optimizer-instances", 3, "--use-distributed-optimizer", world_size=4
+    ) == (
+        "--num-distributed-optimizer-instances 3 does not divide the data-parallel x "
+        "context-parallel size 4"
+    )
 
 
 def test_not_supported_lists_every_offender():

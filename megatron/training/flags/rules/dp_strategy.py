@@ -133,6 +133,36 @@ def validate_data_parallel_strategy(args):
             args.sequence_parallel,
             "--tp-comm-overlap needs --sequence-parallel (and --tensor-model-parallel-size > 1)",
         )
+    _validate_optimizer_instances(args)
+
+
+def _validate_optimizer_instances(args):
+    """--num-distributed-optimizer-instances: Megatron's partial distributed optimizer, sharded
+    within each block of DP x CP (and expert-DP) ranks and replicated across the blocks."""
+    n = args.num_distributed_optimizer_instances
+    if n == 1:
+        return
+    check(n > 1, f"--num-distributed-optimizer-instances must be >= 1 (got {n})")
+    check(
+        args.use_distributed_optimizer and not args.use_torch_fsdp2,
+        "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer",
+    )
+    dp_cp = args.data_parallel_size * args.context_parallel_size
+    check(
+        dp_cp % n == 0,
+        f"--num-distributed-optimizer-instances {n} does not divide the data-parallel x "
+        f"context-parallel size {dp_cp}",
+    )
+    if args.num_experts:
+        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        expert_dp = args.world_size // (
+            etp * args.expert_model_parallel_size * args.pipeline_model_parallel_size
+        )
+        check(
+            expert_dp % n == 0,
+            f"--num-distributed-optimizer-instances {n} does not divide the expert-data-parallel "
+            f"size {expert_dp}",
+        )
 
 
 def _validate_fsdp2(args, what, one_connection):

@@ -48,16 +48,11 @@ def validate_optimizer(args):
             "optimizer (its params are broadcast after the step)",
         )
         check(
-            not (args.save or args.load or args.pretrained_checkpoint),
-            "checkpoints of Muon's layer-wise distributed optimizer (--optimizer muon with "
-            "--use-distributed-optimizer, or dist_muon) are not implemented yet: drop "
-            "--save/--load/--pretrained-checkpoint or --use-distributed-optimizer",
-        )
-    elif args.save or args.load or args.pretrained_checkpoint:
-        check(
-            args.ckpt_format == "torch",
-            f"--optimizer muon saves and loads its state in --ckpt-format torch only "
-            f"(got {args.ckpt_format})",
+            args.ckpt_format == "torch_dist"
+            or not (args.save or args.load or args.pretrained_checkpoint),
+            "Muon's layer-wise distributed optimizer (--optimizer muon with "
+            "--use-distributed-optimizer, or dist_muon) saves and loads its state in "
+            f"--ckpt-format torch_dist only (got {args.ckpt_format})",
         )
 
 

@@ -25,7 +25,7 @@ from megatron.core.models.T5.t5_spec import (
 )
 from megatron.core.tokenizers.bert_wordpiece import BertWordPieceLowerCase
 from megatron.core.transformer.transformer_config import TransformerConfig
-from tests.unit_tests.core.datasets.test_bert_dataset import VOCAB, corpus  # noqa: F401 (a fixture)
+from tests.unit_tests.core.datasets.test_bert_dataset import VOCAB
 
 
 def test_span_corruption_on_hand_worked_input():
@@ -75,7 +75,7 @@ def test_first_span_length_is_geometric():
 
 
 @pytest.fixture(scope="module")
-def t5_dataset(corpus):  # noqa: F811
+def t5_dataset(bert_corpus):
     tokenizer = BertWordPieceLowerCase(VOCAB, vocab_extra_ids=100)
     config = T5MaskedWordPieceDatasetConfig(
         random_seed=5,
@@ -86,7 +86,7 @@ def t5_dataset(corpus):  # noqa: F811
         masking_max_ngram=10,
         masking_use_geometric_distribution=True,
     )
-    low = IndexedDataset(corpus)
+    low = IndexedDataset(bert_corpus)
     docs = np.arange(low.document_indices.shape[0] - 1, dtype=np.int32)
     return T5MaskedWordPieceDataset(low, None, docs, 200, Split.train, config), low, tokenizer
 

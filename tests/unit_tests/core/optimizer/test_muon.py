@@ -422,15 +422,22 @@ def test_muon_start_up_rules(single_process_env, capsys):
     args = _validated("--optimizer", "dist_muon")
     assert args.optimizer == "muon" and args.use_layer_wise_distributed_optimizer
     assert not _validated().use_layer_wise_distributed_optimizer
+    # Muon's state is checkpointed in both formats; the layer-wise optimizer's in torch_dist.
+    for flags in (
+        ["--ckpt-format", "torch"],
+        ["--ckpt-format", "torch_dist"],
+        ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"],
+    ):
+        assert _validated("--save", "/tmp/x", "--save-interval", 1, *flags).save == "/tmp/x"
     for flags, message in (
         (["--fp16"], "--optimizer muon does not support --fp16"),
         (["--muon-fp32-matmul-prec", "low"], "--muon-fp32-matmul-prec low is not available"),
         (["--muon-num-ns-steps", 4], "needs --muon-num-ns-steps a multiple of 5, got 4"),
         (["--muon-coefficient-type", "cans"], "--muon-coefficient-type 'cans' unknown"),
-        (["--save", "/tmp/x", "--save-interval", 1], "in --ckpt-format torch only"),
         (
-            ["--use-distributed-optimizer", "--save", "/tmp/x", "--save-interval", 1],
-            "checkpoints of Muon's layer-wise distributed optimizer",
+            ["--use-distributed-optimizer", "--save", "/tmp/x", "--save-interval", 1]
+            + ["--ckpt-format", "torch"],
+            "saves and loads its state in --ckpt-format torch_dist only",
         ),
     ):
         with pytest.raises(ArgumentValidationError, match=message):

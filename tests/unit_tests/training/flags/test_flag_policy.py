@@ -99,11 +99,6 @@ SPECIAL_VALUES = {
     "expert_model_parallel_size": ["--expert-model-parallel-size", "2", "--num-experts", "4"],
     "log_memory_interval": ["--log-memory-interval", "200"],
     "mtp_num_layers": ["--mtp-num-layers", "1", "--position-embedding-type", "rope"],
-    "num_distributed_optimizer_instances": [
-        "--num-distributed-optimizer-instances",
-        "2",
-        "--use-distributed-optimizer",
-    ],
     "inprocess_active_world_size": ["--inprocess-active-world-size", "3"],
     "non_persistent_ckpt_type": [
         "--non-persistent-ckpt-type",

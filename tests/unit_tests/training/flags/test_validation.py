@@ -597,6 +597,30 @@ CASES = [
     ),
     case("bucket_count_positive", ["--ddp-num-buckets", 0], ["--ddp-num-buckets", "got 0"]),
     case(
+        "optimizer_instances_positive",
+        ["--num-distributed-optimizer-instances", 0],
+        ["--num-distributed-optimizer-instances must be >= 1 (got 0)"],
+    ),
+    case(
+        "optimizer_instances_need_distributed_optimizer",
+        ["--num-distributed-optimizer-instances", 2],
+        ["--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"],
+        world_size=2,
+    ),
+    case(
+        "optimizer_instances_divide_dp",
+        ["--num-distributed-optimizer-instances", 3, "--use-distributed-optimizer"],
+        ["--num-distributed-optimizer-instances 3 does not divide", "size 4"],
+        world_size=4,
+    ),
+    case(
+        "optimizer_instances_divide_expert_dp",
+        ["--num-distributed-optimizer-instances", 2, "--use-distributed-optimizer"]
+        + ["--num-experts", 4, "--expert-model-parallel-size", 4],
+        ["--num-distributed-optimizer-instances 2 does not divide the expert-data-parallel size 1"],
+        world_size=4,
+    ),
+    case(
         "param_gather_needs_distributed_optimizer",
         ["--overlap-param-gather", "--overlap-grad-reduce"],
         ["--overlap-param-gather needs --use-distributed-optimizer"],
