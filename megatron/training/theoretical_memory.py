@@ -110,9 +110,20 @@ class ParameterCount:
             + self.num_moe_layers * self.moe_layer
             + self.final_norm
             + self.output_layer
-            + self.mtp_layers * (self.moe_layer if self.mtp_is_moe else self.per_layer)
-            + self.mtp_layers * self.mtp_extra
+            + self.mtp_total
         )
+
+    @property
+    def mtp_total(self) -> int:
+        """The multi-token-prediction depths (their layers and ``mtp_extra``); the rest of
+        ``total`` is the main model."""
+        layer = self.moe_layer if self.mtp_is_moe else self.per_layer
+        return self.mtp_layers * (layer + self.mtp_extra)
+
+    @property
+    def mtp_experts(self) -> int:
+        """The routed experts of the MTP depths (all of them)."""
+        return self.mtp_layers * self.moe_experts if self.mtp_is_moe else 0
 
     def layer_on_tp_rank(self, tp: int) -> int:
         """Parameters of one dense layer on one tensor-parallel rank."""
