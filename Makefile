@@ -103,7 +103,7 @@ GPT2_LARGE = examples/gpt2/train_gpt2_large.sh
 
 .PHONY: train-baseline-gpt2large-1gpu train-dp2-gpt2large-2gpu train-tp2-gpt2large-2gpu \
 	train-sp2-gpt2large-2gpu train-cp2-gpt2large-2gpu train-pp2-gpt2large-2gpu \
-	plot-gpt2large ablate-cpu dry-run-examples
+	plot-gpt2large ablate-cpu dry-run-examples tiny-deepseek-cpu
 
 # Tokenize tests/data/<name>.jsonl (or INPUT=<file.jsonl>) into $(DATA_DIR)/<name>_text_document
 # with the GPT-2 BPE of tests/data, e.g. `make prepare-ds-corpus`. (A pattern rule cannot be
@@ -150,9 +150,16 @@ ablate-cpu: $(DATA_DIR)/corpus_text_document.bin
 ablate-moe-cpu:
 	PYTHON=$(PYTHON) bash examples/mixtral/ablate_moe_cpu.sh
 
+# A tiny DeepSeek-V3 (MLA, dense first layer, routed + shared experts with the sigmoid router
+# and expert bias, group-limited top-k, one MTP layer) trained a few iterations on CPU, mock
+# data; LAYOUT=ep2 or pp2 for 2 processes. Log in runs/tiny_deepseek_cpu/<layout>.log.
+tiny-deepseek-cpu:
+	PYTHON=$(PYTHON) bash examples/deepseek_v3/tiny_cpu.sh
+
 # Validate every launch script's flags (DRY_RUN=1) and print its layout.
 dry-run-examples:
 	@for script in examples/gpt3/train_gpt3_*.sh examples/llama/train_*.sh \
-		examples/bert/train_bert_*.sh examples/t5/train_t5_*.sh examples/mixtral/train_*.sh; do \
+		examples/bert/train_bert_*.sh examples/t5/train_t5_*.sh examples/mixtral/train_*.sh \
+		examples/deepseek_v3/train_*.sh; do \
 		echo "=== $$script"; DRY_RUN=1 PYTHON=$(PYTHON) bash $$script 2>&1 | grep -E '^  |error|dry run OK'; \
 	done

@@ -133,17 +133,18 @@ def layout_lines(
         return lines
     lines.append(("padded vocab size", padded_vocab))
     lines.append(("parameters", f"{count.total} ({_human(count.total)})"))
-    if getattr(count, "num_moe_layers", 0):
-        experts = count.num_moe_layers * count.moe_experts
-        active = count.total - experts * (1 - args.moe_router_topk / args.num_experts)
+    if count.mtp_layers:
+        main = count.total - count.mtp_total
+        lines.append(("parameters of the main model", f"{main} ({_human(main)})"))
         lines.append(
             (
-                "experts",
-                f"{args.num_experts} per MoE layer in {count.num_moe_layers} layers, top-"
-                f"{args.moe_router_topk}: {experts} ({_human(experts)}) expert parameters, "
-                f"{int(active)} ({_human(int(active))}) active per token",
+                "parameters of the MTP layers",
+                f"{count.mtp_total} ({_human(count.mtp_total)}) in {count.mtp_layers} "
+                "depth(s); the embedding and output layer are the main model's",
             )
         )
+    if getattr(count, "num_moe_layers", 0):
+        lines.append(_experts_line(args, count))
     largest = count.largest_rank(tp, pp)
     lines.append(
         ("parameters on the largest model-parallel rank", f"{largest} ({_human(largest)})")
@@ -165,6 +166,24 @@ def layout_lines(
         )
     )
     return lines
+
+
+def _experts_line(args, count):
+    """The routed experts and the parameters one token activates: the main model's, and with
+    MTP those of each MTP depth besides (DeepSeek quotes the main model's)."""
+    inactive = 1 - args.moe_router_topk / args.num_experts
+    experts = count.num_moe_layers * count.moe_experts
+    main = count.total - count.mtp_total
+    active = round(main - experts * inactive)
+    text = (
+        f"{args.num_experts} per MoE layer in {count.num_moe_layers} layers, top-"
+        f"{args.moe_router_topk}: {experts} ({_human(experts)}) expert parameters, "
+        f"{active} ({_human(active)}) active per token"
+    )
+    if count.mtp_layers:
+        mtp_active = round(count.mtp_total - count.mtp_experts * inactive)
+        text += f" in the main model, {mtp_active} ({_human(mtp_active)}) more in the MTP layers"
+    return ("experts", text)
 
 
 def format_lines(lines) -> str:

@@ -33,7 +33,11 @@ Two parts, the two that Megatron's report prints (weight and optimizer, activati
   token ids and the embedding dropout mask per micro-batch; the stage with the output layer adds
   its input and the fp32 logits for one micro-batch (Megatron: 4*s*b*h*(1 + V/h) / TP); with
   ``--cross-entropy-loss-fusion`` the fp32 logits of one chunk of tokens instead (the chunked
-  fused loss keeps no more; see ``fused_linear_cross_entropy.chunk_rows``).
+  fused loss keeps no more; see ``fused_linear_cross_entropy.chunk_rows``). With
+  ``--mtp-num-layers`` the last stage adds, per depth, one layer's activations, the inputs of
+  its two norms and of eh_proj (4*s*b*h elements) and a second output layer and loss. A
+  multi-latent attention layer is counted with the formula's attention terms (not its latent
+  widths), as Megatron's report does.
 
 Micro-batches in flight: 1 without pipelining; min(PP - rank, M) for 1F1B; with the interleaved
 schedule (warm-up + 1) model-chunk micro-batches, warm-up = 2*(PP - rank - 1) + (VP - 1)*G, which
@@ -110,9 +114,20 @@ class ParameterCount:
             + self.num_moe_layers * self.moe_layer
             + self.final_norm
             + self.output_layer
-            + self.mtp_layers * (self.moe_layer if self.mtp_is_moe else self.per_layer)
-            + self.mtp_layers * self.mtp_extra
+            + self.mtp_total
         )
+
+    @property
+    def mtp_total(self) -> int:
+        """The multi-token-prediction depths (their layers and ``mtp_extra``); the rest of
+        ``total`` is the main model."""
+        layer = self.moe_layer if self.mtp_is_moe else self.per_layer
+        return self.mtp_layers * (layer + self.mtp_extra)
+
+    @property
+    def mtp_experts(self) -> int:
+        """The routed experts of the MTP depths (all of them)."""
+        return self.mtp_layers * self.moe_experts if self.mtp_is_moe else 0
 
     def layer_on_tp_rank(self, tp: int) -> int:
         """Parameters of one dense layer on one tensor-parallel rank."""
@@ -571,6 +586,16 @@ def activation_components(
         else:
             parts["output layer and loss (input, fp32 logits)"] = (
                 4 * s * b * h / tp + 4 * s * b * vocab / tp
+            )
+        mtp = getattr(args, "mtp_num_layers", None) or 0
+        if mtp:
+            # Each depth: a layer like the main ones, the enorm and hnorm inputs and eh_proj's
+            # [s, b, 2h] input (4 hidden-sized tensors, split by TP with sequence parallelism),
+            # and its own output layer and loss, counted as the main one's.
+            element = 2 if _half_precision(args) else 4
+            logits = next(v for k, v in parts.items() if k.startswith("output layer"))
+            parts["multi-token prediction (layers, eh_proj inputs, logits)"] = mtp * (
+                per_layer.total * in_flight + 4 * element * s * b * h / (tp if sp else 1) + logits
             )
     return parts
 

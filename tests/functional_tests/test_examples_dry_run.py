@@ -135,6 +135,21 @@ for _layout, _shape in {
         GPT2_LARGE_PARAMS,
     )
 
+# DeepSeek-V3: 256 GPUs at TP=1, PP=8, EP=32; its main model is checked against transformers'
+# DeepseekV3ForCausalLM below.
+CASES["deepseek_v3_671b"] = (
+    "examples/deepseek_v3/train_deepseek_v3_671b.sh",
+    {},
+    (256, 1, 8, 1, 32, 1, 2048, 4096),
+    None,
+)
+CASES["tiny_deepseek_v3_pp2"] = (
+    "examples/deepseek_v3/tiny_cpu.sh",
+    {"LAYOUT": "pp2"},
+    (2, 1, 2, 1, 1, 2, 8, 64),
+    None,
+)
+
 # BERT-large with the shipped WordPiece vocabulary (7936 rows once padded): transformers'
 # MegatronBertForPreTraining of that shape counts 313,075,458 parameters (built on the meta device).
 CASES["bert_340m"] = (
@@ -268,6 +283,52 @@ def test_dry_run_layout(results, case):
         // tp,
     )
     assert total / (tp * pp * expert_split) <= largest <= total
+
+
+def test_deepseek_v3_counts_671b_parameters_and_37b_active(results):
+    """DeepSeek quotes 671B parameters for the main model and 37B activated per token; the MTP
+    module (14B in its count, with its own copies of embedding and output head) comes on top.
+    The main model's count equals transformers' DeepseekV3ForCausalLM of the same configuration
+    (built on the meta device; it has no MTP layer), where the router's expert bias is a buffer,
+    as here; its active count is that total less the 248 of 256 routed experts a token skips."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    result = results["deepseek_v3_671b"]
+    assert result.returncode == 0, result.stderr
+    layout = _layout(result.stdout)
+    config = DeepseekV3Config(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        first_k_dense_replace=3,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        hf = DeepseekV3ForCausalLM(config)
+    hf_total = sum(p.numel() for p in hf.parameters())
+    hf_routed = sum(p.numel() for n, p in hf.named_parameters() if ".mlp.experts." in n)
+    hf_active = hf_total - hf_routed * (256 - 8) // 256
+    main = int(layout["parameters of the main model"].split()[0])
+    mtp = int(layout["parameters of the MTP layers"].split()[0])
+    assert main == hf_total and int(layout["parameters"].split()[0]) == main + mtp
+    assert round(main / 1e9) == 671 and 13e9 < mtp + 2 * 129280 * 7168 < 14e9
+    active = re.search(r"(\d+) \(\S+\) active per token in the main model", layout["experts"])
+    assert int(active.group(1)) == hf_active and int(hf_active / 1e9) == 37
 
 
 @pytest.mark.parametrize("case", ["llama2_7b", "gpt3_175b"])

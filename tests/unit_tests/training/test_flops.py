@@ -99,3 +99,100 @@ def test_mtp_depths_are_layers_like_the_last_one():
         got = num_floating_point_operations(argparse.Namespace(**moe, mtp_num_layers=1), B)
         mlp_change = 3 * B * s * 2 * h * 2 * (2 * 96 - 704) if last_is_moe else 0
         assert got - without == pytest.approx(extra + mlp_change, rel=1e-12), freq
+
+
+def _tiny_deepseek_args(tmp_path):
+    """The validated flags of examples/deepseek_v3/tiny_cpu.sh (its DRY_RUN=1 command line,
+    recorded by a stub interpreter), with a padded vocabulary."""
+    import contextlib
+    import io
+    import os
+    import subprocess
+
+    from megatron.training.tokenizer import build_tokenizer
+    from tests.harness import REPO
+    from tests.unit_tests.tiny_configs import validated_args
+
+    stub, capture = tmp_path / "record_argv.sh", tmp_path / "argv"
+    stub.write_text('#!/bin/bash\nprintf "%s\\0" "$@" > "$CAPTURE_FILE"\n')
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("LAYOUT", "SEQ", "MBS", "GBS")}
+    env.update(DRY_RUN="1", PYTHON=str(stub), CAPTURE_FILE=str(capture))
+    subprocess.run(
+        ["bash", str(REPO / "examples/deepseek_v3/tiny_cpu.sh"), "--attention-backend", "unfused"],
+        cwd=REPO,
+        env=env,
+        check=True,
+        timeout=60,
+    )
+    module_flag, module, *argv = capture.read_text().split("\0")[:-1]
+    assert (module_flag, module) == ("-m", "megatron.training.dry_run")
+    args = validated_args(argv)
+    with contextlib.redirect_stdout(io.StringIO()):
+        build_tokenizer(args)
+    return args
+
+
+def _build_gpt(args):
+    import torch
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.multi_token_prediction import mtp_layer_spec
+    from megatron.training.configs import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    torch.manual_seed(0)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        mtp_block_spec=mtp_layer_spec(spec),
+    )
+
+
+def test_tiny_deepseek_v3_flops_and_parameters_equal_the_built_model(tmp_path):
+    """The tiny DeepSeek-V3 of examples/deepseek_v3/tiny_cpu.sh (multi-latent attention with q
+    LoRA, a dense first layer, 16 routed experts top-4 and a shared expert behind the sigmoid
+    router with group-limited top-k, one MTP layer), built as pretrain_gpt.py builds it:
+    count_parameters equals its parameters (the MTP part, the routed experts too), and one
+    forward + backward of a micro-batch through the model and the MTP loss costs, as counted by
+    torch.utils.flop_counter.FlopCounterMode on every matmul, the FLOPs of --log-throughput
+    plus what Megatron's formula leaves out on purpose: the router GEMM [h -> E] of each MoE
+    layer (MTP's included) and minus the MTP norms' 3h per token it adds."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.training.theoretical_memory import count_parameters
+
+    args = _tiny_deepseek_args(tmp_path)
+    model = _build_gpt(args)
+    count = count_parameters(args, args.padded_vocab_size)
+    params = dict(model.named_parameters())
+    assert count.total == sum(p.numel() for p in params.values())
+    assert count.mtp_total == sum(p.numel() for n, p in params.items() if n.startswith("mtp."))
+    routed = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    assert count.num_moe_layers * count.moe_experts + count.mtp_experts == routed
+    assert count.mtp_is_moe and count.num_moe_layers == 3 and count.mtp_layers == 1
+
+    b, s = args.micro_batch_size, args.seq_length
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.padded_vocab_size, (b, s), generator=g)
+    labels = torch.randint(0, args.padded_vocab_size, (b, s), generator=g)
+    position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+    with FlopCounterMode(display=False) as counter:
+        loss = model(tokens, position_ids, None, labels=labels)
+        loss.float().sum().backward()
+    measured = counter.get_total_flops()
+    assert all(p.grad is not None for n, p in params.items() if "mtp." in n)
+
+    h, experts = args.hidden_size, args.num_experts
+    router = 6 * b * s * h * experts * (count.num_moe_layers + count.mtp_layers)
+    mtp_norms = 6 * b * s * args.mtp_num_layers * 3 * h
+    expected = num_floating_point_operations(args, b) + router - mtp_norms
+    assert measured == expected, (measured, expected)

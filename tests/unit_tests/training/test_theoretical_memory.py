@@ -840,3 +840,23 @@ def test_multi_token_prediction_parameters_are_counted_on_the_last_stage(extra):
 
         assert hasattr(unwrap_model(model), "mtp") == post
         assert sum(p.numel() for p in model.parameters()) == report.parameters, rank
+
+
+@pytest.mark.parametrize("extra", [[], ["--cross-entropy-loss-fusion"]], ids=["plain", "fused"])
+def test_multi_token_prediction_activations_are_on_the_last_stage(extra):
+    """Each MTP depth adds to the last stage one layer's activations, its enorm, hnorm and
+    eh_proj inputs (4*s*b*h 16-bit elements) and a second output layer and loss; the first
+    stage is unchanged."""
+    flags = TINY + ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--bf16"]
+    flags += ["--position-embedding-type", "rope"] + extra
+    plain = make_args(flags, world_size=2)
+    mtp = make_args(flags + ["--mtp-num-layers", "2"], world_size=2)
+    assert activation_components(mtp, pp_rank=0) == activation_components(plain, pp_rank=0)
+    without = activation_components(plain, pp_rank=1)
+    with_mtp = activation_components(mtp, pp_rank=1)
+    added = with_mtp.pop("multi-token prediction (layers, eh_proj inputs, logits)")
+    assert with_mtp == without
+    s, b, h = 16, 2, 64
+    layer = layer_activation_bytes(plain, "cuda").total  # one micro-batch in flight
+    logits = next(v for k, v in without.items() if k.startswith("output layer"))
+    assert added == 2 * (layer + 4 * 2 * s * b * h + logits)
