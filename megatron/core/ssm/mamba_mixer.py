@@ -297,7 +297,7 @@ class MambaMixer(MegatronModule):
         or (None, None) at the start of a sequence."""
         if inference_context is None or inference_context.sequence_len_offset == 0:
             return None, None
-        states = getattr(inference_context, "ssm_states", {}).get(self.layer_number)
+        states = inference_context.ssm_states.get(self.layer_number)
         if states is None:
             raise ValueError(
                 f"Mamba layer {self.layer_number}: no cached state at sequence offset "
@@ -317,8 +317,6 @@ class MambaMixer(MegatronModule):
         if conv_history is None:
             conv_history = xbc_t.new_zeros(xbc_t.shape[0], xbc_t.shape[1], keep)
         window = torch.cat([conv_history.to(xbc_t.dtype), xbc_t], dim=-1)[..., -keep:]
-        if not hasattr(inference_context, "ssm_states"):
-            inference_context.ssm_states = {}
         inference_context.ssm_states[self.layer_number] = (
             window.detach(),
             final_state.detach(),
