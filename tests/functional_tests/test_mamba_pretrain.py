@@ -3,10 +3,12 @@ parallel layouts equals the one-process run over 10 iterations (loss 1e-6, grad 
 relative; no dropout, whose masks differ between layouts), and a torch_dist checkpoint
 reshards across layouts.
 
-Four runs: the one-process reference; TP=2 with sequence parallelism x PP=2 (4 processes, both
-layouts in one run); DP=2 saving a torch_dist checkpoint in Megatron's hybrid layout and exiting
-at iteration 5; TP=2 resuming from it for iterations 6-10 (the checkpoint written at TP=1 is
-read back as TP shards of Mamba's in_proj [z, x, B, C, dt] and conv1d [x, B, C] parts)."""
+Four runs: the one-process reference; TP=2 with sequence parallelism x PP=2 (4 processes,
+both layouts in one run) saving a torch-format checkpoint whose files are checked; DP=2 with
+the distributed optimizer saving a torch_dist checkpoint in Megatron's hybrid layout and
+exiting at iteration 5; TP=2 resuming from it for iterations 6-10 (the checkpoint written at
+TP=1 is read back as TP shards of Mamba's in_proj [z, x, B, C, dt] and conv1d [x, B, C]
+parts)."""
 
 import pytest
 import torch
@@ -66,13 +68,31 @@ def reference(tmp_path_factory):
 def test_tp2_sp_pp2_equals_one_process(reference, tmp_path):
     tp_pp = HYBRID + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     tp_pp += ["--pipeline-model-parallel-size", "2"]
+    ckpt = tmp_path / "ckpt"
+    tp_pp += ["--ckpt-format", "torch", "--save", str(ckpt), "--save-interval", "10"]
     assert_same_training(_train(tp_pp, 4, tmp_path / "tp_pp"), reference, range(1, 11))
+    # The torch format: one file per TP x PP rank, Megatron's names, layers numbered per stage.
+    for tp_rank, pp_rank, keys in (
+        (
+            0,
+            0,
+            ("decoder.layers.0.mixer.in_proj.weight", "decoder.layers.1.input_layernorm.weight"),
+        ),
+        (1, 1, ("decoder.layers.1.mixer.conv1d.weight", "decoder.final_norm.weight")),
+    ):
+        path = ckpt / "iter_0000010" / f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" / "model_optim_rng.pt"
+        model = torch.load(path, map_location="cpu", weights_only=False)["model"]
+        for key in keys:
+            assert key in model, (path, key)
+        in_proj = next(v for k, v in model.items() if k.endswith("mixer.in_proj.weight"))
+        # This rank's [z, x, B, C, dt]: (2 x 128 inner + 2 x 2 groups x 16 state + 8 heads) / TP.
+        assert tuple(in_proj.shape) == ((2 * 128 + 2 * 2 * 16 + 8) // 2, 64)
 
 
 def test_dp2_then_torch_dist_resume_at_tp2_equals_one_process(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     dp = HYBRID + ["--ckpt-format", "torch_dist", "--save", str(ckpt), "--save-interval", "5"]
-    dp += ["--exit-interval", "5"]
+    dp += ["--exit-interval", "5", "--use-distributed-optimizer"]
     first = _train(dp, 2, tmp_path / "dp")
     assert_same_training(first, _part(reference, range(1, 6)), range(1, 6))
     # Megatron's layout of a hybrid stack: layer by layer, the Mamba norm fused into in_proj.
