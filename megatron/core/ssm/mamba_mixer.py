@@ -82,7 +82,11 @@ def _tp_param(
         local = torch.empty(local_shape, dtype=config.params_dtype, device=device)
     else:
         master_dtype = torch.float64 if config.params_dtype == torch.float64 else torch.float32
-        master = torch.empty(tuple(shape), dtype=master_dtype, device="cpu")
+        master = torch.empty(
+            tuple(shape),
+            dtype=master_dtype,
+            device="cpu",  # host: drawn by the CPU generator
+        )
         with torch.no_grad():
             draw(master)
         local = shard_parts(master, dim, parts, tp_rank, tp_size).to(config.params_dtype)
@@ -229,7 +233,8 @@ class MambaMixer(MegatronModule):
 
         def dt_bias(t):
             dt = torch.exp(
-                torch.rand(t.shape, dtype=t.dtype) * (math.log(dt_max) - math.log(dt_min))
+                torch.rand(t.shape, dtype=t.dtype, device=t.device)
+                * (math.log(dt_max) - math.log(dt_min))
                 + math.log(dt_min)
             ).clamp(min=dt_init_floor)
             t.copy_(dt + torch.log(-torch.expm1(-dt)))  # the inverse of softplus
