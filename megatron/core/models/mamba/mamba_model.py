@@ -7,6 +7,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.ssm.mamba_block import MambaStack
 from megatron.core.ssm.mamba_hybrid_layer_allocation import hybrid_block_spec, layer_symbols
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 
 class MambaModel(GPTModel):
@@ -48,6 +49,10 @@ class MambaModel(GPTModel):
                 f"--num-layers is {config.num_layers}"
             )
         self.hybrid_override_pattern = hybrid_override_pattern
+        if isinstance(mamba_stack_spec, ModuleSpec) and issubclass(
+            mamba_stack_spec.module, MambaStack
+        ):
+            mamba_stack_spec = None  # megatron-core's mamba_stack_spec: the layers of the pattern
         super().__init__(
             config,
             mamba_stack_spec or hybrid_block_spec(hybrid_override_pattern),
