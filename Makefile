@@ -4,7 +4,7 @@ NPROC ?= 2
 RUN_DIR ?= runs/quickstart
 PIP_INSTALL = $(PYTHON) -m pip install -q -c constraints.txt
 
-.PHONY: install install-cpu install-gpu lint test test-faults test-fast interop quickstart \
+.PHONY: install install-cpu install-gpu lint test test-faults test-fast interop quickstart quickstart-mamba \
 	quickstart-mock prepare-ds-sample clean prepare-ds-sample-bert quickstart-bert quickstart-t5 \
 	gpu-check gpu-perf
 
@@ -89,6 +89,11 @@ quickstart-bert: install prepare-ds-sample-bert
 quickstart-t5: install prepare-ds-sample-bert
 	NPROC=$(NPROC) RUN_DIR=$(RUN_DIR)/t5 DATA_PATH=$(RUN_DIR)/data/corpus_text_sentence bash examples/t5/tiny_cpu.sh
 
+# A tiny hybrid Mamba / attention model (Nemotron-H style layers, pretrain_mamba.py) trained on
+# the sample corpus with 2 CPU processes.
+quickstart-mamba: install prepare-ds-sample
+	NPROC=$(NPROC) RUN_DIR=$(RUN_DIR)/mamba DATA_PATH=$(RUN_DIR)/data/corpus_text_document bash examples/mamba/tiny_cpu.sh
+
 # The same on generated (mock) data.
 quickstart-mock: install
 	NPROC=$(NPROC) RUN_DIR=$(RUN_DIR) MOCK=1 bash examples/gpt3/tiny_cpu.sh
@@ -160,6 +165,6 @@ tiny-deepseek-cpu:
 dry-run-examples:
 	@for script in examples/gpt3/train_gpt3_*.sh examples/llama/train_*.sh \
 		examples/bert/train_bert_*.sh examples/t5/train_t5_*.sh examples/mixtral/train_*.sh \
-		examples/deepseek_v3/train_*.sh; do \
+		examples/deepseek_v3/train_*.sh examples/mamba/train_*.sh; do \
 		echo "=== $$script"; DRY_RUN=1 PYTHON=$(PYTHON) bash $$script 2>&1 | grep -E '^  |error|dry run OK'; \
 	done

@@ -164,6 +164,18 @@ CASES["t5_220m_tp2"] = (
     (8, 2, 1, 1, 4, 64, 512, 512),
     None,
 )
+CASES["mamba_tiny_cpu_mock"] = (
+    "examples/mamba/tiny_cpu.sh",
+    {"MOCK": "1"},
+    (2, 1, 1, 1, 2, 4, 16, 128),
+    None,
+)
+CASES["nemotron_h_8b_tp2"] = (
+    "examples/mamba/train_nemotron_h_8b.sh",
+    {},
+    (8, 2, 1, 1, 4, 1, 768, 8192),
+    None,
+)
 
 # Published sizes of the GPT-3 paper (table 2.1), to 2 %: the counts are rounded there.
 GPT3_PAPER = {

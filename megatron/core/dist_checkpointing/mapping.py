@@ -144,11 +144,14 @@ def tensor_parallel_sharded(
     tp_size: int,
     stride: int = 1,
     replica: bool = False,
+    partition_sizes=None,
 ) -> ShardedTensor:
     """Rank ``tp_rank``'s shard of a tensor split over ``tp_size`` ranks along ``partition_dim``.
 
     With ``stride`` s the global dimension is cut into ``s * tp_size`` equal blocks and rank r
     holds blocks r, r + tp_size, ... (in that order), as the tensor-parallel layers split it.
+    ``partition_sizes`` (the local sizes of parts of different sizes, each split over TP, as
+    Mamba's in_proj [z, x, B, C, dt]): rank r holds its piece of every part, in part order.
     """
     if tp_size == 1:
         return replicated(key, tensor, replica)
@@ -156,6 +159,23 @@ def tensor_parallel_sharded(
     if not 0 <= partition_dim < len(shape):
         raise ValueError(f"{key}: partition_dim {partition_dim} out of range for shape {shape}")
     local = shape[partition_dim]
+    if partition_sizes:
+        if sum(partition_sizes) != local:
+            raise ValueError(f"{key}: partition sizes {partition_sizes} do not add up to {local}")
+        chunks, g_start, l_start = [], 0, 0
+        for size in partition_sizes:
+            g_off = [0] * len(shape)
+            l_off = [0] * len(shape)
+            g_off[partition_dim] = g_start + tp_rank * size
+            l_off[partition_dim] = l_start
+            piece = list(shape)
+            piece[partition_dim] = size
+            chunks.append(Chunk(tuple(g_off), tuple(l_off), tuple(piece)))
+            g_start += size * tp_size
+            l_start += size
+        global_shape = list(shape)
+        global_shape[partition_dim] = local * tp_size
+        return ShardedTensor(key, tensor, tuple(global_shape), tuple(chunks), replica)
     if stride < 1 or local % stride:
         raise ValueError(
             f"{key}: local size {local} along dim {partition_dim} "

@@ -95,8 +95,11 @@ def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
 
 def _has_mixed_layers(chunk: torch.nn.Module) -> bool:
     """Whether ``chunk`` mixes dense and MoE layers (``--moe-layer-freq`` above 1 or a list, as
-    megatron-core decides it): its blocks are then keyed layer by layer, not stacked."""
+    megatron-core decides it) or is a hybrid model (a block marked ``KEYED_LAYER_BY_LAYER``):
+    its blocks are then keyed layer by layer, not stacked."""
     for module in chunk.modules():
+        if getattr(type(module), "KEYED_LAYER_BY_LAYER", False):
+            return True
         config = getattr(module, "config", None)
         if config is None or not getattr(config, "num_moe_experts", None):
             continue
@@ -170,6 +173,7 @@ def model_sharded_state_dict(
                     tp_size,
                     int(getattr(tensor, "partition_stride", 1)),
                     replica=forced_replica,
+                    partition_sizes=getattr(tensor, "partition_sizes", None),
                 )
             else:
                 entry = replicated(key, data, replica=forced_replica or tp_rank != 0)

@@ -30,12 +30,16 @@ class StaticInferenceContext:
         self.max_sequence_length = max_sequence_length
         self.sequence_len_offset = 0
         self.key_value_memory_dict: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor]] = {}
+        # Mamba layers: layer number -> (conv state [b, conv channels, d_conv - 1], SSM state
+        # [b, heads, head dim, state dim]) after the tokens consumed so far.
+        self.ssm_states: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: Dict[Tuple[int, int, torch.device], torch.Tensor] = {}
 
     def reset(self) -> None:
         """Forget every cached key and value (a new batch starts)."""
         self.sequence_len_offset = 0
         self.key_value_memory_dict.clear()
+        self.ssm_states.clear()
 
     def advance(self, num_tokens: int) -> None:
         """The model has consumed ``num_tokens`` more tokens of every sequence."""

@@ -24,10 +24,14 @@ class ExperimentalFlags:
         honoured_at="pretrain_*.model_provider",
     )
     hybrid_override_pattern: Optional[str] = flag(
-        None, "Hybrid layer pattern (older name of --hybrid-layer-pattern)."
+        None,
+        "Hybrid layer pattern (older name of --hybrid-layer-pattern).",
+        honoured_at="pretrain_mamba.py (MambaModel)",
     )
     hybrid_layer_pattern: Optional[str] = flag(
-        None, "Hybrid layer pattern: M mamba, * attention, - MLP, E MoE, | pipeline split."
+        None,
+        "Hybrid layer pattern: M mamba, * attention, - MLP, E MoE, | pipeline split.",
+        honoured_at="pretrain_mamba.py (MambaModel)",
     )
     yaml_cfg: Optional[str] = flag(
         None, "Read the configuration from this YAML file instead of flags."

@@ -197,7 +197,7 @@ no_effect(
 
 # ----------------------------------------------------------------------------- refused
 _MOE = f"mixture of experts is {_NYI}"
-_HYBRID = f"hybrid (Mamba) and linear-attention models are {_NYI}"
+_HYBRID = f"linear-attention (gated delta net / product) and DSA models are {_NYI}"
 _FP8 = "fp8/fp4 training needs Transformer Engine, which this code base does not use"
 _BERT_T5 = f"T5 relative position buckets and BERT embedders are {_NYI}"
 _VISION = f"vision models are {_NYI}"
@@ -252,12 +252,19 @@ refused(
     moe_routing_trace_capture_hidden_states moe_routing_trace_dump_weights
     """,
 )
+no_effect(
+    "selects mamba_ssm's fused kernel; the PyTorch SSD scan here computes the same layer",
+    "use_mamba_mem_eff_path",
+)
+refused(
+    "the SSM-state dtype of mamba_ssm's kernels: the PyTorch scan here keeps the states in the "
+    "activations' dtype",
+    "mamba_training_ssm_states_dtype",
+)
 refused(
     _HYBRID,
     """
-    is_hybrid_model hybrid_layer_pattern hybrid_override_pattern mamba_state_dim mamba_head_dim
-    mamba_num_groups mamba_num_heads use_mamba_mem_eff_path gdp_num_householder
-    gdp_cutedsl_kernel gdp_num_chunk_states_to_recompute mamba_training_ssm_states_dtype
+    gdp_num_householder gdp_cutedsl_kernel gdp_num_chunk_states_to_recompute
     experimental_attention_variant linear_attention_freq linear_conv_kernel_dim
     linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
     dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_topk_freq

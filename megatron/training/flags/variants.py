@@ -48,13 +48,18 @@ class ExperimentalAttentionVariantFlags:
     dsa_indexer_k_norm_fp32: bool = switch("DSA: compute the indexer key norm in fp32.")
 
 
+_MIXER = "megatron.core.ssm.mamba_mixer.MambaMixer (pretrain_mamba.py)"
+
+
 @flag_group("hybrid models")
 class HybridModelFlags:
-    is_hybrid_model: bool = switch("The model is a hybrid (Mamba/attention) model.")
-    mamba_state_dim: int = flag(128, "Mamba state dimension.")
-    mamba_head_dim: int = flag(64, "Mamba head dimension.")
-    mamba_num_groups: int = flag(8, "Mamba groups.")
-    mamba_num_heads: Optional[int] = flag(None, "Mamba heads.")
+    is_hybrid_model: bool = switch(
+        "The model is a hybrid (Mamba/attention) model.", honoured_at="pretrain_mamba.py"
+    )
+    mamba_state_dim: int = flag(128, "Mamba state dimension.", honoured_at=_MIXER)
+    mamba_head_dim: int = flag(64, "Mamba head dimension.", honoured_at=_MIXER)
+    mamba_num_groups: int = flag(8, "Mamba groups.", honoured_at=_MIXER)
+    mamba_num_heads: Optional[int] = flag(None, "Mamba heads.", honoured_at=_MIXER)
     use_mamba_mem_eff_path: bool = off_switch(
         "Do not use Mamba's memory-efficient fused path.", options="--disable-mamba-mem-eff-path"
     )

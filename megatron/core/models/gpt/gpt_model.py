@@ -55,6 +55,9 @@ class GPTModel(LanguageModule):
     (``get_batch_on_this_cp_rank``) and the per-token losses are for those tokens.
     """
 
+    block_class = TransformerBlock
+    """The decoder's class (a hybrid model's stack subclasses it)."""
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -142,7 +145,7 @@ class GPTModel(LanguageModule):
         else:
             self.rotary_pos_emb = None
         self.vp_stage = vp_stage
-        self.decoder = TransformerBlock(
+        self.decoder = self.block_class(
             config,
             transformer_layer_spec,
             pre_process=pre_process,

@@ -13,6 +13,17 @@ from .base import check, fail, flag_name
 
 
 def validate_model_shape(args):
+    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(
+        args, "hybrid_override_pattern", None
+    )
+    if args.num_layers is None and args.encoder_num_layers is None and pattern:
+        # Megatron derives a hybrid model's depth from its layer pattern.
+        from megatron.core.ssm.mamba_hybrid_layer_allocation import layer_symbols
+
+        try:
+            args.num_layers = len(layer_symbols(pattern))
+        except ValueError as exc:
+            fail(str(exc))
     if args.num_layers is not None:
         check(
             args.encoder_num_layers in (None, args.num_layers),

@@ -293,6 +293,12 @@ CASES = [
         ["--num-layers and --encoder-num-layers are mutually exclusive"],
     ),
     case("num_layers_required", [], ["--num-layers is required"], drop=("--num-layers",)),
+    case(
+        "hybrid_pattern_symbol",
+        ["--hybrid-layer-pattern", "M*X"],
+        ["--hybrid-override-pattern 'M*X': unknown layer symbol 'X'"],
+        drop=("--num-layers",),
+    ),
     case("hidden_size_required", [], ["--hidden-size is required"], drop=("--hidden-size",)),
     case(
         "heads_required",

@@ -21,7 +21,7 @@ def test_registry_finds_gpt_and_names_the_known_families():
     gpt = get_model_family("gpt")
     assert gpt.name == "gpt" and gpt.args_defaults == {"tokenizer_type": "GPT2BPETokenizer"}
     assert "num_layers" in gpt.checkpoint_model_args
-    with pytest.raises(ValueError, match="unknown model family 't6'; known: bert, gpt, t5"):
+    with pytest.raises(ValueError, match="unknown model family 't6'; known: bert, gpt, mamba, t5"):
         get_model_family("t6")
 
 

@@ -28,7 +28,7 @@ def test_a_family_outside_the_package_trains_through_its_spec_alone(
 ):
     spec = toy_family.SPEC
     # Registered nowhere: neither the registry nor any file outside tests/ knows it.
-    with pytest.raises(ValueError, match="unknown model family 'toy'; known: bert, gpt, t5"):
+    with pytest.raises(ValueError, match="unknown model family 'toy'; known: bert, gpt, mamba, t5"):
         get_model_family("toy")
     named = [str(p) for p in _outside_tests() if "toy_family" in p.read_text(errors="ignore")]
     assert not named, named
