@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from megatron.core.parallel_state import ParallelLayout, RankGenerator, hierarchical_cp_ranks
+from megatron.core.parallel_layout import ParallelLayout, RankGenerator, hierarchical_cp_ranks
 from tests.unit_tests.dist_utils import run_distributed
 
 
