@@ -16,9 +16,9 @@ writer). Shrunk to CPU sizes (2 layers, hidden 64, sequence 64, 3 iterations, mo
 fewer ranks: TP 2 for the test-mode case, TP 2 x EP 2 for the overlap, CP 4 = 2 x 2 without
 the pipeline for the hierarchical case), each trains through torchrun and logs every iteration.
 
-The other configurations with these flags, DeepSeek proxies (EP overlap with
---delay-wgrad-compute; per-token loss with the sequence aux loss), are stopped only by
-multi-latent attention and Megatron-FSDP with expert parallelism, issues of their own.
+The other configurations with these flags, DeepSeek proxies (Megatron-FSDP with EP 2 and
+multi-latent attention; EP overlap with --delay-wgrad-compute; per-token loss with the sequence
+aux loss), pass validation at their world size; the per-token one trains shrunk.
 """
 
 import pytest
@@ -226,8 +226,7 @@ def test_megatron_test_case_trains_shrunk_on_cpu(name, tmp_path):
 # --delay-wgrad-compute (moe/deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap and, with Megatron-FSDP
 # v2, moe/deepseek_proxy_mfsdp_v2_ep2_ep_overlap) and per-token loss with
 # the sequence aux loss (moe/deepseek_proxy_mfsdp_v2_ep2_mb2_per_token_loss). Both use
-# multi-latent attention (refused) and Megatron-FSDP with expert parallelism (a rule refuses
-# it), which are issues of their own; without those flags they pass validation.
+# multi-latent attention and Megatron-FSDP with expert parallelism.
 DEEPSEEK_PROXY = {
     "bf16": True,
     "distributed_timeout_minutes": 60,
@@ -361,29 +360,33 @@ DEEPSEEK_CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(DEEPSEEK_CASES))
-def test_deepseek_proxies_are_stopped_by_mla_and_megatron_fsdp_only(name, monkeypatch):
-    from megatron.training.flag_policy import REFUSED, given_flags
-    from megatron.training.flags.policy import ROWS
-
-    config = DEEPSEEK_CASES[name]
-    mla = {
-        dest for dest, rule in ROWS.items() if rule.reason == ROWS["multi_latent_attention"].reason
-    }
+def test_deepseek_proxies_pass_validation(name, monkeypatch):
+    # Megatron-FSDP with expert parallelism, multi-latent attention and the rest: nothing
+    # refused at the proxies' own world size (8).
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "0")
-    refused = {dest for dest, _, _ in given_flags(parse_args(argv=argv_of(config)), REFUSED)}
-    assert refused <= mla, refused - mla
-    fsdp = {
-        "use_megatron_fsdp",
-        "data_parallel_sharding_strategy",
-        "outer_dp_sharding_strategy",
-        "ckpt_format",  # fsdp_dtensor needs Megatron-FSDP
-        "overlap_param_gather",  # the per-token proxy's needs Megatron-FSDP (no dist. optimizer)
-    }
-    others = {dest: value for dest, value in config.items() if dest not in mla | fsdp}
     deterministic = torch.are_deterministic_algorithms_enabled()
     try:
-        args = validate_args(parse_args(argv=argv_of(others)))
+        args = validate_args(parse_args(argv=argv_of(DEEPSEEK_CASES[name])))
     finally:
         torch.use_deterministic_algorithms(deterministic)
+    assert args.use_megatron_fsdp and args.expert_model_parallel_size == 2
     assert "--transformer-impl transformer_engine (" in args.no_effect_note
+
+
+def test_deepseek_per_token_loss_proxy_trains_shrunk_on_cpu(tmp_path):
+    # One of the three (they share the model; the others add speed-only overlap flags): with
+    # Megatron-FSDP optim_grads_params, EP 2 (experts sharded over expert DP 1 of 2 ranks), MLA,
+    # the sequence aux loss and per-token loss. Two layers, the second MoE.
+    shrunk = {
+        **DEEPSEEK_CASES["deepseek_per_token_loss"],
+        **SHRUNK,
+        "moe_layer_freq": "([0]*1+[1]*1)",
+        "ffn_hidden_size": 128,
+        "moe_ffn_hidden_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+        "tensorboard_dir": str(tmp_path / "tb"),
+    }
+    result = run_pretrain(argv_of(shrunk), nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(parse_log_lines(result.stdout)) == [1, 2, 3]
