@@ -8,6 +8,9 @@ One grouped test, one one-process reference:
 * optim_grads_params at DP2 with EP2: expert DP is 1 while DP is 2, so the expert gradients must
   be rescaled from FSDP's expert-DP average to Megatron's sum over DP (a missing rescale doubles
   their share of the grad norm);
+* its --ckpt-format fsdp_dtensor checkpoint (saved there at iteration 5) resumes at another
+  strategy and EP size (optim, EP1, the distributed optimizer on DDP buffers instead of FSDP2
+  shards) with the one-process run's next losses.
 
 The other strategies run machinery whose EP layouts are proven elsewhere: optim and optim_grads
 are the distributed optimizer (test_moe_e2e.py: ep2-dist-opt, expert state sharded over expert
@@ -16,7 +19,14 @@ checks that mapping with EP and the gradient-accumulation-fusion warning. (A run
 here would cost ~25 s each of the suite's budget and repeat those.)
 """
 
-from tests.functional_tests.runner import TINY_MODEL, assert_same_training, train_metrics
+from tests.functional_tests.runner import (
+    LOSS_RTOL,
+    TINY_MODEL,
+    assert_same_training,
+    read_tensorboard_scalars,
+    run_pretrain,
+    train_metrics,
+)
 from tests.functional_tests.test_moe_e2e import MOE
 
 MODEL = list(TINY_MODEL)
@@ -50,8 +60,21 @@ def test_megatron_fsdp_strategies_with_expert_parallelism_match_one_process(tmp_
         (
             "ogp-dp2-ep2",
             2,
-            _megatron_fsdp("optim_grads_params") + ["--expert-model-parallel-size", "2"],
+            _megatron_fsdp("optim_grads_params")
+            + ["--expert-model-parallel-size", "2"]
+            + ["--save", str(tmp_path / "ckpt"), "--save-interval", "5"],
         ),
     ):
         got = train_metrics(MODEL + MOE + extra, nproc, tmp_path / name)
         assert_same_training(got, reference, range(1, 11))
+
+    tb = tmp_path / "resumed"
+    load = ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "5", "--tensorboard-dir", str(tb)]
+    result = run_pretrain(MODEL + MOE + _megatron_fsdp("optim") + load, nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "successfully loaded checkpoint from" in result.stdout, result.stdout[-2000:]
+    resumed = read_tensorboard_scalars(tb, "lm loss")
+    assert sorted(resumed) == list(range(6, 11)), resumed
+    for it, loss in resumed.items():
+        want = reference["loss"][it]
+        assert abs(loss - want) <= LOSS_RTOL * want, (it, resumed, reference["loss"])

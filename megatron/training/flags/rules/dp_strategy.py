@@ -87,11 +87,6 @@ def validate_data_parallel_strategy(args):
                 f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}",
                 one_connection,
             )
-        check(
-            not (args.save or args.load or args.pretrained_checkpoint),
-            "--use-megatron-fsdp "
-            "cannot save or load checkpoints yet (--ckpt-format fsdp_dtensor is not implemented)",
-        )
         args.use_distributed_optimizer = strategy in ("optim", "optim_grads")
         check(
             strategy != "no_shard" or not args.overlap_param_gather,

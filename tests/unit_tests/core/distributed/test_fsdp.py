@@ -295,16 +295,6 @@ def test_fsdp_flag_errors_name_the_flags(monkeypatch):
         monkeypatch, *_FSDP2, "--num-experts", "4", "--expert-model-parallel-size", "2"
     )
     assert "--use-torch-fsdp2 does not support --fp16" in _error(monkeypatch, *_FSDP2, "--fp16")
-    assert "--use-megatron-fsdp cannot save or load checkpoints yet" in _error(
-        monkeypatch,
-        "--use-megatron-fsdp",
-        "--ckpt-format",
-        "fsdp_dtensor",
-        "--data-parallel-sharding-strategy",
-        "optim",
-        "--load",
-        "/tmp/x",
-    )
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     import pytest
 
