@@ -138,12 +138,19 @@ def format_to_load(args, directory: str) -> str:
         if os.path.isfile(os.path.join(directory, ".metadata")):
             raise CheckpointError(
                 f"{directory} has no metadata.json: its torch_dist save did not finish"
+                + (
+                    ", or it is Megatron-LM's own fsdp_dtensor layout (a bare DCP directory), "
+                    "which is not read here"
+                    if args.ckpt_format == "fsdp_dtensor"
+                    else ""
+                )
             )
         raise CheckpointError(
             f"{directory} holds neither a torch_dist (metadata.json) nor a torch-format "
             "(mp_rank_*) checkpoint"
         )
-    wanted = args.ckpt_format
+    # --ckpt-format fsdp_dtensor (Megatron-FSDP) is written in the torch_dist layout here.
+    wanted = "torch_dist" if args.ckpt_format == "fsdp_dtensor" else args.ckpt_format
     if (
         found == wanted
         or getattr(args, "auto_detect_ckpt_format", False)

@@ -74,7 +74,9 @@ from .frozen_args import replace_args
 from .run import Run
 from .utils import get_rank, print_rank_0
 
-SAVE_FORMATS = ("torch_dist", "torch")
+# fsdp_dtensor (Megatron-FSDP) is written by the torch_dist writer, in its layout (README
+# "Memory options"): the state is the same global, reshardable tensors under the same names.
+SAVE_FORMATS = ("torch_dist", "torch", "fsdp_dtensor")
 detect_checkpoint_format = detect_format  # the name it has here (tests call it so)
 
 
@@ -168,7 +170,7 @@ def save_checkpoint(
             f"--ckpt-format {args.ckpt_format} is not supported (use torch_dist or torch)"
         )
     maybe_finalize_async_save(blocking=True, run=run)
-    if args.ckpt_format == "torch_dist":
+    if args.ckpt_format in ("torch_dist", "fsdp_dtensor"):
         timers("save-checkpoint", log_level=0).start(barrier=True)
         save_checkpoint_dist(
             iteration,

@@ -86,6 +86,7 @@ def get_model(
                     chunk,
                     dp_cp_group,
                     reshard_after_forward=getattr(args, "torch_fsdp2_reshard_after_forward", True),
+                    expert_data_parallel_group=state.get_expert_data_parallel_group(),
                 )
             )
         return wrapped
@@ -207,7 +208,8 @@ def setup_model_and_optimizer(
     if _has_expert_params(model) and dist.is_initialized():
         # Expert grads differ across EP ranks: their norms and inf flags also reduce over
         # the expert-tensor x expert x pipeline group.
-        optimizer.expert_parallel_group = state.group("tp-ep-pp")
+        # Under FSDP2 the expert shards also differ across expert DP: the whole (PP = 1) world.
+        optimizer.expert_parallel_group = state.group("tp-dp-cp" if fsdp2 else "tp-ep-pp")
         optimizer.expert_tp_rank = state.get_expert_tensor_parallel_rank()
     opt_param_scheduler = get_optimizer_param_scheduler(optimizer, args=args)
     # The layers draw dropout from config.rng_tracker, else from the run's current tracker

@@ -16,10 +16,9 @@ writer). Shrunk to CPU sizes (2 layers, hidden 64, sequence 64, 3 iterations, mo
 fewer ranks: TP 2 for the test-mode case, TP 2 x EP 2 for the overlap, CP 4 = 2 x 2 without
 the pipeline for the hierarchical case), each trains through torchrun and logs every iteration.
 
-The other configurations with these flags, DeepSeek proxies (EP overlap with
---delay-wgrad-compute; per-token loss with the sequence aux loss), are stopped only by
-Megatron-FSDP with expert parallelism, an issue of its own; their multi-latent attention
-passes.
+The other configurations with these flags, DeepSeek proxies (Megatron-FSDP with EP 2 and
+multi-latent attention; EP overlap with --delay-wgrad-compute; per-token loss with the sequence
+aux loss), pass validation at their world size; the per-token one trains shrunk.
 """
 
 import pytest
@@ -227,8 +226,7 @@ def test_megatron_test_case_trains_shrunk_on_cpu(name, tmp_path):
 # --delay-wgrad-compute (moe/deepseek_proxy_fsdp_ep2_fsdp2_ep_overlap and, with Megatron-FSDP
 # v2, moe/deepseek_proxy_mfsdp_v2_ep2_ep_overlap) and per-token loss with
 # the sequence aux loss (moe/deepseek_proxy_mfsdp_v2_ep2_mb2_per_token_loss). Both use
-# multi-latent attention (accepted) and Megatron-FSDP with expert parallelism (a rule refuses
-# it), an issue of its own; without the Megatron-FSDP flags they pass validation.
+# multi-latent attention and Megatron-FSDP with expert parallelism.
 DEEPSEEK_PROXY = {
     "bf16": True,
     "distributed_timeout_minutes": 60,
@@ -361,6 +359,39 @@ DEEPSEEK_CASES = {
 }
 
 
+@pytest.mark.parametrize("name", sorted(DEEPSEEK_CASES))
+def test_deepseek_proxies_pass_validation(name, monkeypatch):
+    # Megatron-FSDP with expert parallelism, multi-latent attention and the rest: nothing
+    # refused at the proxies' own world size (8).
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        args = validate_args(parse_args(argv=argv_of(DEEPSEEK_CASES[name])))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert args.use_megatron_fsdp and args.expert_model_parallel_size == 2
+    assert "--transformer-impl transformer_engine (" in args.no_effect_note
+
+
+def test_deepseek_per_token_loss_proxy_trains_shrunk_on_cpu(tmp_path):
+    # One of the three (they share the model; the others add speed-only overlap flags): with
+    # Megatron-FSDP optim_grads_params, EP 2 (experts sharded over expert DP 1 of 2 ranks), MLA,
+    # the sequence aux loss and per-token loss. Two layers, the second MoE.
+    shrunk = {
+        **DEEPSEEK_CASES["deepseek_per_token_loss"],
+        **SHRUNK,
+        "moe_layer_freq": "([0]*1+[1]*1)",
+        "ffn_hidden_size": 128,
+        "moe_ffn_hidden_size": 32,
+        "moe_shared_expert_intermediate_size": 32,
+        "tensorboard_dir": str(tmp_path / "tb"),
+    }
+    result = run_pretrain(argv_of(shrunk), nproc=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert sorted(parse_log_lines(result.stdout)) == [1, 2, 3]
+
+
 # moe/deepseek_proxy_unsharded_1node: the same proxy on one GPU without Megatron-FSDP or the
 # distributed optimizer (2 layers, the first dense), in fp8 without bf16.
 _PROXY_ONLY = (
@@ -377,13 +408,6 @@ DEEPSEEK_UNSHARDED = {
     "num_layers": 2,
     "moe_layer_freq": "([0]*1+[1]*1)",
 }
-FSDP_FLAGS = {
-    "use_megatron_fsdp",
-    "data_parallel_sharding_strategy",
-    "outer_dp_sharding_strategy",
-    "ckpt_format",  # fsdp_dtensor needs Megatron-FSDP
-    "overlap_param_gather",  # the per-token proxy's needs Megatron-FSDP (no dist. optimizer)
-}
 
 
 def _validated(config):
@@ -392,29 +416,6 @@ def _validated(config):
         return validate_args(parse_args(argv=argv_of(config)))
     finally:
         torch.use_deterministic_algorithms(deterministic)
-
-
-@pytest.mark.parametrize("name", sorted(DEEPSEEK_CASES))
-def test_deepseek_proxies_are_stopped_by_megatron_fsdp_with_experts_only(name, monkeypatch):
-    """No flag of the proxies is refused as not built (multi-latent attention included); the
-    one rule that stops them is Megatron-FSDP's optim_grads_params sharding with expert
-    parallelism, and without the Megatron-FSDP flags they pass, MLA on."""
-    from megatron.training.arguments import ArgumentValidationError
-    from megatron.training.flag_policy import REFUSED, given_flags
-
-    config = DEEPSEEK_CASES[name]
-    monkeypatch.setenv("WORLD_SIZE", "8")
-    monkeypatch.setenv("RANK", "0")
-    assert [dest for dest, _, _ in given_flags(parse_args(argv=argv_of(config)), REFUSED)] == []
-    with pytest.raises(
-        ArgumentValidationError,
-        match="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params does "
-        "not support expert parallelism",
-    ):
-        _validated(config)
-    args = _validated({dest: value for dest, value in config.items() if dest not in FSDP_FLAGS})
-    assert args.multi_latent_attention and args.q_lora_rank == 256
-    assert "--transformer-impl transformer_engine (" in args.no_effect_note
 
 
 def test_deepseek_unsharded_proxy_runs_all_but_fp8_and_trains_shrunk(tmp_path, monkeypatch):

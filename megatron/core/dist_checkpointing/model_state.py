@@ -235,6 +235,8 @@ def _expert_entry(key: str, tensor: torch.Tensor, etp_rank: int, etp_size: int) 
         )
     else:
         entry = replicated(key, data, replica=etp_rank != 0)
+    if isinstance(data, DTensor):  # Megatron-FSDP: sharded over expert DP
+        entry = _fsdp_rows(entry, data)
     entry.expert = True
     return entry
 

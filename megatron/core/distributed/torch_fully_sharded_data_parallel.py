@@ -17,6 +17,14 @@ clip, step and count zeros on shards; their norm / inf / zero reductions must ru
 TP x DP x CP group (the shards of one parameter live on different DP ranks), which is what the
 trainer passes as their model-parallel group.
 
+Expert parallelism (``--use-megatron-fsdp`` only, as in Megatron-LM): the experts of each MoE
+layer (the modules whose parameters all carry ``allreduce = False``) are ``fully_shard``-ed first,
+on the expert data-parallel mesh, so each expert parameter is split over the ranks that hold the
+same experts; the enclosing layer then shards the rest on the DP x CP mesh. FSDP averages the
+expert gradients over expert-DP; Megatron's DDP sums them there and divides by the DP x CP size
+(each EP rank's experts saw the tokens of all EP ranks), so :meth:`finish_grad_sync` rescales
+them by ``expert_dp / dp``.
+
 Gradient accumulation: inside :meth:`no_sync` FSDP keeps unsharded gradients and reduces once,
 in the backward of the last micro-batch.
 """
@@ -55,6 +63,27 @@ def _default_sub_modules_to_wrap() -> Tuple[Type[torch.nn.Module], ...]:
     return (TransformerLayer,)
 
 
+def _is_expert(param) -> bool:
+    return not getattr(param, "allreduce", True)
+
+
+def _expert_units(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The outermost sub-modules all of whose (one or more) parameters are expert parameters."""
+    units: List[torch.nn.Module] = []
+
+    def visit(sub):
+        params = list(sub.parameters())
+        if params and all(_is_expert(p) for p in params):
+            units.append(sub)
+            return
+        for child in sub.children():
+            visit(child)
+
+    for child in module.children():
+        visit(child)
+    return units
+
+
 class LocalShards:
     """What the optimizer sees of an FSDP2 chunk: ``named_parameters()`` yields, under the model's
     parameter names, plain tensors aliasing this rank's shards (with the model params' attributes,
@@ -85,8 +114,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     ``config``: the DDP config (``grad_reduce_in_fp32`` reduces gradients in fp32;
     ``check_for_nan_in_grad``). ``data_parallel_group``: the FSDP mesh (Megatron: DP x CP).
     ``sub_modules_to_wrap``: module classes sharded as their own FSDP unit (default: the
-    transformer layer). ``reshard_after_forward``: free the gathered params after each forward
-    (ZeRO-3; False keeps them until backward, ``--torch-fsdp2-no-reshard-after-forward``).
+    transformer layer). ``expert_data_parallel_group``: the mesh of the expert parameters
+    (required when the chunk has any). ``reshard_after_forward``: free the gathered params after
+    each forward (ZeRO-3; False keeps them until backward,
+    ``--torch-fsdp2-no-reshard-after-forward``).
     """
 
     def __init__(
@@ -96,6 +127,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         data_parallel_group=None,
         sub_modules_to_wrap: Optional[Iterable[Type[torch.nn.Module]]] = None,
         reshard_after_forward: bool = True,
+        expert_data_parallel_group=None,
     ):
         super().__init__()
         if config.use_distributed_optimizer:
@@ -134,10 +166,24 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             if sub_modules_to_wrap is not None
             else _default_sub_modules_to_wrap()
         )
-        self.sharded_units = [
+        expert_units = _expert_units(module)
+        self.expert_scale = 1.0
+        if expert_units:
+            if expert_data_parallel_group is None:
+                raise ValueError(
+                    "FSDP2: the model has expert parameters (allreduce=False); pass "
+                    "expert_data_parallel_group"
+                )
+            expert_kwargs = dict(
+                kwargs, mesh=DeviceMesh.from_group(expert_data_parallel_group, first.device.type)
+            )
+            for sub in expert_units:
+                fully_shard(sub, **expert_kwargs)
+            self.expert_scale = collectives.group_size(expert_data_parallel_group) / self.dp_size
+        self.sharded_units = expert_units + [
             sub for sub in module.modules() if sub is not module and isinstance(sub, wrap)
         ]
-        for sub in self.sharded_units:
+        for sub in self.sharded_units[len(expert_units) :]:
             fully_shard(sub, **kwargs)
         fully_shard(module, **kwargs)
         self.module = module
@@ -202,6 +248,8 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         for _, param, local in self._shards:
             grad = param.grad
             shard = None if grad is None else grad.to_local()
+            if shard is not None and self.expert_scale != 1.0 and _is_expert(param):
+                shard.mul_(self.expert_scale)
             param.main_grad = shard
             local.main_grad = shard
         if self.config.check_for_nan_in_grad:

@@ -388,10 +388,11 @@ refused(
     """,
 )
 refused(
-    "checkpoints are written and read in the torch or torch_dist format only",
+    "checkpoints are written and read in the torch, torch_dist or (with Megatron-FSDP) "
+    "fsdp_dtensor format only",
     "ckpt_format",
     given=lambda value, args: (
-        value not in ("torch", "torch_dist")
+        value not in ("torch", "torch_dist", "fsdp_dtensor")
         and bool(args.save or args.load or args.pretrained_checkpoint)
     ),
 )

@@ -60,6 +60,15 @@ def validate_data_parallel_strategy(args):
             "and params: optim_grads_params)",
         )
     elif args.use_megatron_fsdp:
+        if args.gradient_accumulation_fusion:
+            # Megatron-LM turns it off with a warning: the fused kernel writes a main_grad buffer
+            # that FSDP does not own.
+            warn(
+                args,
+                "Gradient accumulation fusion is not supported with Megatron-FSDP, "
+                "setting to False",
+            )
+            args.gradient_accumulation_fusion = False
         check(
             args.ckpt_format == "fsdp_dtensor",
             f"--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got {args.ckpt_format})",
@@ -78,11 +87,6 @@ def validate_data_parallel_strategy(args):
                 f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy}",
                 one_connection,
             )
-        check(
-            not (args.save or args.load or args.pretrained_checkpoint),
-            "--use-megatron-fsdp "
-            "cannot save or load checkpoints yet (--ckpt-format fsdp_dtensor is not implemented)",
-        )
         args.use_distributed_optimizer = strategy in ("optim", "optim_grads")
         check(
             strategy != "no_shard" or not args.overlap_param_gather,
@@ -169,10 +173,14 @@ def _validate_fsdp2(args, what, one_connection):
     """The limits Megatron puts on its FSDP paths, for --use-torch-fsdp2 and for
     --use-megatron-fsdp with optim_grads_params (which runs on FSDP2 here). Megatron-LM also
     asks for --untie-embeddings-and-output-weights; FSDP2 shards the tied weight as one
-    parameter here (embedding and output layer are in the same FSDP unit), so it is allowed."""
+    parameter here (embedding and output layer are in the same FSDP unit), so it is allowed.
+    Expert parallelism is Megatron-FSDP's (experts sharded over expert DP), not torch FSDP2's."""
     for ok, why in (
         (args.pipeline_model_parallel_size == 1, "pipeline parallelism"),
-        (args.expert_model_parallel_size == 1, "expert parallelism"),
+        (
+            args.expert_model_parallel_size == 1 or args.use_megatron_fsdp,
+            "expert parallelism",
+        ),
         (
             not args.gradient_accumulation_fusion,
             "gradient accumulation fusion (pass --no-gradient-accumulation-fusion)",

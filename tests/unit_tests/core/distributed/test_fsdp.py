@@ -253,6 +253,33 @@ def test_fsdp_flags_and_sharding_strategy_mapping(monkeypatch):
     assert args.use_distributed_optimizer and args.overlap_param_gather
 
 
+def test_megatron_fsdp_turns_off_grad_accumulation_fusion_and_takes_expert_parallelism(
+    monkeypatch, capsys
+):
+    # Megatron-LM warns and turns the fusion off (torch FSDP2 refuses it); expert parallelism
+    # runs with every strategy (experts sharded over expert DP under optim_grads_params).
+    for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+        args = _validate(
+            monkeypatch,
+            "--use-megatron-fsdp",
+            "--ckpt-format",
+            "fsdp_dtensor",
+            "--data-parallel-sharding-strategy",
+            strategy,
+            "--num-experts",
+            "4",
+            "--expert-model-parallel-size",
+            "2",
+        )
+        assert not args.gradient_accumulation_fusion, strategy
+        assert args.expert_model_parallel_size == 2
+    out = capsys.readouterr().out
+    assert (
+        "WARNING: Gradient accumulation fusion is not supported with Megatron-FSDP, "
+        "setting to False"
+    ) in out, out
+
+
 def test_fsdp_flag_errors_name_the_flags(monkeypatch):
     assert "--data-parallel-sharding-strategy optim needs --use-megatron-fsdp" in _error(
         monkeypatch, "--data-parallel-sharding-strategy", "optim"
@@ -264,21 +291,10 @@ def test_fsdp_flag_errors_name_the_flags(monkeypatch):
     assert "--use-torch-fsdp2 does not support pipeline parallelism" in _error(
         monkeypatch, *_FSDP2, "--pipeline-model-parallel-size", "2"
     )
-    assert (
-        "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params does not "
-        "support gradient accumulation fusion"
-    ) in _error(monkeypatch, "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor")
-    assert "--use-torch-fsdp2 does not support --fp16" in _error(monkeypatch, *_FSDP2, "--fp16")
-    assert "--use-megatron-fsdp cannot save or load checkpoints yet" in _error(
-        monkeypatch,
-        "--use-megatron-fsdp",
-        "--ckpt-format",
-        "fsdp_dtensor",
-        "--data-parallel-sharding-strategy",
-        "optim",
-        "--load",
-        "/tmp/x",
+    assert "--use-torch-fsdp2 does not support expert parallelism" in _error(
+        monkeypatch, *_FSDP2, "--num-experts", "4", "--expert-model-parallel-size", "2"
     )
+    assert "--use-torch-fsdp2 does not support --fp16" in _error(monkeypatch, *_FSDP2, "--fp16")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     import pytest
 

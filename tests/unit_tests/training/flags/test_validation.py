@@ -708,9 +708,9 @@ CASES = [
         env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
     ),
     case(
-        "megatron_fsdp_without_checkpoints",
-        MEGATRON_FSDP + ["--data-parallel-sharding-strategy", "optim", "--load", "/x"],
-        ["--use-megatron-fsdp cannot save or load checkpoints yet"],
+        "megatron_fsdp_torch_dcp_checkpoints",
+        ["--use-megatron-fsdp", "--ckpt-format", "torch_dcp", "--load", "/x"],
+        ["--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got torch_dcp)"],
     ),
     case(
         "megatron_fsdp_no_shard_has_nothing_to_gather",
