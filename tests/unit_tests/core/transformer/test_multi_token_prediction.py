@@ -180,28 +180,6 @@ def test_flops_count_mtp_as_torch_counts_them():
     assert without < counter.get_total_flops()  # MTP is counted at all
 
 
-def _roll_at_cp(rank, world_size, cp):
-    import torch.distributed as dist
-
-    from megatron.core.transformer.context_parallel import cp_chunk_indices
-
-    group = dist.new_group(list(range(world_size)))
-    full = torch.arange(1, 2 * 16 + 1).view(2, 16) * 10
-    expected, _ = roll_tensor(full.clone())
-    index = cp_chunk_indices(16 // cp, cp, rank, torch.device("cpu"))
-    rolled, total = roll_tensor(full[:, index].clone(), cp_group=group)
-    assert torch.equal(rolled, expected[:, index]), (rank, rolled, expected[:, index])
-    assert int(total) == int(expected[:, index].sum())
-
-
-def test_roll_tensor_across_context_parallel_ranks():
-    """Under CP each rank holds chunks r and 2*CP-1-r; rolled with the CP group they are the
-    chunks of the whole sequence rolled (its one 0 lands at the sequence's end only)."""
-    from tests.unit_tests.dist_utils import run_distributed
-
-    run_distributed(_roll_at_cp, 2, 2)
-
-
 def test_full_recompute_gives_the_same_gradients():
     """--recompute-granularity full --recompute-method uniform recomputes each MTP depth in
     backward: the same gradients, with the depths' activations not kept."""
