@@ -25,13 +25,9 @@ EXIT_GRACE_S = 60.0
 
 
 def _worker(rank, world_size, store_path, timeout_s, fn, args, errors, finished):
-    import torch
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    # One intra-op thread per rank, as torchrun runs get (OMP_NUM_THREADS=1): worlds of up to 8
-    # ranks share the 2 cores of the test machine, where more threads only contend.
-    torch.set_num_threads(1)
     import_torch_dynamo_before_process_groups()
     # A file store: no port to pick, so two worlds started at once cannot meet by mistake.
     dist.init_process_group(
