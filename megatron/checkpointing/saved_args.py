@@ -31,6 +31,22 @@ OLD_ARG_NAMES = {
 
 # Model-shape flags --use-checkpoint-args reads back (Megatron's list): the forced ones replace
 # the command line's value, the others fill in only flags left unset.
+# The settings of multi-latent attention's shape and positions (one name per flag).
+MLA_ARGS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rope_type",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_original_max_position_embeddings",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_correction_range_round_to_int",
+)
 _FORCED_CHECKPOINT_ARGS = (
     "num_query_groups",
     "group_query_attention",
@@ -52,19 +68,7 @@ _FORCED_CHECKPOINT_ARGS = (
     # Multi-latent attention: its shape and its positions (a server built without them would
     # not load the checkpoint, or would rotate differently).
     "multi_latent_attention",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
-    "rope_type",
-    "rotary_scaling_factor",
-    "mscale",
-    "mscale_all_dim",
-    "yarn_original_max_position_embeddings",
-    "yarn_beta_fast",
-    "yarn_beta_slow",
-    "yarn_correction_range_round_to_int",
+    *MLA_ARGS,
 )
 _UNSET_CHECKPOINT_ARGS = (
     "num_layers",

@@ -33,6 +33,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from megatron.checkpointing.errors import ConversionError
+from megatron.checkpointing.saved_args import MLA_ARGS
 
 # Fields every loader sets on the metadata Namespace (Megatron's names where Megatron has one).
 METADATA_FIELDS = (
@@ -80,22 +81,7 @@ METADATA_FIELDS = (
 
 # Multi-latent attention settings carried in ``md.mla`` (None: ordinary attention); the flag of
 # each is ``--`` + its name with dashes. ``latent_norms``: the q/kv latent norms (--qk-layernorm).
-MLA_FIELDS = (
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_head_dim",
-    "qk_pos_emb_head_dim",
-    "v_head_dim",
-    "rope_type",
-    "rotary_scaling_factor",
-    "mscale",
-    "mscale_all_dim",
-    "yarn_original_max_position_embeddings",
-    "yarn_beta_fast",
-    "yarn_beta_slow",
-    "yarn_correction_range_round_to_int",
-    "latent_norms",
-)
+MLA_FIELDS = MLA_ARGS + ("latent_norms",)
 
 # Activations the protocol knows: what the MLP computes (Megatron's fused bias-GeLU is 'gelu_tanh').
 ACTIVATIONS = ("gelu_tanh", "gelu", "silu")

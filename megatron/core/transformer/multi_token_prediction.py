@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -85,26 +86,9 @@ def roll_tensor(tensor: torch.Tensor, shifts: int = -1, dims: int = -1, cp_group
     return rolled, rolled.sum()
 
 
-class MTPLossAutoScaler(torch.autograd.Function):
-    """Identity on ``output``; in backward ``mtp_loss`` receives the gradient ``scale`` (the
-    factor the schedule gives the main loss of a micro-batch, loss scale included), so it is
-    trained as if added to the main loss. The scale travels with the call (no class state)."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, mtp_loss: torch.Tensor, scale):
-        ctx.save_for_backward(mtp_loss)
-        ctx.scale = scale
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (mtp_loss,) = ctx.saved_tensors
-        scale = ctx.scale
-        if torch.is_tensor(scale):
-            grad = torch.ones_like(mtp_loss) * scale.to(mtp_loss.dtype).reshape(())
-        else:
-            grad = torch.full_like(mtp_loss, scale)
-        return grad_output, grad, None
+# Megatron's name for the MTP losses' scaler: the same identity-with-a-gradient as the MoE
+# auxiliary losses' (the scale is the main loss's factor, passed with each call).
+MTPLossAutoScaler = MoEAuxLossAutoScaler
 
 
 class MultiTokenPredictionLayer(MegatronModule):
