@@ -13,7 +13,6 @@ is trained and torch.distributed is never initialized. Exit status: 0 when the f
 valid, 2 with ``error: <message>`` on stderr when they are not (the message a real run prints).
 """
 
-import math
 import sys
 from typing import List, Optional, Sequence, Tuple
 
@@ -151,8 +150,14 @@ def layout_lines(
     )
     per = bytes_per_parameter(args)
     # The routed experts' optimizer state is sharded over expert DP, not DP x CP.
-    experts = count.experts_on_rank(math.ceil(args.num_layers / pp))
-    state = largest * per.total + experts * (per.expert_optimizer - per.optimizer)
+    state, experts = max(
+        (
+            count.on_rank(tp, pp, rank, n) * per.total
+            + count.experts_on_rank(n, rank) * (per.expert_optimizer - per.optimizer),
+            count.experts_on_rank(n, rank),
+        )
+        for rank, n in enumerate(count.rank_layers(pp))
+    )
     experts_note = (
         f"; routed experts' optimizer state over {per.expert_shards} expert-DP ranks"
         if experts and per.expert_shards != per.shards

@@ -4,11 +4,13 @@ Two parts, the two that Megatron's report prints (weight and optimizer, activati
 
 * **weights and optimizer**: the parameters this rank holds (exact count of the local GPT layer
   spec, split by TP, PP stage, with the word embedding on the first stage and the output layer,
-  or the tied embedding's copy, on the last one) times the bytes per parameter of the precision
-  and optimizer: weights (4 fp32 / 2 fp16, bf16), gradients (4 when fp32 or with
-  ``--accumulate-allreduce-grads-in-fp32``, else 2) and optimizer state (Adam: two fp32 moments;
-  SGD: one momentum buffer, none with ``--sgd-momentum 0``; with 16-bit params also the fp32
-  master copy, and with 16-bit gradients the fp32 copy of the gradient the optimizer steps on).
+  or the tied embedding's copy, on the last one; the MoE layers of each stage by
+  ``--moe-layer-freq``; multi-latent attention and the MTP depths on the last stage included)
+  times the bytes per parameter of the precision and optimizer: weights (4 fp32 / 2 fp16,
+  bf16), gradients (4 when fp32 or with ``--accumulate-allreduce-grads-in-fp32``, else 2) and
+  optimizer state (Adam: two fp32 moments; SGD: one momentum buffer, none with
+  ``--sgd-momentum 0``; with 16-bit params also the fp32 master copy, and with 16-bit
+  gradients the fp32 copy of the gradient the optimizer steps on).
   ``--use-distributed-optimizer`` divides the optimizer state by the data-parallel x
   context-parallel size (the group the distributed optimizer shards over): fp32 16 -> 8 + 8/d,
   bf16 with fp32 grads 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d bytes per parameter. The routed
@@ -35,9 +37,13 @@ Two parts, the two that Megatron's report prints (weight and optimizer, activati
   ``--cross-entropy-loss-fusion`` the fp32 logits of one chunk of tokens instead (the chunked
   fused loss keeps no more; see ``fused_linear_cross_entropy.chunk_rows``). With
   ``--mtp-num-layers`` the last stage adds, per depth, one layer's activations, the inputs of
-  its two norms and of eh_proj (4*s*b*h elements) and a second output layer and loss. A
-  multi-latent attention layer is counted with the formula's attention terms (not its latent
-  widths), as Megatron's report does.
+  its two norms and of eh_proj (4*s*b*h elements) and a second output layer and loss (with full
+  uniform recompute, the depth's two inputs: Megatron recomputes each depth). A multi-latent
+  attention layer replaces the formula's attention terms by what it saves (its latents, the
+  rotated q and k, the kv up-projection's output, the output projection's input:
+  ``mla_attention_elements``, checked against the tensors one layer saves in
+  tests/unit_tests/training/test_theoretical_memory_mla.py); Megatron's report counts it as
+  standard attention.
 
 Micro-batches in flight: 1 without pipelining; min(PP - rank, M) for 1F1B; with the interleaved
 schedule (warm-up + 1) model-chunk micro-batches, warm-up = 2*(PP - rank - 1) + (VP - 1)*G, which
@@ -54,7 +60,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -104,6 +110,11 @@ class ParameterCount:
     """One depth's enorm, hnorm, final norm and eh_proj [h, 2h]."""
     mtp_extra_replicated: int = 0
     """The part of ``mtp_extra`` every TP rank holds whole (the norms)."""
+    layers_by_rank: Tuple[int, ...] = ()
+    """Decoder layers on each pipeline rank (all its model chunks); empty: unknown."""
+    moe_layers_by_rank: Tuple[int, ...] = ()
+    """Of ``layers_by_rank``, the MoE layers (which layers are MoE follows ``--moe-layer-freq``,
+    e.g. DeepSeek's dense first layers on the first stage); empty: assumed spread evenly."""
 
     @property
     def total(self) -> int:
@@ -133,14 +144,19 @@ class ParameterCount:
         """Parameters of one dense layer on one tensor-parallel rank."""
         return (self.per_layer - self.per_layer_replicated) // tp + self.per_layer_replicated
 
-    def experts_on_rank(self, layers: int) -> int:
-        """The routed-expert parameters among those of a rank holding ``layers`` layers (its
-        EP x ETP share of each of its MoE layers' experts)."""
-        return self._moe_layers_among(layers) * (self.moe_experts // self.expert_shards)
+    def experts_on_rank(self, layers: int, pp_rank: Optional[int] = None) -> int:
+        """The routed-expert parameters among those of pipeline rank ``pp_rank`` holding
+        ``layers`` layers (its EP x ETP share of each of its MoE layers' experts)."""
+        return self._moe_layers_among(layers, pp_rank) * (self.moe_experts // self.expert_shards)
 
-    def _moe_layers_among(self, layers: int) -> int:
-        """MoE layers among ``layers`` layers of a stage, assumed spread evenly over the stages
-        (exact with every layer MoE)."""
+    def _moe_layers_among(self, layers: int, pp_rank: Optional[int] = None) -> int:
+        """MoE layers among the ``layers`` layers of pipeline rank ``pp_rank``: exact where the
+        rank's layers are known (``moe_layers_by_rank``), else assumed spread evenly over the
+        stages (exact with every layer MoE)."""
+        known = self.moe_layers_by_rank
+        if pp_rank is not None and pp_rank < len(known):
+            if layers == self.layers_by_rank[pp_rank]:
+                return known[pp_rank]
         return round(layers * self.num_moe_layers / self.num_layers) if self.num_layers else 0
 
     def moe_layer_on_rank(self, tp: int) -> int:
@@ -152,8 +168,8 @@ class ParameterCount:
     def on_rank(self, tp: int, pp: int, pp_rank: int, layers: int) -> int:
         """Parameters on pipeline rank ``pp_rank`` holding ``layers`` layers, per TP rank. With tied
         embeddings and PP > 1 the last stage keeps its own copy of the word embedding (Megatron).
-        MoE layers are assumed spread evenly over the stages (exact with every layer MoE)."""
-        moe = self._moe_layers_among(layers)
+        Which of its layers are MoE layers: see ``_moe_layers_among``."""
+        moe = self._moe_layers_among(layers, pp_rank)
         count = (layers - moe) * self.layer_on_tp_rank(tp) + moe * self.moe_layer_on_rank(tp)
         if pp_rank == 0:
             count += self.embedding // tp + self.position_embedding
@@ -171,10 +187,16 @@ class ParameterCount:
         split = self.mtp_extra - self.mtp_extra_replicated
         return layer + split // tp + self.mtp_extra_replicated
 
+    def rank_layers(self, pp: int) -> List[int]:
+        """Layers of each pipeline rank: the flags' split where known, else an even split."""
+        if len(self.layers_by_rank) == pp:
+            return list(self.layers_by_rank)
+        return [math.ceil(self.num_layers / pp)] * pp
+
     def largest_rank(self, tp: int, pp: int) -> int:
-        """Parameters on the most loaded (tensor, pipeline) rank with an even layer split."""
-        layers = math.ceil(self.num_layers / pp)
-        return max(self.on_rank(tp, pp, rank, layers) for rank in range(pp))
+        """Parameters on the most loaded (tensor, pipeline) rank."""
+        layers = self.rank_layers(pp)
+        return max(self.on_rank(tp, pp, rank, layers[rank]) for rank in range(pp))
 
 
 def _norm_size(args, width: int) -> int:
@@ -249,11 +271,11 @@ def _add_experts(count: ParameterCount, args, hidden: int, bias: bool, attention
     shared expert (and its gate [1, h])."""
     experts = args.num_experts
     freq = args.moe_layer_freq
-    count.num_moe_layers = (
-        sum(1 for v in freq if v)
-        if isinstance(freq, (list, tuple))
-        else len(range(0, args.num_layers, freq))
-    )
+    pattern = _moe_pattern(freq, args.num_layers)
+    count.num_moe_layers = sum(pattern)
+    indices = layer_indices_by_rank(args)
+    count.layers_by_rank = tuple(len(layers) for layers in indices)
+    count.moe_layers_by_rank = tuple(sum(pattern[i] for i in layers) for layers in indices)
     moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     count.moe_experts = experts * _mlp_size(hidden, moe_ffn, args.swiglu, bias)
     router = experts * hidden
@@ -276,14 +298,44 @@ def _add_experts(count: ParameterCount, args, hidden: int, bias: bool, attention
     )
 
 
+def _moe_pattern(freq, num_layers: int) -> List[bool]:
+    """Whether each layer (0-based global index) is an MoE layer, by ``--moe-layer-freq`` (an
+    interval, or one 0/1 per layer: DeepSeek-V3's ``([0]*3+[1]*58)``)."""
+    if isinstance(freq, (list, tuple)):
+        return [bool(v) for v in freq]
+    return [i % freq == 0 for i in range(num_layers)]
+
+
+def layer_indices_by_rank(args) -> List[List[int]]:
+    """Global indices of the decoder layers on each pipeline rank (all its model chunks)."""
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if pp == 1:
+        return [list(range(args.num_layers))]
+    split = _layer_split(args)
+    return [
+        [
+            split.offset_for(rank, chunk) + i
+            for chunk in range(split.num_chunks)
+            for i in range(split.counts[rank][chunk])
+        ]
+        for rank in range(pp)
+    ]
+
+
 def layers_per_pipeline_rank(args) -> List[int]:
     """Decoder layers on each pipeline rank (all its model chunks), Megatron's split rules."""
-    from megatron.core.pipeline_parallel.layer_split import compute_layer_split
-
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     if pp == 1:
         return [args.num_layers]
-    split = compute_layer_split(
+    split = _layer_split(args)
+    return [sum(split.counts[rank]) for rank in range(pp)]
+
+
+def _layer_split(args):
+    from megatron.core.pipeline_parallel.layer_split import compute_layer_split
+
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    return compute_layer_split(
         args.num_layers,
         pp,
         getattr(args, "virtual_pipeline_model_parallel_size", None),
@@ -292,7 +344,6 @@ def layers_per_pipeline_rank(args) -> List[int]:
         bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
         bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
     )
-    return [sum(split.counts[rank]) for rank in range(pp)]
 
 
 # ----------------------------------------------------------------------------- bytes per parameter
@@ -464,10 +515,14 @@ def _backend_name(value) -> str:
 
 def attention_keeps_scores(args, device_type: str = "cuda", explicit_mask: bool = False) -> bool:
     """Whether the attention the run will take keeps its s x s scores for backward: only the
-    unfused path does. ``explicit_mask``: the model hands attention a mask tensor (BERT's and
-    T5's padding masks), which always takes SDPA; GPT builds one with --reset-attention-mask."""
+    unfused path does, and on a CPU torch's math fallback, which multi-latent attention with
+    value heads of another width takes (_mla_takes_sdpa_math). ``explicit_mask``: the model hands
+    attention a mask tensor (BERT's and T5's padding masks), which always takes SDPA; GPT builds
+    one with --reset-attention-mask."""
     if getattr(args, "context_parallel_size", 1) > 1:
         return False  # ring attention: a row statistic per query block
+    if _mla_head_dims_differ(args):
+        return _mla_takes_sdpa_math(args, device_type)
     if explicit_mask or getattr(args, "reset_attention_mask", False):
         return False
     return unfused_attention_runs(
@@ -475,6 +530,46 @@ def attention_keeps_scores(args, device_type: str = "cuda", explicit_mask: bool 
         _activation_dtype(args),
         device_type,
         args.seq_length,
+    )
+
+
+def mla_attention_elements(args, sequence_parallel: bool = False):
+    """(outside TP, inside TP before the split) elements per token that a multi-latent attention
+    layer's attention part saves for backward, as the standard formula counts QKV's 2 and 4 (h
+    wide). Outside: the input norm's input and the down projections' (shared) input; the q
+    latent (q LoRA) as q_layernorm's input and q_up_proj's; the kv latent as kv_layernorm's input
+    and kv_up_proj's. The latent is a view of kv_down's [r_kv + p] output, so that whole output
+    stays (under sequence parallelism the scattered r_kv-wide chunk instead). Inside: the
+    rotated query and key (n heads x qk_head_dim + qk_pos_emb_head_dim), kv_up_proj's output
+    n x (qk_head_dim + v_head_dim), kept whole because the value is a view of it, and the output
+    projection's input (n x v_head_dim). RoPE keeps only its cos/sin tables (no activation)."""
+    h, n = args.hidden_size, args.num_attention_heads
+    rank_q, rank_kv, pos = args.q_lora_rank, args.kv_lora_rank, args.qk_pos_emb_head_dim
+    norms = bool(getattr(args, "qk_layernorm", False))
+    outside = 2 * h
+    if rank_q:
+        outside += rank_q * (2 if norms else 1)
+    outside += (rank_kv if sequence_parallel else rank_kv + pos) + (rank_kv if norms else 0)
+    query = n * (args.qk_head_dim + pos)
+    inside = 2 * query + n * (args.qk_head_dim + args.v_head_dim) + n * args.v_head_dim
+    return outside, inside
+
+
+def _mla_head_dims_differ(args) -> bool:
+    return (
+        bool(getattr(args, "multi_latent_attention", False))
+        and args.qk_head_dim + args.qk_pos_emb_head_dim != args.v_head_dim
+    )
+
+
+def _mla_takes_sdpa_math(args, device_type: str) -> bool:
+    """Multi-latent attention whose value heads differ from its query/key heads takes SDPA
+    (dot_product_attention), mask or not: on a CPU its math fallback, which keeps the
+    probabilities; a GPU runs a kernel that keeps one statistic per query row."""
+    return (
+        _mla_head_dims_differ(args)
+        and device_type == "cpu"
+        and getattr(args, "context_parallel_size", 1) == 1
     )
 
 
@@ -496,6 +591,14 @@ def layer_activation_bytes(
     outside = (8 * scale + 2) * sbh
     inside = (8 + 4 * ffn_ratio) * scale * sbh / tp  # Q, K (4), V (2), proj input (2), MLP 4*ffn/h
     scores = (4 * scale + 1) * args.num_attention_heads * s * seq * b / tp
+    if getattr(args, "multi_latent_attention", False):
+        # Replace the standard attention's tensors (2 outside, 4 inside TP, h wide) by MLA's.
+        mla_outside, mla_inside = mla_attention_elements(args, sp)
+        outside += 2 * scale * s * b * (mla_outside - 2 * h)
+        inside += 2 * scale * s * b * (mla_inside - 4 * h) / tp
+        if _mla_takes_sdpa_math(args, device_type):
+            # torch's math fallback keeps fp32 probabilities (and their dropout) in any dtype.
+            scores = 9 * args.num_attention_heads * s * seq * b / tp
     if not attention_keeps_scores(args, device_type, explicit_mask):
         scores = 0.0
     if getattr(args, "recompute_granularity", None) == "selective":
@@ -594,10 +697,26 @@ def activation_components(
             # and its own output layer and loss, counted as the main one's.
             element = 2 if _half_precision(args) else 4
             logits = next(v for k, v in parts.items() if k.startswith("output layer"))
+            depth = per_layer.total + 4 * element * s * b * h / (tp if sp else 1)
+            if _mtp_recomputed(args):
+                # Each depth is one checkpointed chunk: it keeps its two inputs (h_{k-1} and the
+                # embedding of the shifted tokens); its activations live only while recomputed.
+                key = "recompute working set (one chunk)"
+                parts[key] = max(parts[key], depth)
+                depth = 2 * _checkpointed_input_bytes(args)
             parts["multi-token prediction (layers, eh_proj inputs, logits)"] = mtp * (
-                per_layer.total * in_flight + 4 * element * s * b * h / (tp if sp else 1) + logits
+                depth * in_flight + logits
             )
     return parts
+
+
+def _mtp_recomputed(args) -> bool:
+    """MTP depths are recomputed with full recompute and the uniform method (Megatron skips
+    them with the block method; multi_token_prediction.py)."""
+    return (
+        getattr(args, "recompute_granularity", None) == "full"
+        and getattr(args, "recompute_method", None) == "uniform"
+    )
 
 
 # ----------------------------------------------------------------------------- the report
@@ -716,7 +835,7 @@ def compute_theoretical_memory(
     return TheoreticalMemory(
         pp_rank=pp_rank,
         parameters=count.on_rank(tp, pp, pp_rank, layers),
-        expert_parameters=count.experts_on_rank(layers),
+        expert_parameters=count.experts_on_rank(layers, pp_rank),
         per_parameter=bytes_per_parameter(args),
         num_microbatches=num_microbatches,
         microbatches_in_flight=microbatches_in_flight(args, num_microbatches, pp_rank),
