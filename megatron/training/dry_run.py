@@ -153,8 +153,8 @@ def layout_lines(
     state, experts = max(
         (
             count.on_rank(tp, pp, rank, n) * per.total
-            + count.experts_on_rank(n, rank) * (per.expert_optimizer - per.optimizer),
-            count.experts_on_rank(n, rank),
+            + count.experts_on_rank(n, rank, pp) * (per.expert_optimizer - per.optimizer),
+            count.experts_on_rank(n, rank, pp),
         )
         for rank, n in enumerate(count.rank_layers(pp))
     )

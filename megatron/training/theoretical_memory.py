@@ -66,6 +66,11 @@ import torch
 
 from megatron.core.fusions.fused_linear_cross_entropy import chunk_rows
 from megatron.core.transformer.dot_product_attention import unfused_attention_runs
+from megatron.training.theoretical_memory_mla import (
+    mla_attention_elements,
+    mla_head_dims_differ,
+    mla_takes_sdpa_math,
+)
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
@@ -144,10 +149,16 @@ class ParameterCount:
         """Parameters of one dense layer on one tensor-parallel rank."""
         return (self.per_layer - self.per_layer_replicated) // tp + self.per_layer_replicated
 
-    def experts_on_rank(self, layers: int, pp_rank: Optional[int] = None) -> int:
-        """The routed-expert parameters among those of pipeline rank ``pp_rank`` holding
-        ``layers`` layers (its EP x ETP share of each of its MoE layers' experts)."""
-        return self._moe_layers_among(layers, pp_rank) * (self.moe_experts // self.expert_shards)
+    def experts_on_rank(
+        self, layers: int, pp_rank: Optional[int] = None, pp: Optional[int] = None
+    ) -> int:
+        """The routed-expert parameters among those of pipeline rank ``pp_rank`` of ``pp``
+        holding ``layers`` layers (its EP x ETP share of each of its MoE layers' experts, the
+        MoE MTP depths' on the last stage)."""
+        moe = self._moe_layers_among(layers, pp_rank)
+        if pp is not None and pp_rank == pp - 1 and self.mtp_is_moe:
+            moe += self.mtp_layers
+        return moe * (self.moe_experts // self.expert_shards)
 
     def _moe_layers_among(self, layers: int, pp_rank: Optional[int] = None) -> int:
         """MoE layers among the ``layers`` layers of pipeline rank ``pp_rank``: exact where the
@@ -516,13 +527,13 @@ def _backend_name(value) -> str:
 def attention_keeps_scores(args, device_type: str = "cuda", explicit_mask: bool = False) -> bool:
     """Whether the attention the run will take keeps its s x s scores for backward: only the
     unfused path does, and on a CPU torch's math fallback, which multi-latent attention with
-    value heads of another width takes (_mla_takes_sdpa_math). ``explicit_mask``: the model hands
+    value heads of another width takes (mla_takes_sdpa_math). ``explicit_mask``: the model hands
     attention a mask tensor (BERT's and T5's padding masks), which always takes SDPA; GPT builds
     one with --reset-attention-mask."""
     if getattr(args, "context_parallel_size", 1) > 1:
         return False  # ring attention: a row statistic per query block
-    if _mla_head_dims_differ(args):
-        return _mla_takes_sdpa_math(args, device_type)
+    if mla_head_dims_differ(args):
+        return mla_takes_sdpa_math(args, device_type)
     if explicit_mask or getattr(args, "reset_attention_mask", False):
         return False
     return unfused_attention_runs(
@@ -530,46 +541,6 @@ def attention_keeps_scores(args, device_type: str = "cuda", explicit_mask: bool 
         _activation_dtype(args),
         device_type,
         args.seq_length,
-    )
-
-
-def mla_attention_elements(args, sequence_parallel: bool = False):
-    """(outside TP, inside TP before the split) elements per token that a multi-latent attention
-    layer's attention part saves for backward, as the standard formula counts QKV's 2 and 4 (h
-    wide). Outside: the input norm's input and the down projections' (shared) input; the q
-    latent (q LoRA) as q_layernorm's input and q_up_proj's; the kv latent as kv_layernorm's input
-    and kv_up_proj's. The latent is a view of kv_down's [r_kv + p] output, so that whole output
-    stays (under sequence parallelism the scattered r_kv-wide chunk instead). Inside: the
-    rotated query and key (n heads x qk_head_dim + qk_pos_emb_head_dim), kv_up_proj's output
-    n x (qk_head_dim + v_head_dim), kept whole because the value is a view of it, and the output
-    projection's input (n x v_head_dim). RoPE keeps only its cos/sin tables (no activation)."""
-    h, n = args.hidden_size, args.num_attention_heads
-    rank_q, rank_kv, pos = args.q_lora_rank, args.kv_lora_rank, args.qk_pos_emb_head_dim
-    norms = bool(getattr(args, "qk_layernorm", False))
-    outside = 2 * h
-    if rank_q:
-        outside += rank_q * (2 if norms else 1)
-    outside += (rank_kv if sequence_parallel else rank_kv + pos) + (rank_kv if norms else 0)
-    query = n * (args.qk_head_dim + pos)
-    inside = 2 * query + n * (args.qk_head_dim + args.v_head_dim) + n * args.v_head_dim
-    return outside, inside
-
-
-def _mla_head_dims_differ(args) -> bool:
-    return (
-        bool(getattr(args, "multi_latent_attention", False))
-        and args.qk_head_dim + args.qk_pos_emb_head_dim != args.v_head_dim
-    )
-
-
-def _mla_takes_sdpa_math(args, device_type: str) -> bool:
-    """Multi-latent attention whose value heads differ from its query/key heads takes SDPA
-    (dot_product_attention), mask or not: on a CPU its math fallback, which keeps the
-    probabilities; a GPU runs a kernel that keeps one statistic per query row."""
-    return (
-        _mla_head_dims_differ(args)
-        and device_type == "cpu"
-        and getattr(args, "context_parallel_size", 1) == 1
     )
 
 
@@ -596,7 +567,7 @@ def layer_activation_bytes(
         mla_outside, mla_inside = mla_attention_elements(args, sp)
         outside += 2 * scale * s * b * (mla_outside - 2 * h)
         inside += 2 * scale * s * b * (mla_inside - 4 * h) / tp
-        if _mla_takes_sdpa_math(args, device_type):
+        if mla_takes_sdpa_math(args, device_type):
             # torch's math fallback keeps fp32 probabilities (and their dropout) in any dtype.
             scores = 9 * args.num_attention_heads * s * seq * b / tp
     if not attention_keeps_scores(args, device_type, explicit_mask):
@@ -835,7 +806,7 @@ def compute_theoretical_memory(
     return TheoreticalMemory(
         pp_rank=pp_rank,
         parameters=count.on_rank(tp, pp, pp_rank, layers),
-        expert_parameters=count.experts_on_rank(layers, pp_rank),
+        expert_parameters=count.experts_on_rank(layers, pp_rank, pp),
         per_parameter=bytes_per_parameter(args),
         num_microbatches=num_microbatches,
         microbatches_in_flight=microbatches_in_flight(args, num_microbatches, pp_rank),

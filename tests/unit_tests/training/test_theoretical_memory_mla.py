@@ -8,12 +8,16 @@ models: multi-latent attention (MLA), multi-token prediction (MTP) and the dense
   hold different numbers of MoE layers, which an even spread would get wrong.
 * Activations: the bytes one MLA layer's attention part (input norm + self_attention) saves for
   backward, measured with saved_tensors_hooks (distinct storages, parameters excluded), against
-  ``mla_attention_elements`` x element size. A saved storage is attributed to the formula when it
-  is a tensor the layer's modules pass around (an input or output of one of its modules); what a
-  kernel keeps of its own (a norm's rstd and fp32 intermediates, RoPE's cos/sin tables, SDPA's
-  row statistics or copies) is not in the formula, as in Megatron's, and is reported by the test
-  (see MEASURED in the report). The bar: the same measurement of a standard-attention layer
-  equals the standard formula's attention terms exactly, so MLA's must too (tolerance 0).
+  ``theoretical_memory_mla.mla_attention_elements`` x element size, float32 and bf16, with and
+  without q LoRA, with selective recompute (the only way q/k/v are kept as themselves when the
+  value heads are narrower: CPU's SDPA math fallback keeps copies) and without (equal widths). A
+  saved storage is attributed to the formula when it is a tensor the layer's modules pass around
+  (an input or output of one of its modules); what a kernel keeps of its own (a norm's rstd and
+  fp32 intermediates, RoPE's cos/sin tables, SDPA's row statistics, the unfused path's
+  probabilities, which the score term counts) is not in the formula, as in Megatron's. Tolerance
+  0: the same measurement of a standard-attention layer equals the standard formula's attention
+  terms exactly (the bar), and so must MLA's. Full recompute of an MLA block keeps the layer
+  inputs only; the MTP depth on the last stage counts an MLA layer.
 """
 
 import contextlib
@@ -26,8 +30,8 @@ from megatron.training.theoretical_memory import (
     activation_components,
     compute_theoretical_memory,
     layer_activation_bytes,
-    mla_attention_elements,
 )
+from megatron.training.theoretical_memory_mla import mla_attention_elements
 from tests.harness.argv import megatron_argv
 from tests.unit_tests.tiny_configs import validated_args
 
@@ -96,22 +100,27 @@ def _stage_parameters(args, pp_rank, layers, offset):
         mtp_block_spec=mtp_layer_spec(spec) if post else None,
     )
     moe = sum(1 for layer in model.decoder.layers if hasattr(layer.mlp, "router"))
-    return sum(p.numel() for p in model.parameters()), moe
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return sum(p.numel() for p in model.parameters()), experts, moe
 
 
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "full_q"])
 def test_parameters_per_stage_equal_the_built_stages(pp, q_lora):
     """Each stage's count (MLA layers, dense first layer then MoE layers with a shared expert,
-    the MoE MTP depth and the word-embedding copy on the last stage) is the built stage's."""
+    the MoE MTP depth and the word-embedding copy on the last stage) and its routed-expert part
+    are the built stage's."""
     argv = BASE + MLA + (Q_LORA if q_lora else []) + MOE + MTP
     args = make_args(argv + ["--pipeline-model-parallel-size", str(pp)], world_size=pp)
     offset, moe_by_stage = 0, []
     for rank in range(pp):
         report = compute_theoretical_memory(args, pp_rank=rank)
         layers = 4 // pp
-        built, moe = _stage_parameters(args, rank, layers, offset)
+        built, experts, moe = _stage_parameters(args, rank, layers, offset)
         assert report.parameters == built, (rank, report.parameters, built)
+        # The routed experts (the MTP depth's included), whose optimizer state is sharded
+        # over expert data parallel.
+        assert report.expert_parameters == experts, (rank, report.expert_parameters, experts)
         moe_by_stage.append(moe)
         offset += layers
     assert moe_by_stage == ([3] if pp == 1 else [1, 2])
@@ -175,7 +184,7 @@ def _formula_attention_bytes(args):
     return element * S * B * (outside + inside)
 
 
-# (extra flags, modelled bytes, kernel bytes) of the measurement: the report's MEASURED table.
+# The flags of each measured case (on top of BASE and RMSNorm).
 CASES = {
     "standard fp32": [],
     "standard bf16 LayerNorm": ["--bf16", "--normalization", "LayerNorm"],
