@@ -127,16 +127,10 @@ def test_parameters_per_stage_equal_the_built_stages(pp, q_lora):
 
 
 # ----------------------------------------------------------------------------- activations
-def _attention_block_saved(args):
-    """(bytes of the formula-modelled tensors, bytes kept by kernels) that one layer's attention
-    part (input_layernorm and self_attention) saves for backward in one forward."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.training.configs import core_transformer_config_from_args
-
-    config = core_transformer_config_from_args(args)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    layer = TransformerBlock(config, spec, post_layer_norm=False).layers[0].train()
+def _saved_bytes(module, inputs, counted):
+    """(bytes of the formula-modelled tensors, bytes kept by kernels) that ``module(*inputs)``
+    saves for backward in one forward, of what the submodules whose names pass ``counted`` (the
+    module's own ops: "") save. Modelled: a tensor some submodule takes or gives."""
     stack, passed, saved = [], set(), {}
 
     def tensors(values):
@@ -152,25 +146,43 @@ def _attention_block_saved(args):
         stack.pop()
         tensors(output)
 
-    for name, module in layer.named_modules():
-        module.register_forward_pre_hook(lambda m, i, name=name: enter(m, i, name))
-        module.register_forward_hook(leave)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    for name, sub in module.named_modules():
+        sub.register_forward_pre_hook(lambda m, i, name=name: enter(m, i, name))
+        sub.register_forward_hook(leave)
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
 
     def pack(tensor):
         ptr = tensor.untyped_storage().data_ptr()
-        where = stack[-1] if stack else ""
-        attention = where.startswith(("input_layernorm", "self_attention"))
-        if attention and ptr not in params and ptr not in saved:
+        if counted(stack[-1] if stack else "") and ptr not in params and ptr not in saved:
             saved[ptr] = tensor.untyped_storage().nbytes()
         return tensor
 
-    x = torch.randn(S, B, H, dtype=config.params_dtype, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, _ = layer(x)
+        out = module(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
     out.float().sum().backward()  # the graph is whole
     modelled = sum(n for ptr, n in saved.items() if ptr in passed)
     return modelled, sum(saved.values()) - modelled
+
+
+def _layer_spec_and_config(args):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.training.configs import core_transformer_config_from_args
+
+    config = core_transformer_config_from_args(args)
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False), config
+
+
+def _attention_block_saved(args):
+    """_saved_bytes of one layer's attention part (input_layernorm and self_attention)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    spec, config = _layer_spec_and_config(args)
+    layer = TransformerBlock(config, spec, post_layer_norm=False).layers[0].train()
+    x = torch.randn(S, B, H, dtype=config.params_dtype, requires_grad=True)
+    return _saved_bytes(
+        layer, (x,), lambda name: name.startswith(("input_layernorm", "self_attention"))
+    )
 
 
 def _formula_attention_bytes(args):
@@ -301,3 +313,27 @@ def test_mtp_depth_counts_an_mla_layer_and_its_recompute():
     recomputed = activation_components(make_args(argv + full + ["--recompute-num-layers", "1"]))
     assert recomputed[key] == 2 * 2 * S * B * H + logits
     assert recomputed["recompute working set (one chunk)"] == layer + 4 * 2 * S * B * H
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16", "--normalization", "LayerNorm"]])
+def test_mtp_depth_saves_its_norm_and_eh_proj_inputs(precision):
+    """One MTP depth, around its transformer layer (measured above) and its final norm (in the
+    output layer's term): enorm's and hnorm's inputs and eh_proj's [s, b, 2h] input, the 4h
+    elements per token that the formula adds."""
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionLayer,
+        mtp_layer_spec,
+    )
+
+    args = make_args(BASE + ["--normalization", "RMSNorm"] + MLA + Q_LORA + MTP + precision)
+    spec, config = _layer_spec_and_config(args)
+    depth = MultiTokenPredictionLayer(config, mtp_layer_spec(spec), depth=1).train()
+    hidden, embedded = (
+        torch.randn(S, B, H, dtype=config.params_dtype, requires_grad=True) for _ in "he"
+    )
+    modelled, _ = _saved_bytes(
+        depth,
+        (hidden, embedded),
+        lambda name: not name.startswith(("transformer_layer", "final_layernorm")),
+    )
+    assert modelled == 4 * H * S * B * (2 if args.bf16 else 4)
