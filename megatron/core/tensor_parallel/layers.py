@@ -89,10 +89,12 @@ def accumulate_weight_grad(
     Megatron's fused wgrad kernel does). Elsewhere, or where this torch's CUDA addmm refuses an
     fp32 addend (its checks run on the host before any launch; remembered on the weight), the
     product is computed in the operands' dtype and added, which is exactly the sum autograd and
-    DDP's hook would form."""
+    DDP's hook would form. Under torch.compile (--compile-transformer-layers) the second form is
+    used: dynamo's fake tensors reject addmm's ``out_dtype`` (torch 2.11 on an H200)."""
     main_grad = weight.main_grad
     if (
         main_grad.is_cuda
+        and not torch.compiler.is_compiling()
         and main_grad.dtype == torch.float32
         and grad_output_2d.dtype in (torch.bfloat16, torch.float16)
         and getattr(weight, "mixed_dtype_addmm", True)

@@ -119,6 +119,28 @@ def test_ddp_calls_no_hook_for_fused_weights_and_gets_the_same_main_grads(overla
         assert launched_on == launched_off and all(launched_on)
 
 
+def test_the_accumulation_traces_into_one_compiled_graph():
+    """--compile-transformer-layers compiles the linear layers' backward too: the add into
+    ``main_grad`` must trace with no graph break (on an H200 the mixed-dtype addmm's ``out_dtype``
+    failed under dynamo's fake tensors, so compiled code takes the plain add) and give eager's
+    gradient. 'aot_eager' traces forward and backward as inductor would, without code generation."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    weight.main_grad = torch.zeros_like(weight)
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def loss(x):
+        return LinearWithGradAccumulation.apply(x, weight.detach(), None, (weight,)).sin().sum()
+
+    loss(x).backward()
+    eager = weight.main_grad.clone()
+    weight.main_grad.zero_()
+    torch._dynamo.reset()
+    torch.compile(loss, backend="aot_eager", fullgraph=True)(x).backward()
+    assert torch.equal(weight.main_grad, eager)
+    assert weight.grad is None
+
+
 def test_without_a_main_grad_the_layer_takes_the_plain_path():
     plain, fused = _mlp(False, torch.float32), _mlp(True, torch.float32)
     x = torch.randn(3, 16)
