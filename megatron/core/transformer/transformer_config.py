@@ -412,7 +412,13 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
 
     def _validate_experimental_attention(self):
         """Megatron's rules for ``experimental_attention_variant='gated_delta_net'`` (the only
-        variant here): a layer pattern, value heads a multiple of key heads."""
+        variant here): a layer pattern, value heads a multiple of key heads; the attention
+        output gate exists for SelfAttention only."""
+        if self.attention_output_gate and self.multi_latent_attention:
+            raise ValueError(
+                "attention_output_gate (--attention-output-gate) is not supported with "
+                "multi-latent attention here"
+            )
         variant = self.experimental_attention_variant
         if variant is None:
             if self.linear_attention_freq is not None:

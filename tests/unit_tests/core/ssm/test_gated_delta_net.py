@@ -209,6 +209,7 @@ def test_layer_pattern_and_spec_selection():
         (dict(linear_attention_freq=[1, 2, 0]), "entries must be 0 or 1"),
         (dict(linear_num_value_heads=3), "must be a multiple of linear_num_key_heads"),
         (dict(experimental_attention_variant="dsa"), "experimental_attention_variant='dsa'"),
+        (dict(multi_latent_attention=True), "attention_output_gate .* multi-latent attention"),
         (
             dict(experimental_attention_variant=None),
             "linear_attention_freq .* needs experimental_attention_variant",
