@@ -4,7 +4,8 @@
 zero-centred norms, an MoE with a gated shared expert in every layer), shrunk, trained under
 TP=2 with sequence parallelism x PP=2 (4 processes) equals the one-process run over 10
 iterations (loss 1e-6, grad norm 1e-5, relative; no dropout, whose masks differ between
-layouts), and its torch_dist checkpoint is keyed layer by layer."""
+layouts), and its torch_dist checkpoint is keyed layer by layer with the input norms fused
+(``self_attention.in_proj.layer_norm_weight`` in a gated delta net layer)."""
 
 from tests.functional_tests.runner import TINY_MODEL, assert_same_training, train_metrics
 
@@ -60,7 +61,10 @@ def test_tp2_sp_pp2_equals_one_process(tmp_path):
         print(f"gated delta net TP2+SP x PP2 vs one process: {name} relative {worst:.2e}")
     assert_same_training(got, reference, range(1, 11))
     metadata = (ckpt / "iter_0000010" / ".metadata").read_bytes()
+    # Layer by layer, the input norms fused as Megatron's Transformer Engine spec names them.
     for key in (
+        b"decoder.layers.0.self_attention.in_proj.layer_norm_weight",
+        b"decoder.layers.1.self_attention.linear_qkv.layer_norm_weight",
         b"decoder.layers.0.self_attention.in_proj.weight",
         b"decoder.layers.0.self_attention.conv1d.weight",
         b"decoder.layers.2.self_attention.A_log",
