@@ -1,5 +1,5 @@
 """GPT models with gated delta net layers <-> Hugging Face ``Qwen3NextForCausalLM`` state dicts
-(TP=1, PP=1, dense MLPs).
+(TP=1, PP=1; dense MLPs or Qwen3-Next's mixture of experts).
 
 Megatron's model is the one ``--experimental-attention-variant gated_delta_net
 --linear-attention-freq ... --attention-output-gate --qk-layernorm --apply-layernorm-1p
@@ -23,7 +23,14 @@ unchanged). Names, ours <-> transformers' (``model.`` prefix):
   ``v_proj``; ``linear_proj`` <-> ``o_proj``; ``q_layernorm``/``k_layernorm`` <->
   ``q_norm``/``k_norm``.
 
-Mixture-of-experts layers are not converted (ConversionError).
+* a mixture-of-experts layer (``--num-experts``, ``--moe-shared-expert-gate``; the local
+  experts, not grouped GEMM): ``mlp.router.weight`` <-> ``mlp.gate.weight``,
+  ``mlp.experts.local_experts.<e>.linear_fc1`` [gate; up] <-> ``mlp.experts.gate_up_proj[e]``,
+  ``...linear_fc2`` <-> ``mlp.experts.down_proj[e]``, ``mlp.shared_experts.linear_fc1``
+  [gate; up] <-> ``mlp.shared_expert.{gate,up}_proj``, ``linear_fc2`` <-> ``down_proj``,
+  ``mlp.shared_experts.gate_weight`` <-> ``mlp.shared_expert_gate.weight``. Qwen3-Next's router
+  (softmax over all experts, top-k, renormalized) equals Megatron's default (top-k of the
+  logits, softmax over them).
 """
 
 from __future__ import annotations
@@ -110,14 +117,52 @@ def _qkv_to_hf(qkv: torch.Tensor, shape: Shape):
     )
 
 
+def _moe_from_hf(hf: Tensors, src: str, dst: str) -> Tensors:
+    out = {dst + "router.weight": hf[src + "gate.weight"]}
+    for e, (fc1, fc2) in enumerate(
+        zip(hf[src + "experts.gate_up_proj"], hf[src + "experts.down_proj"])
+    ):
+        out[f"{dst}experts.local_experts.{e}.linear_fc1.weight"] = fc1
+        out[f"{dst}experts.local_experts.{e}.linear_fc2.weight"] = fc2
+    if src + "shared_expert.gate_proj.weight" in hf:
+        shared = src + "shared_expert."
+        out[dst + "shared_experts.linear_fc1.weight"] = torch.cat(
+            [hf[shared + "gate_proj.weight"], hf[shared + "up_proj.weight"]]
+        )
+        out[dst + "shared_experts.linear_fc2.weight"] = hf[shared + "down_proj.weight"]
+        out[dst + "shared_experts.gate_weight"] = hf[src + "shared_expert_gate.weight"]
+    return out
+
+
+def _moe_to_hf(ours: Tensors, src: str, dst: str) -> Tensors:
+    out = {dst + "gate.weight": ours[src + "router.weight"]}
+    experts = ours[src + "router.weight"].shape[0]
+    local = src + "experts.local_experts."
+    out[dst + "experts.gate_up_proj"] = torch.stack(
+        [ours[f"{local}{e}.linear_fc1.weight"] for e in range(experts)]
+    )
+    out[dst + "experts.down_proj"] = torch.stack(
+        [ours[f"{local}{e}.linear_fc2.weight"] for e in range(experts)]
+    )
+    if src + "shared_experts.linear_fc1.weight" in ours:
+        if src + "shared_experts.gate_weight" not in ours:
+            raise ConversionError(
+                "Qwen3-Next's shared expert is gated: the model needs --moe-shared-expert-gate"
+            )
+        gate, up = torch.chunk(ours[src + "shared_experts.linear_fc1.weight"], 2, dim=0)
+        out[dst + "shared_expert.gate_proj.weight"] = gate
+        out[dst + "shared_expert.up_proj.weight"] = up
+        out[dst + "shared_expert.down_proj.weight"] = ours[src + "shared_experts.linear_fc2.weight"]
+        out[dst + "shared_expert_gate.weight"] = ours[src + "shared_experts.gate_weight"]
+    return out
+
+
 _SAME_GDN = ("conv1d.weight", "dt_bias", "A_log", "out_proj.weight")
 
 
 def megatron_from_hf(hf: Tensors, shape: Shape) -> Tensors:
     """transformers' ``Qwen3NextForCausalLM`` state dict -> ours."""
     hf = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in hf.items()}
-    if any(".mlp.experts." in k or ".mlp.gate.weight" in k for k in hf):
-        raise ConversionError("Qwen3-Next mixture-of-experts layers are not converted here")
     out = {
         "embedding.word_embeddings.weight": hf["embed_tokens.weight"],
         "decoder.final_layernorm.weight": hf["norm.weight"],
@@ -127,10 +172,13 @@ def megatron_from_hf(hf: Tensors, shape: Shape) -> Tensors:
         src, dst = f"layers.{i}.", f"decoder.layers.{i}."
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
-        )
-        out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
+        if src + "mlp.gate.weight" in hf:
+            out.update(_moe_from_hf(hf, src + "mlp.", dst + "mlp."))
+        else:
+            out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
+            )
+            out[dst + "mlp.linear_fc2.weight"] = hf[src + "mlp.down_proj.weight"]
         if linear:
             la, sa = src + "linear_attn.", dst + "self_attention."
             out[sa + "in_proj.weight"] = _in_proj_from_hf(
@@ -153,8 +201,10 @@ def megatron_from_hf(hf: Tensors, shape: Shape) -> Tensors:
 
 def hf_from_megatron(ours: Tensors, shape: Shape) -> Tensors:
     """Ours -> transformers' ``Qwen3NextForCausalLM`` state dict."""
-    if any(".mlp.experts." in k or ".mlp.router." in k for k in ours):
-        raise ConversionError("mixture-of-experts layers are not converted to Qwen3-Next here")
+    if any(".mlp.experts.linear_fc" in k for k in ours):
+        raise ConversionError(
+            "grouped-GEMM experts (--moe-grouped-gemm) are not converted to Qwen3-Next here"
+        )
     out = {
         "model.embed_tokens.weight": ours["embedding.word_embeddings.weight"],
         "model.norm.weight": ours["decoder.final_layernorm.weight"],
@@ -164,10 +214,13 @@ def hf_from_megatron(ours: Tensors, shape: Shape) -> Tensors:
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         out[dst + "input_layernorm.weight"] = ours[src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = ours[src + "pre_mlp_layernorm.weight"]
-        gate, up = torch.chunk(ours[src + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[dst + "mlp.gate_proj.weight"] = gate
-        out[dst + "mlp.up_proj.weight"] = up
-        out[dst + "mlp.down_proj.weight"] = ours[src + "mlp.linear_fc2.weight"]
+        if src + "mlp.router.weight" in ours:
+            out.update(_moe_to_hf(ours, src + "mlp.", dst + "mlp."))
+        else:
+            gate, up = torch.chunk(ours[src + "mlp.linear_fc1.weight"], 2, dim=0)
+            out[dst + "mlp.gate_proj.weight"] = gate
+            out[dst + "mlp.up_proj.weight"] = up
+            out[dst + "mlp.down_proj.weight"] = ours[src + "mlp.linear_fc2.weight"]
         sa = src + "self_attention."
         if linear:
             la = dst + "linear_attn."

@@ -3,8 +3,9 @@ model, against transformers' ``Qwen3NextForCausalLM``.
 
 * Logits within 1e-4 of ``Qwen3NextForCausalLM`` on the same weights (float32; three layers:
   gated delta net, gated softmax attention with QK norms and partial RoPE, gated delta net;
-  dense SwiGLU MLPs, since ``num_experts=0`` gives Qwen3-Next dense MLPs in every layer; our scan
-  in chunks of 4 over 11 tokens, transformers' in one chunk of 64). The weights are converted by
+  dense SwiGLU MLPs (``num_experts=0`` gives Qwen3-Next dense MLPs in every layer), or its
+  mixture of experts with a gated shared expert in every layer; our scan in chunks of 4 over 11
+  tokens, transformers' in one chunk of 64). The weights are converted by
   tools/checkpoint/hf_qwen3_next.py, whose round trip returns every tensor bit for bit.
 * Generation with the conv and recurrent states (and the attention layer's KV cache) equals full
   recompute, token for token; a prompt then single tokens equals one pass.
@@ -48,8 +49,26 @@ LINEAR = dict(
 SHAPE = Shape(PATTERN, HEADS, GROUPS, HEAD_DIM, 2, 4, 8, 8)
 
 
-def hf_model():
+HF_MOE = dict(
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    norm_topk_prob=True,
+)
+OUR_MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+    moe_shared_expert_intermediate_size=24,
+    moe_shared_expert_gate=True,
+    moe_router_load_balancing_type="none",
+)
+
+
+def hf_model(moe=False):
     torch.manual_seed(0)
+    mlp = HF_MOE if moe else dict(num_experts=0)  # num_experts=0: a dense MLP in every layer
     config = Qwen3NextConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -59,7 +78,7 @@ def hf_model():
         num_key_value_heads=GROUPS,
         head_dim=HEAD_DIM,
         layer_types=["linear_attention" if p else "full_attention" for p in PATTERN],
-        num_experts=0,  # a dense MLP in every layer
+        **mlp,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -72,7 +91,7 @@ def hf_model():
     model = Qwen3NextForCausalLM(config).eval()
     with torch.no_grad():  # move the norms, dt_bias and A_log off their initial values
         for name, param in model.named_parameters():
-            if name.endswith(("norm.weight", "dt_bias", "A_log")):
+            if name.endswith(("norm.weight", "dt_bias", "A_log", "mlp.gate.weight")):
                 param.add_(0.3 * torch.randn_like(param))
     return model
 
@@ -121,9 +140,10 @@ def our_model(chunk_size=4, **overrides):
     return model
 
 
-def test_logits_match_transformers_qwen3_next():
-    hf = hf_model()
-    ours = our_model()
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_logits_match_transformers_qwen3_next(moe):
+    hf = hf_model(moe)
+    ours = our_model(**(OUR_MOE if moe else {}))
     ours.load_state_dict(megatron_from_hf(hf.state_dict(), SHAPE), strict=True)
     tokens = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -134,13 +154,14 @@ def test_logits_match_transformers_qwen3_next():
     assert want.std() > 0.1  # not a vacuous comparison
 
 
-def test_conversion_round_trips_bit_for_bit():
-    hf_state = hf_model().state_dict()
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_conversion_round_trips_bit_for_bit(moe):
+    hf_state = hf_model(moe).state_dict()
     back = hf_from_megatron(megatron_from_hf(hf_state, SHAPE), SHAPE)
     assert sorted(back) == sorted(hf_state)
     for name, tensor in hf_state.items():
         assert torch.equal(back[name], tensor), name
-    ours = our_model().state_dict()
+    ours = our_model(**(OUR_MOE if moe else {})).state_dict()
     with torch.no_grad():  # out_norm weights (multiples of 1/8) that survive (w + 1) - 1 exactly
         for name, tensor in ours.items():
             if name.endswith("out_norm.weight"):
