@@ -27,6 +27,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from megatron.core.transformer.config_rules import linear_attention_pattern
+
 # Dense bf16 peak TFLOP/s per GPU (no sparsity), used for MFU when the device is recognised.
 _PEAK_BF16_TFLOPS = {
     "H100": 989.0,
@@ -64,6 +66,15 @@ def num_floating_point_operations(args, batch_size: int) -> float:
         attention = mla_attention_macs(args) / (2.0 * h * h)
     else:
         attention = (1 + groups / heads + s / h) * query_ratio
+        if getattr(args, "attention_output_gate", False):
+            attention += 0.5 * query_ratio  # the gates' share of linear_qkv
+    linear_layers = _num_linear_attention_layers(args)
+    if linear_layers:
+        # Gated delta net layers replace softmax attention in some layers (Megatron's count).
+        attention = (
+            (args.num_layers - linear_layers) * attention
+            + linear_layers * gated_delta_net_macs(args) / (2.0 * h * h)
+        ) / args.num_layers
     return (
         12.0
         * batch_size
@@ -91,6 +102,28 @@ def mla_attention_macs(args) -> float:
     kv = h * (args.kv_lora_rank + args.qk_pos_emb_head_dim)
     kv += args.kv_lora_rank * a * (args.qk_head_dim + dv)
     return float(q + kv + s * a * (dq + dv) + a * dv * h)
+
+
+def gated_delta_net_macs(args) -> float:
+    """Multiply-adds per token of one gated delta net layer's forward, as Megatron counts them:
+    in_proj, conv1d, the delta rule (4 products of the value-head size squared per head),
+    out_proj."""
+    h = args.hidden_size
+    qk = args.linear_key_head_dim * args.linear_num_key_heads
+    v = args.linear_value_head_dim * args.linear_num_value_heads
+    nv = args.linear_num_value_heads
+    return float(
+        h * (2 * qk + 2 * v + 2 * nv)
+        + args.linear_conv_kernel_dim * (2 * qk + v)
+        + 4 * nv * args.linear_value_head_dim**2
+        + h * v
+    )
+
+
+def _num_linear_attention_layers(args) -> int:
+    if getattr(args, "experimental_attention_variant", None) != "gated_delta_net":
+        return 0
+    return sum(linear_attention_pattern(args.linear_attention_freq, args.num_layers))
 
 
 def _num_moe_layers(args) -> int:

@@ -65,6 +65,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.fusions.fused_linear_cross_entropy import chunk_rows
+from megatron.core.transformer.config_rules import linear_attention_pattern
 from megatron.core.transformer.dot_product_attention import unfused_attention_runs
 from megatron.training.theoretical_memory_mla import (
     mla_attention_elements,
@@ -120,6 +121,12 @@ class ParameterCount:
     moe_layers_by_rank: Tuple[int, ...] = ()
     """Of ``layers_by_rank``, the MoE layers (which layers are MoE follows ``--moe-layer-freq``,
     e.g. DeepSeek's dense first layers on the first stage); empty: assumed spread evenly."""
+    num_linear_layers: int = 0
+    """Gated delta net layers (``--linear-attention-freq``): their attention differs."""
+    linear_delta: int = 0
+    """A gated delta net layer's parameters minus a softmax-attention layer's (``per_layer``)."""
+    linear_delta_replicated: int = 0
+    """The part of ``linear_delta`` every TP rank holds whole (out_norm minus the QK norms)."""
 
     @property
     def total(self) -> int:
@@ -128,6 +135,7 @@ class ParameterCount:
             + self.position_embedding
             + (self.num_layers - self.num_moe_layers) * self.per_layer
             + self.num_moe_layers * self.moe_layer
+            + self.num_linear_layers * self.linear_delta
             + self.final_norm
             + self.output_layer
             + self.mtp_total
@@ -182,6 +190,10 @@ class ParameterCount:
         Which of its layers are MoE layers: see ``_moe_layers_among``."""
         moe = self._moe_layers_among(layers, pp_rank)
         count = (layers - moe) * self.layer_on_tp_rank(tp) + moe * self.moe_layer_on_rank(tp)
+        if self.num_linear_layers:  # assumed spread evenly over the stages, as MoE layers
+            linear = round(layers * self.num_linear_layers / self.num_layers)
+            split = self.linear_delta - self.linear_delta_replicated
+            count += linear * (split // tp + self.linear_delta_replicated)
         if pp_rank == 0:
             count += self.embedding // tp + self.position_embedding
         if pp_rank == pp - 1:
@@ -225,7 +237,9 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
     norms = 2 * _norm_size(args, hidden)
     if args.qk_layernorm:
         norms += 2 * _norm_size(args, args.kv_channels)
-    qkv = hidden * (query_width + 2 * kv_width) + (query_width + 2 * kv_width if qkv_bias else 0)
+    # With --attention-output-gate linear_qkv also computes a gate per query channel.
+    q_rows = 2 * query_width if getattr(args, "attention_output_gate", False) else query_width
+    qkv = hidden * (q_rows + 2 * kv_width) + (q_rows + 2 * kv_width if qkv_bias else 0)
     proj = query_width * hidden
     if getattr(args, "multi_latent_attention", False):
         qkv, proj, norms = _mla_sizes(args)
@@ -245,6 +259,10 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
     )
     if getattr(args, "num_experts", None):
         _add_experts(count, args, hidden, bias, qkv + proj + norms)
+    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
+        qk_norms = 2 * _norm_size(args, args.kv_channels) if args.qk_layernorm else 0
+        # linear_proj's bias is replicated; the gated delta net's projections have no biases.
+        _add_gated_delta_net(count, args, qkv + proj, qk_norms + (hidden if bias else 0))
     if getattr(args, "mtp_num_layers", None):
         count.mtp_layers = args.mtp_num_layers
         freq = getattr(args, "moe_layer_freq", 1)
@@ -255,6 +273,26 @@ def count_parameters(args, padded_vocab_size: Optional[int]) -> ParameterCount:
         count.mtp_extra_replicated = 3 * _norm_size(args, hidden)
         count.mtp_extra = count.mtp_extra_replicated + 2 * hidden * hidden
     return count
+
+
+def _add_gated_delta_net(count: ParameterCount, args, softmax_split: int, softmax_replicated: int):
+    """Gated delta net layers: in_proj [q, k, v, z, beta, alpha], conv1d, dt_bias, A_log (all
+    split over TP), out_norm over a value head (replicated), out_proj (no biases), in place of a
+    softmax-attention layer's linear_qkv and linear_proj (``softmax_split``), QK norms and
+    linear_proj bias (``softmax_replicated``)."""
+    hidden = args.hidden_size
+    qk = args.linear_key_head_dim * args.linear_num_key_heads
+    v = args.linear_value_head_dim * args.linear_num_value_heads
+    nv = args.linear_num_value_heads
+    split = hidden * (2 * qk + 2 * v + 2 * nv) + args.linear_conv_kernel_dim * (2 * qk + v)
+    split += 2 * nv + v * hidden
+    out_norm = _norm_size(args, args.linear_value_head_dim)
+    count.num_linear_layers = sum(
+        linear_attention_pattern(args.linear_attention_freq, args.num_layers)
+    )
+    replicated = out_norm - softmax_replicated
+    count.linear_delta = split - softmax_split + replicated
+    count.linear_delta_replicated = replicated
 
 
 def _mla_sizes(args):

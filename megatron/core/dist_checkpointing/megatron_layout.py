@@ -106,6 +106,17 @@ LAYER_RENAMES: Tuple[Rename, ...] = (
     ),
     Rename("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", _HAS_MLP),
     Rename("pre_mlp_layernorm.bias", "mlp.linear_fc1.layer_norm_bias", _HAS_MLP),
+    # A gated delta net layer: Megatron's spec fuses the input norm into in_proj.
+    Rename(
+        "input_layernorm.weight",
+        "self_attention.in_proj.layer_norm_weight",
+        ("self_attention.in_proj.weight",),
+    ),
+    Rename(
+        "input_layernorm.bias",
+        "self_attention.in_proj.layer_norm_bias",
+        ("self_attention.in_proj.weight",),
+    ),
     # A Mamba layer (Megatron's spec fuses its norm into in_proj).
     Rename("norm.weight", "mixer.in_proj.layer_norm_weight", ("mixer.in_proj.weight",)),
     Rename("norm.bias", "mixer.in_proj.layer_norm_bias", ("mixer.in_proj.weight",)),
@@ -128,6 +139,8 @@ EXTRA_STATE_MODULES: Tuple[str, ...] = (
     "mlp.shared_experts.linear_fc2",
     "mixer.in_proj",
     "mixer.out_proj",
+    "self_attention.in_proj",
+    "self_attention.out_proj",
 )
 
 # A multi-token-prediction depth (``mtp.layers.<k>.``, always keyed layer by layer) holds a

@@ -95,13 +95,23 @@ def global_key(local_key: str, offsets: Iterable[Tuple[str, int]]) -> str:
 
 def _has_mixed_layers(chunk: torch.nn.Module) -> bool:
     """Whether ``chunk`` mixes dense and MoE layers (``--moe-layer-freq`` above 1 or a list, as
-    megatron-core decides it) or is a hybrid model (a block marked ``KEYED_LAYER_BY_LAYER``):
-    its blocks are then keyed layer by layer, not stacked."""
+    megatron-core decides it), gated delta net and attention layers, or is a hybrid model (a
+    block marked ``KEYED_LAYER_BY_LAYER``): its blocks are then keyed layer by layer, not
+    stacked."""
     for module in chunk.modules():
         if getattr(type(module), "KEYED_LAYER_BY_LAYER", False):
             return True
         config = getattr(module, "config", None)
-        if config is None or not getattr(config, "num_moe_experts", None):
+        if config is None:
+            continue
+        # Gated delta net layers among softmax-attention ones (Megatron-LM's later blocks key
+        # them layer by layer too: a list or an int above 1 of --linear-attention-freq).
+        linear = getattr(config, "linear_attention_freq", None)
+        if getattr(config, "experimental_attention_variant", None) and (
+            isinstance(linear, (list, tuple)) or (isinstance(linear, int) and linear > 1)
+        ):
+            return True
+        if not getattr(config, "num_moe_experts", None):
             continue
         freq = getattr(config, "moe_layer_freq", 1)
         if isinstance(freq, (list, tuple)) or freq > 1:

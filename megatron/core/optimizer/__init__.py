@@ -236,6 +236,12 @@ def _qkv_split(model_chunks) -> Optional[Tuple[int, int, int]]:
         for module in chunk.modules():
             config = getattr(module, "config", None)
             if hasattr(config, "kv_channels") and hasattr(config, "num_query_groups"):
+                if getattr(config, "attention_output_gate", False):
+                    # The fused weight holds the gates too; which block they join is unknown.
+                    raise ValueError(
+                        "Muon's per-part QKV orthogonalization does not support "
+                        "--attention-output-gate here; add --muon-no-split-qkv"
+                    )
                 heads_per_group = config.num_attention_heads // config.num_query_groups
                 d = config.kv_channels
                 return (heads_per_group * d, d, d)

@@ -1,6 +1,5 @@
 """The gated delta rule (Gated DeltaNet, the linear attention of Qwen3-Next and of Megatron's
-``gated_delta_net`` variant) in plain PyTorch: the building block of that layer, not yet wired
-to ``--experimental-attention-variant``.
+``gated_delta_net`` variant) in plain PyTorch: the scan of :mod:`.gated_delta_net`'s layer.
 
 Per head, with key size dk and value size dv, a state S [dk, dv] and per step t a decay
 ``g_t`` (log space, <= 0) and a write strength ``beta_t`` in (0, 1)::

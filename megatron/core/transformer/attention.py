@@ -5,6 +5,10 @@
 order of Megatron's checkpoints, and tensor parallelism shards whole groups: with TP ranks, rank
 t holds groups [t * ng/TP, (t + 1) * ng/TP), i.e. a contiguous block of rows, and its np/TP query
 heads. ``linear_proj`` is row-parallel over the same heads.
+
+With ``attention_output_gate`` (``--attention-output-gate``, Qwen3-Next's gated attention) each
+group's rows are [queries, gates, key, value] (the gates: one per query head, d wide) and the
+attention output is multiplied by sigmoid(gate) before ``linear_proj``, as Megatron does.
 """
 
 from typing import Optional, Tuple
@@ -50,6 +54,8 @@ class SelfAttention(MegatronModule):
         self.num_query_groups_per_partition = config.num_query_groups // tp
         self.query_projection_size = config.kv_channels * config.num_attention_heads
         self.kv_projection_size = config.kv_channels * config.num_query_groups
+        self.output_gate = bool(config.attention_output_gate)
+        gate_size = self.query_projection_size if self.output_gate else 0
 
         # Built in this order (the initialization draws depend on it) but registered as
         # megatron-core registers them: core_attention, linear_proj, linear_qkv, q/k layernorm.
@@ -57,7 +63,7 @@ class SelfAttention(MegatronModule):
         # this registration order (see megatron/core/optimizer/param_order.py).
         linear_qkv = ColumnParallelLinear(
             config.hidden_size,
-            self.query_projection_size + 2 * self.kv_projection_size,
+            self.query_projection_size + gate_size + 2 * self.kv_projection_size,
             config=config,
             init_method=config.init_method,
             bias=config.add_bias_linear or config.add_qkv_bias,
@@ -102,8 +108,9 @@ class SelfAttention(MegatronModule):
             in (config.recompute_modules if config.recompute_modules is not None else ["core_attn"])
         )
 
-    def get_query_key_value_tensors(self, hidden_states: torch.Tensor):
-        """Split the fused projection into q [s, b, ng, np/ng, d], k and v [s, b, ng, d] (views).
+    def get_query_key_value_tensors(self, hidden_states: torch.Tensor, output_gate: bool = False):
+        """Split the fused projection into q [s, b, ng, np/ng, d], k and v [s, b, ng, d] (views),
+        and with ``output_gate`` the gate [s, b, ng, np/ng, d] after them.
 
         With sequence parallelism the input is [s/TP, b, h] and linear_qkv gathers it, so the
         sizes are read from its output.
@@ -117,12 +124,18 @@ class SelfAttention(MegatronModule):
             s,
             b,
             self.num_query_groups_per_partition,
-            heads_per_group + 2,
+            heads_per_group * (2 if self.output_gate else 1) + 2,
             self.hidden_size_per_attention_head,
         )
         # One split (its backward is a single cat) instead of three slices (each of whose
         # backward would zero-fill and copy a full-size gradient).
-        query, key, value = torch.split(mixed, [heads_per_group, 1, 1], dim=3)
+        gate = None
+        if self.output_gate:
+            query, gate, key, value = torch.split(
+                mixed, [heads_per_group, heads_per_group, 1, 1], dim=3
+            )
+        else:
+            query, key, value = torch.split(mixed, [heads_per_group, 1, 1], dim=3)
         key = key.squeeze(3)
         value = value.squeeze(3)
         if self.q_layernorm is not None:
@@ -130,6 +143,8 @@ class SelfAttention(MegatronModule):
             key = self.k_layernorm(key)
         if self.config.test_mode:
             self.run_realtime_tests()
+        if output_gate:
+            return query, key, value, gate
         return query, key, value
 
     @torch.no_grad()
@@ -178,7 +193,11 @@ class SelfAttention(MegatronModule):
         ``inference_context``: a ``StaticInferenceContext`` during generation; the new tokens'
         keys and values join its cache and the queries attend over all cached tokens.
         """
-        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        gate = None
+        if self.output_gate:
+            query, key, value, gate = self.get_query_key_value_tensors(hidden_states, True)
+        else:
+            query, key, value = self.get_query_key_value_tensors(hidden_states)
         s, b = key.shape[0], key.shape[1]
         if rotary_pos_emb is not None:
             interleaved = self.config.rotary_interleaved
@@ -203,6 +222,8 @@ class SelfAttention(MegatronModule):
             context = self.core_attention(
                 query, key, value, attention_mask, attn_mask_type=mask_type
             )
+        if gate is not None:
+            context = context * torch.sigmoid(gate.reshape(context.shape))
         return self.linear_proj(context)
 
 

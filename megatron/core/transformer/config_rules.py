@@ -118,3 +118,26 @@ def compiled_layers_dropout_fits(
         or tensor_model_parallel_size == 1
         or (hidden_dropout == 0.0 and attention_dropout == 0.0)
     )
+
+
+LINEAR_ATTENTION_VARIANTS = ("gated_delta_net",)
+"""The ``--experimental-attention-variant`` values implemented here (linear attentions)."""
+
+
+def linear_attention_pattern(linear_attention_freq, num_layers: int) -> list:
+    """Megatron's per-layer pattern of ``--linear-attention-freq`` (1: linear attention, 0:
+    softmax attention): an int N makes every N-th layer softmax attention ([1, 1, 1, 0, ...] for
+    4), a list is the pattern itself and must have one 0/1 entry per layer. ValueError names
+    what is wrong."""
+    if isinstance(linear_attention_freq, bool) or linear_attention_freq is None:
+        raise ValueError(f"needs an int or a list, got {linear_attention_freq!r}")
+    if isinstance(linear_attention_freq, int):
+        if linear_attention_freq <= 0:
+            raise ValueError(f"must be positive, got {linear_attention_freq}")
+        return [0 if (i + 1) % linear_attention_freq == 0 else 1 for i in range(num_layers)]
+    pattern = list(linear_attention_freq)
+    if len(pattern) != num_layers:
+        raise ValueError(f"has {len(pattern)} entries for {num_layers} layers (--num-layers)")
+    if any(entry not in (0, 1) for entry in pattern):
+        raise ValueError(f"entries must be 0 or 1, got {pattern}")
+    return [int(entry) for entry in pattern]

@@ -19,6 +19,21 @@ megatron-core's default. Two kinds:
 from dataclasses import dataclass
 from typing import Any
 
+# Fields of features implemented here, whose values TransformerConfig checks itself (gated delta
+# net attention and the attention output gate).
+CHECKED_ELSEWHERE = frozenset(
+    {
+        "experimental_attention_variant",
+        "linear_attention_freq",
+        "linear_conv_kernel_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "attention_output_gate",
+    }
+)
+
 # Fields whose value has no effect here (see the module docstring).
 INERT_FIELDS = frozenset(
     {
@@ -62,11 +77,6 @@ INERT_FIELDS = frozenset(
         "dsa_indexer_topk",
         "dsa_indexer_loss_coeff",
         "dsa_indexer_use_sparse_loss",
-        "linear_conv_kernel_dim",
-        "linear_key_head_dim",
-        "linear_value_head_dim",
-        "linear_num_key_heads",
-        "linear_num_value_heads",
         "fp8_recipe",
         "fp8_quantizer_factory",
         "fp8_margin",
@@ -386,7 +396,7 @@ def refuse_unsupported_features(config) -> None:
     """ValueError naming the first field of a missing feature set to another value than
     megatron-core's default."""
     for name, default in _DEFAULTS.items():
-        if name in INERT_FIELDS or name in _CUDA_GRAPH_FIELDS:
+        if name in INERT_FIELDS or name in _CUDA_GRAPH_FIELDS or name in CHECKED_ELSEWHERE:
             continue
         value = getattr(config, name)
         if value == default:

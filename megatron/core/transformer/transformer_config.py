@@ -16,12 +16,14 @@ import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.transformer.config_rules import (
     CP_COMM_TYPES,
+    LINEAR_ATTENTION_VARIANTS,
     compiled_layers_dropout_fits,
     compiled_layers_without_recompute,
     cp_comm_types_fit,
     heads_split_into_query_groups,
     heads_split_over_tp,
     hidden_splits_into_heads,
+    linear_attention_pattern,
     mup_settings_given,
     mup_width_mult_matches,
     query_groups_split_over_tp,
@@ -403,9 +405,46 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
             self.attention_softmax_in_fp32 = True
         self._validate_recompute()
         validate_moe_config(self)
+        self._validate_experimental_attention()
         refuse_unsupported_features(self)
         self._apply_mup()
         self._set_init_methods()
+
+    def _validate_experimental_attention(self):
+        """Megatron's rules for ``experimental_attention_variant='gated_delta_net'`` (the only
+        variant here): a layer pattern, value heads a multiple of key heads; the attention
+        output gate exists for SelfAttention only."""
+        if self.attention_output_gate and self.multi_latent_attention:
+            raise ValueError(
+                "attention_output_gate (--attention-output-gate) is not supported with "
+                "multi-latent attention here"
+            )
+        variant = self.experimental_attention_variant
+        if variant is None:
+            if self.linear_attention_freq is not None:
+                raise ValueError(
+                    "linear_attention_freq (--linear-attention-freq) needs "
+                    "experimental_attention_variant='gated_delta_net'"
+                )
+            return
+        if variant not in LINEAR_ATTENTION_VARIANTS:
+            raise ValueError(
+                f"TransformerConfig: experimental_attention_variant={variant!r} is not supported "
+                f"here (supported: {', '.join(LINEAR_ATTENTION_VARIANTS)})"
+            )
+        if self.linear_attention_freq is None:
+            raise ValueError(
+                "linear_attention_freq (--linear-attention-freq) must be set for gated_delta_net"
+            )
+        try:
+            linear_attention_pattern(self.linear_attention_freq, self.num_layers)
+        except ValueError as error:
+            raise ValueError(f"linear_attention_freq (--linear-attention-freq) {error}") from None
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
 
     def _apply_mup(self):
         """Derive the muP width multiplier, attention scale and output multiplier (Megatron)."""

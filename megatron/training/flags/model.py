@@ -226,7 +226,10 @@ class NetworkSizeFlags:
     qk_clip_threshold: float = flag(
         100, "Largest attention logit before QK-clip rescales the weights."
     )
-    attention_output_gate: bool = switch("Gate the attention output with a sigmoid.")
+    attention_output_gate: bool = switch(
+        "Gate the attention output with a sigmoid.",
+        honoured_at="SelfAttention (a gate per query head in linear_qkv)",
+    )
     multi_latent_attention: bool = switch(
         "Use multi-latent attention (see the mla group).",
         honoured_at="configs.core_transformer_config_from_args; MLASelfAttention",

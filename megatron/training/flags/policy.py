@@ -197,7 +197,10 @@ no_effect(
 
 # ----------------------------------------------------------------------------- refused
 _MOE = f"mixture of experts is {_NYI}"
-_HYBRID = f"linear-attention (gated delta net / product) and DSA models are {_NYI}"
+_HYBRID = (
+    "linear attention other than gated_delta_net (gated delta products, gdn/gdn2) and DSA "
+    f"models are {_NYI}"
+)
 _FP8 = "fp8/fp4 training needs Transformer Engine, which this code base does not use"
 _BERT_T5 = f"T5 relative position buckets and BERT embedders are {_NYI}"
 _VISION = f"vision models are {_NYI}"
@@ -265,8 +268,6 @@ refused(
     _HYBRID,
     """
     gdp_num_householder gdp_cutedsl_kernel gdp_num_chunk_states_to_recompute
-    experimental_attention_variant linear_attention_freq linear_conv_kernel_dim
-    linear_key_head_dim linear_value_head_dim linear_num_key_heads linear_num_value_heads
     dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_topk_freq
     dsa_indexer_skip_topk_offset dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss
     dsa_kernel_backend dsa_indexer_rope_interleaved dsa_indexer_rotate_activation
@@ -274,12 +275,17 @@ refused(
     """,
 )
 refused(
+    _HYBRID,
+    "experimental_attention_variant",
+    given=lambda value, args: value not in (None, "gated_delta_net"),
+)
+refused(
     f"this layer or attention variant is {_NYI}",
     """
     softmax_type window_size window_attn_skip_freq no_rope_freq
     rotary_seq_len_interpolation_factor mrope_section quick_geglu
     glu_linear_offset activation_func_clamp_value qk_l2_norm qk_clip qk_clip_alpha
-    qk_clip_threshold attention_output_gate enable_mhc_connections mhc_num_residual_streams
+    qk_clip_threshold enable_mhc_connections mhc_num_residual_streams
     mhc_sinkhorn_iterations mhc_init_gating_factor mhc_recompute_layer_num
     heterogeneous_layers_config_path heterogeneous_layers_config_encoded_json onnx_safe
     batch_invariant_mode batch_invariant_backend logit_dtype

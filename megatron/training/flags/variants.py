@@ -7,6 +7,12 @@ from typing import List, Optional, Union
 from megatron.training.flags.spec import flag, flag_group, off_switch, switch
 from megatron.training.flags.types import la_freq_type
 
+_GDN = "megatron.core.ssm.gated_delta_net.GatedDeltaNet (gated_delta_net only)"
+_GDN_SPEC = (
+    "megatron.core.models.gpt.experimental_attention_variant_module_specs "
+    "(the layers of gated delta net and of softmax attention)"
+)
+
 
 @flag_group("experimental_attention_variant")
 class ExperimentalAttentionVariantFlags:
@@ -14,18 +20,26 @@ class ExperimentalAttentionVariantFlags:
         None,
         "Attention variant replacing softmax attention.",
         choices=["gdn", "gdn2", "dsa", "gated_delta_net"],
+        honoured_at=_GDN,
     )
     linear_attention_freq: Optional[Union[int, List[int]]] = flag(
         None,
         "Layers that use linear attention: an int N (every Nth layer) or a list pattern such as "
         '"([1]*3+[0])*2".',
         type=la_freq_type,
+        honoured_at=_GDN_SPEC,
     )
-    linear_conv_kernel_dim: int = flag(4, "Convolution kernel size of linear attention.")
-    linear_key_head_dim: int = flag(128, "Key head dimension of linear attention.")
-    linear_value_head_dim: int = flag(128, "Value head dimension of linear attention.")
-    linear_num_key_heads: int = flag(16, "Key heads of linear attention.")
-    linear_num_value_heads: int = flag(32, "Value heads of linear attention.")
+    linear_conv_kernel_dim: int = flag(
+        4, "Convolution kernel size of linear attention.", honoured_at=_GDN
+    )
+    linear_key_head_dim: int = flag(
+        128, "Key head dimension of linear attention.", honoured_at=_GDN
+    )
+    linear_value_head_dim: int = flag(
+        128, "Value head dimension of linear attention.", honoured_at=_GDN
+    )
+    linear_num_key_heads: int = flag(16, "Key heads of linear attention.", honoured_at=_GDN)
+    linear_num_value_heads: int = flag(32, "Value heads of linear attention.", honoured_at=_GDN)
     # DeepSeek sparse attention (DSA): a light indexer picks the keys each query attends to.
     dsa_indexer_n_heads: Optional[int] = flag(None, "DSA: indexer heads.")
     dsa_indexer_head_dim: Optional[int] = flag(None, "DSA: indexer head dimension.")

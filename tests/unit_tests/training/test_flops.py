@@ -196,3 +196,44 @@ def test_tiny_deepseek_v3_flops_and_parameters_equal_the_built_model(tmp_path):
     mtp_norms = 6 * b * s * args.mtp_num_layers * 3 * h
     expected = num_floating_point_operations(args, b) + router - mtp_norms
     assert measured == expected, (measured, expected)
+
+
+def test_gated_delta_net_layers_and_attention_output_gate():
+    """Layers 1-3 of 4 are gated delta nets (--linear-attention-freq 4), counted matmul by matmul
+    as Megatron does; layer 4 is softmax attention with the output gate (one more h x (a d)
+    projection)."""
+    B, s, L, h, a, f, V = 16, 512, 4, 256, 8, 704, 8192
+    nk, nv, dk, dv, kernel = 2, 4, 32, 48, 4
+    args = argparse.Namespace(
+        num_layers=L,
+        hidden_size=h,
+        num_attention_heads=a,
+        num_query_groups=a,
+        group_query_attention=False,
+        kv_channels=None,
+        seq_length=s,
+        ffn_hidden_size=f,
+        swiglu=False,
+        padded_vocab_size=V,
+        num_experts=None,
+        attention_output_gate=True,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=4,
+        linear_num_key_heads=nk,
+        linear_num_value_heads=nv,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+        linear_conv_kernel_dim=kernel,
+    )
+    gdn_per_token = 2 * (
+        h * (2 * nk * dk + 2 * nv * dv + 2 * nv)  # in_proj [q k v z beta alpha]
+        + kernel * (2 * nk * dk + nv * dv)  # conv1d
+        + 4 * nv * dv * dv  # the delta rule
+        + nv * dv * h  # out_proj
+    )
+    dense = flops_by_hand(B, s, L, h, a, a, f, V, False)
+    d = h // a
+    softmax_per_token = 2 * h * a * d * 4 + 2 * s * a * d * 2  # Q K V O, scores and context
+    gate_per_token = 2 * h * a * d
+    expected = dense + 3 * B * s * (3 * (gdn_per_token - softmax_per_token) + gate_per_token)
+    assert num_floating_point_operations(args, B) == pytest.approx(expected, rel=1e-12)

@@ -803,6 +803,42 @@ def test_moe_parameter_count_equals_the_built_model(extra):
     assert count.num_moe_layers * count.moe_experts == experts
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--qk-layernorm", "--attention-output-gate", "--swiglu", "--disable-bias-linear"],
+        ["--num-experts", "4", "--normalization", "RMSNorm"],
+    ],
+    ids=["gated-attention-qk-norm", "moe-biases"],
+)
+def test_gated_delta_net_parameter_count_equals_the_built_model(extra):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec,
+    )
+    from megatron.training.configs import core_transformer_config_from_args
+    from megatron.training.theoretical_memory import count_parameters
+    from tests.unit_tests.tiny_configs import tiny_args
+
+    gdn = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"]
+    gdn += ["--linear-key-head-dim", "8", "--linear-value-head-dim", "16"]
+    gdn += ["--linear-num-key-heads", "2", "--linear-num-value-heads", "4"]
+    args = tiny_args(*gdn, *extra)
+    config = core_transformer_config_from_args(args)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_transformer_block_with_experimental_attention_variant_spec(
+            config
+        ),
+        vocab_size=128,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=True,
+    )
+    count = count_parameters(args, 128)
+    assert count.num_linear_layers == args.num_layers // 2
+    assert count.total == sum(p.numel() for p in model.parameters())
+
+
 def test_fused_cross_entropy_counts_one_chunk_of_logits():
     """--cross-entropy-loss-fusion keeps one chunk's fp32 numerator (the chunked fused loss), not
     the micro-batch's [s*b, V] fp32 logits; every other part is unchanged."""

@@ -275,8 +275,11 @@ class GPTModel(LanguageModule):
 
     def _activation_dtype(self) -> torch.dtype:
         # The dtype the attention sees is the parameters' (a Float16Module may have cast them).
-        if len(self.decoder.layers):
-            return self.decoder.layers[0].self_attention.linear_proj.weight.dtype
+        for layer in self.decoder.layers:
+            # The first softmax-attention layer (gated delta net layers have no linear_proj).
+            linear_proj = getattr(getattr(layer, "self_attention", None), "linear_proj", None)
+            if linear_proj is not None:
+                return linear_proj.weight.dtype
         return self.config.params_dtype
 
     def forward(

@@ -1,11 +1,13 @@
-"""Step 17: how a layer computes: --deterministic-mode, --cp-comm-type, --cuda-graph-impl and
---compile-transformer-layers."""
+"""Step 17: how a layer computes: --deterministic-mode, --cp-comm-type, --cuda-graph-impl,
+--compile-transformer-layers and the gated delta net layers (--experimental-attention-variant
+gated_delta_net with --linear-attention-freq and the --linear-* sizes)."""
 
 from megatron.core.transformer.config_rules import (
     CP_COMM_TYPES,
     compiled_layers_dropout_fits,
     compiled_layers_without_recompute,
     cp_comm_types_fit,
+    linear_attention_pattern,
 )
 
 from .base import check, info
@@ -13,6 +15,7 @@ from .base import check, info
 
 def validate_layer(args):
     validate_cuda_graphs(args)
+    validate_gated_delta_net(args)
     if args.deterministic_mode:
         check(
             not args.use_flash_attn, "--deterministic-mode cannot be combined with --use-flash-attn"
@@ -115,4 +118,41 @@ def _name_the_cp_exchange(args):
         args,
         f" > context parallelism: --cp-comm-type {' '.join(args.cp_comm_type)}{hierarchy} runs "
         f"as the p2p ring over all {cp} context-parallel ranks (the same attention)",
+    )
+
+
+def validate_gated_delta_net(args):
+    """Megatron's rules for gated delta net layers, plus what this code base lacks for them."""
+    if args.experimental_attention_variant != "gated_delta_net":
+        check(
+            args.linear_attention_freq is None,
+            "--linear-attention-freq needs --experimental-attention-variant gated_delta_net",
+        )
+        return
+    check(
+        args.linear_attention_freq is not None,
+        "--experimental-attention-variant gated_delta_net needs --linear-attention-freq",
+    )
+    try:
+        linear_attention_pattern(args.linear_attention_freq, args.num_layers)
+    except ValueError as error:
+        check(False, f"--linear-attention-freq {error}")
+    check(
+        args.linear_num_value_heads % args.linear_num_key_heads == 0,
+        f"--linear-num-value-heads ({args.linear_num_value_heads}) must be a multiple of "
+        f"--linear-num-key-heads ({args.linear_num_key_heads})",
+    )
+    tp = args.tensor_model_parallel_size
+    for flag, heads in (
+        ("--linear-num-key-heads", args.linear_num_key_heads),
+        ("--linear-num-value-heads", args.linear_num_value_heads),
+    ):
+        check(
+            heads % tp == 0,
+            f"{flag} ({heads}) must be divisible by --tensor-model-parallel-size ({tp})",
+        )
+    check(
+        args.context_parallel_size == 1,
+        "--experimental-attention-variant gated_delta_net does not support "
+        "--context-parallel-size > 1 (as in Megatron)",
     )

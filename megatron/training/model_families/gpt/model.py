@@ -1,6 +1,9 @@
 """GPT's model builder (Megatron's ``model_provider``)."""
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+    get_transformer_block_with_experimental_attention_variant_spec,
+)
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
@@ -20,6 +23,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None):
     config = core_transformer_config_from_args(args)
     if args.spec is not None:
         transformer_layer_spec = import_spec(args.spec)
+    elif config.experimental_attention_variant is not None:
+        transformer_layer_spec = get_transformer_block_with_experimental_attention_variant_spec(
+            config, vp_stage=vp_stage
+        )
     elif config.num_moe_experts:
         transformer_layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     else:

@@ -32,6 +32,7 @@ FSDP2 = ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"]
 FSDP2 += ["--untie-embeddings-and-output-weights"]
 MEGATRON_FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
 SAMPLES = dict(drop=("--train-iters",))  # sample-based training: --train-samples instead
+GDN = ["--experimental-attention-variant", "gated_delta_net"]
 GQA_12_HEADS = ["--num-attention-heads", 12, "--hidden-size", 96, "--group-query-attention"]
 
 
@@ -1108,6 +1109,40 @@ CASES = [
         "cp_comm_type_per_layer",
         ["--cp-comm-type", "p2p", "p2p"],
         ["--cp-comm-type takes one value or one per layer (4), got 2"],
+    ),
+    case(
+        "linear_attention_freq_without_variant",
+        ["--linear-attention-freq", 2],
+        ["--linear-attention-freq needs --experimental-attention-variant gated_delta_net"],
+    ),
+    case(
+        "gated_delta_net_without_pattern",
+        GDN,
+        ["--experimental-attention-variant gated_delta_net needs --linear-attention-freq"],
+    ),
+    case(
+        "gated_delta_net_pattern_length",
+        GDN + ["--linear-attention-freq", "[1,0]"],
+        ["--linear-attention-freq has 2 entries for 4 layers"],
+    ),
+    case(
+        "gated_delta_net_value_heads",
+        GDN + ["--linear-attention-freq", 2, "--linear-num-key-heads", 3],
+        ["--linear-num-value-heads (32) must be a multiple of --linear-num-key-heads (3)"],
+    ),
+    case(
+        "gated_delta_net_heads_over_tp",
+        GDN
+        + ["--linear-attention-freq", 2, "--tensor-model-parallel-size", 2]
+        + ["--linear-num-key-heads", 1, "--linear-num-value-heads", 2],
+        ["--linear-num-key-heads (1) must be divisible by --tensor-model-parallel-size (2)"],
+        world_size=2,
+    ),
+    case(
+        "gated_delta_net_without_cp",
+        GDN + ["--linear-attention-freq", 2, "--context-parallel-size", 2],
+        ["gated_delta_net does not support --context-parallel-size > 1"],
+        world_size=2,
     ),
     case(
         "compiled_layers_without_recompute",
