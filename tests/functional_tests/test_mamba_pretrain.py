@@ -204,6 +204,18 @@ def _check_cp_layout_change(rank, world_size):
         assert torch.equal(got_dt, dt[..., rank * per_rank : (rank + 1) * per_rank]), groups
         back = mcp.to_sequence_sharded(got_xbc[..., : per_rank * headdim])
         assert torch.equal(back, x[mine]), (groups, rank)
+    # Generation keeps whole-sequence states: a Mamba layer refuses it under CP.
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+    from megatron.core.tensor_parallel.process_groups import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, context_parallel_size=cp
+    )
+    config.mamba_state_dim, config.mamba_head_dim, config.mamba_num_groups = 4, 8, 2
+    mixer = MambaMixer(config, layer_number=1, pg_collection=ProcessGroupCollection(cp=group))
+    with pytest.raises(ValueError, match="generate at --context-parallel-size 1 only"):
+        mixer(torch.zeros(4, 1, 32), inference_context=object())
 
 
 def _world(rank, world_size, tmp):
