@@ -13,8 +13,10 @@ TP, so rank r holds [z_r; x_r; B_r; C_r; dt_r] (the ``partition_sizes`` attribut
 checkpoint code those blocks); ``conv1d`` likewise holds [x_r; B_r; C_r]; ``dt_bias``, ``A_log``,
 ``D`` and the norm's weight are split in one piece; ``out_proj`` is row-parallel. With sequence
 parallelism ``in_proj`` gathers the sequence and ``out_proj`` reduce-scatters it, as attention
-does. Every rank draws the full (TP=1) parameters from the layer's generator and keeps its
-shard, so any TP layout starts from the one-process weights.
+does. Context parallelism: :mod:`.mamba_context_parallel` (an all-to-all over the CP group
+around the convolution and the scan, as Megatron's). Every rank draws the full (TP=1)
+parameters from the layer's generator and keeps its shard, so any TP layout starts from the
+one-process weights.
 
 The ``mamba_ssm`` / ``causal_conv1d`` kernels are not used: the scan is :mod:`.ssd`'s (the
 chunked SSD form for a sequence, the recurrence for single-token decode steps).
@@ -35,6 +37,7 @@ from megatron.core.tensor_parallel.parameters import (
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
 
+from .mamba_context_parallel import MambaContextParallel
 from .ssd import causal_depthwise_conv1d, gated_rms_norm, ssd_chunked, ssd_recurrent
 
 
@@ -155,11 +158,6 @@ class MambaMixer(MegatronModule):
         super().__init__(config)
         submodules = submodules or MambaMixerSubmodules()
         pgs = resolve_pg_collection(config, pg_collection)
-        if pgs.cp_size > 1:
-            raise ValueError(
-                "Mamba layers do not support context parallelism here "
-                "(--context-parallel-size > 1 with M in --hybrid-override-pattern)"
-            )
         self.d_model = d_model if d_model is not None else config.hidden_size
         self.d_conv = d_conv
         self.d_state = config.mamba_state_dim
@@ -193,6 +191,9 @@ class MambaMixer(MegatronModule):
         self.nheads_local = self.nheads // tp_size
         self.ngroups_local = self.ngroups // tp_size
         self.d_inner_local = self.d_inner // tp_size
+        self.cp = MambaContextParallel(
+            pgs.cp, self.nheads_local, self.ngroups_local, self.headdim, self.d_state, tp_size
+        )
         gn = self.ngroups * self.d_state
 
         # Built in Megatron's order (the order of the draws from the layer's generator).
@@ -265,36 +266,51 @@ class MambaMixer(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, inference_context=None, **kwargs):
         """[s, b, h] -> (out [s, b, h], None)."""
-        zxbcdt, _ = self.in_proj(hidden_states)
-        zxbcdt = zxbcdt.transpose(0, 1)  # [b, L, local parts]
-        b, length, _ = zxbcdt.shape
+        zxbcdt, _ = self.in_proj(hidden_states)  # [L, b, local parts]
         gn = self.ngroups_local * self.d_state
         z, xbc, dt = torch.split(
             zxbcdt, [self.d_inner_local, self.d_inner_local + 2 * gn, self.nheads_local], dim=-1
         )
+        cp = self.cp
+        if cp.size > 1 and inference_context is not None:
+            raise ValueError(
+                "Mamba layers generate at --context-parallel-size 1 only (the state caches "
+                "hold whole sequences)"
+            )
+        # With CP: the whole sequence of this CP rank's heads (x, B, C and dt only; see
+        # mamba_context_parallel for why z stays).
+        xbc, dt = cp.to_head_sharded(xbc, dt)
+        xbc, dt = xbc.transpose(0, 1), dt.transpose(0, 1)  # [b, L, ...]
+        b, length, _ = xbc.shape
+        gn = cp.ngroups * self.d_state
         conv_history, ssm_state = self._cached_states(inference_context, b)
 
         xbc_t = xbc.transpose(1, 2)  # [b, conv_dim, L]
         conv = causal_depthwise_conv1d(
-            xbc_t, self.conv1d.weight, self.conv1d.bias, history=conv_history
+            xbc_t,
+            cp.conv_slice(self.conv1d.weight),
+            cp.conv_slice(self.conv1d.bias),
+            history=conv_history,
         )
         xbc = F.silu(conv).transpose(1, 2)
-        x, B, C = torch.split(xbc, [self.d_inner_local, gn, gn], dim=-1)
-        x = x.reshape(b, length, self.nheads_local, self.headdim)
-        B = B.reshape(b, length, self.ngroups_local, self.d_state)
-        C = C.reshape(b, length, self.ngroups_local, self.d_state)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
-        A = -torch.exp(self.A_log.float())
+        x, B, C = torch.split(xbc, [cp.d_inner, gn, gn], dim=-1)
+        x = x.reshape(b, length, cp.nheads, self.headdim)
+        B = B.reshape(b, length, cp.ngroups, self.d_state)
+        C = C.reshape(b, length, cp.ngroups, self.d_state)
+        dt = F.softplus(dt.float() + cp.head_slice(self.dt_bias).float())
+        A = -torch.exp(cp.head_slice(self.A_log).float())
+        D = cp.head_slice(self.D)
         if ssm_state is not None and length == 1:
-            y, final_state = ssd_recurrent(x, dt, A, B, C, self.D, initial_state=ssm_state)
+            y, final_state = ssd_recurrent(x, dt, A, B, C, D, initial_state=ssm_state)
         else:
             y, final_state = ssd_chunked(
-                x, dt, A, B, C, self.chunk_size, self.D, initial_state=ssm_state
+                x, dt, A, B, C, self.chunk_size, D, initial_state=ssm_state
             )
         if inference_context is not None:
             self._store_states(inference_context, xbc_t, conv_history, final_state)
-        y = self.norm(y.reshape(b, length, self.d_inner_local), z)
-        return self.out_proj(y.transpose(0, 1))
+        y = cp.to_sequence_sharded(y.reshape(b, length, cp.d_inner).transpose(0, 1))
+        y = self.norm(y, z)  # [L / CP, b, local channels]
+        return self.out_proj(y)
 
     # ------------------------------------------------------------------ generation state
     def _cached_states(self, inference_context, batch: int):

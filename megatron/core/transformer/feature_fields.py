@@ -357,8 +357,6 @@ class UnsupportedFeatureFields:
     """Fused TP communication at inference."""
     mrope_section: Any = None
     """Multimodal RoPE's sections (None: no mRoPE)."""
-    is_hybrid_model: Any = False
-    """A hybrid Mamba / attention model."""
     mamba_state_dim: Any = 128
     """Mamba state size."""
     mamba_head_dim: Any = 64

@@ -188,7 +188,11 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
 
     output_layer_init_method: Optional[Callable] = None
     """Init of the projections into the residual stream (linear_proj, linear_fc2); None means
-    N(0, init_method_std / sqrt(2 * num_layers))."""
+    N(0, init_method_std / sqrt(2 * num_layers)), or / sqrt(num_layers) in a hybrid model."""
+
+    is_hybrid_model: bool = False
+    """A hybrid model (``--is-hybrid-model``): each of its layers has one residual branch, not
+    two, so the default output-layer init divides by sqrt(num_layers) (megatron-core's rule)."""
 
     init_model_with_meta_device: bool = False
     """Create parameters on the meta device, without initializing them
@@ -512,7 +516,9 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
             self.init_method = init_method_normal(self.init_method_std / width)
         if self.output_layer_init_method is None:
             self.output_layer_init_method = scaled_init_method_normal(
-                self.init_method_std / width, self.num_layers
+                self.init_method_std / width,
+                self.num_layers,
+                multiplier=1.0 if self.is_hybrid_model else 2.0,
             )
 
     def _validate_recompute(self):

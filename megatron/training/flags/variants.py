@@ -68,7 +68,8 @@ _MIXER = "megatron.core.ssm.mamba_mixer.MambaMixer (pretrain_mamba.py)"
 @flag_group("hybrid models")
 class HybridModelFlags:
     is_hybrid_model: bool = switch(
-        "The model is a hybrid (Mamba/attention) model.", honoured_at="pretrain_mamba.py"
+        "The model is a hybrid (Mamba/attention) model.",
+        honoured_at="TransformerConfig.is_hybrid_model",
     )
     mamba_state_dim: int = flag(128, "Mamba state dimension.", honoured_at=_MIXER)
     mamba_head_dim: int = flag(64, "Mamba head dimension.", honoured_at=_MIXER)

@@ -6,6 +6,7 @@ experts, one symbol per layer; ``|`` marks pipeline-stage boundaries, which must
 pipeline split puts them. Data, batches and loss are GPT's."""
 
 from megatron.core.enums import ModelType
+from megatron.core.ssm.mamba_context_parallel import mamba_context_parallel_error
 from megatron.core.ssm.mamba_hybrid_layer_allocation import layer_symbols, stage_layer_counts
 from megatron.training.flag_errors import ArgumentValidationError
 from megatron.training.model_families import TrainSpec
@@ -68,10 +69,11 @@ def check_args(args) -> None:
             f"the Mamba heads ({heads}) and --mamba-num-groups ({args.mamba_num_groups}) must be "
             f"divisible by --tensor-model-parallel-size ({tp})"
         )
-    if args.context_parallel_size > 1:
-        raise ArgumentValidationError(
-            "--context-parallel-size > 1 is not supported with Mamba layers (M) here"
-        )
+    error = mamba_context_parallel_error(
+        heads, args.mamba_num_groups, tp, args.context_parallel_size
+    )
+    if error is not None:
+        raise ArgumentValidationError(error)
 
 
 SPEC = TrainSpec(

@@ -53,6 +53,9 @@ def test_transformer_defaults_and_derived_fields():
     assert c.init_method_std == 0.02
     assert c.init_method.std == pytest.approx(0.02)
     assert c.output_layer_init_method.std == pytest.approx(0.02 / math.sqrt(2 * 4))
+    # megatron-core's rule for hybrid models: one residual branch per layer, sqrt(num_layers).
+    hybrid = cfg(is_hybrid_model=True)
+    assert hybrid.output_layer_init_method.std == pytest.approx(0.02 / math.sqrt(4))
     assert c.recompute_granularity is None
     explicit = cfg(ffn_hidden_size=100, kv_channels=16, num_query_groups=2)
     assert (explicit.ffn_hidden_size, explicit.kv_channels, explicit.num_query_groups) == (

@@ -36,6 +36,66 @@ def test_bad_hybrid_flags_are_one_line(extra, message):
         get_model_family("mamba").check_args(args)
 
 
+# Megatron's rules for Mamba under context parallelism (its MambaContextParallel checks): each
+# CP rank gets whole heads, and whole groups or an equal share of one group's heads.
+CP_HEADS = ("--mamba-num-heads", "12")
+
+
+@pytest.mark.parametrize(
+    "extra, world_size, message",
+    [
+        (("--context-parallel-size", "16"), 16, r"heads \(8\) must be divisible by --tensor-m"),
+        (
+            ("--context-parallel-size", "8", "--tensor-model-parallel-size", "2"),
+            16,
+            r"\(8\) must be divisible by --tensor-model-parallel-size x --context-parallel-siz"
+            r"e \(2 x 8\)",
+        ),
+        (
+            CP_HEADS + ("--mamba-num-groups", "3", "--context-parallel-size", "4"),
+            4,
+            r"--context-parallel-size \(4\) must be divisible by --mamba-num-groups",
+        ),
+        (
+            CP_HEADS + ("--mamba-num-groups", "3", "--context-parallel-size", "2"),
+            2,
+            r"--mamba-num-groups \(3\) must be divisible by --tensor-model-parallel-size x --c",
+        ),
+    ],
+)
+def test_bad_mamba_context_parallel_sizes_are_one_line(extra, world_size, message):
+    args = tiny_args(
+        *MAMBA,
+        "--normalization",
+        "RMSNorm",
+        "--hybrid-override-pattern",
+        "M*-M",
+        *extra,
+        world_size=world_size,
+    )
+    with pytest.raises(ArgumentValidationError, match=message) as caught:
+        get_model_family("mamba").check_args(args)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 2), (2, 2), (1, 4), (2, 4)])
+def test_mamba_context_parallel_sizes_megatron_accepts(tp, cp):
+    # 8 heads in 2 groups: CP ranks get whole groups (TP1 CP2) or share one (the others).
+    args = tiny_args(
+        *MAMBA,
+        "--normalization",
+        "RMSNorm",
+        "--hybrid-override-pattern",
+        "M*-M",
+        "--context-parallel-size",
+        str(cp),
+        "--tensor-model-parallel-size",
+        str(tp),
+        world_size=tp * cp,
+    )
+    get_model_family("mamba").check_args(args)
+
+
 def test_gpt_refuses_the_hybrid_pattern():
     args = _args("--hybrid-override-pattern", "M*-M")
     with pytest.raises(ArgumentValidationError, match="read by pretrain_mamba.py only"):
