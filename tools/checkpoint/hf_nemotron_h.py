@@ -114,7 +114,8 @@ def megatron_from_hf(hf: Dict[str, torch.Tensor], shape: Shape) -> Dict[str, tor
                     else:
                         out[name] = hf[f"{src}mixer.experts.{e}.{theirs}.weight"]
     out["decoder.final_norm.weight"] = hf[p + "norm_f.weight"]
-    out["output_layer.weight"] = hf["lm_head.weight"]
+    if "lm_head.weight" in hf:  # absent with tie_word_embeddings
+        out["output_layer.weight"] = hf["lm_head.weight"]
     return out
 
 
@@ -158,7 +159,8 @@ def hf_from_megatron(ours: Dict[str, torch.Tensor], shape: Shape) -> Dict[str, t
                 else:
                     out[dst + "mixer.experts." + theirs] = torch.stack(experts)
     out["model.norm_f.weight"] = ours["decoder.final_norm.weight"]
-    out["lm_head.weight"] = ours["output_layer.weight"]
+    if "output_layer.weight" in ours:
+        out["lm_head.weight"] = ours["output_layer.weight"]
     return out
 
 
@@ -203,10 +205,14 @@ def trainer_args_from_config(config: dict) -> dict:
                 f"config.json: {field}={value!r} is not supported by the NemotronH converter "
                 f"(only {want!r})"
             )
-    limit = tuple(config.get("time_step_limit", (0.0, float("inf"))))
-    if limit != (0.0, float("inf")):
+    # transformers writes infinity as {"__float__": "Infinity"}
+    limit = [
+        float(v["__float__"]) if isinstance(v, dict) else float(v)
+        for v in config.get("time_step_limit", (0.0, float("inf")))
+    ]
+    if limit != [0.0, float("inf")]:
         raise ConversionError(
-            f"config.json: time_step_limit={list(limit)} is not supported (dt is not clamped here)"
+            f"config.json: time_step_limit={limit} is not supported (dt is not clamped here)"
         )
     pattern = _pattern_of(config)
     heads_width = config["hidden_size"]

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(_REPO, "tools", "checkpoint"))
 
 from hf_nemotron_h import Shape, hf_from_megatron, megatron_from_hf  # noqa: E402
 
-PATTERN, VOCAB = "M*-ME", 64
+PATTERN, VOCAB = "M*EM-E", 64  # each half (a PP2 stage) has M and E
 EXPERTS = 4
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8
 
@@ -56,9 +56,11 @@ def hf_model():
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "norm_f.weight", ".D")):
                 param.add_(0.3 * torch.randn_like(param))
-        gate = model.model.layers[4].mixer.gate  # a router that picks by more than its init
-        gate.weight.normal_(0, 0.5)
-        gate.e_score_correction_bias.normal_(0, 0.2)
+        for i, symbol in enumerate(PATTERN):  # routers that pick by more than their init
+            if symbol == "E":
+                gate = model.model.layers[i].mixer.gate
+                gate.weight.normal_(0, 0.5)
+                gate.e_score_correction_bias.normal_(0, 0.2)
     return model
 
 
