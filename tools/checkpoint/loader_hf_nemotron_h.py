@@ -78,7 +78,7 @@ def metadata_from_config(config: dict, args, load_dir: str):
         num_experts=a.get("num_experts"),
         moe_router_topk=a.get("moe_router_topk"),
         hybrid_override_pattern=a["hybrid_override_pattern"],
-        hybrid_args={n: (True if n == "squared_relu" else a.get(n)) for n in HYBRID_ARGS},
+        hybrid_args={n: a.get(n) for n in HYBRID_ARGS},
     )
 
 

@@ -8,8 +8,8 @@ embeddings ``"none"`` as NemotronH has) plus
 * ``hybrid_override_pattern``: one symbol per layer (Megatron's name): ``M`` Mamba, ``*``
   attention, ``-`` MLP, ``E`` MoE;
 * ``hybrid_args``: {trainer argument: value} of the hybrid model's settings beyond the GPT ones
-  (:data:`HYBRID_ARGS`: the ``--mamba-*`` sizes, ``--squared-relu`` and the MoE layers' sizes and
-  router), which the core saver passes on as flags.
+  (:data:`HYBRID_ARGS`: the ``--mamba-*`` sizes and the MoE layers' sizes and router), which the
+  core saver passes on as flags.
 
 Messages: ``"embeddings"`` (``word embeddings``, and ``position embeddings`` when learned),
 then ``"transformer layer N"`` for every layer, carrying ``"layer kind"`` (:data:`LAYER_KINDS`:
@@ -37,7 +37,6 @@ HYBRID_ARGS = (
     "mamba_head_dim",
     "mamba_num_groups",
     "mamba_num_heads",
-    "squared_relu",
     "moe_ffn_hidden_size",
     "moe_shared_expert_intermediate_size",
     "moe_router_score_function",

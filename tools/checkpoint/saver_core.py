@@ -103,6 +103,8 @@ def model_flags(md, tp: int, pp: int, vpp, ep: int = 1) -> list:
     flags += ["--normalization", md.normalization, "--norm-epsilon", md.norm_epsilon]
     if md.swiglu:
         flags += ["--swiglu"]
+    if md.activation == "squared_relu":
+        flags += ["--squared-relu"]
     if not md.linear_bias:
         flags += ["--disable-bias-linear"]
         if md.qkv_bias:
