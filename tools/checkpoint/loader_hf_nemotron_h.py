@@ -94,10 +94,7 @@ def load_checkpoint(queue, args, alive=None):
         md.kv_channels,
         md.num_experts or 0,
     )
-    try:
-        ours = megatron_from_hf(hf, shape)
-    except ConversionError:
-        raise
+    ours = megatron_from_hf(hf, shape)  # a missing tensor: ConversionError naming it
     if md.output_layer and "output_layer.weight" not in ours:
         raise ConversionError(
             f"{args.load_dir}: tie_word_embeddings is false but there is no lm_head.weight"
