@@ -268,7 +268,8 @@ def config_from_trainer_args(args: dict) -> dict:
     config = dict(
         model_type="nemotron_h",
         architectures=["NemotronHForCausalLM"],
-        hybrid_override_pattern=args["hybrid_override_pattern"],
+        # NemotronH has no pipeline-stage boundaries (|)
+        hybrid_override_pattern=args["hybrid_override_pattern"].replace("|", ""),
         hidden_size=args["hidden_size"],
         intermediate_size=args["ffn_hidden_size"],
         num_attention_heads=args["num_attention_heads"],
