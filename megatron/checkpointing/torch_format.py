@@ -35,7 +35,7 @@ from .layout import (
     find_iteration_dir,
 )
 from .saved_args import checkpoint_args
-from .tp_shards import EXPERT, LAYER, merge_shards, split_full
+from .tp_shards import EXPERT, LAYER, mamba_part_sizes, merge_shards, split_full
 
 
 def layer_split_from_args(args, num_layers: int, pp: int, vpp: Optional[int]):
@@ -139,6 +139,7 @@ class TorchCheckpointReader:
                     f"{ours} ranks in that dimension"
                 )
         self.swiglu = bool(getattr(self.args, "swiglu", False))
+        self.parts = mamba_part_sizes(self.args)
         chunk_keys = sorted(k for k in first if re.fullmatch(r"model\d*", k))
         if chunk_keys == ["model"]:
             self.chunk_keys = ["model"]
@@ -206,7 +207,7 @@ class TorchCheckpointReader:
         if name not in self._index:
             raise ConversionError(f"{self.iteration_dir}: no tensor '{name}' in the checkpoint")
         shards = [self.files[f][c][local] for f, c, local in self._index[name]]
-        return merge_shards(name, shards, self.swiglu)
+        return merge_shards(name, shards, self.swiglu, self.parts)
 
 
 class TorchCheckpointWriter:
@@ -228,6 +229,7 @@ class TorchCheckpointWriter:
         self.release = release
         self.dtype = dtype
         self.swiglu = swiglu
+        self.parts = mamba_part_sizes(args)
         self.tp = args.tensor_model_parallel_size
         self.pp = args.pipeline_model_parallel_size
         vpp = args.virtual_pipeline_model_parallel_size
@@ -272,7 +274,7 @@ class TorchCheckpointWriter:
                 places.append((last[0], last[1], "output_layer.weight"))
         else:  # the final norm, the output layer and any head: the last stage's
             places = [(last[0], last[1], name)]
-        shards = split_full(name, tensor, self.tp, self.swiglu)
+        shards = split_full(name, tensor, self.tp, self.swiglu, self.parts)
         expert = EXPERT.match(places[0][2])
         for p, c, local in places:
             for t in range(self.tp):

@@ -13,7 +13,13 @@ row-parallel layers dim 1, SwiGLU's fc1 ([gate; up]) dim 0 with stride 2 (rank r
 [gate_r; up_r]). Norms, row-parallel biases, position embeddings, routers and the heads built
 from plain layers (each model class names them in its ``TP_REPLICATED_PREFIXES``) are held
 whole by every rank. An MoE expert's linear layers split like the dense MLP's, over its
-expert-tensor-parallel ranks.
+expert-tensor-parallel ranks; the shared expert like the dense MLP.
+
+A Mamba mixer (``megatron.core.ssm.mamba_mixer``) splits its heads and groups: ``dt_bias``,
+``A_log``, ``D``, ``norm.weight`` along dim 0, ``out_proj`` along dim 1, and ``in_proj`` ([z, x, B,
+C, dt]) and ``conv1d`` ([x, B, C]) part by part (:data:`PARTED`: rank r holds its piece of every
+part, ``mamba_mixer.shard_parts``), which needs the part sizes of the model
+(:func:`mamba_part_sizes` of its args).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import functools
 import importlib
 import pkgutil
 import re
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -39,12 +45,14 @@ EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+
 class TPSplit(NamedTuple):
     dim: Optional[int]  # None: every tensor-parallel rank holds the whole tensor
     stride: int = 1
+    parted: bool = False  # parts of different sizes, each split over TP (Mamba's in_proj)
 
 
 REPLICATED = TPSplit(None)
 COLUMN = TPSplit(0)
 ROW = TPSplit(1)
 GATED_COLUMN = TPSplit(0, 2)
+PARTED = TPSplit(0, 1, True)
 
 # Inside a layer (or an expert, as "mlp.<name>"), or outside the layers: the split by name.
 _SPLITS = {
@@ -61,8 +69,23 @@ _SPLITS = {
     "mlp.linear_fc2.weight": ROW,
     "embedding.position_embeddings.weight": REPLICATED,
     "mlp.router.weight": REPLICATED,
+    "mlp.router.expert_bias": REPLICATED,
+    "mlp.shared_experts.linear_fc2.weight": ROW,
+    # A Mamba layer: its pre-norm and mixer.
+    "norm.weight": REPLICATED,
+    "norm.bias": REPLICATED,
+    "mixer.in_proj.weight": PARTED,
+    "mixer.conv1d.weight": PARTED,
+    "mixer.conv1d.bias": PARTED,
+    "mixer.dt_bias": COLUMN,
+    "mixer.A_log": COLUMN,
+    "mixer.D": COLUMN,
+    "mixer.norm.weight": COLUMN,
+    "mixer.out_proj.weight": ROW,
+    "decoder.final_norm.weight": REPLICATED,  # the hybrid stack's final norm
+    "decoder.final_norm.bias": REPLICATED,
 }
-_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.shared_experts.linear_fc1.weight")
 # The vocab-parallel output layer, also inside a head (T5's lm_head.output_layer).
 _OUTPUT_LAYER = ("output_layer.weight", "output_layer.bias")
 _REPLICATED_SUFFIXES = ("layernorm.weight", "layernorm.bias", "linear_proj.bias", "linear_fc2.bias")
@@ -103,21 +126,78 @@ def tp_split(name: str, swiglu: bool) -> TPSplit:
     )
 
 
-def merge_shards(name: str, shards: List[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    """The global tensor from every TP rank's shard (in rank order)."""
+def mamba_part_sizes(args) -> Optional[Dict[str, List[int]]]:
+    """{mixer tensor name: its full part sizes} of a hybrid model's args (None without Mamba
+    settings), as the mixer builds them: in_proj [z, x, B, C, dt], conv1d [x, B, C]."""
+    head_dim = getattr(args, "mamba_head_dim", None)
+    if head_dim is None or getattr(args, "mamba_state_dim", None) is None:
+        return None
+    heads = getattr(args, "mamba_num_heads", None)
+    d_inner = heads * head_dim if heads else 2 * args.hidden_size
+    heads = heads or d_inner // head_dim
+    gn = args.mamba_num_groups * args.mamba_state_dim
+    conv = [d_inner, gn, gn]
+    return {
+        "mixer.in_proj.weight": [d_inner, d_inner, gn, gn, heads],
+        "mixer.conv1d.weight": conv,
+        "mixer.conv1d.bias": conv,
+    }
+
+
+def _part_sizes(name: str, parts: Optional[Dict[str, List[int]]]) -> List[int]:
+    local = LAYER.sub(r"\3", name)
+    if not parts or local not in parts:
+        raise ConversionError(
+            f"'{name}' is split part by part over TP, but the checkpoint's args give no Mamba "
+            "sizes (--mamba-state-dim / --mamba-head-dim ...)"
+        )
+    return parts[local]
+
+
+def merge_shards(
+    name: str,
+    shards: List[torch.Tensor],
+    swiglu: bool,
+    parts: Optional[Dict[str, List[int]]] = None,
+) -> torch.Tensor:
+    """The global tensor from every TP rank's shard (in rank order); ``parts``: the model's
+    :func:`mamba_part_sizes`."""
     split = tp_split(name, swiglu)
     if split.dim is None or len(shards) == 1 and split.stride == 1:
         return shards[0]
+    if split.parted:
+        local = [size // len(shards) for size in _part_sizes(name, parts)]
+        pieces = [torch.split(shard, local, dim=split.dim) for shard in shards]
+        return torch.cat(
+            [torch.cat([p[i] for p in pieces], dim=split.dim) for i in range(len(local))],
+            dim=split.dim,
+        )
     return full_from_shards(shards, split.dim, split.stride)
 
 
-def split_full(name: str, tensor: torch.Tensor, tp: int, swiglu: bool) -> List[torch.Tensor]:
+def split_full(
+    name: str,
+    tensor: torch.Tensor,
+    tp: int,
+    swiglu: bool,
+    parts: Optional[Dict[str, List[int]]] = None,
+) -> List[torch.Tensor]:
     """Every TP rank's shard of the global tensor (new tensors, except where held whole)."""
     split = tp_split(name, swiglu)
     if split.dim is None:
         return [tensor] * tp
     if tp == 1:
         return [tensor]
+    if split.parted:
+        from megatron.core.ssm.mamba_mixer import shard_parts
+
+        sizes = _part_sizes(name, parts)
+        if sum(sizes) != tensor.shape[split.dim] or any(s % tp for s in sizes):
+            raise ConversionError(
+                f"'{name}' of shape {tuple(tensor.shape)} cannot be split part by part "
+                f"({sizes}) into {tp} tensor-parallel shards"
+            )
+        return [shard_parts(tensor, split.dim, sizes, rank, tp) for rank in range(tp)]
     if tensor.shape[split.dim] % (tp * split.stride) != 0:
         raise ConversionError(
             f"'{name}' of shape {tuple(tensor.shape)} cannot be split into "

@@ -8,8 +8,9 @@ A loader plugin (module ``loader_<name>``) runs in this process and sends the mo
 ``multiprocessing.Queue``, one message at a time, to a saver plugin (``saver_<name>``) running in
 a child process; the messages are described in ``protocol.py``. Plugins: ``core`` (our torch-format
 checkpoints at any TP/PP, and torch_dist ones as a loader; ``mcore`` and ``megatron`` are aliases),
-``hf_gpt2`` (GPT-2) and ``hf_llama`` (Llama 2/3, Mistral, Qwen2). Everything runs on the CPU,
-offline.
+``hf_gpt2`` (GPT-2) and ``hf_llama`` (Llama 2/3, Mistral, Qwen2); for ``--model-type MAMBA``
+(hybrid models, ``protocol_hybrid.py``) ``core`` and ``hf_nemotron_h`` (NemotronH). Everything runs
+on the CPU, offline.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ if _ROOT not in sys.path:
 from protocol import ConversionError, put  # noqa: E402
 
 _ALIASES = {"megatron": "core", "mcore": "core", "legacy": "core"}
-PLUGINS = ("core", "hf_gpt2", "hf_llama")
+PLUGINS = ("core", "hf_gpt2", "hf_llama", "hf_nemotron_h")
 
 
 def load_plugin(kind: str, name: str):
@@ -136,10 +137,25 @@ def parse(argv=None):
     loader.add_arguments(parser)
     saver.add_arguments(parser)
     args = parser.parse_args(argv)
+    check_model_type(
+        args.model_type, {"loader": (known.loader, loader), "saver": (known.saver, saver)}
+    )
     args.no_checking = not args.checking
     if os.path.abspath(args.load_dir) == os.path.abspath(args.save_dir):
         raise ConversionError("--save-dir must differ from --load-dir")
     return args, loader, saver
+
+
+def check_model_type(model_type: str, plugins: dict) -> None:
+    """Each plugin lists the --model-type values it converts in ``MEGATRON_MODEL_TYPES`` (GPT
+    when it does not say)."""
+    for kind, (name, module) in plugins.items():
+        types = getattr(module, "MEGATRON_MODEL_TYPES", ("GPT",))
+        if model_type not in types:
+            raise ConversionError(
+                f"--model-type {model_type}: the {name} {kind} converts {'/'.join(types)} "
+                "models only"
+            )
 
 
 def _run_saver(saver_name: str, q, args, status):

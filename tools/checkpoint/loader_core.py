@@ -10,6 +10,8 @@ from protocol import MLA_FIELDS, ConversionError, mla_shapes, new_metadata, put,
 
 from megatron.checkpointing.saved_args import saved_value
 
+MEGATRON_MODEL_TYPES = ("GPT", "MAMBA")  # --model-type values it converts
+
 
 def add_arguments(parser):
     group = parser.add_argument_group(title="core loader")
@@ -191,6 +193,21 @@ def send_model(queue, reader, md, alive=None) -> None:
     put(queue, "done", None, alive)
 
 
+def check_hybrid_model_type(args, a) -> bool:
+    """Whether the checkpoint is a hybrid (Mamba) model, which --model-type must say."""
+    from core_hybrid import is_hybrid
+
+    hybrid = is_hybrid(a)
+    wanted = getattr(args, "model_type", "GPT") == "MAMBA"
+    if hybrid != wanted:
+        raise ConversionError(
+            f"{args.load_dir} is {'a hybrid (Mamba)' if hybrid else 'not a hybrid'} checkpoint "
+            f"(hybrid_override_pattern in its args); use --model-type "
+            f"{'MAMBA' if hybrid else 'GPT'}"
+        )
+    return hybrid
+
+
 def load_checkpoint(queue, args, alive=None):
     if args.megatron_path:
         sys.path.insert(0, args.megatron_path)
@@ -203,12 +220,17 @@ def load_checkpoint(queue, args, alive=None):
     else:
         reader = TorchCheckpointReader(args.load_dir)
     a = reader.args
-    md = metadata_from_args(
-        a,
+    rest = (
         _true_vocab_size(args, a),
         reader.tp,
         reader.pp,
         None if reader.release else reader.checkpoint_iteration,
     )
+    if check_hybrid_model_type(args, a):
+        from core_hybrid import hybrid_metadata_from_args, load_hybrid
+
+        load_hybrid(queue, reader, hybrid_metadata_from_args(a, metadata_from_args, *rest), alive)
+        return
+    md = metadata_from_args(a, *rest)
     put_metadata(queue, md, alive)
     send_model(queue, reader, md, alive)

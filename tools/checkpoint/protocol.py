@@ -77,6 +77,9 @@ METADATA_FIELDS = (
     "num_experts",
     "moe_router_topk",
     "mla",
+    # hybrid (Mamba) models, see protocol_hybrid.py
+    "hybrid_override_pattern",
+    "hybrid_args",
 )
 
 # Multi-latent attention settings carried in ``md.mla`` (None: ordinary attention); the flag of
@@ -84,7 +87,7 @@ METADATA_FIELDS = (
 MLA_FIELDS = MLA_ARGS + ("latent_norms",)
 
 # Activations the protocol knows: what the MLP computes (Megatron's fused bias-GeLU is 'gelu_tanh').
-ACTIVATIONS = ("gelu_tanh", "gelu", "silu")
+ACTIVATIONS = ("gelu_tanh", "gelu", "silu", "squared_relu")
 
 
 def new_metadata(**values) -> argparse.Namespace:

@@ -21,6 +21,9 @@ from protocol import ConversionError, get_metadata, padded_vocab_size, receive_m
 _DTYPE_FLAGS = {torch.bfloat16: ["--bf16"], torch.float16: ["--fp16"], torch.float32: [], None: []}
 
 
+MEGATRON_MODEL_TYPES = ("GPT", "MAMBA")  # --model-type values it converts
+
+
 def add_arguments(parser):
     group = parser.add_argument_group(title="core saver")
     group.add_argument(
@@ -100,6 +103,8 @@ def model_flags(md, tp: int, pp: int, vpp, ep: int = 1) -> list:
     flags += ["--normalization", md.normalization, "--norm-epsilon", md.norm_epsilon]
     if md.swiglu:
         flags += ["--swiglu"]
+    if md.activation == "squared_relu":
+        flags += ["--squared-relu"]
     if not md.linear_bias:
         flags += ["--disable-bias-linear"]
         if md.qkv_bias:
@@ -240,13 +245,24 @@ def save_checkpoint(queue, args, alive=None):
     divisible_by = (
         args.target_make_vocab_size_divisible_by or md.make_vocab_size_divisible_by or 128
     )
-    flags = model_flags(md, tp, pp, vpp, ep)
-    tensors = receive_model(queue, md, not args.no_checking, alive)
+    hybrid = md.model_type == "MAMBA"
+    if hybrid:
+        from protocol_hybrid import hybrid_flags, receive_hybrid_model
+
+        flags = model_flags(md, tp, pp, vpp, ep) + hybrid_flags(md)
+        tensors = receive_hybrid_model(queue, md, not args.no_checking, alive)
+    else:
+        flags = model_flags(md, tp, pp, vpp, ep)
+        tensors = receive_model(queue, md, not args.no_checking, alive)
 
     source_rows = tensors["embedding.word_embeddings.weight"].shape[0]
     padded = padded_vocab_size(md.true_vocab_size or source_rows, divisible_by, tp)
     iteration = md.iteration or None
     margs = build_args(md, flags, padded, divisible_by, iteration)
+    if hybrid:
+        from core_hybrid import check_trainer_args
+
+        check_trainer_args(margs)
     dtype = md.params_dtype if isinstance(md.params_dtype, torch.dtype) else torch.float32
     writer = TorchCheckpointWriter(
         args.save_dir,

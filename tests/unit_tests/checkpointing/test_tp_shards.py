@@ -3,12 +3,16 @@ the trainer's (megatron.core.dist_checkpointing.model_state, from the layers' pa
 attributes), so that the two cannot drift apart.
 
 Tiny GPT (SwiGLU with biases, q/k layernorm, untied output), MoE (SwiGLU experts over expert TP),
-multi-latent attention (with and without the low-rank query), BERT and T5 models are built at TP=2
+multi-latent attention (with and without the low-rank query), hybrid Mamba (a Mamba-2 mixer, whose
+in_proj and conv1d split part by part, attention, a squared-ReLU MLP and an MoE layer with a shared
+expert and the router's expert bias), BERT and T5 models are built at TP=2
 in a 2-process gloo world. For every tensor, the global tensor the runtime's chunks assemble from
 both ranks must be what ``merge_shards`` makes of the two local tensors, and ``split_full`` of it
 must give each rank's local tensor back. The tensors the converters refuse are exactly T5's cross-
 attention ones (T5 checkpoints are not converted).
 """
+
+import argparse
 
 import torch
 import torch.distributed as dist
@@ -18,8 +22,10 @@ from megatron.checkpointing.errors import ConversionError
 from megatron.checkpointing.tp_shards import (
     COLUMN,
     GATED_COLUMN,
+    PARTED,
     REPLICATED,
     ROW,
+    mamba_part_sizes,
     merge_shards,
     split_full,
     tp_split,
@@ -32,6 +38,9 @@ from megatron.core.models.T5.t5_spec import (
 from tests.unit_tests.dist_utils import run_distributed
 
 TP = 2
+MAMBA = dict(mamba_state_dim=4, mamba_head_dim=4, mamba_num_groups=2, mamba_num_heads=4)
+# The Mamba sizes the converters take from a checkpoint's args.
+PARTS = {"mamba": mamba_part_sizes(argparse.Namespace(hidden_size=32, **MAMBA))}
 
 
 def _config(**overrides):
@@ -77,7 +86,9 @@ def _models(state):
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.mamba import MambaModel
     from megatron.core.models.T5.t5_model import T5Model
+    from megatron.core.transformer.utils import squared_relu
 
     swiglu = dict(gated_linear_unit=True, activation_func=F.silu)
     return {
@@ -130,6 +141,27 @@ def _models(state):
                 pg_collection=state,
             ),
             True,
+        ),
+        "mamba": (
+            lambda: MambaModel(
+                _config(
+                    **MAMBA,
+                    activation_func=squared_relu,
+                    add_bias_linear=False,
+                    num_moe_experts=4,
+                    moe_router_topk=2,
+                    moe_shared_expert_intermediate_size=32,
+                    moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True,
+                    sequence_parallel=True,
+                    num_layers=4,
+                ),
+                vocab_size=64,
+                max_sequence_length=16,
+                hybrid_override_pattern="M*-E",
+                pg_collection=state,
+            ),
+            False,
         ),
         "bert": (
             lambda: BertModel(
@@ -207,12 +239,12 @@ def _compare(rank, world_size):
             kinds[family].add(split)
             full = _assemble(key, parts)
             locals_ = [p[0] for p in parts]
-            merged = merge_shards(key, locals_, swiglu)
+            merged = merge_shards(key, locals_, swiglu, PARTS.get(family))
             assert merged.shape == full.shape and torch.equal(merged, full), (
                 f"{family} {key}: the converters merge the TP shards as {split}, which is not "
                 f"the tensor the trainer's sharding describes"
             )
-            for r, shard in enumerate(split_full(key, full, TP, swiglu)):
+            for r, shard in enumerate(split_full(key, full, TP, swiglu, PARTS.get(family))):
                 assert shard.shape == locals_[r].shape and torch.equal(shard, locals_[r]), (
                     f"{family} {key}: the converters' TP rank {r} shard ({split}) is not the "
                     "trainer's"
@@ -228,6 +260,7 @@ def _compare(rank, world_size):
         "moe": set(),
         "mla": set(),
         "mla-full-q": set(),
+        "mamba": set(),
         "bert": set(),
         "t5": t5_refused,
     }, refused
@@ -235,6 +268,7 @@ def _compare(rank, world_size):
     assert kinds["gpt"] == {COLUMN, ROW, GATED_COLUMN, REPLICATED}, kinds
     assert kinds["moe"] == {COLUMN, ROW, GATED_COLUMN, REPLICATED}, kinds
     assert kinds["mla"] == kinds["mla-full-q"] == {COLUMN, ROW, GATED_COLUMN, REPLICATED}, kinds
+    assert kinds["mamba"] == {COLUMN, ROW, PARTED, REPLICATED}, kinds
     assert kinds["bert"] == kinds["t5"] == {COLUMN, ROW, REPLICATED}, kinds
 
 

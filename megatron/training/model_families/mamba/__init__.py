@@ -105,5 +105,5 @@ SPEC = TrainSpec(
         "mamba_num_heads",
     ),
     check_own_args=check_args,
-    checkpoint_converter=None,
+    checkpoint_converter="plugins",  # tools/checkpoint: --model-type MAMBA, protocol_hybrid.py
 )

@@ -1,7 +1,8 @@
 """Hybrid Mamba models and transformers' ``NemotronHForCausalLM``: the same weights (converted
 by tools/checkpoint/hf_nemotron_h.py) give logits within 1e-4 (float32; Mamba, attention with
-grouped queries and a squared-ReLU MLP, a sequence longer than transformers' scan chunk), and the
-conversion both ways returns every tensor bit for bit."""
+grouped queries, a squared-ReLU MLP and an MoE layer with NemotronH's sigmoid router (expert bias,
+two expert groups, a scaling factor, a shared expert), a sequence longer than transformers' scan
+chunk), and the conversion both ways returns every tensor bit for bit."""
 
 import os
 import sys
@@ -20,7 +21,8 @@ sys.path.insert(0, os.path.join(_REPO, "tools", "checkpoint"))
 
 from hf_nemotron_h import Shape, hf_from_megatron, megatron_from_hf  # noqa: E402
 
-PATTERN, VOCAB = "M*-M", 64
+PATTERN, VOCAB = "M*EM-E", 64  # each half (a PP2 stage) has M and E
+EXPERTS = 4
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8
 
 
@@ -41,12 +43,24 @@ def hf_model():
         chunk_size=4,
         tie_word_embeddings=False,
         layer_norm_epsilon=1e-5,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
     )
     model = NemotronHForCausalLM(config).eval()
     with torch.no_grad():  # move the norms and D away from their ones so they are tested
         for name, param in model.named_parameters():
             if name.endswith(("norm.weight", "norm_f.weight", ".D")):
                 param.add_(0.3 * torch.randn_like(param))
+        for i, symbol in enumerate(PATTERN):  # routers that pick by more than their init
+            if symbol == "E":
+                gate = model.model.layers[i].mixer.gate
+                gate.weight.normal_(0, 0.5)
+                gate.e_score_correction_bias.normal_(0, 0.2)
     return model
 
 
@@ -68,13 +82,22 @@ def our_model():
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        num_moe_experts=EXPERTS,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=24,
+        moe_shared_expert_intermediate_size=40,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.5,
     )
     return MambaModel(
         config, vocab_size=VOCAB, max_sequence_length=64, hybrid_override_pattern=PATTERN
     ).eval()
 
 
-SHAPE = Shape(PATTERN, HEADS, GROUPS, HEAD_DIM)
+SHAPE = Shape(PATTERN, HEADS, GROUPS, HEAD_DIM, EXPERTS)
 
 
 def test_logits_match_transformers_nemotron_h():
