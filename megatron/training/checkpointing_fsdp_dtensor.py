@@ -116,9 +116,9 @@ def save_checkpoint_fsdp_dtensor(
     then the tracker moves: an interrupted save leaves the previous checkpoint current."""
     state = run.parallel_state
     save_dir = args.save
+    # (--async-save is refused with this format at start-up: flags/policy.py.)
     print_rank_0(
         f"saving checkpoint at iteration {iteration:7d} to {save_dir} in fsdp_dtensor format"
-        + (" (synchronously: --async-save is not supported by it here)" if args.async_save else "")
     )
     chunks, entries, by_param = _sharded_model(model, state, megatron_layout=False)
     _single_chunk(chunks)

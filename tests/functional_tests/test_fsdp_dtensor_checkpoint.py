@@ -117,10 +117,13 @@ def test_conversion_to_and_from_torch_dist_resumes(tmp_path, capfd):
     """torch_dist -> fsdp_dtensor with Megatron-LM's tool name (offline), fsdp_dtensor ->
     torch_dist with --ckpt-convert-format (a run); each resumes with the straight run's losses.
     Either format given to the other's --ckpt-format is refused in one line."""
-    received, _ = _train(GPT + ["--ckpt-format", "torch_dist"] + _save(tmp_path / "td"))
+    # bf16: the fp32 main weights (torch_dist's optimizer.state.fp32_param.*) become the
+    # fsdp_dtensor model weights, as Megatron-FSDP's, and are read back into the main weights.
+    gpt = GPT + ["--bf16"]
+    received, _ = _train(gpt + ["--ckpt-format", "torch_dist"] + _save(tmp_path / "td"))
     straight = _losses(received)
     with pytest.raises(SystemExit, match="1"):
-        _train(GPT + _fsdp("optim") + _load(tmp_path / "td"))
+        _train(gpt + _fsdp("optim") + _load(tmp_path / "td"))
     assert (
         "is a torch_dist-format checkpoint but --ckpt-format is fsdp_dtensor: pass "
         "--ckpt-format torch_dist or --auto-detect-ckpt-format, or convert it"
@@ -137,13 +140,13 @@ def test_conversion_to_and_from_torch_dist_resumes(tmp_path, capfd):
         )
         == 0
     )
-    received, _ = _train(GPT + _fsdp("optim") + _load(tmp_path / "fsdp"))
+    received, _ = _train(gpt + _fsdp("optim") + _load(tmp_path / "fsdp"))
     _assert_same(_losses(received), straight)
 
     back = ["--ckpt-convert-format", "torch_dist", "--ckpt-convert-save", str(tmp_path / "back")]
     with pytest.raises(SystemExit, match="0"):
-        _train(GPT + _fsdp("optim") + _load(tmp_path / "fsdp") + back)
+        _train(gpt + _fsdp("optim") + _load(tmp_path / "fsdp") + back)
     # Converted by a run with the distributed optimizer (optim): read back by one.
     torch_dist = ["--ckpt-format", "torch_dist", "--use-distributed-optimizer"]
-    received, _ = _train(GPT + torch_dist + _load(tmp_path / "back" / "torch_dist"))
+    received, _ = _train(gpt + torch_dist + _load(tmp_path / "back" / "torch_dist"))
     _assert_same(_losses(received), straight)
