@@ -110,9 +110,31 @@ def find_iteration_dir(load_dir: str) -> Tuple[str, Optional[int], bool]:
 
 
 # ------------------------------------------------------------------------------ formats
+# Megatron-LM's fsdp_dtensor checkpoints key the model weights so (the unwrapped model is its
+# Megatron-FSDP module, whose state dict prefixes "module."; the default of its converter
+# tools/checkpoint/checkpoint_inspector.py, --output-model-weight-prefix).
+FSDP_DTENSOR_MODEL_PREFIX = "model.module."
+
+
+def is_fsdp_dtensor_checkpoint(directory: str) -> bool:
+    """A bare DCP directory (``.metadata``, no metadata.json) holding Megatron-LM's fsdp_dtensor
+    keys (Megatron's ``_get_checkpoint_format`` takes any bare DCP directory for fsdp_dtensor
+    under Megatron-FSDP; a torch_dist save that did not finish has no ``model.`` keys)."""
+    from megatron.core.dist_checkpointing import read_dcp_metadata
+
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        return False
+    try:
+        keys = read_dcp_metadata(directory).state_dict_metadata
+    except Exception:  # an unreadable .metadata is not this format: the caller says what it is
+        return False
+    return any(k.startswith(FSDP_DTENSOR_MODEL_PREFIX) for k in keys)
+
+
 def detect_format(directory: str) -> Optional[str]:
-    """``torch_dist`` (a complete metadata.json), ``torch`` (mp_rank_* entries), or None
-    (Megatron's rule)."""
+    """``torch_dist`` (a complete metadata.json), ``torch`` (mp_rank_* entries),
+    ``fsdp_dtensor`` (Megatron-LM's bare DCP layout of that format), or None (Megatron's
+    rule)."""
     # Imported here, as below: the converter plugins that only name files load no DCP code.
     from megatron.core.dist_checkpointing import is_distributed_checkpoint
 
@@ -122,6 +144,8 @@ def detect_format(directory: str) -> Optional[str]:
         return "torch_dist"
     if any(name.startswith("mp_rank_0") for name in os.listdir(directory)):
         return "torch"
+    if is_fsdp_dtensor_checkpoint(directory):
+        return "fsdp_dtensor"
     return None
 
 
@@ -137,20 +161,16 @@ def format_to_load(args, directory: str) -> str:
             )
         if os.path.isfile(os.path.join(directory, ".metadata")):
             raise CheckpointError(
-                f"{directory} has no metadata.json: its torch_dist save did not finish"
-                + (
-                    ", or it is Megatron-LM's own fsdp_dtensor layout (a bare DCP directory), "
-                    "which is not read here"
-                    if args.ckpt_format == "fsdp_dtensor"
-                    else ""
-                )
+                f"{directory} has no metadata.json and no fsdp_dtensor model keys: its "
+                "torch_dist save did not finish"
             )
         raise CheckpointError(
-            f"{directory} holds neither a torch_dist (metadata.json) nor a torch-format "
-            "(mp_rank_*) checkpoint"
+            f"{directory} holds neither a torch_dist (metadata.json), a torch-format "
+            "(mp_rank_*) nor an fsdp_dtensor (model.module.* keys) checkpoint"
         )
-    # --ckpt-format fsdp_dtensor (Megatron-FSDP) is written in the torch_dist layout here.
-    wanted = "torch_dist" if args.ckpt_format == "fsdp_dtensor" else args.ckpt_format
+    # Megatron-LM reads neither torch_dist as fsdp_dtensor nor the reverse (its
+    # checkpoint_inspector.py converts them): one line saying so, unless asked to detect.
+    wanted = args.ckpt_format
     if (
         found == wanted
         or getattr(args, "auto_detect_ckpt_format", False)
@@ -160,6 +180,11 @@ def format_to_load(args, directory: str) -> str:
     raise CheckpointError(
         f"{directory} is a {found}-format checkpoint but --ckpt-format is {wanted}: pass "
         f"--ckpt-format {found} or --auto-detect-ckpt-format"
+        + (
+            f", or convert it (--ckpt-convert-format {wanted} --ckpt-convert-save DIR)"
+            if "fsdp_dtensor" in (found, wanted)
+            else ""
+        )
     )
 
 

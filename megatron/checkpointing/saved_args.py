@@ -183,6 +183,15 @@ def read_checkpoint_args(load_dir: str, ckpt_step=None):
             return load_common(directory, safe_globals=[argparse.Namespace]).get("args")
         except CheckpointingError as exc:
             raise CheckpointError(str(exc)) from None
+    if fmt == "fsdp_dtensor":  # its args are one plain object of the DCP directory
+        from megatron.core.dist_checkpointing import CheckpointingError, PlainObject, load_shards
+
+        request = PlainObject("args", None, read_back=True)
+        try:
+            load_shards({"args": request}, directory, bare_dcp=True)
+        except CheckpointingError as exc:
+            raise CheckpointError(str(exc)) from None
+        return request.data
     if fmt == "torch":
         first = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))[0]
         return load_torch_file(os.path.join(directory, first, "model_optim_rng.pt")).get("args")

@@ -70,12 +70,12 @@ from .checkpointing_dist import (
     maybe_finalize_async_save,
     save_checkpoint_dist,
 )
+from .checkpointing_fsdp_dtensor import load_checkpoint_fsdp_dtensor, save_checkpoint_fsdp_dtensor
 from .frozen_args import replace_args
 from .run import Run
 from .utils import get_rank, print_rank_0
 
-# fsdp_dtensor (Megatron-FSDP) is written by the torch_dist writer, in its layout (README
-# "Memory options"): the state is the same global, reshardable tensors under the same names.
+# fsdp_dtensor (Megatron-FSDP's): Megatron-LM's own layout, see .checkpointing_fsdp_dtensor.
 SAVE_FORMATS = ("torch_dist", "torch", "fsdp_dtensor")
 detect_checkpoint_format = detect_format  # the name it has here (tests call it so)
 
@@ -170,7 +170,24 @@ def save_checkpoint(
             f"--ckpt-format {args.ckpt_format} is not supported (use torch_dist or torch)"
         )
     maybe_finalize_async_save(blocking=True, run=run)
-    if args.ckpt_format in ("torch_dist", "fsdp_dtensor"):
+    if args.ckpt_format == "fsdp_dtensor":
+        if rerun_state is not None:
+            print_rank_0(
+                "RerunStateMachine checkpoints ONLY SUPPORTED for checkpoint format torch_dist"
+            )
+        timers("save-checkpoint", log_level=0).start(barrier=True)
+        save_checkpoint_fsdp_dtensor(
+            iteration,
+            model,
+            optimizer,
+            opt_param_scheduler,
+            num_floating_point_operations_so_far,
+            run=run,
+            args=args,
+        )
+        timers("save-checkpoint").stop(barrier=True)
+        return
+    if args.ckpt_format == "torch_dist":
         timers("save-checkpoint", log_level=0).start(barrier=True)
         save_checkpoint_dist(
             iteration,
@@ -373,6 +390,23 @@ def load_checkpoint(
             f" loading checkpoint from {load_dir} at iteration {iteration} (torch_dist format)"
         )
         iteration, flops, _ = load_checkpoint_dist(
+            model,
+            optimizer,
+            opt_param_scheduler,
+            load_dir,
+            iteration,
+            release,
+            run=run,
+            load_optim=load_optim,
+            load_rng=load_rng,
+        )
+        print_loaded_checkpoint(load_dir, iteration, state)
+        return iteration, flops
+    if fmt == "fsdp_dtensor":
+        print_rank_0(
+            f" loading checkpoint from {load_dir} at iteration {iteration} (fsdp_dtensor format)"
+        )
+        iteration, flops = load_checkpoint_fsdp_dtensor(
             model,
             optimizer,
             opt_param_scheduler,

@@ -10,7 +10,14 @@ torch.distributed.checkpoint, readable at any parallel layout.
 * :mod:`.async_save` -- writing in a background thread.
 """
 
-from .mapping import Chunk, ShardedObject, ShardedTensor, replicated, tensor_parallel_sharded
+from .mapping import (
+    Chunk,
+    PlainObject,
+    ShardedObject,
+    ShardedTensor,
+    replicated,
+    tensor_parallel_sharded,
+)
 from .model_state import model_sharded_state_dict, spread_writes
 from .optimizer_state import (
     OptimizerLoad,
@@ -41,6 +48,7 @@ from .serialization import (
 
 __all__ = [
     "Chunk",
+    "PlainObject",
     "ShardedObject",
     "ShardedTensor",
     "replicated",

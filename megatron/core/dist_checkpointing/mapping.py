@@ -129,6 +129,28 @@ class ShardedObject:
         return self.unique_key
 
 
+@dataclass
+class PlainObject:
+    """A picklable object stored under its key alone, as torch.distributed.checkpoint's own
+    planners store a non-tensor value (``torch.save`` of the value itself): the form of
+    Megatron-LM's fsdp_dtensor checkpoints (``args``, ``iteration``, ...)."""
+
+    key: str
+    data: object
+    replica: bool = False
+    """True when another rank saves the same object."""
+    read_back: bool = False
+    """True: loading replaces :attr:`data` with the saved object."""
+
+    @property
+    def unique_key(self) -> str:
+        return self.key
+
+    @property
+    def name(self) -> str:
+        return self.key
+
+
 def replicated(key: str, tensor: torch.Tensor, replica: bool = False) -> ShardedTensor:
     """A tensor every rank holds whole."""
     shape = tuple(tensor.shape)

@@ -264,13 +264,21 @@ def load_optimizer_common_state(optimizer, common: Dict[str, Any]) -> int:
 
 def _set_steps(optimizer, step: int) -> None:
     for group in optimizer.param_groups:
+        # torch's Adam keeps the step on the parameter's device when fused or capturable (its
+        # fused kernel refuses a host step: seen on a GPU resuming into fresh state), else on
+        # the host.
+        on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             state = optimizer.optimizer.state.get(p)
             if state is None:
                 continue
             old = state.get("step")
             dtype = old.dtype if torch.is_tensor(old) else torch.float32
-            device = old.device if torch.is_tensor(old) else torch.device("cpu")
+            device = (
+                old.device
+                if torch.is_tensor(old)
+                else (p.device if on_device else torch.device("cpu"))
+            )
             state["step"] = torch.tensor(float(step), dtype=dtype, device=device)
 
 

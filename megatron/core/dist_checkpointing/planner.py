@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .mapping import Chunk, ShardedObject, ShardedTensor
+from .mapping import Chunk, PlainObject, ShardedObject, ShardedTensor
 
 _MAX_LISTED = 5
 
@@ -81,11 +81,15 @@ def megatron_state_globals() -> list:
     return _numpy_globals() + [RerunMode, RerunState, RerunDiagnostic, Call, Caller]
 
 
-def load_object(buffer: io.BytesIO, key: str):
-    """The object saved under ``key`` (megatron-core stores a one-element list per key), read
-    with ``weights_only=True``: tensors, plain values and :func:`megatron_state_globals` only."""
+def load_object(buffer: io.BytesIO, key: str, in_list: bool = True):
+    """The object saved under ``key`` (megatron-core stores a one-element list per key;
+    ``in_list`` False: the value itself, as DCP's own planners store it), read with
+    ``weights_only=True``: tensors, plain values, argparse.Namespace (the saved args) and
+    :func:`megatron_state_globals` only."""
+    import argparse
+
     try:
-        with torch.serialization.safe_globals(megatron_state_globals()):
+        with torch.serialization.safe_globals([argparse.Namespace, *megatron_state_globals()]):
             saved = torch.load(buffer, map_location="cpu", weights_only=True)
     except Exception as exc:  # weights_only refusals and damaged bytes raise several types
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -93,6 +97,8 @@ def load_object(buffer: io.BytesIO, key: str):
         reason = next((line for line in lines if "Unsupported global" in line), None)
         reason = reason or (lines[0] if lines else type(exc).__name__)
         raise ValueError(f"{key}: cannot read the object safely ({reason})") from None
+    if not in_list:
+        return saved
     if not isinstance(saved, list) or len(saved) != 1:
         raise ValueError(f"{key}: expected a list of one object, got {type(saved).__name__}")
     return saved[0]
@@ -206,12 +212,14 @@ class ShardedSavePlanner(SavePlanner):
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         for key, value in state_dict.items():
-            if not isinstance(value, (ShardedTensor, ShardedObject)):
+            if not isinstance(value, (ShardedTensor, ShardedObject, PlainObject)):
                 raise TypeError(f"{key}: expected a ShardedTensor, got {type(value).__name__}")
         self.state_dict: Dict[str, Union[ShardedTensor, ShardedObject]] = state_dict
         self._chunks = chunk_index(state_dict)
         self._objects = {
-            v.unique_key: v for v in state_dict.values() if isinstance(v, ShardedObject)
+            v.unique_key: v
+            for v in state_dict.values()
+            if isinstance(v, (ShardedObject, PlainObject))
         }
         self.is_coordinator = is_coordinator
 
@@ -220,7 +228,7 @@ class ShardedSavePlanner(SavePlanner):
         for sharded in self.state_dict.values():
             if sharded.replica:
                 continue
-            if isinstance(sharded, ShardedObject):
+            if isinstance(sharded, (ShardedObject, PlainObject)):
                 items.append(
                     WriteItem(index=MetadataIndex(sharded.unique_key), type=WriteItemType.BYTE_IO)
                 )
@@ -259,7 +267,8 @@ class ShardedSavePlanner(SavePlanner):
             buffer = io.BytesIO()
             # megatron-core stores, under an object's unique key, the list of the objects its
             # rank holds for that key (one): it reads back a list.
-            torch.save([self._objects[write_item.index.fqn].data], buffer)
+            obj = self._objects[write_item.index.fqn]
+            torch.save(obj.data if isinstance(obj, PlainObject) else [obj.data], buffer)
             buffer.seek(0)
             return buffer
         sharded, chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
@@ -276,7 +285,9 @@ class ShardedLoadPlanner(LoadPlanner):
         tensors = {k: v for k, v in state_dict.items() if isinstance(v, ShardedTensor)}
         self._chunks = chunk_index(tensors)
         self._objects = {
-            v.unique_key: v for v in state_dict.values() if isinstance(v, ShardedObject)
+            v.unique_key: v
+            for v in state_dict.values()
+            if isinstance(v, (ShardedObject, PlainObject))
         }
         self.metadata = metadata
         self.is_coordinator = is_coordinator
@@ -298,7 +309,7 @@ class ShardedLoadPlanner(LoadPlanner):
                 )
             )
         for sharded in self.state_dict.values():
-            if isinstance(sharded, ShardedObject):
+            if isinstance(sharded, (ShardedObject, PlainObject)):
                 continue
             key = sharded.key
             md = self.metadata.state_dict_metadata.get(key)
@@ -326,7 +337,8 @@ class ShardedLoadPlanner(LoadPlanner):
         key = read_item.dest_index.fqn
         if key not in self._objects:
             raise ValueError(f"{key}: unexpected non-tensor entry in the checkpoint")
-        self._objects[key].data = load_object(value, key)
+        obj = self._objects[key]
+        obj.data = load_object(value, key, in_list=not isinstance(obj, PlainObject))
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         sharded, chunk = self._chunks[

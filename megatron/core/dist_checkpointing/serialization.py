@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .mapping import ShardedObject, ShardedTensor
+from .mapping import PlainObject, ShardedObject, ShardedTensor
 from .planner import (
     ShardedLoadPlanner,
     ShardedSavePlanner,
@@ -387,6 +387,7 @@ def load_shards(
     process_group=None,
     strictness: StrictHandling = StrictHandling.ASSUME_OK_UNEXPECTED,
     counts_as_unexpected: Optional[Callable[[str], bool]] = None,
+    bare_dcp: bool = False,
 ) -> LoadResult:
     """Read the chunks every rank holds from ``directory`` into the local tensors, in place (a
     collective over ``process_group``, default the world).
@@ -396,12 +397,14 @@ def load_shards(
     optimizer state when the optimizer is not being loaded). Every rank raises the same
     :class:`CheckpointingError`, listing the first mismatches, or none does.
     :class:`ShardedObject` entries are read into their ``data`` when marked ``read_back`` (a
-    missing one counts as a missing key), and left alone otherwise (``_extra_state``).
+    missing one counts as a missing key), and left alone otherwise (``_extra_state``); so are
+    :class:`PlainObject` entries. ``bare_dcp``: ``directory`` is a plain DCP directory without
+    metadata.json (Megatron-LM's fsdp_dtensor layout).
     """
     objects = {
         v.unique_key: v
         for v in sharded_state_dict.values()
-        if isinstance(v, ShardedObject) and v.read_back
+        if isinstance(v, (ShardedObject, PlainObject)) and v.read_back
     }
     sharded_state_dict = {
         k: v for k, v in sharded_state_dict.items() if isinstance(v, ShardedTensor)
@@ -409,7 +412,11 @@ def load_shards(
     problem = None
     if _is_first(process_group):
         try:
-            check_complete(directory)
+            if bare_dcp:
+                if not os.path.isdir(directory):
+                    raise CheckpointingError(f"checkpoint directory {directory} does not exist")
+            else:
+                check_complete(directory)
             files = check_storage_files(directory, read_dcp_metadata(directory))
             if files:
                 problem = f"checkpoint {directory} is damaged: " + "; ".join(files[:_MAX_LISTED])
