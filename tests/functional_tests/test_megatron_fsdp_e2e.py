@@ -17,6 +17,10 @@ every strategy in turn:
   optim_grads_params at DP2 x TP2 (SP) x EP2 x ETP1 (MoE: experts sharded over their expert
   data-parallel group of 2, the dense weights over DP2).
 
+The 2-rank world also trains Megatron-LM's test configuration gpt3_mcore_te_mfsdp_v2_cp2
+(Megatron-FSDP with context parallelism) shrunk to CPU sizes at CP 2 (its validation at its own
+8 ranks is in test_megatron_test_cases.py).
+
 Gradient accumulation fusion stays on (the default): Megatron-FSDP turns it off itself with
 Megatron's warning.
 """
@@ -76,6 +80,7 @@ def _runs_of_world(world_size, tmp):
             "moe",
             MOE + megatron_fsdp("optim") + load,
         )
+        runs[MEGATRON_CP2_CONFIG] = (None, megatron_cp2_config_shrunk(tmp))
     else:
         for strategy in STRATEGIES:
             runs[f"{strategy} dp2-tp2-sp overlapped"] = (
@@ -91,6 +96,18 @@ def _runs_of_world(world_size, tmp):
             + ["--expert-tensor-parallel-size", "1"],
         )
     return runs
+
+
+MEGATRON_CP2_CONFIG = "Megatron's gpt3_mcore_te_mfsdp_v2_cp2, shrunk to CP2"
+
+
+def megatron_cp2_config_shrunk(tmp):
+    """Megatron-LM's test configuration gpt3_mcore_te_mfsdp_v2_cp2 (Megatron-FSDP with CP 2 at
+    DP 4) at CPU sizes, on 2 ranks: CP 2, DP 1, so the FSDP shards are over the CP ranks."""
+    from tests.functional_tests.test_megatron_test_cases import MFSDP_V2_CP2, SHRUNK, argv_of
+
+    shrunk = {**MFSDP_V2_CP2, **SHRUNK, "tensorboard_dir": os.path.join(tmp, "cp2_tb")}
+    return argv_of(shrunk)
 
 
 def _layouts(rank, world_size, tmp):
@@ -121,6 +138,10 @@ def test_megatron_fsdp_strategies_equal_one_process(tmp_path, monkeypatch):
         runs = _runs_of_world(world_size, tmp)
         assert set(results) == set(runs), (sorted(results), sorted(runs))
         for name, received in results.items():
+            if runs[name][0] is None:  # a Megatron configuration: it trains, every iteration
+                assert [r["iteration"] for r in received] == [1, 2, 3], (name, received)
+                assert all(r["skipped"] == 0 for r in received), (name, received)
+                continue
             ref = {r["iteration"]: r for r in references[runs[name][0]]}
             first = SAVED_AT + 1 if "resumed" in name else 1
             assert [r["iteration"] for r in received] == list(range(first, ITERATIONS + 1)), name
@@ -138,3 +159,25 @@ def test_megatron_fsdp_strategies_equal_one_process(tmp_path, monkeypatch):
                 assert worst[key] <= limit, (name, key, worst[key], received, references)
     for name, worst in worst_seen.items():
         print(f"{name}: largest relative deviation {worst}")  # shown with pytest -s
+
+
+MEGATRON_FSDP_TUNING = ["--suggested-communication-unit-size", "1000", "--fsdp-double-buffer"]
+MEGATRON_FSDP_TUNING += ["--use-nccl-ub", "--keep-fp8-transpose-cache"]
+
+
+def test_overlap_and_bucket_flags_are_honoured_or_named_at_start_up(monkeypatch):
+    # The DDP buckets (no_shard, optim, optim_grads) honour the overlap and bucket flags (the
+    # 4-rank runs above use them); FSDP2 (optim_grads_params) has no buckets, so the start-up
+    # note names them, and Megatron-FSDP's own buffer settings under every strategy.
+    from megatron.training.arguments import parse_args, validate_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for strategy in STRATEGIES:
+        argv = DENSE + megatron_fsdp(strategy) + _overlap(strategy) + MEGATRON_FSDP_TUNING
+        note = validate_args(parse_args(argv=argv)).no_effect_note
+        for flag in ("--use-nccl-ub", "--fsdp-double-buffer", "--keep-fp8-transpose-cache"):
+            assert f"{flag} (" in note or f"{flag}, " in note, (strategy, flag, note)
+        assert "--suggested-communication-unit-size 1000" in note, (strategy, note)
+        fsdp2_line = "--overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size 2000 (FSDP2"
+        assert (fsdp2_line in note) == (strategy == "optim_grads_params"), (strategy, note)
