@@ -1,5 +1,8 @@
 """The memory each rank holds for its model state falls with --data-parallel-sharding-strategy as
-the theoretical memory report predicts (issue #35), at DP2 on CPU/gloo.
+the theoretical memory report predicts (issue #35), at DP2 on CPU/gloo: measured within 15 % of
+the report's "weight and optimizer" figure for each strategy (measured: within 0.05 %), and
+no_shard > optim = optim_grads > optim_grads_params (optim and optim_grads are one machinery
+here, see the last assertion).
 
 What is measured, and why: after one training step (the model, the gradient buffers and the
 optimizer state all built and used once), every tensor storage still alive in the rank's process
@@ -108,5 +111,12 @@ def test_held_memory_falls_with_the_strategy_as_the_report_predicts(tmp_path):
         )
     for strategy, r in results.items():
         assert r["measured"] == pytest.approx(r["predicted"], rel=TOLERANCE), (strategy, results)
-    measured = [results[s]["measured"] for s in STRATEGIES]
-    assert measured == sorted(measured, reverse=True), results
+    no_shard, optim, optim_grads, optim_grads_params = (results[s]["measured"] for s in STRATEGIES)
+    # Sharding the optimizer state saves 8 (Adam) of 16 bytes per parameter at DP2 ...
+    assert no_shard > optim, results
+    # ... and sharding weights and gradients too (FSDP2) another 4 of the remaining 12.
+    assert optim_grads > optim_grads_params, results
+    # optim_grads runs the same distributed optimizer as optim here: its gradients are
+    # reduce-scattered into this rank's slice of a full-size buffer, which stays allocated (not
+    # yet built: Megatron-FSDP's ZeRO-2, which keeps only the slice). The report says so too.
+    assert optim_grads == optim, results

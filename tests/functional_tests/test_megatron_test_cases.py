@@ -20,7 +20,7 @@ the pipeline for the hierarchical case), each trains through torchrun and logs e
 
 The other configurations with these flags, DeepSeek proxies (Megatron-FSDP with EP 2 and
 multi-latent attention; EP overlap with --delay-wgrad-compute; per-token loss with the sequence
-aux loss), pass validation at their world size; the per-token one trains shrunk.
+aux loss), pass validation at their world size; they train shrunk in test_megatron_fsdp_e2e.py.
 """
 
 import pytest
@@ -436,22 +436,8 @@ def test_deepseek_proxies_pass_validation(name, monkeypatch):
     assert "--transformer-impl transformer_engine (" in args.no_effect_note
 
 
-def test_deepseek_per_token_loss_proxy_trains_shrunk_on_cpu(tmp_path):
-    # One of the three (they share the model; the others add speed-only overlap flags): with
-    # Megatron-FSDP optim_grads_params, EP 2 (experts sharded over expert DP 1 of 2 ranks), MLA,
-    # the sequence aux loss and per-token loss. Two layers, the second MoE.
-    shrunk = {
-        **DEEPSEEK_CASES["deepseek_per_token_loss"],
-        **SHRUNK,
-        "moe_layer_freq": "([0]*1+[1]*1)",
-        "ffn_hidden_size": 128,
-        "moe_ffn_hidden_size": 32,
-        "moe_shared_expert_intermediate_size": 32,
-        "tensorboard_dir": str(tmp_path / "tb"),
-    }
-    result = run_pretrain(argv_of(shrunk), nproc=2)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert sorted(parse_log_lines(result.stdout)) == [1, 2, 3]
+# The three proxies train shrunk (2 layers, the second MoE; EP 2 under Megatron-FSDP) in the
+# spawned world of test_megatron_fsdp_e2e.py (megatron_configs_shrunk), without a launch each.
 
 
 # moe/deepseek_proxy_unsharded_1node: the same proxy on one GPU without Megatron-FSDP or the
