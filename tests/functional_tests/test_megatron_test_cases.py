@@ -9,6 +9,8 @@ tests/functional_tests/test_cases/<family>/<case>/model_config.yaml, written out
 * moe/gpt3_mcore_te_tp2_pp1_te_a2a_ovlp_8experts_etp1_ep4_1node: ``--overlap-moe-expert-
   parallel-comm``, 8 ranks;
 * gpt/gpt3_mcore_te_tp4_pp1_qk_layernorm_test_mode: ``--test-mode`` with QK layernorm, 4 ranks.
+* gpt/gpt3_mcore_te_mfsdp_v2_cp2: Megatron-FSDP (v2, optim_grads_params) with CP 2, 8 ranks
+  (trained shrunk to CP 2 in test_megatron_fsdp_e2e.py's spawned world).
 
 Each passes validate_args at its own world size with nothing refused, the start-up note naming
 only flags that change speed (Transformer Engine, fused kernels, the overlap, the checkpoint
@@ -18,7 +20,7 @@ the pipeline for the hierarchical case), each trains through torchrun and logs e
 
 The other configurations with these flags, DeepSeek proxies (Megatron-FSDP with EP 2 and
 multi-latent attention; EP overlap with --delay-wgrad-compute; per-token loss with the sequence
-aux loss), pass validation at their world size; the per-token one trains shrunk.
+aux loss), pass validation at their world size; they train shrunk in test_megatron_fsdp_e2e.py.
 """
 
 import pytest
@@ -142,6 +144,60 @@ TEST_MODE = {
     "attention_backend": "unfused",
     "log_memory_to_tensorboard": True,
 }
+# gpt/gpt3_mcore_te_mfsdp_v2_cp2: a dense GPT on Megatron-FSDP (v2) with CP 2 over 8 GPUs (DP 4):
+# Megatron-FSDP shards over the data x context parallel group. Trained shrunk (CP 2, DP 1: the
+# shards are over the two CP ranks) in the spawned world of test_megatron_fsdp_e2e.py.
+MFSDP_V2_CP2 = {
+    "bf16": True,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "context_parallel_size": 2,
+    "distributed_backend": "nccl",
+    "distributed_timeout_minutes": 60,
+    "use_megatron_fsdp": True,
+    "megatron_fsdp_version": 2,
+    "data_parallel_sharding_strategy": "optim_grads_params",
+    "ckpt_format": "fsdp_dtensor",
+    "no_gradient_accumulation_fusion": True,
+    "use_mcore_models": True,
+    "transformer_impl": "transformer_engine",
+    "attention_backend": "flash",
+    "micro_batch_size": 4,
+    "global_batch_size": 32,
+    "train_iters": 50,
+    "seq_length": 1024,
+    "max_position_embeddings": 1024,
+    "timing_log_level": 0,
+    "lr_decay_iters": 320000,
+    "data_path": PLACEHOLDERS["data_path"],
+    "data_cache_path": PLACEHOLDERS["data_cache_path"],
+    "tokenizer_type": "NullTokenizer",
+    "vocab_size": 50257,
+    "split": "949,50,1",
+    "num_layers": 12,
+    "hidden_size": 512,
+    "num_attention_heads": 8,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "attention_softmax_in_fp32": True,
+    "clip_grad": 1.0,
+    "weight_decay": 1e-2,
+    "lr": 0.00015,
+    "min_lr": 1.0e-5,
+    "lr_decay_style": "cosine",
+    "lr_warmup_fraction": ".01",
+    "eval_interval": 1000,
+    "eval_iters": 10,
+    "save_interval": 10000,
+    "log_interval": 1,
+    "log_params_norm": True,
+    "log_num_zeros_in_grad": True,
+    "log_memory_to_tensorboard": True,
+    "log_timers_to_tensorboard": True,
+    "log_validation_ppl_to_tensorboard": True,
+    "tensorboard_dir": PLACEHOLDERS["tensorboard_dir"],
+    "exit_interval": 50,
+}
 # (configuration, its world size, the flags the start-up note must name as speed-only)
 CASES = {
     "hierarchical_cp": (
@@ -155,6 +211,11 @@ CASES = {
         ["--transformer-impl transformer_engine", "--overlap-moe-expert-parallel-comm"],
     ),
     "test_mode": (TEST_MODE, 4, ["--transformer-impl transformer_engine"]),
+    "mfsdp_v2_cp2": (
+        MFSDP_V2_CP2,
+        8,
+        ["--transformer-impl transformer_engine", "--megatron-fsdp-version 2"],
+    ),
 }
 # CPU sizes: the model, the batch and the data (mock), no checkpoint and no evaluation.
 SHRUNK = {
@@ -211,7 +272,8 @@ def test_megatron_test_case_passes_validation(name, monkeypatch):
         assert f"{flag} (" in note or f"{flag}, " in note, (flag, note)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# (mfsdp_v2_cp2 trains in the spawned world of test_megatron_fsdp_e2e.py instead: no launch.)
+@pytest.mark.parametrize("name", sorted(SHRUNK_LAYOUT))
 def test_megatron_test_case_trains_shrunk_on_cpu(name, tmp_path):
     config, _, _ = CASES[name]
     layout, nproc = SHRUNK_LAYOUT[name]
@@ -374,22 +436,8 @@ def test_deepseek_proxies_pass_validation(name, monkeypatch):
     assert "--transformer-impl transformer_engine (" in args.no_effect_note
 
 
-def test_deepseek_per_token_loss_proxy_trains_shrunk_on_cpu(tmp_path):
-    # One of the three (they share the model; the others add speed-only overlap flags): with
-    # Megatron-FSDP optim_grads_params, EP 2 (experts sharded over expert DP 1 of 2 ranks), MLA,
-    # the sequence aux loss and per-token loss. Two layers, the second MoE.
-    shrunk = {
-        **DEEPSEEK_CASES["deepseek_per_token_loss"],
-        **SHRUNK,
-        "moe_layer_freq": "([0]*1+[1]*1)",
-        "ffn_hidden_size": 128,
-        "moe_ffn_hidden_size": 32,
-        "moe_shared_expert_intermediate_size": 32,
-        "tensorboard_dir": str(tmp_path / "tb"),
-    }
-    result = run_pretrain(argv_of(shrunk), nproc=2)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert sorted(parse_log_lines(result.stdout)) == [1, 2, 3]
+# The three proxies train shrunk (2 layers, the second MoE; EP 2 under Megatron-FSDP) in the
+# spawned world of test_megatron_fsdp_e2e.py (megatron_configs_shrunk), without a launch each.
 
 
 # moe/deepseek_proxy_unsharded_1node: the same proxy on one GPU without Megatron-FSDP or the

@@ -170,6 +170,23 @@ no_effect(
     keep_fp8_transpose_cache
     """,
 )
+
+
+def _runs_fsdp2(args) -> bool:
+    # model_setup.uses_torch_fsdp2, read from the user's args (flags do not import training).
+    return bool(getattr(args, "use_torch_fsdp2", False)) or (
+        bool(getattr(args, "use_megatron_fsdp", False))
+        and getattr(args, "data_parallel_sharding_strategy", None) == "optim_grads_params"
+    )
+
+
+no_effect(
+    "FSDP2 (--use-torch-fsdp2, or --use-megatron-fsdp with optim_grads_params) has no DDP "
+    "buckets: it always reduce-scatters each FSDP unit's gradients during backward and "
+    "prefetches the next unit's parameters",
+    "overlap_grad_reduce overlap_param_gather ddp_bucket_size ddp_num_buckets",
+    given=lambda value, args: value not in (None, False) and _runs_fsdp2(args),
+)
 no_effect(
     _CKPT_IO,
     """

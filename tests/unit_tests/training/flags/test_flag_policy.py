@@ -128,6 +128,32 @@ SPECIAL_VALUES = {
         "8",
     ],
     "cp_comm_type": ["--cp-comm-type", "a2a"],
+    # The DDP bucket flags have no effect under FSDP2 (no buckets there; Megatron-FSDP's
+    # default strategy, optim_grads_params, runs on FSDP2).
+    "overlap_grad_reduce": [
+        "--overlap-grad-reduce",
+        "--use-torch-fsdp2",
+        "--no-gradient-accumulation-fusion",
+    ],
+    "overlap_param_gather": [
+        "--overlap-param-gather",
+        "--overlap-grad-reduce",
+        "--use-megatron-fsdp",
+        "--ckpt-format",
+        "fsdp_dtensor",
+    ],
+    "ddp_bucket_size": [
+        "--ddp-bucket-size",
+        "1000",
+        "--use-torch-fsdp2",
+        "--no-gradient-accumulation-fusion",
+    ],
+    "ddp_num_buckets": [
+        "--ddp-num-buckets",
+        "2",
+        "--use-torch-fsdp2",
+        "--no-gradient-accumulation-fusion",
+    ],
     "overlap_moe_expert_parallel_comm": [
         "--overlap-moe-expert-parallel-comm",
         "--expert-model-parallel-size",
