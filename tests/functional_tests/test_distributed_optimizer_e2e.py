@@ -1,5 +1,5 @@
-"""The distributed optimizer, overlapped bucketed gradient reduction and overlapped param
-all-gather (--overlap-param-gather) through torchrun on CPU:
+"""Plain DP=2, the distributed optimizer, overlapped bucketed gradient reduction and overlapped
+param all-gather (--overlap-param-gather) on CPU:
 the losses and grad norms equal the one-process run, and its sharded state resumes at another
 DP size."""
 
@@ -32,6 +32,8 @@ def _assert_close(got, ref):
 # seconds of CPU per rank); each is compared with the one-process run on its own.
 WORLDS = {
     2: {
+        # Plain DP=2 (one seed for both replicas, no dropout) at the same global batch.
+        "dp2": [],
         "dp2-distopt": DIST_OPT,
         "dp2-distopt-overlap-grad-and-param-3buckets": DIST_OPT
         + ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-num-buckets", "3"],
