@@ -190,7 +190,7 @@ def format_to_load(args, directory: str) -> str:
 
 def load_torch_file(path: str) -> dict:
     """One torch-format checkpoint file, read with ``weights_only=True``."""
-    from megatron.core.dist_checkpointing.planner import megatron_state_globals
+    from megatron.core.dist_checkpointing.safe_objects import megatron_state_globals
 
     if not os.path.isfile(path):
         raise CheckpointError(

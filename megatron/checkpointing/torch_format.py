@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.core.dist_checkpointing.megatron_layout import EMPTY_EXTRA_STATE, extra_state_names
-from megatron.core.dist_checkpointing.planner import megatron_state_globals
+from megatron.core.dist_checkpointing.safe_objects import megatron_state_globals
 from megatron.core.pipeline_parallel.layer_split import compute_layer_split
 
 from .errors import ConversionError

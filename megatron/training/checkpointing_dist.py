@@ -29,7 +29,6 @@ from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from megatron.checkpointing.errors import CheckpointError
 from megatron.checkpointing.layout import (
@@ -515,6 +514,9 @@ def load_checkpoint_dist(
     targets = dict(entries)
     if optim_load is not None:
         targets.update(optim_load.targets)
+    # Here, not at module level: torch.distributed.checkpoint loads only when a run reads one.
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     object_keys = {
         k
         for k, v in dcp_metadata.state_dict_metadata.items()

@@ -216,6 +216,85 @@ def train_metrics(args, nproc, tb_dir):
     }
 
 
+def _train_one_after_another(rank, world_size, runs):
+    """A rank of :func:`train_in_one_world`: each run of ``runs`` ((argv, directory)) trains
+    in this process, its stdout saved as ``directory/stdout.rank<rank>``."""
+    import contextlib
+    import io
+
+    import torch
+
+    # As the ranks of run_pretrain's torchrun (OMP_NUM_THREADS=1): the tolerances below were
+    # measured there.
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(REPO))
+    import pretrain_gpt
+    from megatron.training import global_vars
+
+    for argv, directory in runs:
+        out = io.StringIO()
+        global_vars.reset_globals()
+        try:
+            with contextlib.redirect_stdout(out):
+                pretrain_gpt.pretrain(
+                    pretrain_gpt.train_valid_test_datasets_provider,
+                    pretrain_gpt.model_provider,
+                    pretrain_gpt.ModelType.encoder_or_decoder,
+                    pretrain_gpt.forward_step,
+                    argv=list(argv),
+                )
+        finally:
+            global_vars.reset_globals()
+            with open(os.path.join(directory, f"stdout.rank{rank}"), "w") as f:
+                f.write(out.getvalue())
+
+
+def train_in_one_world(runs, world_size):
+    """Train each (argv, directory) of ``runs`` one after another in ONE spawned gloo world of
+    ``world_size`` ranks (tests/unit_tests/dist_utils.py) instead of one torchrun each: a rank
+    starts (torch, megatron, torch._dynamo: seconds of CPU) once for all of them. Each run's
+    TensorBoard events (if its argv names ``directory`` as ``--tensorboard-dir``) and ranks'
+    stdout (``stdout.rank<r>``, see :func:`world_stdout`) land in its directory; a failing run
+    fails the world with the rank's traceback."""
+    from tests.unit_tests.dist_utils import run_distributed
+
+    runs = [(list(argv), str(directory)) for argv, directory in runs]
+    for _, directory in runs:
+        os.makedirs(directory, exist_ok=True)
+    run_distributed(_train_one_after_another, world_size, runs)
+
+
+def world_stdout(directory):
+    """The stdout of every rank of one run of :func:`train_in_one_world`, rank by rank."""
+    names = sorted(n for n in os.listdir(directory) if n.startswith("stdout.rank"))
+    return "".join(open(os.path.join(directory, n)).read() for n in names)
+
+
+def train_layouts_in_one_world(base, layouts, world_size, tmp_path):
+    """{name: TensorBoard directory} of ``base + layout`` for each layout of ``layouts``
+    ({name: extra argv}), all trained in one spawned world (:func:`train_in_one_world`)."""
+    dirs = {name: tmp_path / name for name in layouts}
+    train_in_one_world(
+        [
+            (list(base) + extra + ["--tensorboard-dir", str(dirs[name])], dirs[name])
+            for name, extra in layouts.items()
+        ],
+        world_size,
+    )
+    return dirs
+
+
+def world_metrics(base, layouts, world_size, tmp_path):
+    """{name: train_metrics-like dict} of :func:`train_layouts_in_one_world`."""
+    return {
+        name: {
+            "loss": read_tensorboard_scalars(d, "lm loss"),
+            "norm": read_tensorboard_scalars(d, "grad-norm"),
+        }
+        for name, d in train_layouts_in_one_world(base, layouts, world_size, tmp_path).items()
+    }
+
+
 _ONE_PROCESS_RUNS = {}
 
 

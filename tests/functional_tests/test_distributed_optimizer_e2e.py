@@ -1,5 +1,5 @@
-"""The distributed optimizer, overlapped bucketed gradient reduction and overlapped param
-all-gather (--overlap-param-gather) through torchrun on CPU:
+"""Plain DP=2, the distributed optimizer, overlapped bucketed gradient reduction and overlapped
+param all-gather (--overlap-param-gather) on CPU:
 the losses and grad norms equal the one-process run, and its sharded state resumes at another
 DP size."""
 
@@ -12,6 +12,7 @@ from tests.functional_tests.runner import (
     one_process_metrics,
     run_pretrain,
     train_metrics,
+    world_metrics,
 )
 
 BASE = TINY_MODEL + ["--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--train-iters", "10"]
@@ -27,29 +28,40 @@ def _assert_close(got, ref):
     assert_same_training(got, ref, range(1, 11))
 
 
-@pytest.mark.parametrize(
-    "nproc, layout",
-    [
-        (2, DIST_OPT),
-        (
-            2,
-            DIST_OPT
-            + ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-num-buckets", "3"],
-        ),
-        (2, ["--overlap-grad-reduce", "--ddp-bucket-size", "5000", "--ddp-average-in-collective"]),
-        (4, DIST_OPT + ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"]),
-        (4, DIST_OPT + ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]),
-    ],
-    ids=[
-        "dp2-distopt",
-        "dp2-distopt-overlap-grad-and-param-3buckets",
-        "dp2-overlap-buckets-avg",
-        "tp2-dp2-distopt",
-        "pp2-dp2-distopt",
-    ],
-)
-def test_layout_matches_one_process(reference, nproc, layout, tmp_path):
-    _assert_close(train_metrics(BASE + layout, nproc, tmp_path), reference)
+# The layouts of one world size train one after another in one spawned world (a start costs
+# seconds of CPU per rank); each is compared with the one-process run on its own.
+WORLDS = {
+    2: {
+        # Plain DP=2 (one seed for both replicas, no dropout) at the same global batch.
+        "dp2": [],
+        "dp2-distopt": DIST_OPT,
+        "dp2-distopt-overlap-grad-and-param-3buckets": DIST_OPT
+        + ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-num-buckets", "3"],
+        "dp2-overlap-buckets-avg": [
+            "--overlap-grad-reduce",
+            "--ddp-bucket-size",
+            "5000",
+            "--ddp-average-in-collective",
+        ],
+    },
+    4: {
+        "tp2-dp2-distopt": DIST_OPT
+        + ["--tensor-model-parallel-size", "2", "--overlap-grad-reduce"],
+        "pp2-dp2-distopt": DIST_OPT
+        + ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"],
+    },
+}
+
+
+@pytest.mark.parametrize("world_size", sorted(WORLDS), ids=lambda n: f"world{n}")
+def test_layout_matches_one_process(reference, world_size, tmp_path):
+    results = world_metrics(BASE, WORLDS[world_size], world_size, tmp_path)
+    assert sorted(results) == sorted(WORLDS[world_size])
+    for name, got in results.items():
+        try:
+            _assert_close(got, reference)
+        except AssertionError as exc:
+            raise AssertionError(f"layout {name}: {exc}") from None
 
 
 def test_distopt_checkpoint_resumes_at_another_dp_size(reference, tmp_path):

@@ -6,7 +6,12 @@ at the same layout; with the distributed optimizer, both formats keep the expert
 
 import torch
 
-from tests.functional_tests.runner import TINY_MODEL, assert_same_training, train_metrics
+from tests.functional_tests.runner import (
+    TINY_MODEL,
+    assert_same_training,
+    train_metrics,
+    world_metrics,
+)
 
 MOE = [
     "--hidden-dropout",
@@ -103,6 +108,19 @@ def test_distributed_optimizer_with_experts_checkpoints(tmp_path):
             }
             assert parts == {"mp_rank_00_000": [True, True], "mp_rank_00_001": [False, True]}
             resumes = [("ep2-dist-opt", 2, ep2)]
-        for name, nproc, layout in resumes:
-            got = train_metrics(load + layout, nproc, tmp_path / f"tb_{fmt}_{name}")
-            assert_same_training(got, _resumed(saved), range(3, 5))
+        if fmt == "torch_dist":
+            # Both one-process resumes in one spawned process (a start costs seconds of CPU),
+            # each a pretrain() of its own that loads the checkpoint from disk.
+            layouts = {name: layout for name, _, layout in resumes}
+            resumed = world_metrics(load, layouts, 1, tmp_path / "tb_torch_dist_resumes")
+        else:
+            resumed = {
+                name: train_metrics(load + layout, nproc, tmp_path / f"tb_{fmt}_{name}")
+                for name, nproc, layout in resumes
+            }
+        assert sorted(resumed) == sorted(name for name, _, _ in resumes)
+        for name, got in resumed.items():
+            try:
+                assert_same_training(got, _resumed(saved), range(3, 5))
+            except AssertionError as exc:
+                raise AssertionError(f"{fmt} resumed at {name}: {exc}") from None

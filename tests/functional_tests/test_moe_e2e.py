@@ -14,6 +14,7 @@ from tests.functional_tests.runner import (
     assert_same_training,
     read_tensorboard_scalars,
     run_pretrain,
+    train_layouts_in_one_world,
 )
 
 MOE = [
@@ -57,55 +58,65 @@ def reference(tmp_path_factory):
     return _metrics(tb)
 
 
+# Layouts train two by two in one spawned world (a start costs seconds of CPU per rank); each
+# is compared with the one-process run on its own.
+WORLDS = [
+    (
+        2,
+        {
+            "ep2": ["--expert-model-parallel-size", "2"],
+            "etp1-tp2-sp": [
+                "--expert-tensor-parallel-size", "1",
+                "--tensor-model-parallel-size", "2",
+                "--sequence-parallel",
+            ],
+        },
+    ),
+    (
+        4,
+        {
+            "ep2-tp2-sp-alltoall": [
+                "--expert-model-parallel-size", "2",
+                "--tensor-model-parallel-size", "2",
+                "--sequence-parallel",
+                "--moe-token-dispatcher-type", "alltoall",
+            ],
+            "ep2-pp2": ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        },
+    ),
+    (
+        4,
+        {
+            # 2 layers over 2 x 2 virtual stages: embedding | layer | layer | loss.
+            "ep2-pp2-vpp2": [
+                "--expert-model-parallel-size", "2",
+                "--pipeline-model-parallel-size", "2",
+                "--num-virtual-stages-per-pipeline-rank", "2",
+                "--account-for-embedding-in-pipeline-split",
+                "--account-for-loss-in-pipeline-split",
+                "--moe-token-dispatcher-type", "alltoall",
+            ],
+            # Dense params sharded over DP = 4, expert params over expert DP = 2.
+            "ep2-dist-opt": ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+        },
+    ),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "nproc, layout",
-    [
-        (2, ["--expert-model-parallel-size", "2"]),
-        (
-            4,
-            [
-                "--expert-model-parallel-size",
-                "2",
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-                "--moe-token-dispatcher-type",
-                "alltoall",
-            ],
-        ),
-        (4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-        (
-            2,
-            [
-                "--expert-tensor-parallel-size",
-                "1",
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-            ],
-        ),
-        # 2 layers over 2 x 2 virtual stages: embedding | layer | layer | loss.
-        (
-            4,
-            ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-            + ["--num-virtual-stages-per-pipeline-rank", "2"]
-            + ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
-            + ["--moe-token-dispatcher-type", "alltoall"],
-        ),
-        # Dense params sharded over DP = 4, expert params over expert DP = 2.
-        (4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
-    ],
-    ids=["ep2", "ep2-tp2-sp-alltoall", "ep2-pp2", "etp1-tp2-sp", "ep2-pp2-vpp2", "ep2-dist-opt"],
+    "world_size, layouts", WORLDS, ids=["+".join(layouts) for _, layouts in WORLDS]
 )
-def test_moe_layout_matches_single_process(reference, nproc, layout, tmp_path):
-    result = run_pretrain(
-        TINY_MODEL + MOE + layout + ["--tensorboard-dir", str(tmp_path)], nproc=nproc
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    got = _metrics(tmp_path)
-    assert_same_training(got, reference, ITERATIONS)
-    for it in ITERATIONS:
-        assert got["balance"][it] == pytest.approx(reference["balance"][it], rel=1e-5), it
+def test_moe_layout_matches_single_process(reference, world_size, layouts, tmp_path):
+    dirs = train_layouts_in_one_world(TINY_MODEL + MOE, layouts, world_size, tmp_path)
+    assert sorted(dirs) == sorted(layouts)
+    for name, tb in dirs.items():
+        got = _metrics(tb)
+        try:
+            assert_same_training(got, reference, ITERATIONS)
+            for it in ITERATIONS:
+                assert got["balance"][it] == pytest.approx(reference["balance"][it], rel=1e-5), it
+        except AssertionError as exc:
+            raise AssertionError(f"layout {name}: {exc}") from None
 
 
 def test_per_token_loss_with_aux_losses_matches_single_process(tmp_path):

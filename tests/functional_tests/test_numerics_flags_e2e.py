@@ -21,6 +21,7 @@ from tests.functional_tests.runner import (
     parse_log_lines,
     read_tensorboard_scalars,
     run_pretrain,
+    train_in_one_world,
     train_metrics,
 )
 
@@ -49,22 +50,36 @@ def test_numerics_command_line_trains():
 FP32_RESIDUAL = TINY_MODEL + ITERS + NO_DROPOUT + ["--bf16", "--fp32-residual-connection"]
 
 
-def test_fp32_residual_connection_through_the_pipeline(tmp_path):
-    # Untied embeddings: tied, the pipeline sums the word embedding's two gradients in another
-    # order than autograd does in one process, and bf16 training carries that fp32 rounding
-    # into the losses (6.7e-6 to 1.03e-5 apart by iteration 4, depending on the kernels the CPU
-    # dispatches); untied, nothing is summed in another order.
-    args = FP32_RESIDUAL + ["--untie-embeddings-and-output-weights"]
-    reference = train_metrics(args, None, tmp_path / "one_process")
-    got = train_metrics(args + ["--pipeline-model-parallel-size", "2"], 2, tmp_path / "pp2")
+def _metrics(tb):
+    return {
+        "loss": read_tensorboard_scalars(tb, "lm loss"),
+        "norm": read_tensorboard_scalars(tb, "grad-norm"),
+    }
+
+
+def test_fp32_residual_connection_through_the_pipeline_and_with_sequence_parallelism(tmp_path):
+    # PP=2 with untied embeddings: tied, the pipeline sums the word embedding's two gradients in
+    # another order than autograd does in one process, and bf16 training carries that fp32
+    # rounding into the losses (6.7e-6 to 1.03e-5 apart by iteration 4, depending on the
+    # kernels the CPU dispatches); untied, nothing is summed in another order. TP=2 with
+    # sequence parallelism (tied). Both layouts train in one spawned world of 2 ranks (a start
+    # costs seconds of CPU per rank), each compared with its own one-process run.
+    untied = FP32_RESIDUAL + ["--untie-embeddings-and-output-weights"]
+    pp2 = untied + ["--pipeline-model-parallel-size", "2"]
+    tp2_sp = FP32_RESIDUAL + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    train_in_one_world(
+        [
+            (pp2 + ["--tensorboard-dir", str(tmp_path / "pp2")], tmp_path / "pp2"),
+            (tp2_sp + ["--tensorboard-dir", str(tmp_path / "tp2_sp")], tmp_path / "tp2_sp"),
+        ],
+        2,
+    )
+    reference = train_metrics(untied, None, tmp_path / "one_process_untied")
     # The same operations on the same values in the same order, stage by stage: bit for bit.
+    got = _metrics(tmp_path / "pp2")
     assert got == reference, (got, reference)
-
-
-def test_fp32_residual_connection_with_sequence_parallelism(tmp_path):
     reference = train_metrics(FP32_RESIDUAL, None, tmp_path / "one_process")
-    extra = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    got = train_metrics(FP32_RESIDUAL + extra, 2, tmp_path / "tp2_sp")
+    got = _metrics(tmp_path / "tp2_sp")
     assert_same_training(got, reference, range(1, 5), loss_rtol=1e-4, norm_rtol=5e-3)
 
 

@@ -7,6 +7,7 @@ from tests.functional_tests.runner import (
     assert_same_training,
     read_tensorboard_scalars,
     run_pretrain,
+    world_metrics,
 )
 
 EIGHT_LAYERS = [a for a in TINY_MODEL]
@@ -42,49 +43,49 @@ def _assert_close(got, ref):
     assert_same_training(got, ref, range(1, 11))
 
 
-@pytest.mark.parametrize(
-    "nproc, layout",
-    [
-        (2, ["--pipeline-model-parallel-size", "2"]),
+# The layouts of one world size train one after another in one spawned world (a start costs
+# seconds of CPU per rank); each is compared with the one-process run on its own.
+WORLDS = {
+    2: {
+        "pp2": ["--pipeline-model-parallel-size", "2"],
         # PP = 2 interleaved: both neighbours are the same rank (a deadlock once lived here).
-        (
-            2,
-            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
-        ),
-        (
-            4,
-            ["--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
-        ),
-        (
-            4,
-            [
-                "--pipeline-model-parallel-size",
-                "4",
-                "--decoder-first-pipeline-num-layers",
-                "1",
-                "--decoder-last-pipeline-num-layers",
-                "1",
-            ],
-        ),
-        (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-        (
-            8,
-            [
-                "--tensor-model-parallel-size",
-                "2",
-                "--sequence-parallel",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--context-parallel-size",
-                "2",
-            ],
-        ),
-    ],
-    ids=["pp2", "pp2-interleaved", "pp4-interleaved", "pp4-uneven", "tp2-pp2-dp2", "tp2sp-pp2-cp2"],
-)
-def test_layout_matches_one_process(reference, nproc, layout, tmp_path):
-    got, _ = _losses(BASE + layout, nproc, tmp_path)
-    _assert_close(got, reference)
+        "pp2-interleaved": [
+            "--pipeline-model-parallel-size", "2",
+            "--num-layers-per-virtual-pipeline-stage", "2",
+        ],
+    },
+    4: {
+        "pp4-interleaved": [
+            "--pipeline-model-parallel-size", "4",
+            "--num-layers-per-virtual-pipeline-stage", "1",
+        ],
+        "pp4-uneven": [
+            "--pipeline-model-parallel-size", "4",
+            "--decoder-first-pipeline-num-layers", "1",
+            "--decoder-last-pipeline-num-layers", "1",
+        ],
+    },
+    8: {
+        "tp2-pp2-dp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        "tp2sp-pp2-cp2": [
+            "--tensor-model-parallel-size", "2",
+            "--sequence-parallel",
+            "--pipeline-model-parallel-size", "2",
+            "--context-parallel-size", "2",
+        ],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", sorted(WORLDS), ids=lambda n: f"world{n}")
+def test_layout_matches_one_process(reference, world_size, tmp_path):
+    results = world_metrics(BASE, WORLDS[world_size], world_size, tmp_path)
+    assert sorted(results) == sorted(WORLDS[world_size])
+    for name, got in results.items():
+        try:
+            _assert_close(got, reference)
+        except AssertionError as exc:
+            raise AssertionError(f"layout {name}: {exc}") from None
 
 
 def test_pp2_resume_matches_straight_run(reference, tmp_path):

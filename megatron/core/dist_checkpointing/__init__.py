@@ -27,24 +27,39 @@ from .optimizer_state import (
     optimizer_common_state,
     optimizer_sharded_state_dict,
 )
-from .serialization import (
-    COMMON_FILE,
-    METADATA_FILE,
-    CheckpointingError,
-    LoadResult,
-    StrictHandling,
-    check_complete,
-    is_distributed_checkpoint,
-    load,
-    load_common,
-    load_shards,
-    read_dcp_metadata,
-    save,
-    save_common,
-    save_shards,
-    tensor_shapes,
-    write_metadata_json,
+
+# The serialization names load on first use (PEP 562): serialization imports
+# torch.distributed.checkpoint and DTensor (with sympy), about a second of start-up for every
+# process, which a run that reads and writes no torch_dist checkpoint never needs.
+_SERIALIZATION_NAMES = frozenset(
+    (
+        "COMMON_FILE",
+        "METADATA_FILE",
+        "CheckpointingError",
+        "LoadResult",
+        "StrictHandling",
+        "check_complete",
+        "is_distributed_checkpoint",
+        "load",
+        "load_common",
+        "load_shards",
+        "read_dcp_metadata",
+        "save",
+        "save_common",
+        "save_shards",
+        "tensor_shapes",
+        "write_metadata_json",
+    )
 )
+
+
+def __getattr__(name):
+    if name in _SERIALIZATION_NAMES:
+        from . import serialization
+
+        return getattr(serialization, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Chunk",

@@ -16,7 +16,6 @@ import threading
 from typing import Dict, Optional
 
 from .mapping import Chunk, ShardedObject, ShardedTensor
-from .serialization import save_shards
 
 
 def stage(sharded_state_dict: Dict[str, ShardedTensor]) -> Dict[str, ShardedTensor]:
@@ -53,12 +52,19 @@ class AsyncSave:
         self.directory = directory
         self.error: Optional[BaseException] = None
         self._staged = stage(sharded_state_dict)
+        # Imported here (in the caller's thread, before the writer starts), not at module level:
+        # torch.distributed.checkpoint is start-up time a run saving no torch_dist checkpoint skips.
+        from .serialization import save_shards
+
         self._thread = threading.Thread(
-            target=self._run, args=(process_group,), name="async-checkpoint-save", daemon=True
+            target=self._run,
+            args=(save_shards, process_group),
+            name="async-checkpoint-save",
+            daemon=True,
         )
         self._thread.start()
 
-    def _run(self, process_group) -> None:
+    def _run(self, save_shards, process_group) -> None:
         try:
             save_shards(self._staged, self.directory, process_group=process_group)
         except BaseException as exc:  # re-raised in the training thread by wait()

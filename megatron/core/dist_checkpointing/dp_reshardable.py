@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .mapping import ShardedObject, ShardedTensor, replicated
-from .planner import load_object
+from .safe_objects import load_object
 
 PREFIX = "optimizer.distributed."
 DP_RESHARDABLE = "dp_reshardable"
@@ -208,7 +208,7 @@ def holds_dp_reshardable(keys) -> bool:
 
 def read_object(directory: str, metadata, key: str):
     """The object saved under ``<key>/shard_0_1`` (megatron-core's ShardedObject of shape (1,)),
-    read as every saved object is (:func:`.planner.load_object`); None when the checkpoint does
+    read as every saved object is (:func:`.safe_objects.load_object`); None when the checkpoint does
     not hold it."""
     fqn = f"{key}/shard_0_1"
     for index, info in metadata.storage_data.items():

@@ -25,10 +25,12 @@ before.
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Sequence, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 from .mapping import ShardedObject, ShardedTensor, replicated, rows_of, tensor_parallel_sharded
 from .megatron_layout import (
@@ -143,6 +145,10 @@ def model_sharded_state_dict(
     another TP rank (or the first pipeline stage, for a tied output layer) saves. In Megatron's
     layout the first map also holds the layers' ``_extra_state`` objects (ShardedObject).
     """
+    # Here, not at module level: torch.distributed.tensor (with sympy) costs about a second of
+    # start-up that a run saving no torch_dist checkpoint never needs.
+    from torch.distributed.tensor import DTensor
+
     entries: Dict[str, ShardedTensor] = {}
     by_param: Dict[int, ShardedTensor] = {}
     num_layers: Dict[str, int] = {}
@@ -233,6 +239,8 @@ def model_sharded_state_dict(
 
 
 def _expert_entry(key: str, tensor: torch.Tensor, etp_rank: int, etp_size: int) -> ShardedTensor:
+    from torch.distributed.tensor import DTensor  # lazily, as in model_sharded_state_dict
+
     data = tensor.detach()
     if getattr(tensor, "tensor_model_parallel", False) and etp_size > 1:
         entry = tensor_parallel_sharded(
@@ -254,6 +262,8 @@ def _expert_entry(key: str, tensor: torch.Tensor, etp_rank: int, etp_size: int) 
 def _fsdp_rows(entry: ShardedTensor, param: DTensor) -> ShardedTensor:
     """The entry of an FSDP2 parameter: the rows of dim 0 that this rank's shard holds (FSDP2
     cuts dim 0 as ``torch.chunk`` does: ceil(rows / DP) rows per rank, the last ones fewer)."""
+    from torch.distributed.tensor import Shard  # lazily, as in model_sharded_state_dict
+
     if len(param.placements) != 1 or not isinstance(param.placements[0], Shard):
         raise ValueError(f"{entry.key}: FSDP2 parameter placed {param.placements}, not Shard(0)")
     if param.placements[0].dim != 0:

@@ -35,12 +35,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .mapping import PlainObject, ShardedObject, ShardedTensor
-from .planner import (
-    ShardedLoadPlanner,
-    ShardedSavePlanner,
-    ShardingError,
-    megatron_state_globals,
-)
+from .planner import ShardedLoadPlanner, ShardedSavePlanner, ShardingError
+from .safe_objects import megatron_state_globals
 
 SHARDED_BACKEND = "torch_dist"
 SHARDED_BACKEND_VERSION = 1
@@ -159,7 +155,7 @@ def save_common(state: dict, directory: str) -> None:
 
 def load_common(directory: str, safe_globals: Sequence = ()) -> dict:
     """Read common.pt with ``weights_only=True`` (plus the allow-listed ``safe_globals`` and
-    the classes of Megatron-LM's state, :func:`.planner.megatron_state_globals`)."""
+    the classes of Megatron-LM's state, :func:`.safe_objects.megatron_state_globals`)."""
     path = os.path.join(directory, COMMON_FILE)
     if not os.path.isfile(path):
         raise CheckpointingError(
