@@ -61,8 +61,11 @@ _SPLITS = {
     "mlp.linear_fc2.weight": ROW,
     "embedding.position_embeddings.weight": REPLICATED,
     "mlp.router.weight": REPLICATED,
+    "mlp.router.expert_bias": REPLICATED,
+    # Shared experts: a dense MLP inside the MoE layer, split like it.
+    "mlp.shared_experts.linear_fc2.weight": ROW,
 }
-_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+_GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.shared_experts.linear_fc1.weight")
 # The vocab-parallel output layer, also inside a head (T5's lm_head.output_layer).
 _OUTPUT_LAYER = ("output_layer.weight", "output_layer.bias")
 _REPLICATED_SUFFIXES = ("layernorm.weight", "layernorm.bias", "linear_proj.bias", "linear_fc2.bias")

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import sys
 
-from protocol import MLA_FIELDS, ConversionError, mla_shapes, new_metadata, put, put_metadata
+from protocol import (
+    MLA_FIELDS,
+    MOE_FIELDS,
+    ConversionError,
+    layer_is_moe,
+    mla_shapes,
+    moe_message,
+    new_metadata,
+    put,
+    put_metadata,
+)
 
 from megatron.checkpointing.saved_args import saved_value
 
@@ -61,15 +71,18 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
     if getattr(a, "squared_relu", False):
         raise ConversionError("--squared-relu checkpoints are not supported by the converter yet")
     if getattr(a, "num_experts", None) and (
-        getattr(a, "moe_shared_expert_intermediate_size", None)
-        or (getattr(a, "moe_ffn_hidden_size", None) or a.ffn_hidden_size) != a.ffn_hidden_size
-        or getattr(a, "moe_layer_freq", 1) != 1
-        or not getattr(a, "swiglu", False)
+        not getattr(a, "swiglu", False)
         or getattr(a, "add_bias_linear", True)
+        or getattr(a, "moe_shared_expert_gate", False)
     ):
         raise ConversionError(
-            "the converter handles Mixtral-like MoE checkpoints only (every layer MoE, SwiGLU "
-            "experts of --ffn-hidden-size without biases, no shared expert)"
+            "the converter handles MoE checkpoints with SwiGLU experts without biases and "
+            "ungated shared experts only"
+        )
+    if getattr(a, "mtp_num_layers", None):
+        raise ConversionError(
+            f"--mtp-num-layers {a.mtp_num_layers}: the converter does not carry multi-token "
+            "prediction layers yet"
         )
     heads = a.num_attention_heads
     groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
@@ -122,7 +135,22 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
         num_experts=getattr(a, "num_experts", None),
         moe_router_topk=getattr(a, "moe_router_topk", None),
         mla=_mla_settings(a),
+        moe=_moe_settings(a),
     )
+
+
+def _moe_settings(a):
+    """``md.moe`` of a checkpoint's args: its MoE flags (the layer pattern as one 0/1 per layer),
+    or None without experts."""
+    if not getattr(a, "num_experts", None):
+        return None
+    settings = {name: getattr(a, name, None) for name in MOE_FIELDS}
+    freq = settings["moe_layer_freq"] or 1
+    if not isinstance(freq, (list, tuple)):
+        freq = [int(i % freq == 0) for i in range(a.num_layers)]
+    settings["moe_layer_freq"] = [int(x) for x in freq]
+    settings["moe_ffn_hidden_size"] = settings["moe_ffn_hidden_size"] or a.ffn_hidden_size
+    return settings
 
 
 def _mla_settings(a):
@@ -153,16 +181,6 @@ def send_model(queue, reader, md, alive=None) -> None:
                 msg["mla " + name] = t(p + "self_attention." + name)
         else:
             msg["qkv weight"] = t(p + "self_attention.linear_qkv.weight")
-        if md.num_experts:
-            msg["router weight"] = t(p + "mlp.router.weight")
-            for e in range(md.num_experts):
-                x = f"{p}mlp.experts.local_experts.{e}."
-                gate, up = t(x + "linear_fc1.weight").chunk(2, dim=0)
-                msg[f"expert {e} l0 weight W"], msg[f"expert {e} l0 weight V"] = gate, up
-                msg[f"expert {e} l1 weight"] = t(x + "linear_fc2.weight")
-            put(queue, f"transformer layer {i}", {k: v.clone() for k, v in msg.items()}, alive)
-            continue
-        msg["mlp l1 weight"] = t(p + "mlp.linear_fc2.weight")
         if md.norm_has_bias:
             msg["input norm bias"] = t(p + "input_layernorm.bias")
             msg["post norm bias"] = t(p + "pre_mlp_layernorm.bias")
@@ -170,6 +188,12 @@ def send_model(queue, reader, md, alive=None) -> None:
             msg["qkv bias"] = t(p + "self_attention.linear_qkv.bias")
         if md.linear_bias:
             msg["dense bias"] = t(p + "self_attention.linear_proj.bias")
+        if layer_is_moe(md, i):
+            msg.update(moe_message(t, md, p))
+            put(queue, f"transformer layer {i}", {k: v.clone() for k, v in msg.items()}, alive)
+            continue
+        msg["mlp l1 weight"] = t(p + "mlp.linear_fc2.weight")
+        if md.linear_bias:
             msg["mlp l1 bias"] = t(p + "mlp.linear_fc2.bias")
         fc1 = t(p + "mlp.linear_fc1.weight")
         fc1_bias = t(p + "mlp.linear_fc1.bias") if md.linear_bias else None

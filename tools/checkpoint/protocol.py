@@ -12,9 +12,12 @@ The loader puts, in this order, on one queue:
    v_head_dim under MLA) (+ ``dense bias``), ``post norm
    weight`` (+ ``bias``), ``mlp l0 weight`` [ffn, h] or, with SwiGLU, ``mlp l0 weight W`` (gate)
    and ``mlp l0 weight V`` (up) (biases likewise), ``mlp l1 weight`` [h, ffn] (+ ``mlp l1 bias``);
-   with ``num_experts`` (MoE, SwiGLU experts without biases) instead of the MLP: ``router
-   weight`` [E, h] and, per expert e, ``expert e l0 weight W`` / ``V`` [ffn, h] and ``expert e l1
-   weight`` [h, ffn];
+   with ``num_experts`` (MoE, SwiGLU experts without biases) instead of the MLP of the layers
+   :func:`layer_is_moe` names: ``router weight`` [E, h], with ``md.moe``'s expert bias ``router
+   bias`` [E] (the aux-loss-free ``expert_bias``), per expert e ``expert e l0 weight W`` / ``V``
+   [f, h] and ``expert e l1 weight`` [h, f] (f: ``moe_ffn_hidden_size``), and with shared experts
+   ``shared mlp l0 weight W`` / ``V`` [s, h] and ``shared mlp l1 weight`` [h, s] (s:
+   ``moe_shared_expert_intermediate_size``);
 4. ``"final norm"``: ``weight`` (+ ``bias``);
 5. ``"output layer"``: ``weight`` [V, h], only when the output layer is not tied;
 6. ``"done"``. A loader that fails puts ``"exit"`` instead, and the saver stops.
@@ -77,6 +80,22 @@ METADATA_FIELDS = (
     "num_experts",
     "moe_router_topk",
     "mla",
+    "moe",
+)
+
+# Mixture-of-experts settings beyond num_experts / moe_router_topk carried in ``md.moe`` (None:
+# every layer MoE with experts of ffn_hidden_size, softmax router, no shared expert: Mixtral);
+# the flag of each is ``--`` + its name with dashes. ``moe_layer_freq``: one 0/1 per layer.
+MOE_FIELDS = (
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_dtype",
 )
 
 # Multi-latent attention settings carried in ``md.mla`` (None: ordinary attention); the flag of
@@ -279,22 +298,62 @@ def mla_shapes(md) -> Dict[str, tuple]:
     return shapes
 
 
+def layer_is_moe(md, layer: int) -> bool:
+    """Whether layer ``layer``'s MLP is a mixture of experts (``md.moe['moe_layer_freq']``)."""
+    if not getattr(md, "num_experts", None):
+        return False
+    moe = getattr(md, "moe", None)
+    return not moe or bool(moe["moe_layer_freq"][layer])
+
+
+def moe_sizes(md):
+    """(routed expert width, shared expert width or 0) of ``md``."""
+    moe = getattr(md, "moe", None) or {}
+    return (
+        moe.get("moe_ffn_hidden_size") or md.ffn_hidden_size,
+        moe.get("moe_shared_expert_intermediate_size") or 0,
+    )
+
+
+def moe_message(t: Callable[[str], torch.Tensor], md, prefix: str) -> Dict[str, torch.Tensor]:
+    """The MoE part of a layer message from full tensors by global name (``t(name)``)."""
+    msg = {"router weight": t(prefix + "mlp.router.weight")}
+    if (getattr(md, "moe", None) or {}).get("moe_router_enable_expert_bias"):
+        msg["router bias"] = t(prefix + "mlp.router.expert_bias")
+    for e in range(md.num_experts):
+        x = f"{prefix}mlp.experts.local_experts.{e}."
+        gate, up = t(x + "linear_fc1.weight").chunk(2, dim=0)
+        msg[f"expert {e} l0 weight W"], msg[f"expert {e} l0 weight V"] = gate, up
+        msg[f"expert {e} l1 weight"] = t(x + "linear_fc2.weight")
+    if moe_sizes(md)[1]:
+        x = prefix + "mlp.shared_experts."
+        gate, up = t(x + "linear_fc1.weight").chunk(2, dim=0)
+        msg["shared mlp l0 weight W"], msg["shared mlp l0 weight V"] = gate, up
+        msg["shared mlp l1 weight"] = t(x + "linear_fc2.weight")
+    return msg
+
+
+def _receive_gated(msg, key: str, name: str, width: int, h: int, out) -> None:
+    out[name + "linear_fc1.weight"] = torch.cat(
+        [take(msg, f"{key} l0 weight W", (width, h)), take(msg, f"{key} l0 weight V", (width, h))],
+        dim=0,
+    )
+    out[name + "linear_fc2.weight"] = take(msg, f"{key} l1 weight", (h, width))
+
+
 def _receive_experts(msg, md, prefix: str, out: Dict[str, torch.Tensor]) -> None:
     """Router and experts of one MoE layer (global expert numbers in the names)."""
-    h, ffn = md.hidden_size, md.ffn_hidden_size
+    h, (ffn, shared) = md.hidden_size, moe_sizes(md)
     if not md.swiglu or md.linear_bias:
         raise ConversionError("MoE conversion supports SwiGLU experts without biases only")
     out[prefix + "mlp.router.weight"] = take(msg, "router weight", (md.num_experts, h))
+    if (getattr(md, "moe", None) or {}).get("moe_router_enable_expert_bias"):
+        out[prefix + "mlp.router.expert_bias"] = take(msg, "router bias", (md.num_experts,))
     for e in range(md.num_experts):
         x = f"{prefix}mlp.experts.local_experts.{e}."
-        out[x + "linear_fc1.weight"] = torch.cat(
-            [
-                take(msg, f"expert {e} l0 weight W", (ffn, h)),
-                take(msg, f"expert {e} l0 weight V", (ffn, h)),
-            ],
-            dim=0,
-        )
-        out[x + "linear_fc2.weight"] = take(msg, f"expert {e} l1 weight", (h, ffn))
+        _receive_gated(msg, f"expert {e}", x, ffn, h, out)
+    if shared:
+        _receive_gated(msg, "shared mlp", prefix + "mlp.shared_experts.", shared, h, out)
 
 
 def receive_model(
@@ -344,7 +403,7 @@ def receive_model(
         bias = take_optional(msg, "post norm bias", md.norm_has_bias, (h,))
         if bias is not None:
             out[p + "pre_mlp_layernorm.bias"] = bias
-        if getattr(md, "num_experts", None):
+        if layer_is_moe(md, i):
             _receive_experts(msg, md, p, out)
         elif md.swiglu:
             out[p + "mlp.linear_fc1.weight"] = torch.cat(
@@ -360,7 +419,7 @@ def receive_model(
             bias = take_optional(msg, "mlp l0 bias", md.linear_bias, (ffn,))
             if bias is not None:
                 out[p + "mlp.linear_fc1.bias"] = bias
-        if not getattr(md, "num_experts", None):
+        if not layer_is_moe(md, i):
             out[p + "mlp.linear_fc2.weight"] = take(msg, "mlp l1 weight", (h, ffn))
             bias = take_optional(msg, "mlp l1 bias", md.linear_bias, (h,))
             if bias is not None:

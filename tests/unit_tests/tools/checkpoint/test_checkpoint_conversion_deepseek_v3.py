@@ -1,0 +1,144 @@
+"""DeepSeek-V3 (Hugging Face) <-> our torch-format checkpoints through tools/checkpoint/convert.py.
+
+A tiny random ``DeepseekV3ForCausalLM``: 2 layers, the first dense (``first_k_dense_replace``
+1), then MoE with 4 experts top-2 and a shared expert, the sigmoid router with its expert bias,
+2 groups of which 1 is chosen, q-LoRA, interleaved RoPE rows (DeepSeek's layout).
+
+- HF -> ours at TP2 x PP2 x EP2 -> HF, and HF -> ours at TP1 x PP2 x EP4 -> HF: the same key set
+  and bit-identical tensors (torch.equal), which transformers' ``from_pretrained`` loads with no
+  missing or unexpected key.
+- ours at TP2 x PP2 x EP2 -> ours at TP1 x PP1 x EP1 -> HF: still bit-identical; that one-file
+  checkpoint, built into our GPTModel from its saved args (the trainer's config path), gives
+  transformers' logits within 1e-4 in fp32.
+- A config the converter cannot map fails in one line naming the field.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+from megatron.checkpointing.torch_format import TorchCheckpointReader
+from tests.unit_tests.tools.checkpoint.test_checkpoint_conversion_hf import (
+    VOCAB,
+    ConversionError,
+    assert_same_tensors,
+    check_logits,
+    run,
+)
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms away from 1, routers with preferences: a swap would show
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            if name.endswith("gate.weight"):
+                param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.5)
+    path = tmp_path_factory.mktemp("hf_deepseek_v3")
+    model.save_pretrained(path)
+    return path, model
+
+
+def _layout(tp, pp, ep):
+    return [
+        "--target-tensor-parallel-size", tp, "--target-pipeline-parallel-size", pp,
+        "--target-expert-model-parallel-size", ep,
+    ]  # fmt: skip
+
+
+def _to_hf_and_compare(ours, back, src):
+    run("--loader", "core", "--saver", "hf_deepseek_v3", "--load-dir", ours, "--save-dir", back)
+    assert_same_tensors(src, back)
+    model, info = DeepseekV3ForCausalLM.from_pretrained(back, output_loading_info=True)
+    assert not any(info.values()), info
+
+
+def test_round_trips_at_several_layouts_are_bit_exact(deepseek_dir, tmp_path):
+    src, _ = deepseek_dir
+    split = tmp_path / "tp2pp2ep2"
+    run("--loader", "hf_deepseek_v3", "--saver", "core", "--load-dir", src, "--save-dir", split,
+        *_layout(2, 2, 2))  # fmt: skip
+    assert sorted(os.listdir(split / "release")) == [
+        f"mp_rank_{t:02d}_{p:03d}_{e:03d}" for t in range(2) for p in range(2) for e in range(2)
+    ]
+    reader = TorchCheckpointReader(split)
+    saved = reader.args
+    assert (reader.tp, reader.pp, reader.ep) == (2, 2, 2)
+    # What a --use-checkpoint-args run (and the printed flags) need to rebuild the model.
+    assert saved.multi_latent_attention and saved.q_lora_rank == 16 and saved.qk_layernorm
+    assert (saved.num_experts, saved.moe_router_topk, saved.moe_layer_freq) == (4, 2, [0, 1])
+    assert saved.moe_router_score_function == "sigmoid" and saved.moe_router_enable_expert_bias
+    assert (saved.moe_router_num_groups, saved.moe_router_group_topk) == (2, 1)
+    assert saved.moe_router_topk_scaling_factor == 2.5
+    assert saved.moe_shared_expert_intermediate_size == 16 and saved.moe_ffn_hidden_size == 16
+    _to_hf_and_compare(split, tmp_path / "back_split", src)
+
+    other = tmp_path / "tp1pp2ep4"
+    run("--loader", "hf_deepseek_v3", "--saver", "core", "--load-dir", src, "--save-dir", other,
+        *_layout(1, 2, 4))  # fmt: skip
+    _to_hf_and_compare(other, tmp_path / "back_other", src)
+
+
+def test_reshard_then_logits_and_back(deepseek_dir, tmp_path):
+    src, model = deepseek_dir
+    split, one = tmp_path / "tp2pp2ep2", tmp_path / "one"
+    run("--loader", "hf_deepseek_v3", "--saver", "core", "--load-dir", src, "--save-dir", split,
+        *_layout(2, 2, 2))  # fmt: skip
+    run("--loader", "core", "--saver", "core", "--load-dir", split, "--save-dir", one,
+        *_layout(1, 1, 1))  # fmt: skip
+    assert os.listdir(one / "release") == ["mp_rank_00"]
+    check_logits(model, one, seq=16)
+    _to_hf_and_compare(one, tmp_path / "back", src)
+
+
+def test_unmappable_config_fails_in_one_line(deepseek_dir, tmp_path):
+    src, _ = deepseek_dir
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    os.symlink(src / "model.safetensors", bad / "model.safetensors")
+    with open(src / "config.json") as f:
+        config = json.load(f)
+    for field, value, match in (
+        ("hidden_act", "gelu", r"config.json: hidden_act='gelu' is not supported"),
+        ("norm_topk_prob", False, "only the sigmoid router with norm_topk_prob"),
+    ):
+        with open(bad / "config.json", "w") as f:
+            json.dump({**config, field: value}, f)
+        with pytest.raises(ConversionError, match=match) as caught:
+            run("--loader", "hf_deepseek_v3", "--saver", "core", "--load-dir", bad,
+                "--save-dir", tmp_path / "never")  # fmt: skip
+        assert "\n" not in str(caught.value)
+    assert not (tmp_path / "never").exists()
