@@ -10,9 +10,10 @@ from protocol import (
     MLA_FIELDS,
     MOE_FIELDS,
     ConversionError,
-    layer_is_moe,
+    layer_messages,
     mla_shapes,
     moe_message,
+    mtp_message,
     new_metadata,
     put,
     put_metadata,
@@ -79,11 +80,6 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
             "the converter handles MoE checkpoints with SwiGLU experts without biases and "
             "ungated shared experts only"
         )
-    if getattr(a, "mtp_num_layers", None):
-        raise ConversionError(
-            f"--mtp-num-layers {a.mtp_num_layers}: the converter does not carry multi-token "
-            "prediction layers yet"
-        )
     heads = a.num_attention_heads
     groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
     swiglu = bool(getattr(a, "swiglu", False))
@@ -136,6 +132,7 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
         moe_router_topk=getattr(a, "moe_router_topk", None),
         mla=_mla_settings(a),
         moe=_moe_settings(a),
+        mtp_num_layers=getattr(a, "mtp_num_layers", None) or None,
     )
 
 
@@ -169,9 +166,9 @@ def send_model(queue, reader, md, alive=None) -> None:
     if md.position_embedding_type == "learned_absolute":
         embeddings["position embeddings"] = t("embedding.position_embeddings.weight")
     put(queue, "embeddings", embeddings, alive)
-    for i in range(md.num_layers):
-        p = f"decoder.layers.{i}."
-        msg = {
+    for message, p, moe in layer_messages(md):
+        msg = mtp_message(t, md, p) if p.startswith("mtp.") else {}
+        msg |= {
             "input norm weight": t(p + "input_layernorm.weight"),
             "dense weight": t(p + "self_attention.linear_proj.weight"),
             "post norm weight": t(p + "pre_mlp_layernorm.weight"),
@@ -188,9 +185,9 @@ def send_model(queue, reader, md, alive=None) -> None:
             msg["qkv bias"] = t(p + "self_attention.linear_qkv.bias")
         if md.linear_bias:
             msg["dense bias"] = t(p + "self_attention.linear_proj.bias")
-        if layer_is_moe(md, i):
+        if moe:
             msg.update(moe_message(t, md, p))
-            put(queue, f"transformer layer {i}", {k: v.clone() for k, v in msg.items()}, alive)
+            put(queue, message, {k: v.clone() for k, v in msg.items()}, alive)
             continue
         msg["mlp l1 weight"] = t(p + "mlp.linear_fc2.weight")
         if md.linear_bias:
@@ -205,7 +202,7 @@ def send_model(queue, reader, md, alive=None) -> None:
             msg["mlp l0 weight"] = fc1
             if fc1_bias is not None:
                 msg["mlp l0 bias"] = fc1_bias
-        put(queue, f"transformer layer {i}", {k: v.clone() for k, v in msg.items()}, alive)
+        put(queue, message, {k: v.clone() for k, v in msg.items()}, alive)
     final = {"weight": t("decoder.final_layernorm.weight")}
     if md.norm_has_bias:
         final["bias"] = t("decoder.final_layernorm.bias")

@@ -6,18 +6,22 @@ sigmoid router and its expert bias (``e_score_correction_bias``), group-limited 
 
 The tensors are mapped layer by layer by ``hf_deepseek_v3.layer_to_megatron`` (the RoPE rows
 permuted from Hugging Face's interleaved layout to Megatron's) and sent as the core loader sends
-a Megatron checkpoint. Multi-token prediction layers (``model.layers.<num_hidden_layers>.*``,
-which transformers does not load either) are refused, not dropped.
+a Megatron checkpoint. Multi-token prediction layers (``model.layers.<num_hidden_layers + k>.*``
+in DeepSeek's files; transformers does not load them) become ``--mtp-num-layers`` depths: their
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` (-> ``final_layernorm``) and transformer
+layer; their ``embed_tokens`` / ``shared_head.head`` copies must equal the model's, which
+Megatron shares.
 """
 
 from __future__ import annotations
 
 import hf_deepseek_v3
+import torch
 from hf_io import HFWeights, has_tokenizer, hf_metadata, read_config
 from loader_core import send_model
-from protocol import ConversionError, put_metadata
+from protocol import MTP_LAYER, ConversionError, put_metadata
 
-from megatron.checkpointing.tp_shards import LAYER
+from megatron.checkpointing.tp_shards import LAYER, MTP
 
 # Outside the layers: Megatron name -> Hugging Face name.
 _OUTER = {
@@ -148,37 +152,69 @@ class _HFTensors:
         return self.weights.get(name).to(self.dtype)
 
 
+# An MTP depth's own tensors in Hugging Face's layer model.layers.<num_hidden_layers + k>.
+_MTP_OWN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
+
+
 class MegatronView:
     """Full tensors by Megatron's global names (the core loader's reader interface), mapped from
-    the Hugging Face files one layer at a time."""
+    the Hugging Face files one layer at a time. MTP depth k is Hugging Face's layer
+    ``num_hidden_layers + k``."""
 
     def __init__(self, weights: HFWeights, config: dict, dtype):
         self.hf, self.config = _HFTensors(weights, dtype), config
         self._layer, self._tensors = None, {}
 
-    def tensor(self, name: str):
-        m = LAYER.match(name)
-        if m is None:
-            if name == "output_layer.weight" and "lm_head.weight" not in self.hf:
-                raise ConversionError("lm_head.weight is missing (tie_word_embeddings is false)")
-            return self.hf[_OUTER[name]]
-        index = int(m.group(2))
+    def _layer_tensors(self, index: int):
         if index != self._layer:
             self._layer = index
             self._tensors = hf_deepseek_v3.layer_to_megatron(self.hf, self.config, index)
-        return self._tensors[name]
+        return self._tensors
+
+    def tensor(self, name: str):
+        m = LAYER.match(name)
+        if m is not None:
+            return self._layer_tensors(int(m.group(2)))[name]
+        mtp = MTP.match(name)
+        if mtp is not None:
+            index = self.config["num_hidden_layers"] + int(mtp.group(1))
+            rest = mtp.group(2)
+            if name.startswith(f"mtp.layers.{mtp.group(1)}.{MTP_LAYER}"):
+                return self._layer_tensors(index)[f"decoder.layers.{index}.{rest}"]
+            return self.hf[f"model.layers.{index}.{_MTP_OWN[rest]}"]
+        if name == "output_layer.weight" and "lm_head.weight" not in self.hf:
+            raise ConversionError("lm_head.weight is missing (tie_word_embeddings is false)")
+        return self.hf[_OUTER[name]]
+
+
+def mtp_depths(weights: HFWeights, config: dict, load_dir: str) -> int:
+    """How many MTP layers the files hold (``model.layers.<num_hidden_layers + k>.*``), after
+    checking that their embedding and head copies equal the model's (Megatron shares them)."""
+    layers, depths = config["num_hidden_layers"], 0
+    head = "lm_head.weight" if weights.has("lm_head.weight") else "model.embed_tokens.weight"
+    while any(n.startswith(f"model.layers.{layers + depths}.") for n in weights.keys()):
+        p = f"model.layers.{layers + depths}."
+        for copy, main in (("embed_tokens.weight", "model.embed_tokens.weight"),
+                           ("shared_head.head.weight", head)):  # fmt: skip
+            if weights.has(p + copy) and not torch.equal(weights.get(p + copy), weights.get(main)):
+                raise ConversionError(
+                    f"{load_dir}: {p}{copy} differs from {main}; Megatron's MTP layers share "
+                    "the model's embedding and output layer"
+                )
+        depths += 1
+    return depths
 
 
 def load_checkpoint(queue, args, alive=None):
     config = read_config(args.load_dir)
     md = metadata_from_config(config, args, args.load_dir)
     weights = HFWeights(args.load_dir)
-    mtp = f"model.layers.{md.num_layers}."
-    if any(name.startswith(mtp) for name in weights.keys()):
-        raise ConversionError(
-            f"{args.load_dir} holds multi-token prediction layers ({mtp}*), which this "
-            "converter does not map yet"
-        )
+    md.mtp_num_layers = mtp_depths(weights, config, args.load_dir) or None
     put_metadata(queue, md, alive)
     try:
         send_model(queue, MegatronView(weights, config, md.params_dtype), md, alive)

@@ -18,9 +18,13 @@ The loader puts, in this order, on one queue:
    [f, h] and ``expert e l1 weight`` [h, f] (f: ``moe_ffn_hidden_size``), and with shared experts
    ``shared mlp l0 weight W`` / ``V`` [s, h] and ``shared mlp l1 weight`` [h, s] (s:
    ``moe_shared_expert_intermediate_size``);
-4. ``"final norm"``: ``weight`` (+ ``bias``);
-5. ``"output layer"``: ``weight`` [V, h], only when the output layer is not tied;
-6. ``"done"``. A loader that fails puts ``"exit"`` instead, and the saver stops.
+4. with ``md.mtp_num_layers``, ``"mtp layer K"`` for each multi-token-prediction depth K: the
+   tensors of a transformer layer message (MoE as the last decoder layer is) plus ``enorm
+   weight``, ``hnorm weight``, ``mtp final norm weight`` (+ ``bias``) and ``eh proj weight``
+   [h, 2h] (:func:`layer_messages`);
+5. ``"final norm"``: ``weight`` (+ ``bias``);
+6. ``"output layer"``: ``weight`` [V, h], only when the output layer is not tied;
+7. ``"done"``. A loader that fails puts ``"exit"`` instead, and the saver stops.
 
 Each message is a dict carrying its own ``name``; the saver checks the name and, unless
 ``--no-checking``, that no tensor was left unread.
@@ -81,7 +85,12 @@ METADATA_FIELDS = (
     "moe_router_topk",
     "mla",
     "moe",
+    "mtp_num_layers",
 )
+
+# An MTP depth's transformer layer, within ``mtp.layers.<k>.``; its message's own norms.
+MTP_LAYER = "transformer_layer."
+_MTP_NORMS = (("enorm", "enorm"), ("hnorm", "hnorm"), ("mtp final norm", "final_layernorm"))
 
 # Mixture-of-experts settings beyond num_experts / moe_router_topk carried in ``md.moe`` (None:
 # every layer MoE with experts of ffn_hidden_size, softmax router, no shared expert: Mixtral);
@@ -356,6 +365,42 @@ def _receive_experts(msg, md, prefix: str, out: Dict[str, torch.Tensor]) -> None
         _receive_gated(msg, "shared mlp", prefix + "mlp.shared_experts.", shared, h, out)
 
 
+def layer_messages(md):
+    """(message name, global name prefix of its transformer layer, whether its MLP is MoE) of
+    every layer message: the decoder's, then each multi-token-prediction depth's (``md.
+    mtp_num_layers``; its layer is built like the decoder's last, as Megatron's MTP spec is)."""
+    out = [
+        (f"transformer layer {i}", f"decoder.layers.{i}.", layer_is_moe(md, i))
+        for i in range(md.num_layers)
+    ]
+    last_moe = layer_is_moe(md, md.num_layers - 1)
+    for k in range(getattr(md, "mtp_num_layers", None) or 0):
+        out.append((f"mtp layer {k}", f"mtp.layers.{k}.{MTP_LAYER}", last_moe))
+    return out
+
+
+def mtp_message(t: Callable[[str], torch.Tensor], md, prefix: str) -> Dict[str, torch.Tensor]:
+    """An MTP depth's own tensors (``prefix``: its transformer layer's) for its layer message."""
+    depth = prefix[: -len(MTP_LAYER)]
+    msg = {}
+    for key, name in _MTP_NORMS:
+        msg[key + " weight"] = t(depth + name + ".weight")
+        if md.norm_has_bias:
+            msg[key + " bias"] = t(depth + name + ".bias")
+    msg["eh proj weight"] = t(depth + "eh_proj.weight")
+    return msg
+
+
+def _receive_mtp_depth(msg, md, prefix: str, out: Dict[str, torch.Tensor]) -> None:
+    depth, h = prefix[: -len(MTP_LAYER)], md.hidden_size
+    for key, name in _MTP_NORMS:
+        out[depth + name + ".weight"] = take(msg, key + " weight", (h,))
+        bias = take_optional(msg, key + " bias", md.norm_has_bias, (h,))
+        if bias is not None:
+            out[depth + name + ".bias"] = bias
+    out[depth + "eh_proj.weight"] = take(msg, "eh proj weight", (h, 2 * h))
+
+
 def receive_model(
     q, md, checking: bool = True, alive: Optional[Callable[[], bool]] = None
 ) -> Dict[str, torch.Tensor]:
@@ -376,9 +421,10 @@ def receive_model(
     if pos is not None:
         out["embedding.position_embeddings.weight"] = pos
     check_empty(msg, checking)
-    for i in range(md.num_layers):
-        msg = get(q, f"transformer layer {i}", alive)
-        p = f"decoder.layers.{i}."
+    for message, p, moe in layer_messages(md):
+        msg = get(q, message, alive)
+        if p.startswith("mtp."):
+            _receive_mtp_depth(msg, md, p, out)
         out[p + "input_layernorm.weight"] = take(msg, "input norm weight", (h,))
         bias = take_optional(msg, "input norm bias", md.norm_has_bias, (h,))
         if bias is not None:
@@ -403,7 +449,7 @@ def receive_model(
         bias = take_optional(msg, "post norm bias", md.norm_has_bias, (h,))
         if bias is not None:
             out[p + "pre_mlp_layernorm.bias"] = bias
-        if layer_is_moe(md, i):
+        if moe:
             _receive_experts(msg, md, p, out)
         elif md.swiglu:
             out[p + "mlp.linear_fc1.weight"] = torch.cat(
@@ -419,7 +465,7 @@ def receive_model(
             bias = take_optional(msg, "mlp l0 bias", md.linear_bias, (ffn,))
             if bias is not None:
                 out[p + "mlp.linear_fc1.bias"] = bias
-        if not layer_is_moe(md, i):
+        if not moe:
             out[p + "mlp.linear_fc2.weight"] = take(msg, "mlp l1 weight", (h, ffn))
             bias = take_optional(msg, "mlp l1 bias", md.linear_bias, (h,))
             if bias is not None:

@@ -126,6 +126,8 @@ def model_flags(md, tp: int, pp: int, vpp, ep: int = 1) -> list:
             flags += ["--sequence-parallel"]  # MoE with TP needs it
     elif ep != 1:
         raise ConversionError("--target-expert-parallel-size > 1 needs a mixture-of-experts model")
+    if getattr(md, "mtp_num_layers", None):
+        flags += ["--mtp-num-layers", md.mtp_num_layers]
     flags += ["--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
     if vpp:
         flags += ["--num-virtual-stages-per-pipeline-rank", vpp]

@@ -4,15 +4,17 @@ transformers' ``from_pretrained`` reads) from a model with multi-latent attentio
 ``--qk-layernorm``, RMSNorm, SwiGLU, no biases) whose MoE layers, if any, follow the dense ones
 and use the sigmoid router with shared experts.
 
-A model that came from Hugging Face keeps its source's ``rope_interleave``, token ids and
-``num_nextn_predict_layers``; otherwise the RoPE rows are written interleaved, DeepSeek's layout.
+A model that came from Hugging Face keeps its source's ``rope_interleave`` and token ids;
+otherwise the RoPE rows are written interleaved, DeepSeek's layout. ``--mtp-num-layers`` depths
+become layers ``num_hidden_layers + k`` as in DeepSeek's files (with copies of the embedding and
+output layer; transformers itself ignores those layers).
 """
 
 from __future__ import annotations
 
 import hf_deepseek_v3
 from hf_io import copy_tokenizer, dtype_name, write_weights
-from protocol import ConversionError, get_metadata, receive_model
+from protocol import MTP_LAYER, ConversionError, get_metadata, receive_model
 
 from megatron.checkpointing.saved_args import saved_value
 
@@ -66,7 +68,6 @@ def _problems(md) -> list:
         ("rotary_interleaved", "--rotary-interleaved"),
         ("apply_residual_connection_post_layernorm", "--apply-residual-connection-post-layernorm"),
         ("moe_shared_expert_gate", "--moe-shared-expert-gate"),
-        ("mtp_num_layers", "--mtp-num-layers"),
     ):
         if a is not None and saved_value(a, name, None):
             problems.append(f"it was trained with {flag}")
@@ -127,11 +128,40 @@ def hf_config_kwargs(md, vocab: int) -> dict:
         rope_interleave=source.get("rope_interleave", True),
         attention_bias=False,
         attention_dropout=md.attention_dropout or 0.0,
-        num_nextn_predict_layers=source.get("num_nextn_predict_layers", 0),
+        num_nextn_predict_layers=md.mtp_num_layers or source.get("num_nextn_predict_layers", 0),
         bos_token_id=source.get("bos_token_id"),
         eos_token_id=source.get("eos_token_id"),
         architectures=["DeepseekV3ForCausalLM"],
     )
+
+
+class _MTPLayerView:
+    """MTP depth k's transformer layer under the name of Hugging Face's layer L + k."""
+
+    def __init__(self, t, layers: int, depth: int):
+        self.t, self.src, self.dst = t, f"decoder.layers.{layers + depth}.", f"mtp.layers.{depth}."
+
+    def __getitem__(self, name):
+        return self.t[self.dst + MTP_LAYER + name[len(self.src) :]]
+
+
+def _mtp_to_hf(t, mapping: dict, depth: int, out: dict) -> dict:
+    """Hugging Face's layer ``L + depth`` (DeepSeek's MTP layout, with the copies of the
+    embedding and output layer its files hold)."""
+    layers = mapping["num_hidden_layers"]
+    p, own = f"model.layers.{layers + depth}.", f"mtp.layers.{depth}."
+    layer = hf_deepseek_v3.layer_to_hf(
+        _MTPLayerView(t, layers, depth), mapping, layers + depth, fused_experts=False
+    )
+    layer[p + "enorm.weight"] = t[own + "enorm.weight"]
+    layer[p + "hnorm.weight"] = t[own + "hnorm.weight"]
+    layer[p + "eh_proj.weight"] = t[own + "eh_proj.weight"]
+    layer[p + "shared_head.norm.weight"] = t[own + "final_layernorm.weight"]
+    # Copies: safetensors refuses tensors that share memory.
+    layer[p + "embed_tokens.weight"] = out["model.embed_tokens.weight"].clone()
+    head = out.get("lm_head.weight", out["model.embed_tokens.weight"])
+    layer[p + "shared_head.head.weight"] = head.clone()
+    return layer
 
 
 def save_checkpoint(queue, args, alive=None):
@@ -158,6 +188,8 @@ def save_checkpoint(queue, args, alive=None):
     out["model.norm.weight"] = t["decoder.final_layernorm.weight"]
     if md.output_layer:
         out["lm_head.weight"] = t["output_layer.weight"][:vocab]
+    for k in range(md.mtp_num_layers or 0):
+        out.update(_mtp_to_hf(t, mapping, k, out))
     out = {k: v.to(dtype).contiguous() for k, v in out.items()}
     config.dtype = dtype_name(dtype)
     config.save_pretrained(args.save_dir)

@@ -2,14 +2,16 @@
 
 A tiny random ``DeepseekV3ForCausalLM``: 2 layers, the first dense (``first_k_dense_replace``
 1), then MoE with 4 experts top-2 and a shared expert, the sigmoid router with its expert bias,
-2 groups of which 1 is chosen, q-LoRA, interleaved RoPE rows (DeepSeek's layout).
+2 groups of which 1 is chosen, q-LoRA, interleaved RoPE rows (DeepSeek's layout), and an MTP
+layer added to its files as DeepSeek's hold one (``model.layers.2.*``).
 
 - HF -> ours at TP2 x PP2 x EP2 -> HF, and HF -> ours at TP1 x PP2 x EP4 -> HF: the same key set
   and bit-identical tensors (torch.equal), which transformers' ``from_pretrained`` loads with no
   missing or unexpected key.
 - ours at TP2 x PP2 x EP2 -> ours at TP1 x PP1 x EP1 -> HF: still bit-identical; that one-file
-  checkpoint, built into our GPTModel from its saved args (the trainer's config path), gives
-  transformers' logits within 1e-4 in fp32.
+  checkpoint, built into our GPTModel from its saved args (the trainer's config path, the MTP
+  depth included), loads strictly and gives transformers' logits within 1e-4 in fp32 (measured
+  6e-8; transformers has no MTP, so the MTP weights are proven by the round trips only).
 - A config the converter cannot map fails in one line naming the field.
 """
 
@@ -18,14 +20,20 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from megatron.checkpointing.torch_format import TorchCheckpointReader
+from megatron.core.dist_checkpointing.megatron_layout import with_extra_state, without_extra_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.multi_token_prediction import mtp_layer_spec
+from megatron.training.configs import core_transformer_config_from_args
 from tests.unit_tests.tools.checkpoint.test_checkpoint_conversion_hf import (
     VOCAB,
     ConversionError,
     assert_same_tensors,
-    check_logits,
+    load_shard,
     run,
 )
 
@@ -69,7 +77,55 @@ def deepseek_dir(tmp_path_factory):
                 buffer.normal_(0.0, 0.5)
     path = tmp_path_factory.mktemp("hf_deepseek_v3")
     model.save_pretrained(path)
+    _add_mtp_layer(path / "model.safetensors")
     return path, model
+
+
+def _add_mtp_layer(file):
+    """DeepSeek's files hold the MTP depth as layer num_hidden_layers (transformers builds none):
+    a random MoE layer shaped as layer 1, its norms and eh_proj, and copies of the embedding and
+    head."""
+    tensors = load_file(file)
+    for name, tensor in list(tensors.items()):
+        if name.startswith("model.layers.1."):
+            tensors[name.replace("layers.1.", "layers.2.")] = torch.randn_like(tensor)
+    h = tensors["model.norm.weight"].shape[0]
+    tensors["model.layers.2.enorm.weight"] = torch.rand(h) + 0.5
+    tensors["model.layers.2.hnorm.weight"] = torch.rand(h) + 0.5
+    tensors["model.layers.2.shared_head.norm.weight"] = torch.rand(h) + 0.5
+    tensors["model.layers.2.eh_proj.weight"] = torch.randn(h, 2 * h)
+    tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def check_logits(hf_model, ckpt, seq=16):
+    """Our GPTModel (its MTP depth included) from the one-file checkpoint's saved args, as the
+    trainer's model provider builds it, loads it strictly and gives transformers' logits."""
+    state = load_shard(ckpt)
+    args = state["args"]
+    config = core_transformer_config_from_args(args)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    model = GPTModel(
+        config,
+        spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        mtp_block_spec=mtp_layer_spec(spec) if args.mtp_num_layers else None,
+    ).eval()
+    model.load_state_dict(without_extra_state(state["model"]), strict=True)
+    written = with_extra_state(model, model.state_dict())
+    extra = {k: v for k, v in state["model"].items() if k.endswith("._extra_state")}
+    assert extra == {k: v for k, v in written.items() if not torch.is_tensor(v)}
+    tokens = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(tokens, None, None)[..., :VOCAB]
+        theirs = hf_model(input_ids=tokens).logits
+    assert (ours - theirs).abs().max().item() < 1e-4
+    assert theirs.abs().max().item() > 1e-2  # not vacuous
+    return args
 
 
 def _layout(tp, pp, ep):
@@ -83,6 +139,9 @@ def _to_hf_and_compare(ours, back, src):
     run("--loader", "core", "--saver", "hf_deepseek_v3", "--load-dir", ours, "--save-dir", back)
     assert_same_tensors(src, back)
     model, info = DeepseekV3ForCausalLM.from_pretrained(back, output_loading_info=True)
+    # transformers skips DeepSeek's MTP layer (it ignores only layer 61 by name: here 2 is left).
+    unexpected = info.pop("unexpected_keys")
+    assert unexpected and all(k.startswith("model.layers.2.") for k in unexpected), unexpected
     assert not any(info.values()), info
 
 
@@ -104,6 +163,17 @@ def test_round_trips_at_several_layouts_are_bit_exact(deepseek_dir, tmp_path):
     assert (saved.moe_router_num_groups, saved.moe_router_group_topk) == (2, 1)
     assert saved.moe_router_topk_scaling_factor == 2.5
     assert saved.moe_shared_expert_intermediate_size == 16 and saved.moe_ffn_hidden_size == 16
+    assert saved.mtp_num_layers == 1
+    # The MTP depth sits on the last stage; its experts are split over EP like the decoder's.
+    last = torch.load(
+        split / "release" / "mp_rank_01_001_001" / "model_optim_rng.pt", weights_only=False
+    )["model"]
+    assert "mtp.layers.0.eh_proj.weight" in last and last["mtp.layers.0.eh_proj.weight"].shape == (
+        16,
+        64,
+    )
+    expert = "mtp.layers.0.transformer_layer.mlp.experts.local_experts."
+    assert sorted({k[len(expert)] for k in last if k.startswith(expert)}) == ["0", "1"]
     _to_hf_and_compare(split, tmp_path / "back_split", src)
 
     other = tmp_path / "tp1pp2ep4"
