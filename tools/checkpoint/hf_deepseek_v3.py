@@ -28,6 +28,18 @@ from typing import Dict
 
 import torch
 
+# transformers' DeepseekV3Attention builds q_a_layernorm / kv_a_layernorm with RMSNorm's default
+# epsilon whatever rms_norm_eps says; Megatron's latent norms take --norm-epsilon.
+LATENT_NORM_EPS = 1e-6
+
+
+def latent_eps_note(eps) -> str:
+    return (
+        f"norm epsilon {eps}: transformers' DeepSeek-V3 latent norms (q_a_layernorm, "
+        f"kv_a_layernorm) always use {LATENT_NORM_EPS}, Megatron's use this epsilon; the "
+        "logits differ slightly (about 1e-5 relative)"
+    )
+
 
 def _rope_rows(p: int) -> torch.Tensor:
     """Megatron row j of a p-row positional block = Hugging Face (interleaved) row perm[j]."""

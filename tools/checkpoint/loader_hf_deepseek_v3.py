@@ -15,6 +15,8 @@ Megatron shares.
 
 from __future__ import annotations
 
+import sys
+
 import hf_deepseek_v3
 import torch
 from hf_io import HFWeights, has_tokenizer, hf_metadata, read_config
@@ -101,6 +103,12 @@ def metadata_from_config(config: dict, args, load_dir: str):
                 "moe_router_dtype",
             )
         }
+    if kw["layernorm_epsilon"] != hf_deepseek_v3.LATENT_NORM_EPS:
+        print(
+            f"WARNING: {hf_deepseek_v3.latent_eps_note(kw['layernorm_epsilon'])}",
+            file=sys.stderr,
+            flush=True,
+        )
     h, heads = kw["hidden_size"], kw["num_attention_heads"]
     base = kw["rotary_base"]
     max_pos = config["max_position_embeddings"]

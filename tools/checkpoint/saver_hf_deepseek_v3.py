@@ -12,6 +12,8 @@ output layer; transformers itself ignores those layers).
 
 from __future__ import annotations
 
+import sys
+
 import hf_deepseek_v3
 from hf_io import copy_tokenizer, dtype_name, write_weights
 from protocol import MTP_LAYER, ConversionError, get_metadata, receive_model
@@ -26,16 +28,48 @@ def add_arguments(parser):
     )
 
 
+# MLA flags named differently in MLATransformerConfig.
+_MLA_CONFIG_NAMES = {
+    "yarn_original_max_position_embeddings": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+
+
+def effective_mla(mla: dict) -> dict:
+    """``md.mla`` with each unset flag replaced by what the model uses: MLATransformerConfig's
+    default (Megatron-LM: --rope-type defaults to yarn under MLA)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(MLATransformerConfig)}
+    out = dict(mla)
+    for name, value in mla.items():
+        field = _MLA_CONFIG_NAMES.get(name, name)
+        if value is None and field in defaults and field != "q_lora_rank":
+            out[name] = defaults[field]
+    return out
+
+
 def _problems(md) -> list:
     """What DeepseekV3ForCausalLM cannot express, one phrase each."""
-    mla = getattr(md, "mla", None)
-    if not mla:
+    if not getattr(md, "mla", None):
         return ["the attention is not multi-latent attention (--multi-latent-attention)"]
+    mla = effective_mla(md.mla)
     problems = []
     if not mla.get("latent_norms"):
         problems.append("the latent norms are missing (--qk-layernorm)")
     if mla.get("rope_type") not in ("rope", "yarn"):
         problems.append(f"--rope-type {mla.get('rope_type')}")
+    if mla.get("rope_type") == "rope" and mla.get("rotary_scaling_factor", 1.0) > 1.0:
+        # Megatron scales the softmax by mscale(factor, mscale_all_dim)^2 under either rope type;
+        # Hugging Face only under YaRN.
+        if mla.get("mscale_all_dim"):
+            problems.append(
+                "--rope-type rope with --rotary-scaling-factor > 1 and --mscale-all-dim "
+                "(a softmax scale Hugging Face applies only with YaRN)"
+            )
     if md.position_embedding_type != "rope" or md.rotary_percent != 1.0:
         problems.append("position embeddings are not full RoPE")
     if md.normalization != "RMSNorm":
@@ -76,7 +110,7 @@ def _problems(md) -> list:
 
 def hf_config_kwargs(md, vocab: int) -> dict:
     """DeepseekV3Config's arguments for ``md``."""
-    mla, moe = md.mla, getattr(md, "moe", None) or {}
+    mla, moe = effective_mla(md.mla), getattr(md, "moe", None) or {}
     source = md.hf_config if isinstance(md.hf_config, dict) else {}
     if source.get("model_type") != "deepseek_v3":
         source = {}
@@ -176,6 +210,12 @@ def save_checkpoint(queue, args, alive=None):
         )
     if not getattr(md, "moe", None) and md.num_experts:
         raise ConversionError("a Mixtral-style MoE cannot be written as DeepseekV3ForCausalLM")
+    if md.norm_epsilon != hf_deepseek_v3.LATENT_NORM_EPS:
+        print(
+            f"WARNING: {hf_deepseek_v3.latent_eps_note(md.norm_epsilon)}",
+            file=sys.stderr,
+            flush=True,
+        )
     t = receive_model(queue, md, not args.no_checking, alive)
     word = t["embedding.word_embeddings.weight"]
     vocab = md.true_vocab_size or word.shape[0]
