@@ -182,6 +182,12 @@ def test_round_trips_at_several_layouts_are_bit_exact(deepseek_dir, tmp_path):
         16,
         64,
     )
+    first = torch.load(
+        split / "release" / "mp_rank_01_000_001" / "model_optim_rng.pt", weights_only=False
+    )["model"]
+    # The last stage embeds for its MTP depth: its own copy of the (TP-sharded) embedding.
+    word = "embedding.word_embeddings.weight"
+    assert torch.equal(last[word], first[word])
     expert = "mtp.layers.0.transformer_layer.mlp.experts.local_experts."
     assert sorted({k[len(expert)] for k in last if k.startswith(expert)}) == ["0", "1"]
     _to_hf_and_compare(split, tmp_path / "back_split", src)
