@@ -272,6 +272,9 @@ class TorchCheckpointWriter:
             if name == "embedding.word_embeddings.weight" and self.tied and last != (0, 0):
                 # The last stage keeps its own copy of the tied weight as its output layer.
                 places.append((last[0], last[1], "output_layer.weight"))
+            if getattr(self.args, "mtp_num_layers", None) and last != (0, 0):
+                # The MTP depths on the last stage embed the shifted tokens: its own copy.
+                places.append((last[0], last[1], name))
         else:  # the final norm, the output layer and any head: the last stage's
             places = [(last[0], last[1], name)]
         shards = split_full(name, tensor, self.tp, self.swiglu, self.parts)

@@ -38,8 +38,15 @@ from .errors import ConversionError
 
 # A layer tensor of a layer stack: "decoder" or "encoder", then the layer's global index.
 LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.+)$")
-# An MoE expert's tensor: the layer, the expert's index, then its name inside the expert.
-EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
+# A multi-token-prediction depth's tensor (on the last stage, numbered from 0 by depth): its own
+# norms and eh_proj, or its transformer layer's tensors under "transformer_layer.".
+MTP = re.compile(r"^mtp\.layers\.(\d+)\.(?:transformer_layer\.)?(.+)$")
+# An MoE expert's tensor (a decoder layer's or an MTP depth's): the layer, the expert's index,
+# then its name inside the expert.
+EXPERT = re.compile(
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)"
+    r"\.mlp\.experts\.local_experts\.)(\d+)(\..+)$"
+)
 
 
 class TPSplit(NamedTuple):
@@ -84,6 +91,12 @@ _SPLITS = {
     "mixer.out_proj.weight": ROW,
     "decoder.final_norm.weight": REPLICATED,  # the hybrid stack's final norm
     "decoder.final_norm.bias": REPLICATED,
+    # An MTP depth's projection of [embedding; hidden] (column-parallel) and its input norms.
+    "eh_proj.weight": COLUMN,
+    "enorm.weight": REPLICATED,
+    "enorm.bias": REPLICATED,
+    "hnorm.weight": REPLICATED,
+    "hnorm.bias": REPLICATED,
 }
 _GATED = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "mlp.shared_experts.linear_fc1.weight")
 # The vocab-parallel output layer, also inside a head (T5's lm_head.output_layer).
@@ -111,7 +124,13 @@ def tp_split(name: str, swiglu: bool) -> TPSplit:
     """How the tensor of global name ``name`` splits over TP; ConversionError for a tensor the
     converters do not know (their layouts are checked against the trainer's, see above)."""
     expert = EXPERT.match(name)
-    local = "mlp" + expert.group(3) if expert else LAYER.sub(r"\3", name)
+    mtp = MTP.match(name)
+    if expert:
+        local = "mlp" + expert.group(3)
+    elif mtp:
+        local = mtp.group(2)
+    else:
+        local = LAYER.sub(r"\3", name)
     if local in _SPLITS:
         return _SPLITS[local]
     if local in _GATED:

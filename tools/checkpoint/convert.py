@@ -8,9 +8,10 @@ A loader plugin (module ``loader_<name>``) runs in this process and sends the mo
 ``multiprocessing.Queue``, one message at a time, to a saver plugin (``saver_<name>``) running in
 a child process; the messages are described in ``protocol.py``. Plugins: ``core`` (our torch-format
 checkpoints at any TP/PP, and torch_dist ones as a loader; ``mcore`` and ``megatron`` are aliases),
-``hf_gpt2`` (GPT-2) and ``hf_llama`` (Llama 2/3, Mistral, Qwen2); for ``--model-type MAMBA``
-(hybrid models, ``protocol_hybrid.py``) ``core`` and ``hf_nemotron_h`` (NemotronH). Everything runs
-on the CPU, offline.
+``hf_gpt2`` (GPT-2), ``hf_llama`` (Llama 2/3, Mistral, Qwen2, Mixtral) and ``hf_deepseek_v3``
+(DeepSeek-V3-class MLA + MoE models); for ``--model-type MAMBA`` (hybrid models,
+``protocol_hybrid.py``) ``core`` and ``hf_nemotron_h`` (NemotronH). Everything runs on the CPU,
+offline.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ if _ROOT not in sys.path:
 from protocol import ConversionError, put  # noqa: E402
 
 _ALIASES = {"megatron": "core", "mcore": "core", "legacy": "core"}
-PLUGINS = ("core", "hf_gpt2", "hf_llama", "hf_nemotron_h")
+PLUGINS = ("core", "hf_gpt2", "hf_llama", "hf_deepseek_v3", "hf_nemotron_h")
 
 
 def load_plugin(kind: str, name: str):

@@ -6,7 +6,18 @@ from __future__ import annotations
 
 import sys
 
-from protocol import MLA_FIELDS, ConversionError, mla_shapes, new_metadata, put, put_metadata
+from protocol import (
+    MLA_FIELDS,
+    MOE_FIELDS,
+    ConversionError,
+    layer_messages,
+    mla_shapes,
+    moe_message,
+    mtp_message,
+    new_metadata,
+    put,
+    put_metadata,
+)
 
 from megatron.checkpointing.saved_args import saved_value
 
@@ -63,15 +74,13 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
     if getattr(a, "squared_relu", False):
         raise ConversionError("--squared-relu checkpoints are not supported by the converter yet")
     if getattr(a, "num_experts", None) and (
-        getattr(a, "moe_shared_expert_intermediate_size", None)
-        or (getattr(a, "moe_ffn_hidden_size", None) or a.ffn_hidden_size) != a.ffn_hidden_size
-        or getattr(a, "moe_layer_freq", 1) != 1
-        or not getattr(a, "swiglu", False)
+        not getattr(a, "swiglu", False)
         or getattr(a, "add_bias_linear", True)
+        or getattr(a, "moe_shared_expert_gate", False)
     ):
         raise ConversionError(
-            "the converter handles Mixtral-like MoE checkpoints only (every layer MoE, SwiGLU "
-            "experts of --ffn-hidden-size without biases, no shared expert)"
+            "the converter handles MoE checkpoints with SwiGLU experts without biases and "
+            "ungated shared experts only"
         )
     heads = a.num_attention_heads
     groups = a.num_query_groups if getattr(a, "group_query_attention", False) else heads
@@ -124,7 +133,23 @@ def metadata_from_args(a, true_vocab_size, tp, pp, iteration):
         num_experts=getattr(a, "num_experts", None),
         moe_router_topk=getattr(a, "moe_router_topk", None),
         mla=_mla_settings(a),
+        moe=_moe_settings(a),
+        mtp_num_layers=getattr(a, "mtp_num_layers", None) or None,
     )
+
+
+def _moe_settings(a):
+    """``md.moe`` of a checkpoint's args: its MoE flags (the layer pattern as one 0/1 per layer),
+    or None without experts."""
+    if not getattr(a, "num_experts", None):
+        return None
+    settings = {name: getattr(a, name, None) for name in MOE_FIELDS}
+    freq = settings["moe_layer_freq"] or 1
+    if not isinstance(freq, (list, tuple)):
+        freq = [int(i % freq == 0) for i in range(a.num_layers)]
+    settings["moe_layer_freq"] = [int(x) for x in freq]
+    settings["moe_ffn_hidden_size"] = settings["moe_ffn_hidden_size"] or a.ffn_hidden_size
+    return settings
 
 
 def _mla_settings(a):
@@ -143,9 +168,9 @@ def send_model(queue, reader, md, alive=None) -> None:
     if md.position_embedding_type == "learned_absolute":
         embeddings["position embeddings"] = t("embedding.position_embeddings.weight")
     put(queue, "embeddings", embeddings, alive)
-    for i in range(md.num_layers):
-        p = f"decoder.layers.{i}."
-        msg = {
+    for message, p, moe in layer_messages(md):
+        msg = mtp_message(t, md, p) if p.startswith("mtp.") else {}
+        msg |= {
             "input norm weight": t(p + "input_layernorm.weight"),
             "dense weight": t(p + "self_attention.linear_proj.weight"),
             "post norm weight": t(p + "pre_mlp_layernorm.weight"),
@@ -155,16 +180,6 @@ def send_model(queue, reader, md, alive=None) -> None:
                 msg["mla " + name] = t(p + "self_attention." + name)
         else:
             msg["qkv weight"] = t(p + "self_attention.linear_qkv.weight")
-        if md.num_experts:
-            msg["router weight"] = t(p + "mlp.router.weight")
-            for e in range(md.num_experts):
-                x = f"{p}mlp.experts.local_experts.{e}."
-                gate, up = t(x + "linear_fc1.weight").chunk(2, dim=0)
-                msg[f"expert {e} l0 weight W"], msg[f"expert {e} l0 weight V"] = gate, up
-                msg[f"expert {e} l1 weight"] = t(x + "linear_fc2.weight")
-            put(queue, f"transformer layer {i}", {k: v.clone() for k, v in msg.items()}, alive)
-            continue
-        msg["mlp l1 weight"] = t(p + "mlp.linear_fc2.weight")
         if md.norm_has_bias:
             msg["input norm bias"] = t(p + "input_layernorm.bias")
             msg["post norm bias"] = t(p + "pre_mlp_layernorm.bias")
@@ -172,6 +187,12 @@ def send_model(queue, reader, md, alive=None) -> None:
             msg["qkv bias"] = t(p + "self_attention.linear_qkv.bias")
         if md.linear_bias:
             msg["dense bias"] = t(p + "self_attention.linear_proj.bias")
+        if moe:
+            msg.update(moe_message(t, md, p))
+            put(queue, message, {k: v.clone() for k, v in msg.items()}, alive)
+            continue
+        msg["mlp l1 weight"] = t(p + "mlp.linear_fc2.weight")
+        if md.linear_bias:
             msg["mlp l1 bias"] = t(p + "mlp.linear_fc2.bias")
         fc1 = t(p + "mlp.linear_fc1.weight")
         fc1_bias = t(p + "mlp.linear_fc1.bias") if md.linear_bias else None
@@ -183,7 +204,7 @@ def send_model(queue, reader, md, alive=None) -> None:
             msg["mlp l0 weight"] = fc1
             if fc1_bias is not None:
                 msg["mlp l0 bias"] = fc1_bias
-        put(queue, f"transformer layer {i}", {k: v.clone() for k, v in msg.items()}, alive)
+        put(queue, message, {k: v.clone() for k, v in msg.items()}, alive)
     final = {"weight": t("decoder.final_layernorm.weight")}
     if md.norm_has_bias:
         final["bias"] = t("decoder.final_layernorm.bias")

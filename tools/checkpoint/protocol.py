@@ -12,12 +12,19 @@ The loader puts, in this order, on one queue:
    v_head_dim under MLA) (+ ``dense bias``), ``post norm
    weight`` (+ ``bias``), ``mlp l0 weight`` [ffn, h] or, with SwiGLU, ``mlp l0 weight W`` (gate)
    and ``mlp l0 weight V`` (up) (biases likewise), ``mlp l1 weight`` [h, ffn] (+ ``mlp l1 bias``);
-   with ``num_experts`` (MoE, SwiGLU experts without biases) instead of the MLP: ``router
-   weight`` [E, h] and, per expert e, ``expert e l0 weight W`` / ``V`` [ffn, h] and ``expert e l1
-   weight`` [h, ffn];
-4. ``"final norm"``: ``weight`` (+ ``bias``);
-5. ``"output layer"``: ``weight`` [V, h], only when the output layer is not tied;
-6. ``"done"``. A loader that fails puts ``"exit"`` instead, and the saver stops.
+   with ``num_experts`` (MoE, SwiGLU experts without biases) instead of the MLP of the layers
+   :func:`layer_is_moe` names: ``router weight`` [E, h], with ``md.moe``'s expert bias ``router
+   bias`` [E] (the aux-loss-free ``expert_bias``), per expert e ``expert e l0 weight W`` / ``V``
+   [f, h] and ``expert e l1 weight`` [h, f] (f: ``moe_ffn_hidden_size``), and with shared experts
+   ``shared mlp l0 weight W`` / ``V`` [s, h] and ``shared mlp l1 weight`` [h, s] (s:
+   ``moe_shared_expert_intermediate_size``);
+4. with ``md.mtp_num_layers``, ``"mtp layer K"`` for each multi-token-prediction depth K: the
+   tensors of a transformer layer message (MoE as the last decoder layer is) plus ``enorm
+   weight``, ``hnorm weight``, ``mtp final norm weight`` (+ ``bias``) and ``eh proj weight``
+   [h, 2h] (:func:`layer_messages`);
+5. ``"final norm"``: ``weight`` (+ ``bias``);
+6. ``"output layer"``: ``weight`` [V, h], only when the output layer is not tied;
+7. ``"done"``. A loader that fails puts ``"exit"`` instead, and the saver stops.
 
 Each message is a dict carrying its own ``name``; the saver checks the name and, unless
 ``--no-checking``, that no tensor was left unread.
@@ -80,6 +87,27 @@ METADATA_FIELDS = (
     # hybrid (Mamba) models, see protocol_hybrid.py
     "hybrid_override_pattern",
     "hybrid_args",
+    "moe",
+    "mtp_num_layers",
+)
+
+# An MTP depth's transformer layer, within ``mtp.layers.<k>.``; its message's own norms.
+MTP_LAYER = "transformer_layer."
+_MTP_NORMS = (("enorm", "enorm"), ("hnorm", "hnorm"), ("mtp final norm", "final_layernorm"))
+
+# Mixture-of-experts settings beyond num_experts / moe_router_topk carried in ``md.moe`` (None:
+# every layer MoE with experts of ffn_hidden_size, softmax router, no shared expert: Mixtral);
+# the flag of each is ``--`` + its name with dashes. ``moe_layer_freq``: one 0/1 per layer.
+MOE_FIELDS = (
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_dtype",
 )
 
 # Multi-latent attention settings carried in ``md.mla`` (None: ordinary attention); the flag of
@@ -282,22 +310,98 @@ def mla_shapes(md) -> Dict[str, tuple]:
     return shapes
 
 
+def layer_is_moe(md, layer: int) -> bool:
+    """Whether layer ``layer``'s MLP is a mixture of experts (``md.moe['moe_layer_freq']``)."""
+    if not getattr(md, "num_experts", None):
+        return False
+    moe = getattr(md, "moe", None)
+    return not moe or bool(moe["moe_layer_freq"][layer])
+
+
+def moe_sizes(md):
+    """(routed expert width, shared expert width or 0) of ``md``."""
+    moe = getattr(md, "moe", None) or {}
+    return (
+        moe.get("moe_ffn_hidden_size") or md.ffn_hidden_size,
+        moe.get("moe_shared_expert_intermediate_size") or 0,
+    )
+
+
+def moe_message(t: Callable[[str], torch.Tensor], md, prefix: str) -> Dict[str, torch.Tensor]:
+    """The MoE part of a layer message from full tensors by global name (``t(name)``)."""
+    msg = {"router weight": t(prefix + "mlp.router.weight")}
+    if (getattr(md, "moe", None) or {}).get("moe_router_enable_expert_bias"):
+        msg["router bias"] = t(prefix + "mlp.router.expert_bias")
+    for e in range(md.num_experts):
+        x = f"{prefix}mlp.experts.local_experts.{e}."
+        gate, up = t(x + "linear_fc1.weight").chunk(2, dim=0)
+        msg[f"expert {e} l0 weight W"], msg[f"expert {e} l0 weight V"] = gate, up
+        msg[f"expert {e} l1 weight"] = t(x + "linear_fc2.weight")
+    if moe_sizes(md)[1]:
+        x = prefix + "mlp.shared_experts."
+        gate, up = t(x + "linear_fc1.weight").chunk(2, dim=0)
+        msg["shared mlp l0 weight W"], msg["shared mlp l0 weight V"] = gate, up
+        msg["shared mlp l1 weight"] = t(x + "linear_fc2.weight")
+    return msg
+
+
+def _receive_gated(msg, key: str, name: str, width: int, h: int, out) -> None:
+    out[name + "linear_fc1.weight"] = torch.cat(
+        [take(msg, f"{key} l0 weight W", (width, h)), take(msg, f"{key} l0 weight V", (width, h))],
+        dim=0,
+    )
+    out[name + "linear_fc2.weight"] = take(msg, f"{key} l1 weight", (h, width))
+
+
 def _receive_experts(msg, md, prefix: str, out: Dict[str, torch.Tensor]) -> None:
     """Router and experts of one MoE layer (global expert numbers in the names)."""
-    h, ffn = md.hidden_size, md.ffn_hidden_size
+    h, (ffn, shared) = md.hidden_size, moe_sizes(md)
     if not md.swiglu or md.linear_bias:
         raise ConversionError("MoE conversion supports SwiGLU experts without biases only")
     out[prefix + "mlp.router.weight"] = take(msg, "router weight", (md.num_experts, h))
+    if (getattr(md, "moe", None) or {}).get("moe_router_enable_expert_bias"):
+        out[prefix + "mlp.router.expert_bias"] = take(msg, "router bias", (md.num_experts,))
     for e in range(md.num_experts):
         x = f"{prefix}mlp.experts.local_experts.{e}."
-        out[x + "linear_fc1.weight"] = torch.cat(
-            [
-                take(msg, f"expert {e} l0 weight W", (ffn, h)),
-                take(msg, f"expert {e} l0 weight V", (ffn, h)),
-            ],
-            dim=0,
-        )
-        out[x + "linear_fc2.weight"] = take(msg, f"expert {e} l1 weight", (h, ffn))
+        _receive_gated(msg, f"expert {e}", x, ffn, h, out)
+    if shared:
+        _receive_gated(msg, "shared mlp", prefix + "mlp.shared_experts.", shared, h, out)
+
+
+def layer_messages(md):
+    """(message name, global name prefix of its transformer layer, whether its MLP is MoE) of
+    every layer message: the decoder's, then each multi-token-prediction depth's (``md.
+    mtp_num_layers``; its layer is built like the decoder's last, as Megatron's MTP spec is)."""
+    out = [
+        (f"transformer layer {i}", f"decoder.layers.{i}.", layer_is_moe(md, i))
+        for i in range(md.num_layers)
+    ]
+    last_moe = layer_is_moe(md, md.num_layers - 1)
+    for k in range(getattr(md, "mtp_num_layers", None) or 0):
+        out.append((f"mtp layer {k}", f"mtp.layers.{k}.{MTP_LAYER}", last_moe))
+    return out
+
+
+def mtp_message(t: Callable[[str], torch.Tensor], md, prefix: str) -> Dict[str, torch.Tensor]:
+    """An MTP depth's own tensors (``prefix``: its transformer layer's) for its layer message."""
+    depth = prefix[: -len(MTP_LAYER)]
+    msg = {}
+    for key, name in _MTP_NORMS:
+        msg[key + " weight"] = t(depth + name + ".weight")
+        if md.norm_has_bias:
+            msg[key + " bias"] = t(depth + name + ".bias")
+    msg["eh proj weight"] = t(depth + "eh_proj.weight")
+    return msg
+
+
+def _receive_mtp_depth(msg, md, prefix: str, out: Dict[str, torch.Tensor]) -> None:
+    depth, h = prefix[: -len(MTP_LAYER)], md.hidden_size
+    for key, name in _MTP_NORMS:
+        out[depth + name + ".weight"] = take(msg, key + " weight", (h,))
+        bias = take_optional(msg, key + " bias", md.norm_has_bias, (h,))
+        if bias is not None:
+            out[depth + name + ".bias"] = bias
+    out[depth + "eh_proj.weight"] = take(msg, "eh proj weight", (h, 2 * h))
 
 
 def receive_model(
@@ -320,9 +424,10 @@ def receive_model(
     if pos is not None:
         out["embedding.position_embeddings.weight"] = pos
     check_empty(msg, checking)
-    for i in range(md.num_layers):
-        msg = get(q, f"transformer layer {i}", alive)
-        p = f"decoder.layers.{i}."
+    for message, p, moe in layer_messages(md):
+        msg = get(q, message, alive)
+        if p.startswith("mtp."):
+            _receive_mtp_depth(msg, md, p, out)
         out[p + "input_layernorm.weight"] = take(msg, "input norm weight", (h,))
         bias = take_optional(msg, "input norm bias", md.norm_has_bias, (h,))
         if bias is not None:
@@ -347,7 +452,7 @@ def receive_model(
         bias = take_optional(msg, "post norm bias", md.norm_has_bias, (h,))
         if bias is not None:
             out[p + "pre_mlp_layernorm.bias"] = bias
-        if getattr(md, "num_experts", None):
+        if moe:
             _receive_experts(msg, md, p, out)
         elif md.swiglu:
             out[p + "mlp.linear_fc1.weight"] = torch.cat(
@@ -363,7 +468,7 @@ def receive_model(
             bias = take_optional(msg, "mlp l0 bias", md.linear_bias, (ffn,))
             if bias is not None:
                 out[p + "mlp.linear_fc1.bias"] = bias
-        if not getattr(md, "num_experts", None):
+        if not moe:
             out[p + "mlp.linear_fc2.weight"] = take(msg, "mlp l1 weight", (h, ffn))
             bias = take_optional(msg, "mlp l1 bias", md.linear_bias, (h,))
             if bias is not None:

@@ -46,6 +46,8 @@ def add_arguments(parser):
     )
     group.add_argument(
         "--target-expert-parallel-size",
+        "--target-expert-model-parallel-size",
+        dest="target_expert_parallel_size",
         type=int,
         default=1,
         help="EP of the saved checkpoint (MoE models: the experts are split over EP ranks).",
@@ -123,11 +125,14 @@ def model_flags(md, tp: int, pp: int, vpp, ep: int = 1) -> list:
     ]
     if getattr(md, "num_experts", None):
         flags += ["--num-experts", md.num_experts, "--moe-router-topk", md.moe_router_topk]
+        flags += moe_flags(getattr(md, "moe", None))
         flags += ["--expert-model-parallel-size", ep]
         if tp > 1:
             flags += ["--sequence-parallel"]  # MoE with TP needs it
     elif ep != 1:
         raise ConversionError("--target-expert-parallel-size > 1 needs a mixture-of-experts model")
+    if getattr(md, "mtp_num_layers", None):
+        flags += ["--mtp-num-layers", md.mtp_num_layers]
     flags += ["--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]
     if vpp:
         flags += ["--num-virtual-stages-per-pipeline-rank", vpp]
@@ -159,6 +164,21 @@ def mla_flags(mla) -> list:
                 flags += ["--" + ("" if value else "no-") + name.replace("_", "-")]
         elif value is not None:
             flags += ["--" + name.replace("_", "-"), value]
+    return flags
+
+
+def moe_flags(moe) -> list:
+    """The MoE flags of ``md.moe`` beyond --num-experts / --moe-router-topk (none for None)."""
+    flags = []
+    for name, value in (moe or {}).items():
+        flag = "--" + name.replace("_", "-")
+        if name == "moe_layer_freq":
+            if any(not x for x in value):  # every layer MoE is the default (1)
+                flags += [flag, "[" + ",".join(str(int(x)) for x in value) + "]"]
+        elif isinstance(value, bool):
+            flags += [flag] if value else []
+        elif value is not None:
+            flags += [flag, value]
     return flags
 
 

@@ -69,6 +69,19 @@ def check_llama(md):
         problems.append("the MLP is not SwiGLU")
     if md.linear_bias:
         problems.append("linear layers have biases")
+    moe = getattr(md, "moe", None) or {}
+    if moe and (
+        not all(moe.get("moe_layer_freq") or [1])
+        or moe.get("moe_shared_expert_intermediate_size")
+        or (moe.get("moe_ffn_hidden_size") or md.ffn_hidden_size) != md.ffn_hidden_size
+        or moe.get("moe_router_score_function", "softmax") != "softmax"
+        or moe.get("moe_router_enable_expert_bias")
+        or moe.get("moe_router_num_groups")
+    ):
+        problems.append(
+            "the MoE is not Mixtral's (dense layers, shared experts, a sigmoid or grouped "
+            "router or an expert bias: DeepSeek-V3 models use --saver hf_deepseek_v3)"
+        )
     if problems:
         raise ConversionError(
             "the model cannot be written as a Llama-family model: "

@@ -111,12 +111,18 @@ def _models(state):
                     moe_router_topk=2,
                     add_bias_linear=False,
                     sequence_parallel=True,
+                    # DeepSeek's: a shared expert and the sigmoid router's expert bias.
+                    moe_shared_expert_intermediate_size=32,
+                    moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True,
+                    mtp_num_layers=1,  # an MTP depth: eh_proj and an MoE layer of its own
                 ),
                 get_gpt_layer_local_spec(num_experts=4),
                 vocab_size=64,
                 max_sequence_length=16,
                 position_embedding_type="rope",
                 pg_collection=state,
+                mtp_block_spec=get_gpt_layer_local_spec(num_experts=4),
             ),
             True,
         ),
