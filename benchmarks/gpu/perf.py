@@ -248,7 +248,12 @@ def comparison(results: dict, mode: str) -> str:
         lines.extend(kernels.top_kernel_lines(ours.get("kernel_top") or {}))
     for key in variants:
         switches = " ".join(results[key].get("switches") or []) or "(none)"
-        lines.append(f"variant {key[2:]}: {switches}")
+        families = results[key].get("kernel_ms_per_iteration") or {}
+        spent = ", ".join(f"{family} {ms:.1f}" for family, ms in families.items() if ms)
+        lines.append(
+            f"variant {key[2:]}: {switches}"
+            + (f"; kernel ms per iteration: {spent}" if spent else "")
+        )
     return "\n".join(lines)
 
 

@@ -226,11 +226,18 @@ def test_a_variant_is_recorded_under_its_own_name(perf, tmp_path, capsys):
     assert seen == [("o", []), ("o.comp", flags.split())]
     results = json.loads((tmp_path / "results.json").read_text())
     assert sorted(results) == ["o", "o.comp"]
-    results["o.comp"].update(median_ms=40.0, switches=flags.split())
+    results["o.comp"].update(
+        median_ms=40.0,
+        switches=flags.split(),
+        kernel_ms_per_iteration={"matrix products": 20.0, "elementwise": 9.5, "copies": 0.0},
+    )
     table_text = perf.comparison(results, "gpu")
     row = next(line for line in table_text.splitlines() if line.startswith("ours + comp"))
     assert row.split()[3:] == ["40.0", steps.rate(2.0), "-", "10", "0.80x"]
-    assert f"variant comp: {flags}" in table_text
+    assert (
+        f"variant comp: {flags}; kernel ms per iteration: matrix products 20.0, elementwise 9.5"
+        in table_text.splitlines()
+    )
     with pytest.raises(SystemExit, match="2"):
         steps.main(["o", "--variant", "a b", "--switches", "x"] + common, **main)
     assert "letters, digits, - and _ only" in capsys.readouterr().err
