@@ -15,6 +15,9 @@ and batches. Checks, and prints as JSON with the ms per iteration of each run:
   rounding first, so the losses differ by bf16 rounding only (1e-2 relative).
 
 Exit status 1 when a check fails.
+
+Like training, it runs on the default stream and keeps no micro-batch's autograd graph past its
+backward (see ``del loss`` in ``_train``).
 """
 
 import argparse
@@ -79,6 +82,12 @@ def _train(args, model, device):
                 loss = model(tokens, position_ids, None, labels=labels).float().mean()
                 loss.backward()
             losses.append(loss.detach())
+            # Free this micro-batch's autograd graph before the next forward, as the training
+            # schedule does: a live graph hands its AccumulateGrad nodes, made on the default
+            # (legacy) stream, to the next forward; when that forward is the capture, the
+            # captured backward would make the legacy stream wait on the capturing one
+            # (cudaErrorStreamCaptureImplicit).
+            del loss
         ddp.finish_grad_sync()
         with torch.no_grad():
             for p in model.parameters():

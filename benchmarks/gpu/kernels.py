@@ -13,7 +13,7 @@ of every kernel (CUDA) or the self CPU time of every operator (CPU) by family.
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 FAMILIES = (
     "matrix products",
@@ -68,10 +68,10 @@ def summarize(rows: Iterable[Tuple[str, float]]) -> Dict[str, float]:
     return totals
 
 
-def profiler_rows(profiler, device: str) -> List[Tuple[str, float]]:
-    """(name, self microseconds) of the profiler's key_averages(): on CUDA the rows of the device
-    itself (kernels, memcpy, memset) and their device time; an operator's row also carries the
-    time of the kernels it launched, so it is left out, or every kernel would count twice. On
+def profiler_kernels(profiler, device: str) -> List[Tuple[str, float, int]]:
+    """(name, self microseconds, calls) of the profiler's key_averages(): on CUDA the rows of the
+    device itself (kernels, memcpy, memset) and their device time; an operator's row also carries
+    the time of the kernels it launched, so it is left out, or every kernel would count twice. On
     CPU the operators' self CPU time."""
     from torch.autograd import DeviceType
 
@@ -86,8 +86,83 @@ def profiler_rows(profiler, device: str) -> List[Tuple[str, float]]:
         else:
             value = event.self_cpu_time_total
         if value:
-            rows.append((event.key, float(value)))
+            rows.append((event.key, float(value), int(event.count)))
     return rows
+
+
+def profiler_rows(profiler, device: str) -> List[Tuple[str, float]]:
+    """(name, self microseconds) of :func:`profiler_kernels`."""
+    return [(name, us) for name, us, _ in profiler_kernels(profiler, device)]
+
+
+# Families whose kernels are listed one by one: the time outside the matrix products and
+# attention, where a fused or removed kernel can still be won.
+LISTED_FAMILIES = ("elementwise", "copies", "optimizer")
+
+
+def short_name(name: str, width: int = 120) -> str:
+    """A kernel name a table can hold: no ``void``, namespaces, ``operator()`` chains or the
+    kernel's own parameter list; what is left (the kernel and its functor, e.g.
+    ``vectorized_elementwise_kernel<4, GeluCUDAKernelImpl[BFloat16], Array<char*, 2> >``)
+    cut to ``width`` characters."""
+    text = re.sub(r"^void ", "", name.strip())
+    if not text.startswith("aten::"):  # the CPU mode's operator names are short already
+        text = text.replace("(anonymous namespace)::", "").replace("::operator()() const", "")
+        text = re.sub(r"(?:::)?\{lambda\(\)#\d+\}", "", text)  # the no-argument lambdas
+        text = re.sub(r"(?:::)?\{lambda\(([^()]*)\)#\d+\}", r"[\1]", text)  # [dtype] kept
+        text = re.sub(r"\b(?:[A-Za-z_]\w*::)+(?=[A-Za-z_~])", "", text)
+        text = re.sub(r"\(TensorIteratorBase&[^()]*\)", "", text)  # a functor's parameters
+    if text.endswith(")") and "<" in text:  # a template kernel: drop its parameter list
+        depth = 0
+        for i in range(len(text) - 1, -1, -1):
+            depth += {")": 1, "(": -1}.get(text[i], 0)
+            if depth == 0:
+                text = text[:i].rstrip()
+                break
+    text = re.sub(r"\s+", " ", text)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def top_kernels(
+    kernels: Iterable[Tuple[str, float, int]],
+    iterations: int,
+    families: Sequence[str] = LISTED_FAMILIES,
+    count: int = 8,
+) -> Dict[str, List[dict]]:
+    """{family: the ``count`` kernels with the most time, largest first}, each as ``name`` (short),
+    ``ms_per_iteration`` and ``calls_per_iteration`` over ``iterations`` profiled iterations."""
+    listed: Dict[str, List[Tuple[str, float, int]]] = {fam: [] for fam in families}
+    for name, microseconds, calls in kernels:
+        fam = family(name)
+        if fam in listed:
+            listed[fam].append((name, microseconds, calls))
+    return {
+        fam: [
+            {
+                "name": short_name(name),
+                "ms_per_iteration": microseconds / 1000.0 / iterations,
+                "calls_per_iteration": calls / iterations,
+            }
+            for name, microseconds, calls in sorted(rows, key=lambda row: -row[1])[:count]
+        ]
+        for fam, rows in listed.items()
+    }
+
+
+def top_kernel_lines(top: Dict[str, List[dict]]) -> List[str]:
+    """The table lines of :func:`top_kernels`."""
+    lines = []
+    for fam in [fam for fam in LISTED_FAMILIES if fam in top] + [
+        f for f in top if f not in LISTED_FAMILIES
+    ]:
+        rows = top[fam]
+        lines.append(f"  top {fam} kernels (ms per iteration, calls per iteration):")
+        lines.extend(
+            f"    {row['ms_per_iteration']:>8.2f} ms {row['calls_per_iteration']:>7.1f}x  "
+            f"{row['name']}"
+            for row in rows
+        )
+    return lines
 
 
 def top_unclassified(rows: Iterable[Tuple[str, float]], count: int = 5) -> List[Tuple[str, float]]:

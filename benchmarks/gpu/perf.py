@@ -1,7 +1,7 @@
 """The steps of benchmarks/gpu/perf.sh, one per call:
 
     python benchmarks/gpu/perf.py <a|o|h|c|report> --mode gpu|cpu --log-dir DIR --limit SECONDS
-                                  [--ours optimised|plain]
+                                  [--ours optimised|plain] [--variant NAME --switches FLAGS]
 
 a       the environment and the bf16 matrix-product rate MFU is measured against (check.sh's a)
 o       ours: GPT-2 large as check.sh's step e (36 x 1280, 20 heads, seq 1024, micro-batch 32 =
@@ -9,7 +9,9 @@ o       ours: GPT-2 large as check.sh's step e (36 x 1280, 20 heads, seq 1024, m
         (``--ours optimised``, OPTIMISED_FLAGS) or off (``--ours plain``, PLAIN_FLAGS):
         ms/iteration (median of iterations 3-10; 3-4 on CPU), TFLOP/s by Megatron's formula,
         MFU, peak memory; two more iterations run under torch.profiler: kernel time by family
-        (kernels.py)
+        and the largest elementwise, copy and optimizer kernels (kernels.py). With
+        ``--variant NAME --switches FLAGS`` the same run with FLAGS instead, recorded as
+        ``o.NAME`` (perf.sh's GPU_PERF_VARIANTS)
 h       transformers' GPT-2 large (hf_peer.py), eager
 c       the same under torch.compile (inductor; the CPU smoke run only traces: backend "eager")
 report  the comparison table of the steps that ran (also DIR/perf.txt)
@@ -19,12 +21,15 @@ Each step prints one ``RESULT: ...`` line last and keeps its figures in DIR/resu
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import shlex
 import sys
+import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -34,15 +39,13 @@ from steps import Step  # noqa: E402
 
 # The issue-29 switches, in one place. The optimised run adds OPTIMISED_FLAGS to step e's flags,
 # the plain run PLAIN_FLAGS; GPU_PERF_OURS_FLAGS (a shell-quoted list) replaces the chosen list.
-# Megatron's fusions (bias-GELU, bias-dropout-add, gradient-accumulation) are on by default and
-# have only --no- forms: the optimised run leaves them at their defaults.
-OPTIMISED_FLAGS = [
-    "--cross-entropy-loss-fusion",
-    "--cross-entropy-fusion-impl",
-    "native",
-    "--cuda-graph-impl",
-    "local",
-]
+# The optimised run is Megatron's defaults: its fusions (bias-GELU, bias-dropout-add, gradient
+# accumulation) are on by default, and the H200 run of benchmarks/RESULTS.md ("GPT-2 large on
+# one GPU, issue 29", 2026-11-28) found nothing faster under 80 GB: defaults 378.4 ms/iteration
+# in 75.6 GB; + --cuda-graph-impl local 381.4 ms in 84.3 GB; + chunked cross entropy
+# (--cross-entropy-loss-fusion --cross-entropy-fusion-impl native) and graphs 400.2 ms in 70.1 GB.
+# Other switches are compared as perf.sh variants (GPU_PERF_VARIANTS).
+OPTIMISED_FLAGS: List[str] = []
 PLAIN_FLAGS = [
     "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion",
@@ -55,9 +58,11 @@ TIMED_ITERATIONS = {"gpu": 10, "cpu": 4}  # iterations 3..N are timed (1-2 warm 
 PROFILED_ITERATIONS = 2  # then two more run under the profiler
 
 
-def ours_flags(choice: str, gpu: bool) -> List[str]:
-    """The switches of ``choice`` (optimised | plain) for this mode's device."""
-    override = os.environ.get("GPU_PERF_OURS_FLAGS")
+def ours_flags(choice: str, gpu: bool, override: Optional[str] = None) -> List[str]:
+    """The switches of ``choice`` (optimised | plain) for this mode's device; ``override`` (a
+    variant's switches, shell-quoted), else GPU_PERF_OURS_FLAGS, replaces the list."""
+    if override is None:
+        override = os.environ.get("GPU_PERF_OURS_FLAGS")
     flags = (
         shlex.split(override)
         if override is not None
@@ -81,7 +86,7 @@ def step_ours(step: Step, options) -> Tuple[bool, str, dict]:
     timed = TIMED_ITERATIONS[step.mode]
     total = timed + PROFILED_ITERATIONS
     tb = step.log_dir / f"{step.name}-tensorboard"
-    switches = ours_flags(options.ours, step.gpu)
+    switches = ours_flags(options.ours, step.gpu, options.switches)
     flags = steps.gpt2_flags(step, micro_batch, tb) + ["--train-iters", str(total)] + switches
     profile = step.log_dir / f"{step.name}-kernels.json"
     profile.unlink(missing_ok=True)
@@ -96,8 +101,15 @@ def step_ours(step: Step, options) -> Tuple[bool, str, dict]:
     ok, summary, figures = steps.measure_gpt2(
         step, flags, tb, micro_batch, total, timed_last=timed, env=env
     )
-    figures.update(ours=options.ours, switches=switches, profiled=[timed + 1, total])
-    summary = f"{options.ours} ({' '.join(switches) or 'defaults'}): {summary}"
+    run = f"variant {options.variant}" if options.variant else options.ours
+    figures.update(
+        ours=options.ours,
+        variant=options.variant,
+        switches=switches,
+        profiled=[timed + 1, total],
+        started=time.time(),
+    )
+    summary = f"{run} ({' '.join(switches) or 'defaults'}): {summary}"
     if not ok:
         return False, summary, figures
     if not profile.exists():
@@ -112,8 +124,10 @@ def step_ours(step: Step, options) -> Tuple[bool, str, dict]:
         kernel_busy_fraction=busy / report["wall_us"] if report["wall_us"] else None,
         profiled_ms_per_iteration=report["wall_us"] / 1000.0 / report["iterations"],
         kernel_top_other=report["top_other"],
+        kernel_top=report["top_kernels"],
         kernel_device=report["device"],
     )
+    print("\n".join(kernels.top_kernel_lines(report["top_kernels"])), flush=True)
     if busy <= 0:
         return False, f"{summary}; the profile holds no kernel time", figures
     shares = ", ".join(
@@ -196,6 +210,11 @@ def comparison(results: dict, mode: str) -> str:
         ("h", "transformers eager"),
         ("c", "transformers torch.compile"),
     )
+    variants = sorted(
+        (key for key in results if key.startswith("o.")),
+        key=lambda key: results[key].get("started") or float("inf"),
+    )
+    runs_ += tuple((key, f"ours + {key[2:]}") for key in variants)
     for key, name in runs_:
         figures = results.get(key, {})
         if not figures.get("median_ms"):
@@ -226,6 +245,15 @@ def comparison(results: dict, mode: str) -> str:
             lines.append(f"  {family:<18} {ms:>9.2f} ms {100 * ms / busy:>6.1f} %")
         for name, us in ours.get("kernel_top_other") or []:
             lines.append(f"  other: {us / 1000.0:.2f} ms in {name[:100]}")
+        lines.extend(kernels.top_kernel_lines(ours.get("kernel_top") or {}))
+    for key in variants:
+        switches = " ".join(results[key].get("switches") or []) or "(none)"
+        families = results[key].get("kernel_ms_per_iteration") or {}
+        spent = ", ".join(f"{family} {ms:.1f}" for family, ms in families.items() if ms)
+        lines.append(
+            f"variant {key[2:]}: {switches}"
+            + (f"; kernel ms per iteration: {spent}" if spent else "")
+        )
     return "\n".join(lines)
 
 
@@ -252,9 +280,35 @@ def _arguments(parser) -> None:
         default="optimised",
         help="our run with the issue-29 switches on (OPTIMISED_FLAGS) or off (PLAIN_FLAGS)",
     )
+    parser.add_argument(
+        "--variant",
+        type=_variant_name,
+        help="step o only: record the run as o.NAME (its logs o.NAME-*), with --switches",
+    )
+    parser.add_argument("--switches", help="a variant's switches, shell-quoted")
+
+
+def _variant_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise argparse.ArgumentTypeError(f"letters, digits, - and _ only (got '{name}')")
+    return name
+
+
+def record_as(options) -> str:
+    """The name a step's figures and logs go under: o.NAME for a variant."""
+    if options.variant is None:
+        return options.step
+    if options.step != "o" or options.switches is None:
+        raise SystemExit("error: --variant is for step o, with --switches")
+    return f"o.{options.variant}"
 
 
 if __name__ == "__main__":
     sys.exit(
-        steps.main(table=STEPS, description=__doc__.split("\n\n")[0], add_arguments=_arguments)
+        steps.main(
+            table=STEPS,
+            description=__doc__.split("\n\n")[0],
+            add_arguments=_arguments,
+            record_as=record_as,
+        )
     )

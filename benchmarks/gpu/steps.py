@@ -573,9 +573,10 @@ STEPS: Dict[str, Callable[[Step], Tuple[bool, str, dict]]] = {
 }
 
 
-def main(argv=None, table=None, description=None, add_arguments=None) -> int:
+def main(argv=None, table=None, description=None, add_arguments=None, record_as=None) -> int:
     """Run one step of ``table`` (default: check.sh's) and record its figures. A step function
-    takes the Step (and, with ``add_arguments``, the parsed options as well)."""
+    takes the Step (and, with ``add_arguments``, the parsed options as well); ``record_as(options)``
+    names the Step (its logs and its figures' key) when that is not the step's own name."""
     table = table or STEPS
     parser = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     parser.add_argument("step", choices=sorted(table))
@@ -587,7 +588,8 @@ def main(argv=None, table=None, description=None, add_arguments=None) -> int:
     options = parser.parse_args(argv)
     options.log_dir.mkdir(parents=True, exist_ok=True)
     runs.kill_all_on_sigterm()
-    step = Step(options.step, options.mode, options.log_dir, options.limit)
+    name = record_as(options) if record_as else options.step
+    step = Step(name, options.mode, options.log_dir, options.limit)
     start = time.monotonic()
     try:
         function = table[options.step]
@@ -598,7 +600,7 @@ def main(argv=None, table=None, description=None, add_arguments=None) -> int:
         traceback.print_exc()
         ok, summary, figures = False, f"{type(exc).__name__}: {exc}"[:200], {}
     figures = dict(figures, ok=ok, summary=summary, seconds=time.monotonic() - start)
-    step.results.write(options.step, figures)
+    step.results.write(name, figures)
     print(f"RESULT: {summary}", flush=True)
     return 0 if ok else 1
 

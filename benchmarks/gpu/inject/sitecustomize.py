@@ -69,13 +69,15 @@ if os.environ.get("RANK") is not None and os.environ.get("GPU_PERF_PROFILE_FIRST
             wall_us = (time.perf_counter() - _state["start"]) * 1e6
             profiler = _state.pop("profiler")
             profiler.__exit__(None, None, None)
-            rows = _kernels.profiler_rows(profiler, _device)
+            listed = _kernels.profiler_kernels(profiler, _device)
+            rows = [(name, us) for name, us, _ in listed]
             report = {
                 "device": _device,
                 "iterations": _last - _first + 1,
                 "wall_us": wall_us,
                 "families_us": _kernels.summarize(rows),
                 "top_other": _kernels.top_unclassified(rows),
+                "top_kernels": _kernels.top_kernels(listed, _last - _first + 1),
                 "rows": len(rows),
             }
             with open(os.environ["GPU_PERF_PROFILE_OUT"], "w") as out:

@@ -235,6 +235,10 @@ def forward_backward_no_pipelining(
             total_tokens += num_tokens
             if not forward_only:
                 backward_step(output, ctx)
+            # Let go of this micro-batch's graph before the next forward: while it is alive, that
+            # forward reuses its AccumulateGrad nodes and the stream they were made on, which
+            # breaks a CUDA graph capture in that forward (--cuda-graph-impl local).
+            del output
     # The last micro-batch runs outside no_sync so that overlapped reductions could start.
     output, num_tokens = forward_step(
         forward_step_func,
