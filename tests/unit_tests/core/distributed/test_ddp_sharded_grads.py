@@ -2,7 +2,8 @@
 only its slice of every bucket's gradient, reduce-scattered per micro-batch, and that slice equals
 the one the unsharded distributed-optimizer buffer (optim) ends with, in float64, over two
 micro-batches, with and without overlap (several buckets), autograd's gradients and the fused
-linear layers' (gradient accumulation fusion adding into ``get_main_grad()``)."""
+linear layers' (gradient accumulation fusion adding into ``get_main_grad()``), and with a weight
+whose gradient partly arrives after its bucket was reduced."""
 
 import torch
 
@@ -12,16 +13,22 @@ from tests.unit_tests.dist_utils import run_distributed
 
 
 class _Net(torch.nn.Module):
-    def __init__(self, fuse: bool):
+    """Three tanh layers; with ``reuse`` the first weight is also used outside its layer, on the
+    input (by autograd, beside its fused use: a second gradient contribution per micro-batch that
+    comes after the fused layer's, once the weight's bucket may have been reduced)."""
+
+    def __init__(self, fuse: bool, reuse: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.fuse = fuse
+        self.fuse, self.reuse = fuse, reuse
         self.layers = torch.nn.ModuleList(
             [torch.nn.Linear(6, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)]
         )
         self.to(torch.float64)
 
     def forward(self, x):
+        if self.reuse:
+            x = x + torch.tanh(torch.nn.functional.linear(x, self.layers[0].weight))[..., :6]
         for layer in self.layers:
             x = torch.tanh(layers.linear(x, layer.weight, layer.bias, self.fuse))
         return x
@@ -32,14 +39,14 @@ def _data(rank, micro):
     return torch.randn(5, 6, generator=g, dtype=torch.float64)
 
 
-def _run(rank, strategy, overlap, fuse):
+def _run(rank, strategy, overlap, fuse, reuse=False):
     config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
         data_parallel_sharding_strategy=strategy,
         overlap_grad_reduce=overlap,
         bucket_size=60 if overlap else None,
     )
-    ddp = DistributedDataParallel(None, config, _Net(fuse))
+    ddp = DistributedDataParallel(None, config, _Net(fuse, reuse))
     (buffer,) = ddp.buffers
     storage_after_backward = []
     for micro in range(2):
@@ -85,6 +92,14 @@ def _check(rank, world_size):
             assert total.item() == sum(p.numel() for p in ddp.module.parameters()), where
             ddp.zero_grad_buffer()
             assert not buffer.grad_data.any(), where
+    # A weight whose gradient comes in two parts (fused, then autograd's): whatever arrives after
+    # its bucket was reduced is reduced by finish_grad_sync; the sums are the same.
+    for overlap in (False, True):
+        _, _, want, _ = _run(rank, "optim", overlap, fuse=False, reuse=True)
+        _, _, got, held = _run(rank, "optim_grads", overlap, fuse=True, reuse=True)
+        assert any(any(bucket) for bucket in held), "the late contribution was not exercised"
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=f"reuse {overlap=}")
 
 
 def _owned(buffer, param):
