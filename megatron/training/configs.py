@@ -121,6 +121,9 @@ def ddp_config_from_args(args) -> DistributedDataParallelConfig:
         check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False))
         and not args.fp16,
         check_for_large_grads=bool(getattr(args, "check_for_large_grads", False)),
+        data_parallel_sharding_strategy=args.data_parallel_sharding_strategy
+        if getattr(args, "use_megatron_fsdp", False) and args.use_distributed_optimizer
+        else "no_shard",
         num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1)
         if args.use_distributed_optimizer
         else 1,

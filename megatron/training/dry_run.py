@@ -149,11 +149,13 @@ def layout_lines(
         ("parameters on the largest model-parallel rank", f"{largest} ({_human(largest)})")
     )
     per = bytes_per_parameter(args)
-    # The routed experts' optimizer state is sharded over expert DP, not DP x CP.
+    # The routed experts' optimizer state (and ZeRO-2's gradients) are sharded over expert DP,
+    # not DP x CP.
+    expert_extra = per.expert_optimizer - per.optimizer + per.expert_grad - per.grad
     state, experts = max(
         (
             count.on_rank(tp, pp, rank, n) * per.total
-            + count.experts_on_rank(n, rank, pp) * (per.expert_optimizer - per.optimizer),
+            + count.experts_on_rank(n, rank, pp) * expert_extra,
             count.experts_on_rank(n, rank, pp),
         )
         for rank, n in enumerate(count.rank_layers(pp))

@@ -11,11 +11,12 @@ Two parts, the two that Megatron's report prints (weight and optimizer, activati
   optimizer state (Adam: two fp32 moments; SGD: one momentum buffer, none with
   ``--sgd-momentum 0``; with 16-bit params also the fp32 master copy, and with 16-bit
   gradients the fp32 copy of the gradient the optimizer steps on).
-  ``--use-distributed-optimizer`` divides the optimizer state by the data-parallel x
-  context-parallel size (the group the distributed optimizer shards over): fp32 16 -> 8 + 8/d,
-  bf16 with fp32 grads 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d bytes per parameter. The routed
-  experts' state is sharded over the expert-data-parallel group instead, world / (expert TP x
-  EP x PP) = DP x CP x TP / (EP x ETP) ranks.
+  ``--use-distributed-optimizer`` divides the optimizer state (and, with ``--use-megatron-fsdp
+  --data-parallel-sharding-strategy optim_grads``, ZeRO-2, the gradients too) by the
+  data-parallel x context-parallel size (the group the distributed optimizer shards over):
+  fp32 16 -> 8 + 8/d, bf16 with fp32 grads 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d bytes per
+  parameter. The routed experts' state is sharded over the expert-data-parallel group instead,
+  world / (expert TP x EP x PP) = DP x CP x TP / (EP x ETP) ranks.
 * **activations**: Korthikanti et al. 2022 (Megatron's formula), for the micro-batches in flight
   on this pipeline rank. Per layer and micro-batch, in bytes with 16-bit activations:
   ``s*b*h*(18 + 4*ffn/h) + 5*a*s^2*b`` (= sbh(34 + 5as/h) for ffn = 4h). The attention-score
@@ -418,11 +419,18 @@ class BytesPerParameter:
     shards it over the expert-data-parallel group); None: the same as ``optimizer``."""
     expert_shards: int = 1
     """Ranks the routed experts' optimizer state is sharded over."""
+    grads_sharded: bool = False
+    """The gradients are sharded like the optimizer state (Megatron-FSDP's optim_grads, ZeRO-2):
+    ``grad`` and ``expert_grad`` are already divided."""
+    expert_grad: Optional[float] = None
+    """Gradient bytes on this rank of a routed-expert parameter; None: the same as ``grad``."""
 
     def __post_init__(self):
         if self.expert_optimizer is None:
             self.expert_optimizer = self.optimizer
             self.expert_shards = self.shards
+        if self.expert_grad is None:
+            self.expert_grad = self.grad
 
     @property
     def total(self) -> float:
@@ -489,9 +497,14 @@ def bytes_per_parameter(args) -> BytesPerParameter:
         )
     shards = optimizer_shards(args)
     expert_shards = expert_optimizer_shards(args)
+    # ZeRO-2 keeps only this rank's slice of each gradient (the bucket being reduced is
+    # transient, as the all-gathered layer of FSDP2 is, and is not counted either).
+    grads_sharded = gradients_sharded(args)
     return BytesPerParameter(
         weight=weight,
-        grad=grad,
+        grad=grad / shards if grads_sharded else grad,
+        expert_grad=grad / expert_shards if grads_sharded else grad,
+        grads_sharded=grads_sharded,
         optimizer=optimizer / shards,
         optimizer_unsharded=optimizer,
         shards=shards,
@@ -506,6 +519,16 @@ def fully_sharded(args) -> bool:
         bool(getattr(args, "use_megatron_fsdp", False))
         and getattr(args, "data_parallel_sharding_strategy", "optim_grads_params")
         == "optim_grads_params"
+    )
+
+
+def gradients_sharded(args) -> bool:
+    """ZeRO-2: --use-megatron-fsdp with the optim_grads strategy (the distributed optimizer keeping
+    only its slice of the gradients)."""
+    return (
+        bool(getattr(args, "use_megatron_fsdp", False))
+        and getattr(args, "data_parallel_sharding_strategy", None) == "optim_grads"
+        and bool(getattr(args, "use_distributed_optimizer", False))
     )
 
 
@@ -757,7 +780,9 @@ class TheoreticalMemory:
 
     @property
     def gradient_bytes(self) -> float:
-        return self.parameters * self.per_parameter.grad
+        per = self.per_parameter
+        dense = self.parameters - self.expert_parameters
+        return dense * per.grad + self.expert_parameters * per.expert_grad
 
     @property
     def optimizer_bytes(self) -> float:
@@ -792,6 +817,8 @@ class TheoreticalMemory:
         mb = NUM_BYTES_IN_MEGABYTE
         per = self.per_parameter
         what = "weights, gradients and optimizer" if per.params_sharded else "optimizer"
+        if per.grads_sharded:
+            what = "gradients and optimizer"
         sharded = f", {what} sharded over {per.shards} ranks" if per.shards > 1 else ""
         lines = [
             f"  pipeline rank {self.pp_rank}: {self.parameters} parameters "

@@ -25,9 +25,13 @@ any use of them outside the fused layer (it then accumulates as before).
 With ``use_distributed_optimizer`` the buckets are padded for sharding, gradients are
 reduce-scattered (each DP rank gets the reduced gradient of its slice only) and the params live
 in a flat param buffer so that the distributed optimizer can all-gather the updated slices
-(:meth:`start_param_sync`). With ``overlap_param_gather`` those all-gathers are only launched
-after the optimizer step; a forward pre-hook on every module that owns params waits for the
-buckets of its params, so the next forward overlaps with the gathers of later layers.
+(:meth:`start_param_sync`). With ``data_parallel_sharding_strategy="optim_grads"`` (ZeRO-2) the
+buffers keep only this rank's slice of the gradients: every micro-batch reduce-scatters each
+bucket as soon as it is complete and drops its full-size storage (``param_and_grad_buffer``); the
+fused linear layers get that storage from ``param.get_main_grad()``. With ``overlap_param_gather``
+those all-gathers are only launched after the optimizer step; a forward pre-hook on every module
+that owns params waits for the buckets of its params, so the next forward overlaps with the
+gathers of later layers.
 """
 
 from __future__ import annotations
@@ -88,6 +92,11 @@ class DistributedDataParallelConfig:
     """Split the DP ranks into this many contiguous instances of the distributed optimizer:
     gradients are reduce-scattered within an instance and the slices all-reduced across
     instances (``--num-distributed-optimizer-instances``)."""
+    data_parallel_sharding_strategy: str = "no_shard"
+    """Megatron-FSDP's strategy (``--data-parallel-sharding-strategy`` with
+    ``--use-megatron-fsdp``): ``optim_grads`` with the distributed optimizer keeps only this rank's
+    slice of the gradients (ZeRO-2, see ``param_and_grad_buffer``); ``no_shard`` and ``optim``
+    change nothing here (``optim_grads_params`` runs on FSDP2, not this wrapper)."""
     check_for_large_grads: bool = False
     """Flag a bucket whose local gradient norm is >= 10x the largest of its first 100 norms, as a
     non-fatal result for the rerun state machine (``--check-for-large-grads``)."""
@@ -102,8 +111,27 @@ class DistributedDataParallelConfig:
             raise ValueError(
                 "--num-distributed-optimizer-instances > 1 needs --use-distributed-optimizer"
             )
+        if self.data_parallel_sharding_strategy not in ("no_shard", "optim", "optim_grads"):
+            raise ValueError(
+                f"--data-parallel-sharding-strategy {self.data_parallel_sharding_strategy} is not "
+                "run by DistributedDataParallel (optim_grads_params runs on FSDP2)"
+            )
+        if (
+            self.data_parallel_sharding_strategy == "optim_grads"
+            and not self.use_distributed_optimizer
+        ):
+            raise ValueError(
+                "--data-parallel-sharding-strategy optim_grads needs --use-distributed-optimizer"
+            )
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"--ddp-bucket-size must be positive, got {self.bucket_size}")
+
+    @property
+    def shard_grads(self) -> bool:
+        """Gradients sharded over DP (ZeRO-2): ``optim_grads`` with the distributed optimizer."""
+        return self.use_distributed_optimizer and self.data_parallel_sharding_strategy == (
+            "optim_grads"
+        )
 
 
 def bucket_size_for_num_buckets(model_chunks: Sequence[torch.nn.Module], num_buckets: int) -> int:
@@ -212,9 +240,12 @@ class DistributedDataParallel(torch.nn.Module):
                     self._hooks.append(
                         p.register_post_accumulate_grad_hook(self._make_grad_hook(buffer))
                     )
-            if config.overlap_grad_reduce:
+            if config.overlap_grad_reduce or buffer.grads_sharded:
                 for p in buffer.params:
                     p.mark_main_grad_ready = self._make_mark_ready(buffer)
+            if buffer.grads_sharded:
+                for p in buffer.params:
+                    p.get_main_grad = self._make_get_main_grad(buffer, p)
             buffer.attach()
         self._param_gather_hooks = []
         if config.overlap_param_gather and any(b.dp_size > 1 for b in self.all_buffers):
@@ -293,6 +324,7 @@ class DistributedDataParallel(torch.nn.Module):
                 config.overlap_grad_reduce,
                 gradient_scaling_factor=gradient_scaling_factor,
                 inter_group=inter_group,
+                shard_grads=config.shard_grads,
             )
             for (param_dtype, grad_dtype), params in params_by_dtype.items()
         ]
@@ -335,9 +367,9 @@ class DistributedDataParallel(torch.nn.Module):
             if ddp is None or buf is None:  # the DDP wrapper is gone: plain autograd accumulation
                 return
             if not buf.aliased and param.grad is not None:
-                param.main_grad.add_(param.grad)
+                buf.main_grad_of(param).add_(param.grad)
                 param.grad = None
-            if overlap and ddp.is_last_microbatch:
+            if buf.grads_sharded or (overlap and ddp.is_last_microbatch):
                 buf.param_to_bucket[param].register_grad_ready(param)
 
         return hook
@@ -349,10 +381,24 @@ class DistributedDataParallel(torch.nn.Module):
 
         def mark_ready(param: torch.nn.Parameter):
             ddp, buf = ddp_ref(), buffer_ref()
-            if ddp is not None and buf is not None and ddp.is_last_microbatch:
+            if ddp is None or buf is None:
+                return
+            if buf.grads_sharded or ddp.is_last_microbatch:
                 buf.param_to_bucket[param].register_grad_ready(param)
 
         return mark_ready
+
+    @staticmethod
+    def _make_get_main_grad(buffer: ParamAndGradBuffer, param: torch.nn.Parameter):
+        """``param.get_main_grad()`` (sharded gradients): the full-size ``main_grad`` a fused
+        linear layer adds into, its bucket's storage allocated on demand (weak references: the
+        function is kept by the param itself)."""
+        buffer_ref, param_ref = weakref.ref(buffer), weakref.ref(param)
+
+        def get_main_grad() -> torch.Tensor:
+            return buffer_ref().main_grad_of(param_ref())
+
+        return get_main_grad
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

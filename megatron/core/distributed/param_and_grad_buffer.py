@@ -15,6 +15,18 @@ Gradients are pre-scaled by the buffer's ``gradient_scaling_factor`` (1/DP for d
 summed, or, with ``average_in_collective``, averaged by the collective itself (the backend's AVG
 when it has one; otherwise summed, then divided by the group size).
 
+Sharded gradients (``shard_grads``: Megatron-FSDP's ``optim_grads`` strategy, ZeRO-2): the buffer
+keeps only this rank's slice of every bucket's gradient (``grad_data`` is 1/DP of the layout,
+fp32 when the gradients are). A bucket's full-size gradient storage is allocated when backward
+first adds into it (``Bucket.main_grad_storage``; the fused linear layers ask for it through
+``param.get_main_grad``, as with Megatron-FSDP), reduce-scattered into a scratch slice as soon as
+every param of the bucket has its gradient, on every micro-batch, added into the kept slice and
+dropped. A bucket still allocated when the iteration's reduction is finished (a param whose
+gradient came late, or never) is reduced then. Between reductions each ``param.main_grad`` is
+the part of the param this rank owns (a 1-D view of the kept slice, empty when none): what the
+reductions after DP (the tied-embedding and sequence-parallel all-reduces) and the optimizer
+read.
+
 With several distributed-optimizer instances (``inter_group``) the buffer's group is the DP
 ranks of one instance: the reduce-scattered slice is then all-reduced over the ranks holding the
 same slice in the other instances (with one rank per instance, the whole bucket is), so that it
@@ -114,7 +126,15 @@ class Bucket:
         """Size including the end padding (a multiple of DP with the distributed optimizer)."""
         self.numel_unpadded = numel_unpadded
         """Size up to the end of the last param (before the end padding)."""
-        self.grad_data = buffer.grad_data[offset : offset + numel]
+        self.grad_data: Optional[torch.Tensor] = None
+        """The bucket's full-size gradient; with sharded gradients only while allocated."""
+        self.grad_shard: Optional[torch.Tensor] = None
+        """With sharded gradients: this rank's kept slice (a view of ``buffer.grad_data``)."""
+        if buffer.grads_sharded:
+            start = offset // buffer.dp_size
+            self.grad_shard = buffer.grad_data[start : start + numel // buffer.dp_size]
+        else:
+            self.grad_data = buffer.grad_data[offset : offset + numel]
         self.param_data = (
             None if buffer.param_data is None else buffer.param_data[offset : offset + numel]
         )
@@ -123,6 +143,9 @@ class Bucket:
         self.launched = False
         self.finished = False
         self._scratch: Optional[torch.Tensor] = None
+        self._reducing: Optional[torch.Tensor] = None
+        """With sharded gradients: the full-size storage being reduce-scattered (kept alive until
+        the collective is done)."""
         self.param_gather_work = None
         """The pending asynchronous all-gather of the updated params (--overlap-param-gather)."""
         self._gather_input: Optional[torch.Tensor] = None
@@ -137,8 +160,71 @@ class Bucket:
         return dp_rank * self.shard_size, (dp_rank + 1) * self.shard_size
 
     def local_grad_shard(self) -> torch.Tensor:
+        if self.grad_shard is not None:
+            return self.grad_shard
         start, end = self.shard_range(self.buffer.dp_rank)
         return self.grad_data[start:end]
+
+    # ---------------------------------------------------------------- sharded gradients
+    def main_grad_storage(self) -> torch.Tensor:
+        """The bucket's full-size gradient, allocated (zeros) if backward has not added into it
+        since its last reduction; every param's ``main_grad`` then views it."""
+        if self.grad_data is None:
+            buf = self.buffer
+            self.grad_data = torch.zeros(
+                self.numel, dtype=buf.grad_dtype, device=buf.grad_data.device
+            )
+            for param in self.params:
+                start = buf.param_index_map[param][0] - self.offset
+                param.main_grad = self.grad_data[start : start + param.numel()].view(param.shape)
+        return self.grad_data
+
+    def expose_owned_grads(self):
+        """Point each param's ``main_grad`` at the part of it this rank owns in the kept slice."""
+        buf = self.buffer
+        own_start, own_end = self.shard_range(buf.dp_rank)
+        for param in self.params:
+            start, end, _ = buf.param_index_map[param]
+            lo = max(start - self.offset, own_start)
+            hi = max(lo, min(end - self.offset, own_end))
+            param.main_grad = self.grad_shard[lo - own_start : hi - own_start]
+
+    def _start_sharded_reduction(self):
+        """Reduce-scatter what the bucket's storage holds into a scratch slice and let the
+        storage go (sharded gradients); a no-op when nothing was added since the last one."""
+        self._finish_sharded_reduction()
+        if self.grad_data is None:
+            return
+        buf = self.buffer
+        if buf.check_local_grads is not None:
+            buf.check_local_grads(self.index, self.grad_data)
+        if buf.gradient_scaling_factor != 1.0:
+            self.grad_data.mul_(buf.gradient_scaling_factor)
+        self._reducing, self.grad_data = self.grad_data, None
+        self.expose_owned_grads()
+        self._scratch = torch.empty(
+            self.shard_size, dtype=self._reducing.dtype, device=self._reducing.device
+        )
+        self.work = collectives.reduce_scatter_tensor(
+            self._scratch, self._reducing, buf.dp_group, async_op=True, op=buf.reduce_op()
+        )
+        if not buf.overlap:
+            self._finish_sharded_reduction()
+
+    def _finish_sharded_reduction(self):
+        """Wait for a pending reduce-scatter and add its slice into the kept one."""
+        if self._scratch is None:
+            return
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        buf = self.buffer
+        scratch, self._scratch, self._reducing = self._scratch, None, None
+        if buf.inter_size > 1:
+            collectives.all_reduce(scratch, buf.inter_group, op=buf.reduce_op())
+        if buf.average_in_collective and not buf.native_avg:
+            scratch.mul_(1.0 / (buf.dp_size * buf.inter_size))
+        self.grad_shard.add_(scratch)
 
     def local_param_shard(self) -> torch.Tensor:
         start, end = self.shard_range(self.buffer.dp_rank)
@@ -151,10 +237,16 @@ class Bucket:
         self.launched = False
         self.finished = False
         self._scratch = None
+        if self.buffer.grads_sharded:
+            self.grad_data = self._reducing = None
+            self.expose_owned_grads()
 
     def start_grad_sync(self):
         """Launch this bucket's reduction (asynchronously when the DDP overlaps it with
         backward)."""
+        if self.buffer.grads_sharded:
+            self._start_sharded_reduction()
+            return
         if self.launched:
             raise RuntimeError(
                 f"gradient reduction of bucket {self.index} was started twice in one iteration; "
@@ -191,6 +283,10 @@ class Bucket:
 
     def finish_grad_sync(self):
         """Wait for the reduction (launching it first if backward never did)."""
+        if self.buffer.grads_sharded:
+            self._start_sharded_reduction()  # what backward left in the storage, if anything
+            self._finish_sharded_reduction()
+            return
         if self.finished:
             return
         if not self.launched:
@@ -237,8 +333,17 @@ class Bucket:
             self._gather_input = None
 
     def register_grad_ready(self, param: torch.nn.Parameter):
-        """Called by the backward hook on the last micro-batch: launch once every param has its
-        grad."""
+        """Called by the backward hook on the last micro-batch (with sharded gradients, on every
+        micro-batch): launch once every param has its grad."""
+        if self.buffer.grads_sharded:
+            # Every micro-batch reduces; a param seen twice before the bucket is complete (a
+            # weight used twice) changes nothing, one whose gradient comes after the reduction
+            # re-allocates the storage, which the iteration's finish_grad_sync reduces.
+            self.params_with_grad.add(param)
+            if len(self.params_with_grad) == len(self.params):
+                self.params_with_grad = set()
+                self._start_sharded_reduction()
+            return
         if param in self.params_with_grad:
             raise RuntimeError(
                 "a parameter received its gradient twice in the last micro-batch while "
@@ -262,6 +367,8 @@ class ParamAndGradBuffer:
     1/DP (``dp_group``'s size times ``inter_group``'s), or 1 with ``average_in_collective``.
     ``inter_group``: with several distributed-optimizer instances, the ranks holding this rank's
     slice in the other instances (``dp_group`` is then the DP ranks of one instance).
+    ``shard_grads``: keep only this rank's slice of the gradients (see the module docstring); with
+    the distributed optimizer over more than one rank only, otherwise ignored.
     """
 
     def __init__(
@@ -276,6 +383,7 @@ class ParamAndGradBuffer:
         overlap: bool,
         gradient_scaling_factor: Optional[float] = None,
         inter_group=None,
+        shard_grads: bool = False,
     ):
         self.params = params
         self.param_dtype = param_dtype
@@ -292,6 +400,7 @@ class ParamAndGradBuffer:
         self.native_avg = collectives.has_avg_op(dp_group) and (
             self.inter_size == 1 or collectives.has_avg_op(inter_group)
         )
+        self.grads_sharded = bool(shard_grads and use_distributed_optimizer and self.dp_size > 1)
         self.check_local_grads: Optional[Callable[[int, torch.Tensor], None]] = None
         """Called with (bucket index, bucket gradients) before each bucket's reduction: the
         DDP's result validation (NaN/Inf and large gradients, through the rerun machine)."""
@@ -314,11 +423,16 @@ class ParamAndGradBuffer:
         self.numel_unpadded = bucket_bounds[-1][3] if bucket_bounds else 0
 
         device = params[0].device
-        self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+        kept = self.numel // self.dp_size if self.grads_sharded else self.numel
+        self.grad_data = torch.zeros(kept, dtype=grad_dtype, device=device)
+        """The gradients this rank keeps: the whole layout, or with sharded gradients the
+        concatenation of this rank's slice of each bucket."""
         self.param_data = None
         if use_distributed_optimizer:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
-        self.aliased = all(p.dtype == grad_dtype for p in params)
+        # Sharded: autograd's .grad is added into the bucket's storage by the DDP hook, which
+        # allocates it (there is no persistent full-size view for .grad to alias).
+        self.aliased = not self.grads_sharded and all(p.dtype == grad_dtype for p in params)
 
         self.buckets: List[Bucket] = []
         for b, (first, last, b_start, b_unpadded_end, b_end) in enumerate(bucket_bounds):
@@ -330,9 +444,10 @@ class ParamAndGradBuffer:
                     start, end, _ = self.param_index_map[param]
                     self.param_data[start:end].copy_(param.data.view(-1))
                     param.data = self.param_data[start:end].view(param.shape)
-        for param in params:
-            start, end, _ = self.param_index_map[param]
-            param.main_grad = self.grad_data[start:end].view(param.shape)
+        if not self.grads_sharded:
+            for param in params:
+                start, end, _ = self.param_index_map[param]
+                param.main_grad = self.grad_data[start:end].view(param.shape)
         for b, (first, last, b_start, b_unpadded_end, b_end) in enumerate(bucket_bounds):
             self.buckets.append(
                 Bucket(
@@ -340,6 +455,16 @@ class ParamAndGradBuffer:
                 )
             )
         self.param_to_bucket = {p: self.buckets[self.param_index_map[p][2]] for p in params}
+        if self.grads_sharded:
+            for bucket in self.buckets:
+                bucket.expose_owned_grads()
+
+    def main_grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The full-size ``main_grad`` that backward adds ``param``'s gradient into (with sharded
+        gradients its bucket's storage is allocated first)."""
+        if self.grads_sharded:
+            self.param_to_bucket[param].main_grad_storage()
+        return param.main_grad
 
     def reduce_op(self):
         """SUM, or AVG when the collectives average and the backend has it."""

@@ -68,8 +68,11 @@ class _ShardRange:
         return self.param_end - self.param_start
 
     def grad(self) -> torch.Tensor:
-        buf = self.bucket.buffer.grad_data
-        return buf[self.buffer_start : self.buffer_start + self.numel]
+        # This rank's slice of the bucket: a view of the full buffer, or with sharded gradients
+        # (ZeRO-2) of the kept slices.
+        own_start = self.bucket.offset + self.bucket.shard_range(self.bucket.buffer.dp_rank)[0]
+        start = self.buffer_start - own_start
+        return self.bucket.local_grad_shard()[start : start + self.numel]
 
     def model_slice(self) -> torch.Tensor:
         return self.model_param.detach().view(-1)[self.param_start : self.param_end]
@@ -408,7 +411,9 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _local_shard(self, bucket, key: str) -> torch.Tensor:
         """This rank's slice of ``bucket`` for one state key (fp32, zeros in padding)."""
-        shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.grad_data.device)
+        shard = torch.zeros(
+            bucket.shard_size, dtype=torch.float32, device=bucket.buffer.grad_data.device
+        )
         own_start = bucket.offset + bucket.shard_range(bucket.buffer.dp_rank)[0]
         for param in bucket.params:
             rng = self.shard_ranges.get(param)
@@ -469,7 +474,7 @@ class DistributedOptimizer(MegatronOptimizer):
             for b, bucket in enumerate(buffer.buckets):
                 for key in self._state_keys():
                     full = torch.zeros(
-                        bucket.numel, dtype=torch.float32, device=bucket.grad_data.device
+                        bucket.numel, dtype=torch.float32, device=bucket.buffer.grad_data.device
                     )
                     problem = torch.zeros(1, dtype=torch.float32, device=full.device)
                     message = ""

@@ -91,7 +91,10 @@ def accumulate_weight_grad(
     product is computed in the operands' dtype and added, which is exactly the sum autograd and
     DDP's hook would form. Under torch.compile (--compile-transformer-layers) the second form is
     used: dynamo's fake tensors reject addmm's ``out_dtype`` (torch 2.11 on an H200)."""
-    main_grad = weight.main_grad
+    # With gradients sharded over DP (ZeRO-2) the full-size main_grad exists only while its
+    # bucket accumulates: the DDP wrapper gives ``get_main_grad`` to allocate it on demand.
+    get_main_grad = getattr(weight, "get_main_grad", None)
+    main_grad = weight.main_grad if get_main_grad is None else get_main_grad()
     if (
         main_grad.is_cuda
         and not torch.compiler.is_compiling()

@@ -356,6 +356,19 @@ def test_fsdp2_shards_everything_over_data_parallel(precision, plain):
         assert per.total == pytest.approx(plain / d) and per.shards == d and per.params_sharded
 
 
+def test_megatron_fsdp_strategies_shard_more_and_more():
+    """--use-megatron-fsdp at DP 8, fp32 Adam: no_shard 16, optim (ZeRO-1) 4 + 4 + 8/8,
+    optim_grads (ZeRO-2) 4 + 4/8 + 8/8, optim_grads_params (ZeRO-3) 16/8 bytes per parameter."""
+    base = TINY + ["--global-batch-size", "16", "--use-megatron-fsdp"]
+    base += ["--ckpt-format", "fsdp_dtensor", "--untie-embeddings-and-output-weights"]
+    expected = {"no_shard": 16, "optim": 9, "optim_grads": 5.5, "optim_grads_params": 2}
+    for strategy, total in expected.items():
+        args, _ = tool.validated_args(base + ["--data-parallel-sharding-strategy", strategy], 8)
+        per = bytes_per_parameter(args)
+        assert per.total == pytest.approx(total), (strategy, per)
+        assert per.grads_sharded == (strategy == "optim_grads"), strategy
+
+
 def test_sgd_without_momentum_keeps_no_state():
     assert (
         bytes_per_parameter(make_args(TINY + ["--optimizer", "sgd", "--sgd-momentum", "0"])).total

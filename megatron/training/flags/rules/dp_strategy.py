@@ -77,8 +77,10 @@ def validate_data_parallel_strategy(args):
             not one_connection, "--use-megatron-fsdp does not support CUDA_DEVICE_MAX_CONNECTIONS=1"
         )
         # Megatron-FSDP is mapped onto this code base's machinery (README "Memory options"):
-        # no_shard = plain DDP, optim/optim_grads = the distributed optimizer (its gradients are
-        # reduce-scattered, so both are ZeRO-2 here), optim_grads_params = FSDP2. The strategy
+        # no_shard = plain DDP, optim = the distributed optimizer (ZeRO-1: a full-size gradient
+        # buffer), optim_grads = the distributed optimizer keeping only its slice of the
+        # gradients (ZeRO-2, DistributedDataParallelConfig.shard_grads), optim_grads_params =
+        # FSDP2. The strategy
         # decides the optimizer; --use-distributed-optimizer (which Megatron's guide passes
         # along) is implied by it.
         if strategy == "optim_grads_params":
