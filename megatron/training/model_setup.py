@@ -10,7 +10,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.core.device import compute_device
+from megatron.core.device import collective_device, compute_device
 from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
 from megatron.core.distributed.distributed_data_parallel import bucket_size_for_num_buckets
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -205,7 +205,7 @@ def setup_model_and_optimizer(
         tp_group=state.get_tensor_model_parallel_group(),
         data_parallel_group=state.get_data_parallel_group(with_context_parallel=True),
     )
-    if _has_expert_params(model) and dist.is_initialized():
+    if dist.is_initialized() and _has_expert_params(model):
         # Expert grads differ across EP ranks: their norms and inf flags also reduce over
         # the expert-tensor x expert x pipeline group.
         # Under FSDP2 the expert shards also differ across expert DP: the whole (PP = 1) world.
@@ -249,4 +249,13 @@ def build_step_context(args, optimizer, parallel_state, timers) -> StepContext:
 
 
 def _has_expert_params(model) -> bool:
-    return any(not getattr(p, "allreduce", True) for chunk in model for p in chunk.parameters())
+    """Whether any rank's chunks hold expert parameters, decided over the world: a pipeline
+    stage without MoE layers (DeepSeek's dense first layers on stage 0) must still join the
+    expert-group reductions of the grad norm, zero count and inf flag, or the stages with experts
+    wait for it forever."""
+    local = any(not getattr(p, "allreduce", True) for chunk in model for p in chunk.parameters())
+    if not dist.is_initialized():
+        return local
+    flag = torch.tensor([int(local)], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
