@@ -1,7 +1,11 @@
 #!/bin/bash
-# A Nemotron-H 8B style hybrid model: 52 layers (24 Mamba-2, 4 attention, 24 MLP), hidden 4096,
-# 32 query heads in 8 groups of 128, squared-ReLU MLP of 21504, Mamba-2 with 128 heads of 64,
-# state 128, 8 groups; RMSNorm, no position embeddings, untied output layer, bf16.
+# Nemotron-H 8B (nvidia/Nemotron-H-8B-Base-8K): 52 layers (24 Mamba-2, 4 attention, 24 MLP),
+# hidden 4096, 32 query heads in 8 groups of 128, squared-ReLU MLP of 21504, Mamba-2 with 128
+# heads of 64, state 128, 8 groups; RMSNorm, no position embeddings, untied output layer,
+# vocabulary 131072, sequence 8192: 8,100,852,736 parameters. The pattern and sizes are those of
+# Megatron-Bridge's NemotronHModel8BProvider; the count is transformers' NemotronHForCausalLM
+# built from them. The training hyperparameters (learning rate, batch, init) are not published
+# with the model: ours.
 #
 #   DATA_PATH=data/my-corpus_text_document TOKENIZER_MODEL=<hf tokenizer> \
 #       bash examples/mamba/train_nemotron_h_8b.sh
@@ -65,7 +69,8 @@ MODEL_PARALLEL_ARGS=(
 if [[ -n "${TOKENIZER_MODEL:-}" ]]; then
     TOKENIZER_ARGS=(--tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
 else
-    TOKENIZER_ARGS=(--tokenizer-type NullTokenizer --vocab-size 131072)
+    # The NullTokenizer adds its end-of-document token: 131071 + 1 = the published 131072.
+    TOKENIZER_ARGS=(--tokenizer-type NullTokenizer --vocab-size 131071)
 fi
 
 launch "${MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \

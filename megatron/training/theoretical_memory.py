@@ -128,6 +128,9 @@ class ParameterCount:
     """A gated delta net layer's parameters minus a softmax-attention layer's (``per_layer``)."""
     linear_delta_replicated: int = 0
     """The part of ``linear_delta`` every TP rank holds whole (out_norm minus the QK norms)."""
+    layers_remainder: int = 0
+    """What the layers hold beyond ``num_layers x per_layer`` where they differ (a hybrid model,
+    whose ``per_layer`` is the floored mean of its layers)."""
 
     @property
     def total(self) -> int:
@@ -137,6 +140,7 @@ class ParameterCount:
             + (self.num_layers - self.num_moe_layers) * self.per_layer
             + self.num_moe_layers * self.moe_layer
             + self.num_linear_layers * self.linear_delta
+            + self.layers_remainder
             + self.final_norm
             + self.output_layer
             + self.mtp_total
@@ -195,6 +199,8 @@ class ParameterCount:
             linear = round(layers * self.num_linear_layers / self.num_layers)
             split = self.linear_delta - self.linear_delta_replicated
             count += linear * (split // tp + self.linear_delta_replicated)
+        # Under one parameter per layer: counted whole on every TP rank (an upper bound).
+        count += math.ceil(self.layers_remainder * layers / self.num_layers)
         if pp_rank == 0:
             count += self.embedding // tp + self.position_embedding
         if pp_rank == pp - 1:

@@ -170,11 +170,16 @@ CASES["mamba_tiny_cpu_mock"] = (
     (2, 1, 1, 1, 2, 4, 16, 128),
     None,
 )
+# transformers 5.24's NemotronHForCausalLM built (on the meta device) from Nemotron-H-8B's
+# published sizes (Megatron-Bridge's NemotronHModel8BProvider: the 52-layer pattern, hidden 4096,
+# ffn 21504, 32 heads in 8 groups of 128, Mamba 128 heads of 64, 8 groups, state 128, conv 4;
+# vocabulary 131072, untied), counting its parameters.
+NEMOTRON_H_8B_PARAMS = 8_100_852_736
 CASES["nemotron_h_8b_tp2"] = (
     "examples/mamba/train_nemotron_h_8b.sh",
     {},
     (8, 2, 1, 1, 4, 1, 768, 8192),
-    None,
+    NEMOTRON_H_8B_PARAMS,
 )
 
 # Published sizes of the GPT-3 paper (table 2.1), to 2 %: the counts are rounded there.

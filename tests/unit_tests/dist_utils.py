@@ -103,3 +103,11 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEO
         except ProcessException as exc:  # a rank raised, or died without a word
             details = errors.get() if not errors.empty() else str(exc)
             raise AssertionError(details) from None
+        # A rank that left fn through sys.exit(0) (as pretrain does on --exit-interval) exits
+        # cleanly without having run fn to its end.
+        unfinished = [rank for rank in range(world_size) if not finished[rank]]
+        if unfinished:
+            raise AssertionError(
+                f"run_distributed({getattr(fn, '__name__', fn)}, {world_size}): rank(s) "
+                f"{unfinished} exited without finishing (sys.exit in fn?)"
+            )

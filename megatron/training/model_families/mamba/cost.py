@@ -48,7 +48,7 @@ def count_parameters(args, padded_vocab_size) -> ParameterCount:
     count = _gpt_parameters(args, padded_vocab_size)
     symbols = layer_symbols(hybrid_pattern(args))
     total = sum(_layer_parameters(args, s) for s in symbols)
-    count.per_layer = total // len(symbols)
+    count.per_layer, count.layers_remainder = divmod(total, len(symbols))
     count.per_layer_replicated = _norm_size(args, args.hidden_size)
     count.num_moe_layers = 0
     return count

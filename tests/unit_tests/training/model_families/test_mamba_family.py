@@ -118,6 +118,7 @@ def test_parameter_count_and_flops_follow_the_pattern():
     layers = sum(p.numel() for p in model.decoder.layers.parameters())
     count = spec.count_parameters(args, 128)
     assert count.per_layer == layers // 4
+    assert count.per_layer * 4 + count.layers_remainder == layers  # exact, not the mean x 4
     assert spec.num_floating_point_operations(args, 2) > 0
     mlp_only = _args("--hybrid-override-pattern=----")
     mlp_only.padded_vocab_size = 128
