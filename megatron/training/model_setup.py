@@ -205,7 +205,7 @@ def setup_model_and_optimizer(
         tp_group=state.get_tensor_model_parallel_group(),
         data_parallel_group=state.get_data_parallel_group(with_context_parallel=True),
     )
-    if _has_expert_params(model) and dist.is_initialized():
+    if dist.is_initialized() and _any_rank_has_expert_params(model):
         # Expert grads differ across EP ranks: their norms and inf flags also reduce over
         # the expert-tensor x expert x pipeline group.
         # Under FSDP2 the expert shards also differ across expert DP: the whole (PP = 1) world.
@@ -250,3 +250,12 @@ def build_step_context(args, optimizer, parallel_state, timers) -> StepContext:
 
 def _has_expert_params(model) -> bool:
     return any(not getattr(p, "allreduce", True) for chunk in model for p in chunk.parameters())
+
+
+def _any_rank_has_expert_params(model) -> bool:
+    """Whether the model has experts on any rank: a pipeline stage of dense layers only (a
+    dense first layer, or a layout placing them so) still joins the expert reductions of the
+    grad norm, the zero count and the inf check, which span the pipeline."""
+    flag = torch.tensor([float(_has_expert_params(model))], device=compute_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
