@@ -12,7 +12,13 @@ multi-latent-attention ones included (``--multi-latent-attention``, ``--q-lora-r
 (TP2 x PP2 with 4 virtual stages x EP4) becomes PP2 with 2 virtual stages at 2 processes,
 keeping its MoE routing (sigmoid scores with expert bias, group-limited top-k, shared experts,
 sequence auxiliary loss), SP, the distributed optimizer with overlapped reductions, the fused
-cross entropy (which the MTP head shares), the async checkpoint save and the logging flags."""
+cross entropy (which the MTP head shares), the async checkpoint save and the logging flags.
+
+``gpt3_moe_mcore_te_tp2_pp2_ep4_etp1_fine_grained_offloading`` (selective recompute of
+layernorm, mla_up_proj, mlp and moe_act; fine-grained activation offloading; the layout
+``Et*3|(tt|)*6mL``; the EP overlap) and ``deepseek_proxy_ep2_pp2_1node_conv`` (the same
+recompute and offloading at PP 2 x EP 2, deterministic mode, fp8) then train shrunk in one
+spawned world of 4: nothing refused but the fp8 flags (GPU-only kernels)."""
 
 import json
 import os
