@@ -355,6 +355,15 @@ DEEPSEEK_EP2_PP2_CONV = {
     "log_throughput": True,
     "log_interval": 1,
 }
+# The values of the fine-grained offloading configuration that its shrunk form changes.
+FINE_GRAINED_OFFLOADING_AS_WRITTEN = {
+    "expert_model_parallel_size": 4,
+    "global_batch_size": 8,
+    "num_layers": 15,
+    "moe_layer_freq": "([0]*3+[1]*12)",
+    "pipeline_model_parallel_layout": "Et*3|(tt|)*6mL",
+    "num_experts": 32,
+}
 GPU_ONLY = ("fp8_format", "fp8_recipe")
 SHRUNK_CONFIGS = {
     "fine_grained_offloading": FINE_GRAINED_OFFLOADING,
@@ -399,6 +408,11 @@ def test_megatron_fine_grained_offloading_and_deepseek_conv_configs_train(tmp_pa
             assert f"{flag}" in args.no_effect_note, (name, args.no_effect_note)
     args = _validated(FINE_GRAINED_OFFLOADING)
     assert args.virtual_pipeline_model_parallel_size == 2
+    # At its own sizes and 8 ranks the layout as written gives 4 virtual stages per rank.
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    args = _validated({**FINE_GRAINED_OFFLOADING, **FINE_GRAINED_OFFLOADING_AS_WRITTEN})
+    assert args.virtual_pipeline_model_parallel_size == 4
+    monkeypatch.setenv("WORLD_SIZE", "4")
     assert "--offload-modules expert_fc1" in args.no_effect_note, args.no_effect_note
 
     run_distributed(_train_shrunk_configs, 4, str(tmp_path))
