@@ -47,6 +47,7 @@ def layer_split_from_args(args, num_layers: int, pp: int, vpp: Optional[int]):
         getattr(args, "decoder_last_pipeline_num_layers", None),
         bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
         bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+        getattr(args, "pipeline_model_parallel_layout", None),
     )
 
 

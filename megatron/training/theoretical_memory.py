@@ -399,6 +399,7 @@ def _layer_split(args):
         getattr(args, "decoder_last_pipeline_num_layers", None),
         bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
         bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+        getattr(args, "pipeline_model_parallel_layout", None),
     )
 
 

@@ -45,6 +45,10 @@ CASES = {
             "dp2": [],
             "pp2": PP2,
             "pp2-vpp2": PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],
+            # --pipeline-model-parallel-layout: 3 + 1 layers; then 4 virtual stages of 1, 1, 2
+            # and 0 layers, the last holding only the MTP layers and the loss.
+            "pp2-layout": PP2 + ["--pipeline-model-parallel-layout", "Ettt|tmmL"],
+            "pp2-layout-vpp2": PP2 + ["--pipeline-model-parallel-layout", "Et|t|tt|mmL"],
             "cp2": ["--context-parallel-size", "2"],
         },
     ),

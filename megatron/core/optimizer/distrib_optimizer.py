@@ -196,6 +196,12 @@ class DistributedOptimizer(MegatronOptimizer):
     def _has_expert_buffers(self) -> bool:
         return len(self.buffers) > self.num_dense_buffers
 
+    def _reduces_expert_part(self) -> bool:
+        """Whether this rank joins the expert reductions: it holds expert shards, or the model
+        has experts on another pipeline stage (the trainer then sets expert_parallel_group on
+        every rank)."""
+        return self._has_expert_buffers() or self.expert_parallel_group is not None
+
     def _all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, expert=False) -> torch.Tensor:
         for group in self._reduce_groups(expert):
             dist.all_reduce(tensor, op=op, group=group)
@@ -204,7 +210,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def _sum_dense_and_expert(self, dense: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Sum per-rank partial sums of the dense and of the expert shards over every rank."""
         self._all_reduce(dense)
-        if self._has_expert_buffers():
+        if self._reduces_expert_part():
             self._all_reduce(expert, expert=True)
             return dense + expert
         return dense
@@ -297,7 +303,7 @@ class DistributedOptimizer(MegatronOptimizer):
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv_scale)
         # Dense then expert groups: together they reach every rank.
         self._all_reduce(self.found_inf, op=dist.ReduceOp.MAX)
-        if self._has_expert_buffers():
+        if self._reduces_expert_part():
             self._all_reduce(self.found_inf, op=dist.ReduceOp.MAX, expert=True)
         return bool(self.found_inf.item() > 0)
 

@@ -73,6 +73,7 @@ def layer_split_from_config(config) -> PipelineLayerSplit:
         config.num_layers_in_last_pipeline_stage,
         config.account_for_embedding_in_pipeline_split,
         config.account_for_loss_in_pipeline_split,
+        config.pipeline_model_parallel_layout,
     )
 
 
@@ -190,8 +191,20 @@ def compute_layer_split(
     decoder_last_pipeline_num_layers: Optional[int] = None,
     account_for_embedding_in_pipeline_split: bool = False,
     account_for_loss_in_pipeline_split: bool = False,
+    pipeline_model_parallel_layout: Optional[str] = None,
 ) -> PipelineLayerSplit:
     """Layer counts for every (rank, chunk); raises ValueError naming the flags when impossible."""
+    if pipeline_model_parallel_layout is not None:
+        return _split_of_layout(
+            pipeline_model_parallel_layout,
+            num_layers,
+            pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size,
+            decoder_first_pipeline_num_layers is not None
+            or decoder_last_pipeline_num_layers is not None
+            or account_for_embedding_in_pipeline_split
+            or account_for_loss_in_pipeline_split,
+        )
     pp = pipeline_model_parallel_size
     vp = virtual_pipeline_model_parallel_size or 1
     first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
@@ -266,6 +279,34 @@ def compute_layer_split(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         counts=tuple(tuple(c) for c in counts),
     )
+
+
+def _split_of_layout(layout, num_layers, pp, vp, other_split_flags) -> PipelineLayerSplit:
+    """The split an explicit ``--pipeline-model-parallel-layout`` gives (its MTP placement is
+    checked with the arguments, which know --mtp-num-layers)."""
+    from megatron.core.pipeline_parallel.layer_layout import (
+        FLAG,
+        PipelineParallelLayerLayout,
+    )
+
+    if other_split_flags:
+        raise ValueError(
+            f"{FLAG} cannot be combined with --decoder-first/last-pipeline-num-layers or "
+            "--account-for-*-in-pipeline-split"
+        )
+    parsed = PipelineParallelLayerLayout(layout, pp)
+    if parsed.virtual_pipeline_model_parallel_size != (vp or 1):
+        raise ValueError(
+            f"{FLAG} {layout!r} describes {parsed.virtual_pipeline_model_parallel_size} virtual "
+            f"stages per pipeline rank, the configuration {vp or 1}"
+        )
+    counts = parsed.decoder_counts()
+    if sum(map(sum, counts)) != num_layers:
+        raise ValueError(
+            f"{FLAG} {layout!r} holds {sum(map(sum, counts))} transformer layers (t), "
+            f"--num-layers is {num_layers}"
+        )
+    return PipelineLayerSplit(num_layers, pp, vp, counts)
 
 
 def _uneven_per_rank(

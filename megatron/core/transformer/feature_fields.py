@@ -31,6 +31,8 @@ CHECKED_ELSEWHERE = frozenset(
         "linear_num_key_heads",
         "linear_num_value_heads",
         "attention_output_gate",
+        # Parsed and checked by the pipeline layer split (pipeline_parallel/layer_layout.py).
+        "pipeline_model_parallel_layout",
     }
 )
 
@@ -108,6 +110,7 @@ INERT_FIELDS = frozenset(
         "use_mamba_mem_eff_path",
         "mlp_chunks_for_prefill",
         "transformer_impl",
+        "fine_grained_activation_offloading",
         "offload_modules",
         "min_offloaded_tensor_size",
     }

@@ -43,13 +43,14 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
 from megatron.core.transformer.context_parallel import cp_chunk_indices
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.norms import build_norm
 from megatron.core.transformer.rotary_pos_embedding import RotaryEmbedding, apply_rotary_pos_emb
-from megatron.core.transformer.utils import recompute
+from megatron.core.transformer.utils import recompute, selectively_recomputed
 from megatron.core.transformer.yarn_rotary_pos_embedding import (
     YarnRotaryEmbedding,
     yarn_get_mscale,
@@ -164,11 +165,8 @@ class MLASelfAttention(MegatronModule):
             if config.q_lora_rank is not None:
                 self.q_layernorm = build_norm(config, config.q_lora_rank)
             self.kv_layernorm = build_norm(config, config.kv_lora_rank)
-        self.recompute_core_attention = (
-            config.recompute_granularity == "selective"
-            and "core_attn"
-            in (config.recompute_modules if config.recompute_modules is not None else ["core_attn"])
-        )
+        self.recompute_core_attention = selectively_recomputed(config, "core_attn")
+        self.recompute_up_proj = selectively_recomputed(config, "mla_up_proj")
 
     def _full_latent(self, latent: torch.Tensor) -> torch.Tensor:
         """A down projection's output [s, b, width/TP] -> [s, b, width] on every rank (the local
@@ -195,16 +193,41 @@ class MLASelfAttention(MegatronModule):
         index = cp_chunk_indices(seq_len, cp_size, self.pg_collection.cp_rank, cos.device)
         return cos.index_select(0, index), sin.index_select(0, index)
 
-    def _queries(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[s, b, n/TP * dq] (s the full sequence under sequence parallelism)."""
+    def _query_latent(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The input of the query (up) projection: the normalized q latent with a q LoRA rank,
+        else the hidden states."""
         if self.config.q_lora_rank is None:
-            return self.linear_q_proj(hidden_states)[0]
+            return hidden_states
         latent = self._to_sequence_chunk(
             self._full_latent(self.linear_q_down_proj(hidden_states)[0])
         )
         if self.q_layernorm is not None:
             latent = self.q_layernorm(latent)
-        return self.linear_q_up_proj(latent)[0]
+        return latent
+
+    def _rotated_query(self, q_latent, cos, sin) -> torch.Tensor:
+        """Per-head queries [s, b, n/TP, dq + p] (s the full sequence under sequence parallelism)
+        with the rotary embedding applied to their positional part."""
+        cfg = self.config
+        up = self.linear_q_proj if cfg.q_lora_rank is None else self.linear_q_up_proj
+        query = up(q_latent)[0]
+        s, b = query.shape[0], query.shape[1]
+        query = query.view(s, b, self.num_attention_heads_per_partition, self.q_head_dim)
+        q_nope, q_pe = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+        q_pe = apply_rotary_pos_emb(q_pe, (cos, sin), cfg.rotary_interleaved)
+        return torch.cat([q_nope, q_pe], dim=-1)
+
+    def _up_projections(self, q_latent, latent, k_pe, cos, sin):
+        """(query, key, value) from the latents and the un-rotated k_pe: the part that
+        'mla_up_proj' selective recompute repeats in backward."""
+        query = self._rotated_query(q_latent, cos, sin)
+        k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(2), (cos, sin), self.config.rotary_interleaved)
+        key, value = self._keys_values(latent, k_pe.squeeze(2))
+        return query, key, value
+
+    def _packed_up_projections(self, q_latent, latent, k_pe, cos, sin) -> torch.Tensor:
+        """:meth:`_up_projections` concatenated on the last dimension [s, b, n/TP, 2 dqk + v]."""
+        return torch.cat(self._up_projections(q_latent, latent, k_pe, cos, sin), dim=-1)
 
     def _latents(self, hidden_states: torch.Tensor):
         """(normalized kv latent, un-rotated k_pe [s, b, p]); the latent is the local sequence
@@ -240,19 +263,29 @@ class MLASelfAttention(MegatronModule):
         if rotary_pos_emb is not None:
             raise ValueError("multi-latent attention computes its own rotary embedding")
         cfg = self.config
-        query = self._queries(hidden_states)
-        s, b = query.shape[0], query.shape[1]
-        query = query.view(s, b, self.num_attention_heads_per_partition, self.q_head_dim)
+        q_latent = self._query_latent(hidden_states)
         latent, k_pe = self._latents(hidden_states)
-        rotary = self._rotary_tables(s, query.dtype, query.device, inference_context)
-        q_nope, q_pe = torch.split(query, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        interleaved = cfg.rotary_interleaved
-        q_pe = apply_rotary_pos_emb(q_pe, rotary, interleaved)
-        query = torch.cat([q_nope, q_pe], dim=-1)
-        k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(2), rotary, interleaved).squeeze(2)
+        s = k_pe.shape[0]  # the full sequence of this rank (also under sequence parallelism)
+        cos, sin = self._rotary_tables(s, k_pe.dtype, k_pe.device, inference_context)
 
         mask_type = None
-        if inference_context is not None:
+        up_proj_checkpoint = None
+        if inference_context is None and self.recompute_up_proj and self.training:
+            # Megatron's output-discarding checkpoint: query, key and value (one packed tensor,
+            # so that one storage is freed) are dropped once core attention has used them and
+            # recomputed from the latents when its output gradient arrives.
+            up_proj_checkpoint = CheckpointWithoutOutput()
+            packed = up_proj_checkpoint.checkpoint(
+                self._packed_up_projections, q_latent, latent, k_pe, cos, sin
+            )
+            dqk = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
+            query, key, value = torch.split(packed, [dqk, dqk, cfg.v_head_dim], dim=-1)
+        elif inference_context is None:
+            query, key, value = self._up_projections(q_latent, latent, k_pe, cos, sin)
+        else:
+            query = self._rotated_query(q_latent, cos, sin)
+            k_pe = apply_rotary_pos_emb(k_pe.unsqueeze(2), (cos, sin), cfg.rotary_interleaved)
+            k_pe = k_pe.squeeze(2)
             if attention_mask is not None:
                 raise ValueError("the KV cache (inference_context) builds its own attention mask")
             attention_mask = inference_context.attention_mask(s, query.device)
@@ -264,12 +297,12 @@ class MLASelfAttention(MegatronModule):
                 key, value = inference_context.append_key_value(self.layer_number, key, value)
             if attention_mask is None and key.shape[0] != s:
                 mask_type = AttnMaskType.no_mask  # one new token sees every cached one
-        else:
-            key, value = self._keys_values(latent, k_pe)
         if self.recompute_core_attention and self.training:
             context = recompute(cfg, self.core_attention, query, key, value, attention_mask)
         else:
             context = self.core_attention(
                 query, key, value, attention_mask, attn_mask_type=mask_type
             )
+        if up_proj_checkpoint is not None:
+            up_proj_checkpoint.discard_output_and_register_recompute(context)
         return self.linear_proj(context)

@@ -40,7 +40,15 @@ _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _RECOMPUTE_GRANULARITIES = ("full", "selective")
 _RECOMPUTE_METHODS = ("uniform", "block")
 # Submodules that selective recompute can checkpoint in this implementation.
-SUPPORTED_RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+SUPPORTED_RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
 
 
 @dataclass
@@ -570,6 +578,11 @@ class TransformerConfig(ModelParallelConfig, MoEConfig, UnsupportedFeatureFields
                 raise ValueError(
                     f"recompute_modules {unsupported} are not supported (--recompute-modules); "
                     f"supported: {list(SUPPORTED_RECOMPUTE_MODULES)}"
+                )
+            if "mla_up_proj" in modules and not self.multi_latent_attention:
+                raise ValueError(
+                    "recompute_modules 'mla_up_proj' (--recompute-modules) needs "
+                    "multi_latent_attention (--multi-latent-attention)"
                 )
         if self.distribute_saved_activations and self.sequence_parallel:
             raise ValueError(

@@ -106,7 +106,10 @@ class TransformerLayer(MegatronModule):
             config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
         )
         selective = config.recompute_granularity == "selective"
-        self.recompute_mlp = selective and "mlp" in modules
+        # 'mlp' checkpoints a dense MLP only; a MoE layer has 'moe', 'moe_act' and
+        # 'shared_experts' (megatron-core's rule).
+        is_moe = getattr(self.mlp, "router", None) is not None
+        self.recompute_mlp = selective and "mlp" in modules and not is_moe
         # 'layernorm': the norms' outputs are freed once used and recomputed in backward.
         self.recompute_norms = selective and "layernorm" in modules
         if config.compile_transformer_layers:

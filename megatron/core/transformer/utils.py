@@ -78,6 +78,15 @@ def recompute(config, function, *args, tp_group=None, distribute_saved_activatio
     )
 
 
+def selectively_recomputed(config, module: str) -> bool:
+    """Whether selective recompute (``--recompute-granularity selective``) checkpoints
+    ``module`` (one of ``--recompute-modules``; megatron-core's default list is core_attn)."""
+    if config.recompute_granularity != "selective":
+        return False
+    modules = config.recompute_modules if config.recompute_modules is not None else ["core_attn"]
+    return module in modules
+
+
 def rng_tracker_of(config):
     """The RNG tracker the layers of ``config`` draw model-parallel dropout from:
     ``config.rng_tracker`` when set, else the current one that ``model_parallel_cuda_manual_seed``

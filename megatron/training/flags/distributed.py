@@ -43,7 +43,10 @@ class DistributedFlags:
         honoured_at="TransformerConfig.num_layers_in_last_pipeline_stage",
     )
     pipeline_model_parallel_layout: Optional[str] = flag(
-        None, 'Custom pipeline layout, e.g. "E|(t|)*3,m|m||L".'
+        None,
+        'Layers of each pipeline (and virtual) stage, e.g. "Et|(tt|)*3,m|L": E embedding, '
+        "t transformer layer, m MTP layer, L loss; sets the virtual pipeline size.",
+        honoured_at="TransformerConfig.pipeline_model_parallel_layout (layer_split.py)",
     )
     model_parallel_size: Optional[int] = flag(
         None,

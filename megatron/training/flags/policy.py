@@ -379,20 +379,19 @@ refused(
     f"activation offloading is {_NYI}",
     """
     cpu_offloading_num_layers cpu_offloading_retain_pinned_cpu_buffers
-    fine_grained_activation_offloading offload_modules min_offloaded_tensor_size
     delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks
     activation_offload_fraction fine_grained_offloading_max_inflight_offloads
     """,
 )
-refused(
-    "recomputing these modules is " + _NYI + " (core_attn, mlp and layernorm are built)",
-    "recompute_modules",
-    given=lambda value, args: bool(set(value or ()) - {"core_attn", "mlp", "layernorm"}),
+no_effect(
+    "moves the saved activations of the chosen modules to host memory in forward and back in "
+    "backward (GPU memory only); the same activations stay where they are here",
+    "fine_grained_activation_offloading offload_modules min_offloaded_tensor_size",
 )
 refused(
     f"this parallel layout is {_NYI}",
     """
-    pipeline_model_parallel_layout max_seqlen_per_dp_cp_rank
+    max_seqlen_per_dp_cp_rank
     hybrid_context_parallel tensor_parallel_num_weight_shards outer_dp_sharding_strategy
     enable_full_sharding_in_hsdp gtp_remat_reduce_scatter_with_fp32_accumulation
     gtp_remat_nccl_ub gtp_expert_remat_nccl_ub gtp_remat_opt_in_modules fake_process_group

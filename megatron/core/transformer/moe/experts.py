@@ -27,6 +27,8 @@ from megatron.core.tensor_parallel import layers
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes, shard_of
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.parameters import new_constant_param, param_device
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput
+from megatron.core.transformer.utils import selectively_recomputed
 
 
 class _ExpertLinear(torch.nn.Module):
@@ -74,6 +76,7 @@ class SequentialMLP(torch.nn.Module):
                 f"--expert-tensor-parallel-size ({self.etp_size})"
             )
         self.activation_func = config.activation_func
+        self.recompute_activation = selectively_recomputed(config, "moe_act")
         if (
             config.bias_activation_fusion
             and config.add_bias_linear
@@ -115,6 +118,17 @@ class SequentialMLP(torch.nn.Module):
                 )
         return _Expert(fc1, fc2)
 
+    def _fc2_of_activation(self, intermediate: torch.Tensor, fc2):
+        """``fc2(activation(intermediate))``; with 'moe_act' selective recompute the
+        activation's output is freed once fc2 has used it and recomputed in backward (when fc2's
+        output gradient arrives, before fc2's backward needs it)."""
+        if not (self.recompute_activation and self.training and torch.is_grad_enabled()):
+            return fc2(self._activation(intermediate))
+        act_checkpoint = CheckpointWithoutOutput()
+        output = fc2(act_checkpoint.checkpoint(self._activation, intermediate))
+        act_checkpoint.discard_output_and_register_recompute(output)
+        return output
+
     def _activation(self, intermediate: torch.Tensor) -> torch.Tensor:
         if self.gated:
             gate, up = torch.chunk(intermediate, 2, dim=-1)
@@ -141,9 +155,10 @@ class SequentialMLP(torch.nn.Module):
         outputs = []
         for expert, chunk in zip(self.local_experts, torch.split(tokens, tokens_per_expert)):
             hidden = layers.linear(chunk, expert.linear_fc1.weight, expert.linear_fc1.bias, fuse)
+            fc2_weight, fc2_bias = expert.linear_fc2.weight, self._fc2_bias(expert)
             outputs.append(
-                layers.linear(
-                    self._activation(hidden), expert.linear_fc2.weight, self._fc2_bias(expert), fuse
+                self._fc2_of_activation(
+                    hidden, lambda act: layers.linear(act, fc2_weight, fc2_bias, fuse)
                 )
             )
         if not outputs:
@@ -158,7 +173,9 @@ class SequentialMLP(torch.nn.Module):
             hidden = hidden + _per_row(
                 [e.linear_fc1.bias for e in self.local_experts], tokens_per_expert
             )
-        out = grouped_linear(self._activation(hidden), fc2_w, tokens_per_expert)
+        out = self._fc2_of_activation(
+            hidden, lambda act: grouped_linear(act, fc2_w, tokens_per_expert)
+        )
         if self.config.add_bias_linear:
             out = out + _per_row([self._fc2_bias(e) for e in self.local_experts], tokens_per_expert)
         return out

@@ -19,7 +19,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAllGatherTokenDispatcher,
     MoEAlltoAllTokenDispatcher,
 )
-from megatron.core.transformer.utils import recompute
+from megatron.core.transformer.utils import recompute, selectively_recomputed
 
 
 def _tp_cp_group(pgs):
@@ -56,7 +56,10 @@ class MoELayer(MegatronModule):
             if config.moe_shared_expert_intermediate_size
             else None
         )
-        self.recompute_layer = bool(config.moe_layer_recompute)
+        self.recompute_layer = bool(config.moe_layer_recompute) or selectively_recomputed(
+            config, "moe"
+        )
+        self.recompute_shared = selectively_recomputed(config, "shared_experts")
 
     def _routed(self, hidden_states: torch.Tensor) -> torch.Tensor:
         seq, batch, hidden = hidden_states.shape
@@ -68,7 +71,11 @@ class MoELayer(MegatronModule):
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         output = self._routed(hidden_states)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_states)
+            if self.recompute_shared and self.training and not self.recompute_layer:
+                shared = recompute(self.config, self.shared_experts, hidden_states)
+            else:
+                shared = self.shared_experts(hidden_states)
+            output = output + shared
         return output
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -43,6 +43,7 @@ RULES = (
     checkpoint.validate_checkpointing,
     schedule.validate_schedule,
     recompute.validate_recompute,
+    recompute.validate_activation_offloading,
     data.validate_data,
     monitoring.validate_logging,
     layer.validate_layer,

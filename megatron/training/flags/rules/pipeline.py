@@ -63,7 +63,9 @@ def validate_pipeline(args):
             f"pipeline-rank must be > 0 (got {args.num_virtual_stages_per_pipeline_rank})",
         )
         args.virtual_pipeline_model_parallel_size = args.num_virtual_stages_per_pipeline_rank
-    elif args.pipeline_model_parallel_layout is None:
+    elif args.pipeline_model_parallel_layout is not None:
+        _validate_layout(args, pp, uneven)
+    else:
         if uneven:
             _validate_uneven_pipeline(args, pp)
         else:
@@ -72,7 +74,6 @@ def validate_pipeline(args):
                 f"number of layers ({described} = {layers}) is not "
                 f"divisible by --pipeline-model-parallel-size ({pp})",
             )
-    # The layout string is not parsed here: custom layouts are rejected as not supported yet.
     if args.virtual_pipeline_model_parallel_size == 1:
         args.virtual_pipeline_model_parallel_size = None
 
@@ -99,9 +100,40 @@ def validate_pipeline(args):
             )
         args.overlap_p2p_comm = False
         args.align_param_gather = False
-    if args.pipeline_model_parallel_layout is None:
-        _validate_layer_split(args)
+    _validate_layer_split(args)
     _validate_moe_overlap(args)
+
+
+def _validate_layout(args, pp, uneven):
+    """--pipeline-model-parallel-layout: parsed and checked as megatron-core does; its stage
+    count sets the virtual pipeline size."""
+    from megatron.core.pipeline_parallel.layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    flag = "--pipeline-model-parallel-layout"
+    check(
+        not uneven,
+        f"{flag} cannot be combined with --decoder-first/last-pipeline-num-layers",
+    )
+    check(
+        not (
+            args.account_for_embedding_in_pipeline_split or args.account_for_loss_in_pipeline_split
+        ),
+        f"{flag} cannot be combined with --account-for-embedding/loss-in-pipeline-split",
+    )
+    try:
+        layout = PipelineParallelLayerLayout(args.pipeline_model_parallel_layout, pp)
+        standalone_mtp = layout.validate_layer_layout(args.num_layers, args.mtp_num_layers)
+    except ValueError as exc:
+        check(False, str(exc))
+    check(
+        not standalone_mtp,
+        f"not supported yet: {flag} {args.pipeline_model_parallel_layout} (MTP layers on a "
+        "pipeline rank before the last, a standalone MTP stage, are not implemented yet; put "
+        "m in the last stage)",
+    )
+    args.virtual_pipeline_model_parallel_size = layout.virtual_pipeline_model_parallel_size
 
 
 def _validate_layer_split(args):
@@ -122,6 +154,7 @@ def _validate_layer_split(args):
             args.decoder_last_pipeline_num_layers,
             args.account_for_embedding_in_pipeline_split,
             args.account_for_loss_in_pipeline_split,
+            args.pipeline_model_parallel_layout,
         )
         if args.virtual_pipeline_model_parallel_size is not None and args.global_batch_size:
             check_interleaved_microbatches(
@@ -158,8 +191,7 @@ def _validate_uneven_pipeline(args, pp):
 def _validate_moe_overlap(args):
     """Megatron's rules for ``--overlap-moe-expert-parallel-comm`` and ``--delay-wgrad-compute``
     (TransformerConfig's), once the virtual pipeline size is settled. The overlap itself changes
-    speed only (the flag policy's note says so). Megatron's limit of one multi-token-prediction
-    layer is moot: --mtp-num-layers is refused here."""
+    speed only (the flag policy's note says so)."""
     if args.delay_wgrad_compute:
         check(
             args.overlap_moe_expert_parallel_comm,
@@ -189,6 +221,10 @@ def _validate_moe_overlap(args):
         args.recompute_num_layers is None, f"{flag} cannot be combined with --recompute-num-layers"
     )
     check(args.bf16 or args.fp16, f"{flag} needs --bf16 or --fp16")
+    check(
+        (args.mtp_num_layers or 0) <= 1,
+        f"{flag} takes at most one MTP layer (--mtp-num-layers {args.mtp_num_layers})",
+    )
     check(
         not args.moe_shared_expert_overlap,
         f"{flag} cannot be combined with --moe-shared-expert-overlap",

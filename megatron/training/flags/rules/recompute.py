@@ -13,6 +13,46 @@ _RECOMPUTE_MODULES = (
 )
 
 
+# Modules whose inputs fine-grained activation offloading can move to host memory
+# (megatron-core's TransformerConfig).
+_OFFLOAD_MODULES = (
+    "attn_norm",
+    "qkv_linear",
+    "core_attn",
+    "attn_proj",
+    "mlp_norm",
+    "expert_fc1",
+    "moe_act",
+)
+
+
+def validate_activation_offloading(args):
+    """Megatron's rules for --fine-grained-activation-offloading (which moves memory only, so
+    the flag policy names it as without effect here)."""
+    if not args.fine_grained_activation_offloading:
+        return
+    check(
+        not args.cpu_offloading_num_layers,
+        "--fine-grained-activation-offloading cannot be combined with --cpu-offloading-num-layers",
+    )
+    modules = list(args.offload_modules or ())
+    for module in modules:
+        check(
+            module in _OFFLOAD_MODULES,
+            f"--offload-modules: unknown module {module!r} "
+            f"(choose from {', '.join(_OFFLOAD_MODULES)})",
+        )
+    check(
+        "attn_proj" not in modules or "core_attn" in modules,
+        "--offload-modules attn_proj needs core_attn too (the input of attn_proj is the output "
+        "of core_attn, which core_attn's backward needs)",
+    )
+    check(
+        args.min_offloaded_tensor_size >= 0,
+        f"--min-offloaded-tensor-size must be >= 0 (got {args.min_offloaded_tensor_size})",
+    )
+
+
 def validate_recompute(args):
     granularity, method = args.recompute_granularity, args.recompute_method
     if args.distribute_saved_activations:
@@ -62,3 +102,7 @@ def validate_recompute(args):
             f"--recompute-modules: unknown module {module!r} "
             f"(choose from {', '.join(_RECOMPUTE_MODULES)})",
         )
+    check(
+        "mla_up_proj" not in (args.recompute_modules or ()) or args.multi_latent_attention,
+        "--recompute-modules mla_up_proj needs --multi-latent-attention",
+    )

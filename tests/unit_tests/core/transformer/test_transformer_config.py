@@ -100,7 +100,7 @@ def test_query_key_layer_scaling_forces_fp32_softmax():
         (dict(recompute_granularity="full"), "--recompute-method"),
         (dict(recompute_granularity="full", recompute_method="uniform"), "--recompute-num-layers"),
         (dict(recompute_granularity="selective", recompute_method="block"), "--recompute-method"),
-        (dict(recompute_granularity="selective", recompute_modules=["moe"]), "--recompute-modules"),
+        (dict(recompute_granularity="selective", recompute_modules=["mla"]), "--recompute-modules"),
     ],
 )
 def test_validation_errors_name_the_flag(kwargs, match):
@@ -120,11 +120,13 @@ def test_recompute_settings_at_the_edge_of_the_rules():
         cfg(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0)
     c = cfg(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     assert (c.recompute_method, c.recompute_num_layers) == ("uniform", 1)
-    # Selective recompute takes exactly the modules this implementation can checkpoint.
-    c = cfg(recompute_granularity="selective", recompute_modules=["core_attn", "layernorm", "mlp"])
-    assert c.recompute_modules == ["core_attn", "layernorm", "mlp"]
-    with pytest.raises(ValueError, match=r"recompute_modules \['moe_act'\] are not supported"):
-        cfg(recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"])
+    # Selective recompute takes megatron-core's modules (mla_up_proj needs MLA: see
+    # test_recompute_modules.py) and nothing else.
+    modules = ["core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts"]
+    c = cfg(recompute_granularity="selective", recompute_modules=modules)
+    assert c.recompute_modules == modules
+    with pytest.raises(ValueError, match=r"recompute_modules \['attn'\] are not supported"):
+        cfg(recompute_granularity="selective", recompute_modules=["core_attn", "attn"])
 
 
 @pytest.mark.parametrize(

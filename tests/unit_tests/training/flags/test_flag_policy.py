@@ -92,7 +92,6 @@ SPECIAL_VALUES = {
     "rope_type": ["--rope-type", "yarn"],
     "dataloader_type": ["--dataloader-type", "external"],
     "tokenizer_type": ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "t.json"],
-    "recompute_modules": ["--recompute-activations", "--recompute-modules", "moe_act"],
     "rerun_mode": ["--rerun-mode", "report_stats"],
     "mrope_section": ["--mrope-section", "2", "2"],
     "expert_tensor_parallel_size": ["--expert-tensor-parallel-size", "2"],

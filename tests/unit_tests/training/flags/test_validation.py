@@ -176,6 +176,25 @@ CASES = [
         world_size=2,
     ),
     case(
+        "ep_overlap_one_mtp_layer",
+        [
+            "--overlap-moe-expert-parallel-comm",
+            "--num-experts",
+            4,
+            "--expert-model-parallel-size",
+            2,
+            "--moe-token-dispatcher-type",
+            "alltoall",
+            "--bf16",
+            "--mtp-num-layers",
+            2,
+            "--position-embedding-type",
+            "rope",
+        ],
+        ["--overlap-moe-expert-parallel-comm takes at most one MTP layer", "--mtp-num-layers 2"],
+        world_size=2,
+    ),
+    case(
         "ep_overlap_no_full_recompute",
         [
             "--overlap-moe-expert-parallel-comm",
@@ -1016,9 +1035,79 @@ CASES = [
         ["--recompute-method/--recompute-num-layers need --recompute-granularity full"],
     ),
     case(
+        "layout_characters",
+        ["--pipeline-model-parallel-size", 2, "--pipeline-model-parallel-layout", "Et|tx|ttL"],
+        ["--pipeline-model-parallel-layout 'Et|tx|ttL': unknown layer character 'x'"],
+        world_size=2,
+    ),
+    case(
+        "layout_stages_per_rank",
+        ["--pipeline-model-parallel-size", 2, "--pipeline-model-parallel-layout", "Et|t|ttL"],
+        ["--pipeline-model-parallel-layout 'Et|t|ttL' has 3 stages", "(2)"],
+        world_size=2,
+    ),
+    case(
+        "layout_layer_count",
+        ["--pipeline-model-parallel-size", 2, "--pipeline-model-parallel-layout", "E(t)*2|tL"],
+        ["holds 3 transformer layers (t), --num-layers is 4"],
+        world_size=2,
+    ),
+    case(
+        "layout_embedding_first",
+        ["--pipeline-model-parallel-size", 2, "--pipeline-model-parallel-layout", "tEt|ttL"],
+        ["'tEt|ttL': the first layer must be the embedding E"],
+        world_size=2,
+    ),
+    case(
+        "layout_not_with_uneven_split",
+        ["--pipeline-model-parallel-size", 2, "--pipeline-model-parallel-layout", "Ett|ttL"]
+        + ["--decoder-first-pipeline-num-layers", 2],
+        ["--pipeline-model-parallel-layout cannot be combined with --decoder-first"],
+        world_size=2,
+    ),
+    case(
+        "layout_not_with_accounting",
+        ["--pipeline-model-parallel-size", 2, "--pipeline-model-parallel-layout", "Ett|ttL"]
+        + ["--account-for-loss-in-pipeline-split"],
+        ["--pipeline-model-parallel-layout cannot be combined with --account-for"],
+        world_size=2,
+    ),
+    case(
+        "layout_standalone_mtp",
+        ["--pipeline-model-parallel-size", 2, "--pipeline-model-parallel-layout", "Ett|tt|m|L"]
+        + ["--mtp-num-layers", 1, "--position-embedding-type", "rope"],
+        ["not supported yet: --pipeline-model-parallel-layout", "standalone MTP stage"],
+        world_size=2,
+    ),
+    case(
         "known_recompute_modules",
         ["--recompute-modules", "attention"],
         ["--recompute-modules: unknown module 'attention'", "core_attn"],
+    ),
+    case(
+        "mla_up_proj_needs_mla",
+        ["--recompute-activations", "--recompute-modules", "mla_up_proj"],
+        ["--recompute-modules mla_up_proj needs --multi-latent-attention"],
+    ),
+    case(
+        "offload_modules_known",
+        ["--fine-grained-activation-offloading", "--offload-modules", "core_attn", "mlp"],
+        ["--offload-modules: unknown module 'mlp'", "attn_norm"],
+    ),
+    case(
+        "offload_attn_proj_needs_core_attn",
+        ["--fine-grained-activation-offloading", "--offload-modules", "attn_proj"],
+        ["--offload-modules attn_proj needs core_attn"],
+    ),
+    case(
+        "offload_not_with_cpu_offloading",
+        ["--fine-grained-activation-offloading", "--cpu-offloading-num-layers", 1],
+        ["--fine-grained-activation-offloading cannot be combined with --cpu-offloading"],
+    ),
+    case(
+        "offload_min_size",
+        ["--fine-grained-activation-offloading", "--min-offloaded-tensor-size", -1],
+        ["--min-offloaded-tensor-size must be >= 0 (got -1)"],
     ),
     # ------------------------------------------------------------ data and tokenizer
     case(
