@@ -18,8 +18,9 @@ around the convolution and the scan, as Megatron's). Every rank draws the full (
 parameters from the layer's generator and keeps its shard, so any TP layout starts from the
 one-process weights.
 
-The ``mamba_ssm`` / ``causal_conv1d`` kernels are not used: the scan is :mod:`.ssd`'s (the
-chunked SSD form for a sequence, the recurrence for single-token decode steps).
+The scan and the convolution use the ``mamba_ssm`` / ``causal_conv1d`` kernels when those are
+installed and the tensors are on CUDA, and :mod:`.ssd`'s PyTorch code otherwise (see
+:mod:`.optional_kernels`); single-token decode steps use the recurrence.
 """
 
 import math
@@ -38,7 +39,8 @@ from megatron.core.tensor_parallel.process_groups import resolve_pg_collection
 from megatron.core.transformer.module import MegatronModule
 
 from .mamba_context_parallel import MambaContextParallel
-from .ssd import causal_depthwise_conv1d, gated_rms_norm, ssd_chunked, ssd_recurrent
+from .optional_kernels import causal_conv1d_silu, chunk_scan
+from .ssd import gated_rms_norm, ssd_recurrent
 
 
 @dataclass
@@ -286,13 +288,12 @@ class MambaMixer(MegatronModule):
         conv_history, ssm_state = self._cached_states(inference_context, b)
 
         xbc_t = xbc.transpose(1, 2)  # [b, conv_dim, L]
-        conv = causal_depthwise_conv1d(
+        xbc = causal_conv1d_silu(
             xbc_t,
             cp.conv_slice(self.conv1d.weight),
             cp.conv_slice(self.conv1d.bias),
             history=conv_history,
-        )
-        xbc = F.silu(conv).transpose(1, 2)
+        ).transpose(1, 2)
         x, B, C = torch.split(xbc, [cp.d_inner, gn, gn], dim=-1)
         x = x.reshape(b, length, cp.nheads, self.headdim)
         B = B.reshape(b, length, cp.ngroups, self.d_state)
@@ -303,9 +304,7 @@ class MambaMixer(MegatronModule):
         if ssm_state is not None and length == 1:
             y, final_state = ssd_recurrent(x, dt, A, B, C, D, initial_state=ssm_state)
         else:
-            y, final_state = ssd_chunked(
-                x, dt, A, B, C, self.chunk_size, D, initial_state=ssm_state
-            )
+            y, final_state = chunk_scan(x, dt, A, B, C, self.chunk_size, D, initial_state=ssm_state)
         if inference_context is not None:
             self._store_states(inference_context, xbc_t, conv_history, final_state)
         y = cp.to_sequence_sharded(y.reshape(b, length, cp.d_inner).transpose(0, 1))

@@ -1,5 +1,6 @@
 """Mamba-2's state-space-duality (SSD) scan, its short causal convolution and its gated RMSNorm,
-in plain PyTorch (the ``mamba_ssm`` / ``causal_conv1d`` kernels are optional and not needed).
+in plain PyTorch: what runs on CPU, and on CUDA where the ``mamba_ssm`` / ``causal_conv1d``
+kernels are not installed (:mod:`.optional_kernels` chooses).
 
 The SSM of one head h with state size n, per time step t (``dt`` after softplus and bias)::
 
