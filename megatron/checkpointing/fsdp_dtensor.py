@@ -133,7 +133,9 @@ def requests(metadata, wanted) -> dict:
         if isinstance(item, BytesStorageMetadata):
             out[key] = dc.PlainObject(key, None, read_back=True)
         else:
-            empty = torch.empty(tuple(item.size), dtype=item.properties.dtype)  # host: whole
+            # host: the whole tensor is read into a CPU buffer, then each rank takes its part
+            shape, dtype = tuple(item.size), item.properties.dtype
+            empty = torch.empty(shape, dtype=dtype, device="cpu")  # host: read whole, then split
             out[key] = dc.replicated(key, empty)
     return out
 

@@ -121,14 +121,15 @@ def test_an_exception_in_one_rank_ends_the_job(tmp_path, case):
 
 
 SLOW_ASYNC_WRITER = textwrap.dedent("""
-    import megatron.core.dist_checkpointing.async_save as async_save
-    _real_save = async_save.save_shards
+    import megatron.core.dist_checkpointing.serialization as serialization
+    _real_save = serialization.save_shards
 
     def _slow_save(*args, **kwargs):
         time.sleep(120)  # still writing when the failure strikes
         return _real_save(*args, **kwargs)
 
-    async_save.save_shards = _slow_save
+    # AsyncSave looks save_shards up in serialization when a save starts.
+    serialization.save_shards = _slow_save
 """)
 
 

@@ -1210,7 +1210,6 @@ def test_checkpoint_formats(capsys):
 @pytest.mark.parametrize(
     "extra, flag",
     [
-        (["--recompute-activations", "--recompute-modules", "moe"], "--recompute-modules moe"),
         (["--moe-use-upcycling"], "--moe-use-upcycling"),
         (["--yarn-beta-fast", 16], "--yarn-beta-fast 16.0"),
         (["--fp8-format", "hybrid", "--bf16"], "--fp8-format hybrid"),
