@@ -495,18 +495,7 @@ def load_checkpoint_dist(
             optimizer, state, directory, dcp_metadata, ckpt_args, common
         )
     if load_optim:
-        if "optimizer" not in common:
-            raise CheckpointError(
-                f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim?); "
-                "pass --no-load-optim or --finetune"
-            )
-        try:
-            step = load_optimizer_common_state(optimizer, common["optimizer"])
-        except dc.UnreadableOptimizerState as exc:
-            raise CheckpointError(
-                f"checkpoint {directory}: {exc}, which this code base cannot read; pass "
-                "--no-load-optim or --finetune to load the model only"
-            ) from None
+        step = load_optimizer_common(optimizer, common, directory)
         if step > 0:
             optim_load = dc.OptimizerLoad(
                 optimizer, by_param, lambda key: key in ckpt_keys, step, bucket_state=bucket_state
@@ -803,3 +792,21 @@ def _restore_rng(common: dict, state, num_chunks: int, tracker) -> None:
     )
     if chosen is not None:
         set_rng_state(chosen, tracker)
+
+
+def load_optimizer_common(optimizer, common: dict, directory) -> int:
+    """Restore the optimizer's common (unsharded) state from a checkpoint's common dict; its step
+    (0: no per-parameter state saved). One line naming the checkpoint when it has none or holds
+    a state this code base cannot read."""
+    if "optimizer" not in common:
+        raise CheckpointError(
+            f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim?); "
+            "pass --no-load-optim or --finetune"
+        )
+    try:
+        return load_optimizer_common_state(optimizer, common["optimizer"])
+    except dc.UnreadableOptimizerState as exc:
+        raise CheckpointError(
+            f"checkpoint {directory}: {exc}, which this code base cannot read; pass "
+            "--no-load-optim or --finetune to load the model only"
+        ) from None

@@ -65,15 +65,17 @@ from megatron.checkpointing.layout import (
 )
 from megatron.checkpointing.saved_args import check_model_args, checkpoint_args
 from megatron.core import dist_checkpointing as dc
-from megatron.core.dist_checkpointing.optimizer_state import (
-    is_distributed,
-    load_optimizer_common_state,
-)
+from megatron.core.dist_checkpointing.optimizer_state import is_distributed
 
 from . import checkpoint_rng_state
 from .checkpoint_integrity import integrity_digests, seal
 from .checkpointing_common import barrier, print_saved_checkpoint, set_rng_state
-from .checkpointing_dist import TMP_SUFFIX, _merged_optimizer_common, _sharded_model
+from .checkpointing_dist import (
+    TMP_SUFFIX,
+    _merged_optimizer_common,
+    _sharded_model,
+    load_optimizer_common,
+)
 from .run import Run
 from .utils import get_rank, print_rank_0
 
@@ -269,18 +271,7 @@ def load_checkpoint_fsdp_dtensor(
     load_optim = not finetune and load_optim and optimizer is not None
     optim_load, master_targets = None, {}
     if load_optim:
-        if "optimizer" not in common:
-            raise CheckpointError(
-                f"checkpoint {directory} holds no optimizer state (saved with --no-save-optim?); "
-                "pass --no-load-optim or --finetune"
-            )
-        try:
-            step = load_optimizer_common_state(optimizer, common["optimizer"])
-        except dc.UnreadableOptimizerState as exc:
-            raise CheckpointError(
-                f"checkpoint {directory}: {exc}, which this code base cannot read; pass "
-                "--no-load-optim or --finetune to load the model only"
-            ) from None
+        step = load_optimizer_common(optimizer, common, directory)
         if step > 0:
             optim_load = dc.OptimizerLoad(optimizer, by_param, _has_state(ckpt_keys), step)
             for entry in optim_load.targets.values():
